@@ -1,0 +1,31 @@
+"""jaxcomp: gradient compression for data-parallel JAX.
+
+Compressors are optax ``GradientTransformation``\\ s that exchange packed payloads
+through ``jax.shard_map``/``jax.pmap`` collectives, with explicit error-feedback state.
+"""
+
+from jaxcomp import codecs
+from jaxcomp._src.transforms import CompressState
+from jaxcomp._src.transforms import compress
+from jaxcomp._src.transforms import default_filter
+from jaxcomp._src.transforms import onebit_sgd
+from jaxcomp._src.transforms import per_device_state
+from jaxcomp._src.transforms import qsgd
+from jaxcomp._src.wire import CollectiveOp
+from jaxcomp._src.wire import WireReport
+from jaxcomp._src.wire import wire_report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveOp",
+    "CompressState",
+    "WireReport",
+    "codecs",
+    "compress",
+    "default_filter",
+    "onebit_sgd",
+    "per_device_state",
+    "qsgd",
+    "wire_report",
+]

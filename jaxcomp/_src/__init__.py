@@ -1,0 +1,1 @@
+"""Private implementation of jaxcomp; import from :mod:`jaxcomp` instead."""

@@ -1,0 +1,373 @@
+"""Codecs: pure encode/decode pairs whose payloads are what crosses the wire.
+
+A codec is an immutable, hashable object (so it can be a static argument under
+``jax.jit``). ``codec.encode(x, key=key)`` returns a :class:`Payload`: a pytree of
+fixed-shape arrays (bits packed into uint32 words, scales in float32) plus the static
+shape and dtype of ``x``. Its arrays are exactly what a collective moves, so
+``codec.wire_bits(shape)`` is computed from their ``nbytes``, never from a formula.
+``codec.decode(payload)`` inverts it; it is pure and also runs under ``jax.vmap`` on a
+stacked payload (the result of ``lax.all_gather``), and ``codec.decode_sum`` adds up a
+stacked payload in rank order without materialising the K decoded copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomp._src import bitpack
+
+Array = jax.Array
+_F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------- payload
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["arrays"],
+    meta_fields=["shape", "dtype"],
+)
+@dataclasses.dataclass(frozen=True)
+class Payload:
+  """What a codec sends: named fixed-shape arrays, plus the static shape/dtype of ``x``.
+
+  Attributes:
+    arrays: dict of arrays (the pytree leaves; these cross the collective).
+    shape: shape of the encoded tensor (static).
+    dtype: dtype of the encoded tensor (static); ``decode`` returns this dtype.
+  """
+
+  arrays: dict[str, Array]
+  shape: tuple[int, ...]
+  dtype: Any
+
+  @property
+  def nbytes(self) -> int:
+    """Total bytes of the payload's arrays (of one payload, or of a stacked one)."""
+    return int(sum(a.size * np.dtype(a.dtype).itemsize for a in self.arrays.values()))
+
+
+def payload_nbytes(payload: Any) -> int:
+  """Bytes of every array leaf in a payload pytree."""
+  return int(sum(a.size * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(payload)))
+
+
+# ----------------------------------------------------------------------------- base
+
+
+def _check_float(x: Any, what: str = "x") -> None:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"{what} must be a floating-point array (float32, bfloat16, float16), "
+        f"got dtype {dtype}")
+
+
+def _check_positive_int(value: Any, name: str, *, allow_none: bool = False) -> None:
+  if value is None and allow_none:
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _wire_bits(codec: "Codec", shape: tuple[int, ...], dtype: Any) -> int:
+  key = jax.random.key(0)
+  out = jax.eval_shape(lambda x: codec.encode(x, key=key), jax.ShapeDtypeStruct(shape, dtype))
+  return 8 * payload_nbytes(out)
+
+
+class Codec:
+  """Base class of all codecs. Subclasses are frozen dataclasses.
+
+  Subclasses implement ``encode`` and ``_decode_f32``; the base class supplies
+  ``decode``, ``decode_sum`` and ``wire_bits``.
+  """
+
+  #: Whether ``encode`` uses ``key`` (stochastic codecs raise without one).
+  needs_key: bool = False
+
+  @property
+  def alignment(self) -> int:
+    """Chunk lengths that keep buckets whole; the two-phase exchange rounds to it."""
+    return 32
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    raise NotImplementedError
+
+  def _decode_f32(self, payload: Payload) -> Array:
+    raise NotImplementedError
+
+  def decode(self, payload: Payload, dtype: Any = None) -> Array:
+    """Decodes one payload to an array of the encoded shape and dtype.
+
+    Args:
+      payload: a payload from :meth:`encode` (under ``jax.vmap``, a stacked one).
+      dtype: optional output dtype; defaults to the dtype of the encoded array.
+    """
+    out = self._decode_f32(payload).reshape(payload.shape)
+    return out.astype(payload.dtype if dtype is None else dtype)
+
+  def decode_sum(self, stacked: Payload) -> Array:
+    """Sum of the decodings of a stacked payload (leading axis K), in float32.
+
+    The K payloads are decoded and added one at a time in index order (a ``lax.scan``),
+    the order of a ring/sequential ``psum``: only one decoded copy is live at a time, and
+    with :class:`Identity` the result equals ``lax.psum`` exactly on CPU.
+    """
+    def body(acc, p):
+      return acc + self.decode(p, _F32), None
+
+    # The first decoding seeds the carry, so the carry has the payload's sharding type
+    # (varying or not under shard_map's check_vma) without inspecting it.
+    first = self.decode(jax.tree.map(lambda a: a[0], stacked), _F32)
+    acc, _ = lax.scan(body, first, jax.tree.map(lambda a: a[1:], stacked))
+    return acc
+
+  def wire_bits(self, shape: tuple[int, ...], dtype: Any = jnp.float32) -> int:
+    """Bits of the payload of a tensor of ``shape``: 8 x the nbytes of its arrays."""
+    return _wire_bits(self, tuple(int(d) for d in shape), jnp.dtype(dtype))
+
+  def _require_key(self, key: Array | None) -> Array:
+    if key is None:
+      raise ValueError(f"{type(self).__name__}.encode is stochastic and needs key=...")
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.wrap_key_data(key)
+    return key
+
+
+def _buckets(n: int, bucket_size: int | None) -> tuple[int, int]:
+  """(bucket length, number of buckets) for a flat tensor of n values."""
+  b = max(n, 1) if bucket_size is None else min(bucket_size, max(n, 1))
+  return b, -(-n // b)
+
+
+def _to_buckets(flat: Array, b: int, nb: int) -> Array:
+  return jnp.pad(flat, (0, nb * b - flat.shape[0])).reshape(nb, b)
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity(Codec):
+  """Sends the tensor as it is (the dense baseline)."""
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    del key
+    _check_float(x)
+    return Payload({"values": x}, tuple(x.shape), jnp.dtype(x.dtype))
+
+  def _decode_f32(self, payload: Payload) -> Array:
+    return payload.arrays["values"].astype(_F32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast(Codec):
+  """Sends the tensor cast to a narrower float type (the peers' fp16/bf16 hooks).
+
+  For ``float16`` the tensor is first multiplied by a power of two
+  ``2**(15 - e)``, ``e = ceil(log2 max|x|)``, so that ``max|x|`` lands in
+  ``[2**14, 2**15)``: nothing overflows fp16's 65504 and small gradients keep their
+  precision instead of flushing to zero; the float32 scale travels with the payload and
+  is exact to undo. ``bfloat16`` has float32's range and is sent unscaled.
+
+  Args:
+    dtype: the wire dtype, ``jnp.bfloat16`` or ``jnp.float16`` (any float dtype works).
+  """
+
+  dtype: Any = jnp.bfloat16
+
+  def __post_init__(self):
+    dt = jnp.dtype(self.dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+      raise TypeError(f"Cast needs a floating dtype, got {self.dtype!r}")
+    object.__setattr__(self, "dtype", dt)
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    del key
+    _check_float(x)
+    arrays = {}
+    if self.dtype == jnp.float16:
+      xf = x.astype(_F32)
+      amax = jnp.max(jnp.abs(xf)) if x.size else jnp.zeros((), _F32)
+      _, e = jnp.frexp(amax)  # amax = m * 2**e, 0.5 <= m < 1
+      ok = jnp.isfinite(amax) & (amax > 0)
+      scale = jnp.where(ok, jnp.ldexp(jnp.ones((), _F32), 15 - e), jnp.ones((), _F32))
+      arrays["values"] = (xf * scale).astype(self.dtype)
+      arrays["scale"] = scale
+    else:
+      arrays["values"] = x.astype(self.dtype)
+    return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
+
+  def _decode_f32(self, payload: Payload) -> Array:
+    v = payload.arrays["values"].astype(_F32)
+    if "scale" in payload.arrays:
+      v = v / payload.arrays["scale"]
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class QSGD(Codec):
+  r"""QSGD stochastic quantization with ``levels`` levels per sign, bucketed.
+
+  For each bucket ``v`` (``bucket_size`` consecutive values of the flattened tensor,
+  the whole tensor when ``None``) with scale ``||v||`` (``norm="l2"``, the paper's
+  quantizer) or ``max_i |v_i|`` (``norm="max"``, the paper's practical variant):
+
+  .. math::
+    Q_s(v)_i = \|v\| \cdot \mathrm{sgn}(v_i) \cdot \xi_i / s, \qquad
+    \xi_i = \ell + \mathrm{Bernoulli}(|v_i| s / \|v\| - \ell), \;
+    \ell = \lfloor |v_i| s / \|v\| \rfloor,
+
+  and ``Q_s(0) = 0``. It is unbiased, and with the l2 norm (Lemma 3.1)
+  ``E||Q(v) - v||^2 <= min(n/s^2, sqrt(n)/s) ||v||^2`` and
+  ``E||Q(v)||_0 <= s (s + sqrt(n))``. With the max norm every decoded value is within
+  ``max|v| / s`` of its input.
+
+  Wire format: each value's magnitude ``xi`` (``ceil(log2(s+1))`` bits) and sign (1 bit)
+  packed into uint32 words (see :mod:`jaxcomp._src.bitpack`), plus one float32 scale per
+  bucket. Padding of the last bucket is not sent.
+
+  Args:
+    levels: ``s >= 1``, quantization levels per sign (``2**(bits-1) - 1`` for ``bits``).
+    bucket_size: values per bucket, or ``None`` for one bucket per tensor.
+    norm: ``"l2"`` or ``"max"``.
+
+  References:
+    Alistarh, Grubic, Li, Tomioka, Vojnovic. *QSGD: Communication-Efficient SGD via
+    Gradient Quantization and Encoding*. NeurIPS 2017. https://arxiv.org/abs/1610.02132
+  """
+
+  levels: int
+  bucket_size: int | None = None
+  norm: str = "l2"
+
+  needs_key = True
+
+  def __post_init__(self):
+    _check_positive_int(self.levels, "levels")
+    _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
+    if self.norm not in ("l2", "max"):
+      raise ValueError(f"norm must be 'l2' or 'max', got {self.norm!r}")
+
+  @property
+  def magnitude_bits(self) -> int:
+    return int(self.levels).bit_length()  # ceil(log2(levels + 1))
+
+  @property
+  def bits(self) -> int:
+    """Bits per value on the wire: magnitude plus sign."""
+    return self.magnitude_bits + 1
+
+  @property
+  def alignment(self) -> int:
+    return math.lcm(32, self.bucket_size or 32)
+
+  def scales(self, v: Array) -> Array:
+    """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array."""
+    if self.norm == "max":
+      return jnp.max(jnp.abs(v), axis=1)
+    return jnp.sqrt(jnp.sum(v * v, axis=1))
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    _check_float(x)
+    key = self._require_key(key)
+    n = x.size
+    b, nb = _buckets(n, self.bucket_size)
+    v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
+    scale = self.scales(v)
+    s = jnp.float32(self.levels)
+    inv = jnp.where(scale > 0, s / scale, jnp.zeros_like(scale))
+    r = jnp.abs(v) * inv[:, None]
+    low = jnp.floor(r)
+    u = jax.random.uniform(key, v.shape, _F32)
+    mag = jnp.minimum(low + (u < r - low).astype(_F32), s)
+    # Non-finite inputs: keep the codes in range; the scale carries the NaN/Inf.
+    mag = jnp.where(jnp.isfinite(mag), mag, jnp.zeros_like(mag)).astype(jnp.uint32)
+    sign = (v < 0).astype(jnp.uint32)
+    codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[:n]
+    words = bitpack.pack_bits(codes, self.bits)
+    return Payload({"words": words, "scales": scale}, tuple(x.shape), jnp.dtype(x.dtype))
+
+  def _decode_f32(self, payload: Payload) -> Array:
+    n = math.prod(payload.shape)
+    b, nb = _buckets(n, self.bucket_size)
+    codes = bitpack.unpack_bits(payload.arrays["words"], self.bits, n)
+    mask = jnp.uint32((1 << self.magnitude_bits) - 1)
+    mag = (codes & mask).astype(_F32)
+    neg = (codes >> self.magnitude_bits) != 0
+    q = _to_buckets(jnp.where(neg, -mag, mag), b, nb)
+    step = payload.arrays["scales"] / jnp.float32(self.levels)
+    return (q * step[:, None]).reshape(-1)[:n]
+
+
+@dataclasses.dataclass(frozen=True)
+class OneBit(Codec):
+  r"""1-bit quantization: a sign bit per value, two reconstruction values per bucket.
+
+  Within each bucket (``bucket_size`` consecutive values, the whole tensor when
+  ``None``), values ``>= 0`` decode to the mean of the bucket's non-negative values and
+  values ``< 0`` to the mean of its negative values, so the bucket's sum (and mean) is
+  preserved:
+
+  .. math::
+    Q(v)_i = \begin{cases} \mathrm{mean}\{v_j : v_j \ge 0\} & v_i \ge 0 \\
+                           \mathrm{mean}\{v_j : v_j < 0\} & v_i < 0 \end{cases}
+
+  It is deterministic and biased; use it with error feedback
+  (:func:`jaxcomp.onebit_sgd`), which carries ``v - Q(v)`` into the next step.
+
+  Wire format: signs packed 32 per uint32, plus two float32 per bucket.
+
+  Args:
+    bucket_size: values per bucket, or ``None`` for one bucket per tensor.
+
+  References:
+    Seide, Fu, Droppo, Li, Yu. *1-Bit Stochastic Gradient Descent and its Application
+    to Data-Parallel Distributed Training of Speech DNNs*. Interspeech 2014.
+  """
+
+  bucket_size: int | None = None
+
+  def __post_init__(self):
+    _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
+
+  @property
+  def alignment(self) -> int:
+    return math.lcm(32, self.bucket_size or 32)
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    del key
+    _check_float(x)
+    n = x.size
+    b, nb = _buckets(n, self.bucket_size)
+    v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
+    valid = (jnp.arange(nb * b) < n).reshape(nb, b)
+    neg = v < 0
+    pos = valid & ~neg
+
+    def mean(mask):
+      total = jnp.sum(jnp.where(mask, v, 0.0), axis=1)
+      count = jnp.sum(mask, axis=1, dtype=jnp.int32).astype(_F32)
+      return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
+
+    words = bitpack.pack_bits(neg.reshape(-1)[:n].astype(jnp.uint32), 1)
+    arrays = {"words": words, "pos": mean(pos), "neg": mean(valid & neg)}
+    return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
+
+  def _decode_f32(self, payload: Payload) -> Array:
+    n = math.prod(payload.shape)
+    b, nb = _buckets(n, self.bucket_size)
+    neg = _to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
+    out = jnp.where(neg, payload.arrays["neg"][:, None], payload.arrays["pos"][:, None])
+    return out.reshape(-1)[:n]

@@ -1,0 +1,116 @@
+"""Compressed exchanges of one tensor across a named axis (shard_map or pmap).
+
+Each function takes a float32 tensor already local to the device and returns the mean
+over the axis, identical on every device, together with what this device's own payloads
+decode to (for error feedback). All run under ``jax.shard_map`` (``check_vma=True``: the
+gathered results are marked invariant) and ``jax.pmap``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxcomp._src.codecs import Codec
+
+Array = jax.Array
+_F32 = jnp.float32
+
+# jax >= 0.10 marks an all_gather result as invariant across the axis with
+# ``to="invarying"``; shard_map's check_vma then accepts it as replicated.
+_ALL_GATHER_TO = (
+    {"to": "invarying"} if "to" in inspect.signature(lax.all_gather).parameters else {})
+
+
+def axis_size(axis_name) -> int:
+  """Size of a bound named axis, or a clear ``ValueError`` when it is not bound."""
+  try:
+    return int(lax.axis_size(axis_name))
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not bound here: call the transform inside "
+        f"jax.shard_map(..., mesh=...) over a mesh with that axis, or inside "
+        f"jax.pmap(..., axis_name={axis_name!r}); use axis_name=None to compress "
+        f"locally without a collective.") from e
+
+
+def all_gather_invariant(x: Array, axis_name) -> Array:
+  """``lax.all_gather`` whose result is replicated (invariant) over ``axis_name``."""
+  return lax.all_gather(x, axis_name, **_ALL_GATHER_TO)
+
+
+def gather_tree(tree, axis_name):
+  return jax.tree.map(lambda a: all_gather_invariant(a, axis_name), tree)
+
+
+class Exchanged(NamedTuple):
+  mean: Array         # the averaged tensor, float32, identical on all devices
+  sent: Array         # what this device's first-stage payload decodes to (float32)
+  chunk_residual: Array | None  # new second-stage residual (two-phase with EF)
+
+
+def local(codec: Codec, x: Array, key: Array) -> Exchanged:
+  """No collective: encode and decode on this device (single-device simulation)."""
+  sent = codec.decode(codec.encode(x, key=key), _F32)
+  return Exchanged(sent, sent, None)
+
+
+def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
+  """All-gather the payloads, decode all K, average. Traffic per device: (K-1)·B."""
+  k = axis_size(axis_name)
+  payload = codec.encode(x, key=key)
+  sent = codec.decode(payload, _F32)
+  total = codec.decode_sum(gather_tree(payload, axis_name))
+  return Exchanged(total / k, sent, None)
+
+
+def chunk_length(codec: Codec, n: int, k: int) -> int:
+  """Length of each of the K chunks of an n-vector: ceil(n/K) rounded to the alignment."""
+  a = codec.alignment
+  per_device = -(-n // k)
+  return max(a, -(-per_device // a) * a)
+
+
+def two_phase_mean(codec: Codec, x: Array, key: Array, axis_name, *,
+                   chunk_residual: Array | None = None) -> Exchanged:
+  """Scatter-reduce then all-gather on payloads (1-bit SGD §3.1, CGX, DeepSpeed).
+
+  The flattened tensor is cut into K chunks of equal (aligned) length. Each device
+  encodes its K chunks and sends chunk j to device j (``all_to_all``); device j decodes
+  the K payloads of its chunk, averages them, adds its second-stage residual (when
+  ``chunk_residual`` is given), re-encodes the average and ``all_gather``s it; every
+  device decodes the K averaged chunks. Per-device traffic is about
+  ``2 (K-1)/K · B(n)``, independent of K.
+  """
+  k = axis_size(axis_name)
+  n = x.size
+  c = chunk_length(codec, n, k)
+  chunks = jnp.pad(x.reshape(-1), (0, k * c - n)).reshape(k, c)
+  key1, key2 = jax.random.split(key)
+  payloads = jax.vmap(lambda v, kk: codec.encode(v, key=kk))(chunks, jax.random.split(key1, k))
+  sent = jax.vmap(lambda p: codec.decode(p, _F32))(payloads).reshape(-1)[:n]
+  received = jax.tree.map(
+      lambda a: lax.all_to_all(a, axis_name, split_axis=0, concat_axis=0), payloads)
+  avg = codec.decode_sum(received) / k
+  if chunk_residual is not None:
+    avg = avg + chunk_residual
+  mine = codec.encode(avg, key=key2)
+  new_residual = None
+  if chunk_residual is not None:
+    new_residual = avg - codec.decode(mine, _F32)
+    # A non-finite average must not poison the residual: keep the old one.
+    new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
+  gathered = gather_tree(mine, axis_name)
+  mean = jax.vmap(lambda p: codec.decode(p, _F32))(gathered).reshape(-1)[:n]
+  return Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual)
+
+
+def chunk_residual_shape(codec: Codec, n: int, k: int) -> tuple[int]:
+  return (chunk_length(codec, n, k),)
+
+
+COLLECTIVES = ("allgather", "two_phase")

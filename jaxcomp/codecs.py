@@ -1,0 +1,19 @@
+"""Codecs: what each compressed exchange encodes, sends and decodes.
+
+>>> import jax, jax.numpy as jnp, jaxcomp as jc
+>>> codec = jc.codecs.QSGD(levels=7, bucket_size=512, norm="max")
+>>> x = jnp.linspace(-1.0, 1.0, 1024)
+>>> payload = codec.encode(x, key=jax.random.key(0))
+>>> codec.decode(payload).shape, codec.wire_bits(x.shape)
+((1024,), 4160)
+"""
+
+from jaxcomp._src.codecs import Cast
+from jaxcomp._src.codecs import Codec
+from jaxcomp._src.codecs import Identity
+from jaxcomp._src.codecs import OneBit
+from jaxcomp._src.codecs import Payload
+from jaxcomp._src.codecs import QSGD
+from jaxcomp._src.codecs import payload_nbytes
+
+__all__ = ["Cast", "Codec", "Identity", "OneBit", "Payload", "QSGD", "payload_nbytes"]

@@ -1,0 +1,43 @@
+"""Shared helpers for the tests: an 8-device mesh and shard_map/pmap runners."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+AXIS = "batch"
+K = 8
+
+
+def mesh(k: int = K):
+  return jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:k])
+
+
+def shard(tree, m):
+  """Puts arrays with a leading device axis on the mesh, one row per device."""
+  return jax.device_put(tree, jax.NamedSharding(m, P(AXIS)))
+
+
+def shard_map_init(tx, params, m):
+  """Per-device state of ``jc.per_device_state(tx)``, leading axis K."""
+  return jax.jit(jax.shard_map(tx.init, mesh=m, in_specs=P(), out_specs=P(AXIS)))(params)
+
+
+def shard_map_update(tx, m):
+  """jit(shard_map(update)) taking per-device grads (leading axis K) and state."""
+
+  def step(grads, state):
+    grads = jax.tree.map(lambda x: x[0], grads)
+    return tx.update(grads, state)
+
+  return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), P(AXIS)),
+                               out_specs=(P(), P(AXIS))))
+
+
+def per_device_grads(key, shapes, k: int = K, dtype=jnp.float32):
+  """A dict of per-device gradients: leaf ``name`` has shape ``(k, *shapes[name])``."""
+  keys = jax.random.split(key, len(shapes))
+  return {name: jax.random.normal(kk, (k, *shape), dtype)
+          for kk, (name, shape) in zip(keys, sorted(shapes.items()))}
