@@ -9,8 +9,10 @@ from jaxcomp._src.transforms import CompressState
 from jaxcomp._src.transforms import compress
 from jaxcomp._src.transforms import default_filter
 from jaxcomp._src.transforms import onebit_sgd
+from jaxcomp._src.transforms import PerDeviceState
 from jaxcomp._src.transforms import per_device_state
 from jaxcomp._src.transforms import qsgd
+from jaxcomp._src.transforms import state_specs
 from jaxcomp._src.wire import CollectiveOp
 from jaxcomp._src.wire import WireReport
 from jaxcomp._src.wire import wire_report
@@ -20,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveOp",
     "CompressState",
+    "PerDeviceState",
     "WireReport",
     "codecs",
     "compress",
@@ -27,5 +30,6 @@ __all__ = [
     "onebit_sgd",
     "per_device_state",
     "qsgd",
+    "state_specs",
     "wire_report",
 ]

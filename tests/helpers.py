@@ -21,19 +21,21 @@ def shard(tree, m):
 
 
 def shard_map_init(tx, params, m):
-  """Per-device state of ``jc.per_device_state(tx)``, leading axis K."""
-  return jax.jit(jax.shard_map(tx.init, mesh=m, in_specs=P(), out_specs=P(AXIS)))(params)
+  """``tx.init`` inside shard_map; per_device_state parts get a leading axis K."""
+  specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=m.size)
+  return jax.jit(jax.shard_map(tx.init, mesh=m, in_specs=P(), out_specs=specs))(params)
 
 
-def shard_map_update(tx, m):
-  """jit(shard_map(update)) taking per-device grads (leading axis K) and state."""
+def shard_map_update(tx, m, params):
+  """jit(shard_map(update)) taking per-device grads (leading axis K) and the state."""
+  specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=m.size)
 
   def step(grads, state):
     grads = jax.tree.map(lambda x: x[0], grads)
     return tx.update(grads, state)
 
-  return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), P(AXIS)),
-                               out_specs=(P(), P(AXIS))))
+  return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs),
+                               out_specs=(P(), specs)))
 
 
 def per_device_grads(key, shapes, k: int = K, dtype=jnp.float32):

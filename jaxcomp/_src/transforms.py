@@ -46,13 +46,10 @@ class CompressState(NamedTuple):
 
 def _selected(filter_fn: FilterFn, path, leaf) -> bool:
   chosen = filter_fn(path, leaf)
-  if not isinstance(chosen, (bool, jnp.bool_)) and not hasattr(chosen, "__bool__"):
-    raise TypeError(f"filter must return a Python bool, got {chosen!r}")
-  try:
-    return bool(chosen)
-  except jax.errors.ConcretizationTypeError as e:
+  if isinstance(chosen, jax.core.Tracer):
     raise TypeError("filter must decide from the leaf's path, shape and dtype only "
-                    "(it returned a traced value)") from e
+                    "(it returned a traced value)")
+  return bool(chosen)
 
 
 def _check_leaf(path, leaf) -> None:
@@ -277,26 +274,64 @@ def onebit_sgd(
                   collective=collective, error_feedback=True, seed=seed, filter=filter)
 
 
+class PerDeviceState(NamedTuple):
+  """State of :func:`per_device_state`: the inner state with a leading device axis."""
+
+  inner: Any  # the wrapped transform's state, every leaf with a leading axis of 1 per device
+
+
 def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """Gives ``tx``'s state a leading axis of size 1, for per-device state in shard_map.
+  """Marks ``tx``'s state as per device, with a leading axis of size 1 on each device.
 
-  Under ``jax.shard_map`` a value that differs between devices (error-feedback residuals,
-  device-folded keys) cannot be returned as replicated. With this wrapper, pass the state
-  with ``P(axis_name)``: globally every leaf has a leading axis of length K (one row per
-  device, checkpointable as one array), and each device sees its own row::
+  Under ``jax.shard_map`` a value that differs between devices (error-feedback
+  residuals, device-folded keys) cannot be held as replicated. Wrap the compressor (and
+  only it: the optimizer after it sees identical updates on every device, so its state
+  stays replicated) and pass its state with ``P(axis_name)``: globally each leaf has a
+  leading axis of length K, one row per device, checkpointable as one array.
+  :func:`state_specs` builds the specs of a whole chain::
 
-    tx = jc.per_device_state(optax.chain(jc.onebit_sgd(axis_name="b"), optax.sgd(0.1)))
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P("b"))
-    step = jax.shard_map(train_step, mesh=mesh,
-                         in_specs=(P(), P("b"), P("b")), out_specs=(P(), P("b")))
+    tx = optax.chain(jc.per_device_state(jc.onebit_sgd(axis_name="b")), optax.sgd(0.1))
+    specs = jc.state_specs(tx, params, axis_name="b", num_devices=mesh.size)
+    opt_state = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)(params)
+    step = jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("b")),
+                         out_specs=(P(), specs))
+
+  Under ``jax.pmap`` state is per device already; do not wrap.
   """
 
   def init_fn(params):
-    return jax.tree.map(lambda x: x[None], tx.init(params))
+    return PerDeviceState(jax.tree.map(lambda x: x[None], tx.init(params)))
 
   def update_fn(updates, state, params=None):
-    inner = jax.tree.map(lambda x: x[0], state)
+    inner = jax.tree.map(lambda x: x[0], state.inner)
     updates, inner = tx.update(updates, inner, params)
-    return updates, jax.tree.map(lambda x: x[None], inner)
+    return updates, PerDeviceState(jax.tree.map(lambda x: x[None], inner))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int):
+  """``PartitionSpec``\ s of ``tx``'s state for ``jax.shard_map`` data parallelism.
+
+  Leaves inside a :func:`per_device_state` get ``P(axis_name)`` (one row per device),
+  all others ``P()`` (replicated). The state's structure is found by tracing ``tx.init``
+  inside ``jax.shard_map`` over an abstract mesh of ``num_devices`` devices, so
+  transforms whose state depends on the device count (two-phase error feedback) work.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
+  """
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.sharding.AbstractMesh((num_devices,), (axis_name,))
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
+                        params)
+  state = jax.eval_shape(
+      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), shapes)
+
+  def spec(subtree):
+    if isinstance(subtree, PerDeviceState):
+      return jax.tree.map(lambda _: P(axis_name), subtree)
+    return P()
+
+  return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, PerDeviceState))

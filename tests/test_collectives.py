@@ -1,0 +1,222 @@
+"""Compressed exchanges on 8 CPU devices, under jax.shard_map and jax.pmap."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from tests import helpers
+from tests.helpers import AXIS, K
+
+SHAPES = {"w": (48, 96), "b": (96,)}  # w compressed (4608 values), b dense
+PARAMS = {name: jnp.zeros(shape) for name, shape in SHAPES.items()}
+
+
+def _shard_map_run(tx, grads):
+  m = helpers.mesh()
+  tx = jc.per_device_state(tx)
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  return helpers.shard_map_update(tx, m, PARAMS)(helpers.shard(grads, m), state)
+
+
+def _pmap_run(tx, grads):
+  replicated = jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(replicated)
+  return jax.pmap(tx.update, axis_name=AXIS)(grads, state)
+
+
+@pytest.mark.parametrize("collective", ["allgather", "two_phase"])
+def test_identity_equals_pmean_exactly_shard_map(collective):
+  grads = helpers.per_device_grads(jax.random.key(0), SHAPES)
+  tx = jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective=collective)
+  updates, _ = _shard_map_run(tx, grads)
+  dense = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+  # lax.pmean on CPU adds in rank order; so does the codecs' decode_sum.
+  expected = jax.jit(jax.shard_map(
+      lambda g: jax.tree.map(lambda x: lax.pmean(x[0], AXIS), g), mesh=helpers.mesh(),
+      in_specs=P(AXIS), out_specs=P()))(helpers.shard(grads, helpers.mesh()))
+  chex.assert_trees_all_equal(updates, expected)
+  chex.assert_trees_all_close(updates, dense, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("collective", ["allgather", "two_phase"])
+def test_identity_equals_pmean_exactly_pmap(collective):
+  grads = helpers.per_device_grads(jax.random.key(1), SHAPES)
+  tx = jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective=collective)
+  updates, _ = _pmap_run(tx, grads)
+  expected = jax.pmap(lambda g: jax.tree.map(lambda x: lax.pmean(x, AXIS), g),
+                      axis_name=AXIS)(grads)
+  chex.assert_trees_all_equal(updates, expected)
+
+
+TRANSFORMS = {
+    "qsgd4_allgather": lambda: jc.qsgd(bits=4, axis_name=AXIS),
+    "qsgd2_two_phase": lambda: jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS,
+                                       collective="two_phase"),
+    "qsgd4_ef_two_phase": lambda: jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase",
+                                          error_feedback=True),
+    "onebit": lambda: jc.onebit_sgd(axis_name=AXIS),
+    "onebit_allgather": lambda: jc.onebit_sgd(axis_name=AXIS, collective="allgather"),
+    "fp16": lambda: jc.compress(jc.codecs.Cast(jnp.float16), axis_name=AXIS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_outputs_identical_on_every_device_pmap(name):
+  grads = helpers.per_device_grads(jax.random.key(2), SHAPES)
+  updates, _ = _pmap_run(TRANSFORMS[name](), grads)
+  for leaf in jax.tree.leaves(updates):
+    np.testing.assert_array_equal(np.asarray(leaf), np.broadcast_to(leaf[0], leaf.shape))
+
+
+@pytest.mark.parametrize("name", ["qsgd2_two_phase", "onebit"])
+def test_outputs_identical_on_every_device_shard_map(name):
+  grads = helpers.per_device_grads(jax.random.key(3), SHAPES)
+  m = helpers.mesh()
+  tx = jc.per_device_state(TRANSFORMS[name]())
+  state = helpers.shard_map_init(tx, PARAMS, m)
+
+  def step(g, s):
+    u, _ = tx.update(jax.tree.map(lambda x: x[0], g), s)
+    return jax.tree.map(lambda x: x[None], u)  # one row per device
+
+  rows = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), P(AXIS)),
+                               out_specs=P(AXIS)))(helpers.shard(grads, m), state)
+  for leaf in jax.tree.leaves(rows):
+    leaf = np.asarray(leaf)
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))
+
+
+def _mean_over_keys(tx, grads, num_keys):
+  """The compressed mean for ``num_keys`` independent state keys (vmapped in shard_map)."""
+  m = helpers.mesh()
+  tx = jc.per_device_state(tx)
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  keys = jax.random.split(jax.random.key(11), num_keys)
+
+  def step(g, s):
+    g = jax.tree.map(lambda x: x[0], g)
+
+    def one(key):
+      return tx.update(g, jc.PerDeviceState(s.inner._replace(key=key[None])))[0]["w"]
+
+    return jax.vmap(one)(keys)
+
+  return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), P(AXIS)), out_specs=P()))(
+      helpers.shard(grads, m), state)
+
+
+def _chi2_ratio(samples, truth):
+  """||mean - truth||^2 over its expectation sum(var_i)/M; ~1 (sd sqrt(2/n)) if unbiased."""
+  samples = np.asarray(samples, np.float64).reshape(samples.shape[0], -1)
+  truth = np.asarray(truth, np.float64).reshape(-1)
+  m = samples.shape[0]
+  err = samples.mean(0) - truth
+  return float(np.sum(err**2) / (np.sum(samples.var(0, ddof=1)) / m))
+
+
+@pytest.mark.parametrize("collective", ["allgather", "two_phase"])
+def test_compressed_mean_is_unbiased(collective):
+  """Averaged over many keys, the QSGD exchange's output approaches the true mean.
+
+  The statistic ||mean_M - mu||^2 / (sum_i var_i / M) is ~ chi^2_n / n for an unbiased
+  estimator: 1 with standard deviation sqrt(2/n) = 0.02 for n = 4608; a bias of even a
+  tenth of a standard error per coordinate would push it above 1 + 0.01 M.
+  """
+  grads = helpers.per_device_grads(jax.random.key(4), SHAPES)
+  tx = jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective=collective)
+  samples = _mean_over_keys(tx, grads, num_keys=256)
+  truth = jnp.mean(grads["w"], axis=0)
+  ratio = _chi2_ratio(samples, truth)
+  assert abs(ratio - 1.0) < 5 * np.sqrt(2 / truth.size), ratio
+  # Negative control: the same statistic rejects 1-bit without error feedback (biased).
+  biased = _mean_over_keys(
+      jc.compress(jc.codecs.OneBit(128), axis_name=AXIS, collective=collective), grads, 4)
+  biased = biased + 1e-3 * jax.random.normal(jax.random.key(0), biased.shape)  # var > 0
+  assert _chi2_ratio(biased, truth) > 10
+
+
+def test_devices_draw_independent_bits():
+  """Identical gradients on all devices: independent rounding averages the noise down."""
+  g = jax.random.normal(jax.random.key(5), SHAPES["w"])
+  grads = {"w": jnp.broadcast_to(g, (K, *g.shape)), "b": jnp.zeros((K, 96))}
+  tx = jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS)
+  updates, _ = _shard_map_run(tx, grads)
+  single, _ = jc.qsgd(bits=2, bucket_size=128).update({"w": g, "b": jnp.zeros(96)},
+                                                       jc.qsgd(bits=2, bucket_size=128).init(
+                                                           {"w": g, "b": jnp.zeros(96)}))
+  err_k = float(jnp.sum((updates["w"] - g) ** 2))
+  err_1 = float(jnp.sum((single["w"] - g) ** 2))
+  assert err_k < 0.25 * err_1  # expected ratio 1/K = 0.125
+
+
+def test_same_seed_same_run_different_seed_differs():
+  grads = helpers.per_device_grads(jax.random.key(6), SHAPES)
+  a, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=3), grads)
+  b, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=3), grads)
+  c, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=4), grads)
+  chex.assert_trees_all_equal(a, b)
+  assert not np.array_equal(a["w"], c["w"])
+
+
+def _ef_conservation(collective, steps=6):
+  """Runs onebit EF for `steps` steps; returns (sum of outputs + held residual, sum in)."""
+  m = helpers.mesh()
+  tx = jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=AXIS,
+                                         collective=collective))
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  update = helpers.shard_map_update(tx, m, PARAMS)
+  total_out = jnp.zeros(SHAPES["w"])
+  total_in = jnp.zeros(SHAPES["w"])
+  for t in range(steps):
+    grads = helpers.per_device_grads(jax.random.key(100 + t), SHAPES)
+    updates, state = update(helpers.shard(grads, m), state)
+    total_out += updates["w"]
+    total_in += grads["w"].mean(0)
+  # The state has a leading axis K, one row per device.
+  state = state.inner
+  held = np.asarray(state.residual["w"]).mean(0)  # first stage: mean of devices' residuals
+  if collective == "two_phase":  # second stage: chunk j's residual lives on device j
+    n = np.prod(SHAPES["w"])
+    held = held + np.asarray(state.chunk_residual["w"]).reshape(-1)[:n].reshape(SHAPES["w"])
+  return total_out + held, total_in, total_out
+
+
+@pytest.mark.parametrize("collective", ["allgather", "two_phase"])
+def test_error_feedback_conserves_the_gradient_on_8_devices(collective):
+  """sum_t out_t + mean_d(e_d) (+ second-stage residuals) == sum_t mean_d(g_{d,t})."""
+  conserved, total_in, total_out = _ef_conservation(collective)
+  chex.assert_trees_all_close(conserved, total_in, atol=2e-5, rtol=1e-5)
+  assert float(jnp.max(jnp.abs(total_out - total_in))) > 1e-2  # residual really held
+
+
+def test_unbound_axis_name_is_a_clear_error():
+  tx = jc.qsgd(axis_name=AXIS)
+  state = tx.init(PARAMS)
+  with pytest.raises(ValueError, match="not bound"):
+    tx.update(PARAMS, state)
+  with pytest.raises(ValueError, match="not bound"):
+    jc.onebit_sgd(axis_name=AXIS).init(PARAMS)  # two-phase EF sizes chunks by K
+
+
+def test_chains_with_optax_adam_under_shard_map():
+  grads = helpers.per_device_grads(jax.random.key(7), SHAPES)
+  m = helpers.mesh()
+  tx = optax.chain(jc.per_device_state(jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase")),
+                   optax.adam(1e-3))
+  # optax.adam's bias correction (float ** int32 count) is not strict-promotion clean.
+  with jax.numpy_dtype_promotion("standard"):
+    state = helpers.shard_map_init(tx, PARAMS, m)
+    step = helpers.shard_map_update(tx, m, PARAMS)
+    updates, state = step(helpers.shard(grads, m), state)
+    updates, state = step(helpers.shard(grads, m), state)
+  # The compressor's state is per device (leading K), adam's is replicated.
+  assert state[0].inner.key.shape == (K,)
+  assert state[1][0].mu["w"].shape == SHAPES["w"]
+  chex.assert_trees_all_equal_shapes_and_dtypes(updates, PARAMS)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
