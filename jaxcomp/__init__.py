@@ -5,6 +5,7 @@ through ``jax.shard_map``/``jax.pmap`` collectives, with explicit error-feedback
 """
 
 from jaxcomp import codecs
+from jaxcomp._src.collectives import vary
 from jaxcomp._src.transforms import CompressState
 from jaxcomp._src.transforms import compress
 from jaxcomp._src.transforms import default_filter
@@ -31,5 +32,6 @@ __all__ = [
     "per_device_state",
     "qsgd",
     "state_specs",
+    "vary",
     "wire_report",
 ]

@@ -285,14 +285,16 @@ class QSGD(Codec):
     n = x.size
     b, nb = _buckets(n, self.bucket_size)
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
-    scale = self.scales(v)
+    # A bucket holding NaN/Inf gets a NaN scale, so it decodes to NaN: never hidden
+    # (XLA's max may skip NaNs, and the codes of a non-finite value are meaningless).
+    scale = jnp.where(jnp.all(jnp.isfinite(v), axis=1), self.scales(v), jnp.nan)
     s = jnp.float32(self.levels)
     inv = jnp.where(scale > 0, s / scale, jnp.zeros_like(scale))
     r = jnp.abs(v) * inv[:, None]
     low = jnp.floor(r)
     u = jax.random.uniform(key, v.shape, _F32)
     mag = jnp.minimum(low + (u < r - low).astype(_F32), s)
-    # Non-finite inputs: keep the codes in range; the scale carries the NaN/Inf.
+    # Non-finite inputs: keep the codes in range; the NaN scale marks the bucket.
     mag = jnp.where(jnp.isfinite(mag), mag, jnp.zeros_like(mag)).astype(jnp.uint32)
     sign = (v < 0).astype(jnp.uint32)
     codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[:n]

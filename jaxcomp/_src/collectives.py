@@ -38,6 +38,50 @@ def axis_size(axis_name) -> int:
         f"locally without a collective.") from e
 
 
+def varying_axes(x) -> frozenset:
+  """Mesh axes over which ``x`` is marked device-varying (shard_map's check_vma)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def tracks_varying(axis_name) -> bool:
+  """Whether values are typed varying/invariant over ``axis_name`` (shard_map check_vma).
+
+  ``lax.axis_index`` differs on every device, so it is typed varying exactly when the
+  tracking is on; under ``jax.pmap`` and ``shard_map(check_vma=False)`` it is not.
+  """
+  return axis_name in varying_axes(lax.axis_index(axis_name))
+
+
+def vary(tree, axis_name):
+  """Marks every array of ``tree`` as varying over ``axis_name`` (no data movement).
+
+  Inside ``jax.shard_map`` (``check_vma=True``), ``jax.grad`` with respect to
+  *replicated* parameters returns the gradient already summed over the devices: the
+  transpose of the implicit broadcast is a ``psum``, a dense all-reduce that a compressed
+  exchange exists to avoid. Differentiate with respect to ``vary(params, axis)`` instead
+  to get each device's local gradient::
+
+    grads = jax.grad(loss)(jc.vary(params, "batch"), batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+
+  A no-op under ``jax.pmap`` and ``shard_map(check_vma=False)``, and for arrays already
+  varying.
+  """
+  if not tracks_varying(axis_name):
+    return tree
+
+  def one(x):
+    if axis_name in varying_axes(x):
+      return x
+    return lax.pcast(x, axis_name, to="varying")
+
+  return jax.tree.map(one, tree)
+
+
 def all_gather_invariant(x: Array, axis_name) -> Array:
   """``lax.all_gather`` whose result is replicated (invariant) over ``axis_name``."""
   return lax.all_gather(x, axis_name, **_ALL_GATHER_TO)

@@ -162,9 +162,11 @@ def compress(
     residuals = treedef.flatten_up_to(state.residual)
     chunk_residuals = treedef.flatten_up_to(state.chunk_residual)
     key, step_key = jax.random.split(state.key)
+    check_reduced = False
     if axis_name is not None:
       collectives.axis_size(axis_name)  # clear error when unbound
       step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
+      check_reduced = collectives.tracks_varying(axis_name)
     out, new_res, new_cres = [], [], []
     any_bad = jnp.zeros((), bool)
     for i, ((path, g), e, e2) in enumerate(zip(leaves, residuals, chunk_residuals)):
@@ -174,6 +176,13 @@ def compress(
         new_res.append(e)
         new_cres.append(e2)
         continue
+      if check_reduced and axis_name not in collectives.varying_axes(g):
+        raise ValueError(
+            f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
+            f"axis {axis_name!r}: it was all-reduced before compression. Inside "
+            f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
+            f"gradient over devices (a dense psum); differentiate with respect to "
+            f"jc.vary(params, {axis_name!r}) to get the local gradient.")
       use_ef = not isinstance(e, optax.MaskedNode)
       x32 = g.astype(_F32) + e if use_ef else g.astype(_F32)
       finite = jnp.all(jnp.isfinite(x32))
@@ -311,7 +320,7 @@ def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
 
 
 def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int):
-  """``PartitionSpec``\ s of ``tx``'s state for ``jax.shard_map`` data parallelism.
+  """PartitionSpecs of ``tx``'s state for ``jax.shard_map`` data parallelism.
 
   Leaves inside a :func:`per_device_state` get ``P(axis_name)`` (one row per device),
   all others ``P()`` (replicated). The state's structure is found by tracing ``tx.init``
