@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The README's test command: set up, then run the whole test suite (slow tests included).
+# pytest's exit code 5 (no tests collected) is a failure, like any other non-zero code.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+py="$(bash "$root/scripts/setup.sh")" || exit 1
+cd "$root"
+"$py" -m pytest -q "$@"
+code=$?
+if [ "$code" -eq 5 ]; then
+  echo "error: pytest collected no tests" >&2
+  exit 1
+fi
+exit "$code"
