@@ -17,8 +17,14 @@ import jax.numpy as jnp
 _LANES = 32
 
 
+def _check_bits(bits: int) -> None:
+  if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 32:
+    raise ValueError(f"bits must be an integer in 1..32, got {bits!r}")
+
+
 def num_words(n: int, bits: int) -> int:
   """Number of uint32 words :func:`pack_bits` produces for ``n`` codes."""
+  _check_bits(bits)
   return -(-n // _LANES) * bits
 
 
@@ -32,8 +38,7 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
   Returns:
     uint32 array of shape ``(ceil(n / 32) * bits,)``.
   """
-  if not 1 <= bits <= 32:
-    raise ValueError(f"bits must be in 1..32, got {bits}")
+  _check_bits(bits)
   if codes.ndim != 1:
     raise ValueError(f"codes must be 1-D, got shape {codes.shape}")
   n = codes.shape[0]
@@ -48,6 +53,7 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
 
 def unpack_bits(words: jax.Array, bits: int, n: int) -> jax.Array:
   """Inverse of :func:`pack_bits`: returns the ``n`` codes as uint32 of shape ``(n,)``."""
+  _check_bits(bits)
   if words.ndim != 1 or words.shape[0] != num_words(n, bits):
     raise ValueError(
         f"expected {num_words(n, bits)} words for {n} codes of {bits} bits, "

@@ -26,6 +26,7 @@ from jaxcomp._src import bitpack
 
 Array = jax.Array
 _F32 = jnp.float32
+_MAX_LEVELS = 2**24 - 1  # levels are handled in float32, exact up to 2**24
 
 
 # ----------------------------------------------------------------------------- payload
@@ -202,7 +203,9 @@ class Cast(Codec):
       amax = jnp.max(jnp.abs(xf)) if x.size else jnp.zeros((), _F32)
       _, e = jnp.frexp(amax)  # amax = m * 2**e, 0.5 <= m < 1
       ok = jnp.isfinite(amax) & (amax > 0)
-      scale = jnp.where(ok, jnp.ldexp(jnp.ones((), _F32), 15 - e), jnp.ones((), _F32))
+      # 2**127 is float32's largest power of two: inputs below 2**-112 scale up to it.
+      shift = jnp.minimum(15 - e, 127)
+      scale = jnp.where(ok, jnp.ldexp(jnp.ones((), _F32), shift), jnp.ones((), _F32))
       arrays["values"] = (xf * scale).astype(self.dtype)
       arrays["scale"] = scale
     else:
@@ -239,7 +242,7 @@ class QSGD(Codec):
   bucket. Padding of the last bucket is not sent.
 
   Args:
-    levels: ``s >= 1``, quantization levels per sign (``2**(bits-1) - 1`` for ``bits``).
+    levels: ``1 <= s < 2**24``, levels per sign (``2**(bits-1) - 1`` for ``bits``).
     bucket_size: values per bucket, or ``None`` for one bucket per tensor.
     norm: ``"l2"`` or ``"max"``.
 
@@ -256,6 +259,8 @@ class QSGD(Codec):
 
   def __post_init__(self):
     _check_positive_int(self.levels, "levels")
+    if self.levels > _MAX_LEVELS:
+      raise ValueError(f"levels must be at most 2**24 - 1 (exact in float32), got {self.levels}")
     _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
     if self.norm not in ("l2", "max"):
       raise ValueError(f"norm must be 'l2' or 'max', got {self.norm!r}")
@@ -275,9 +280,12 @@ class QSGD(Codec):
 
   def scales(self, v: Array) -> Array:
     """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array."""
+    amax = jnp.max(jnp.abs(v), axis=1)
     if self.norm == "max":
-      return jnp.max(jnp.abs(v), axis=1)
-    return jnp.sqrt(jnp.sum(v * v, axis=1))
+      return amax
+    # ||v|| = amax * ||v / amax||: no float32 overflow above 1.8e19, no underflow below 1e-19.
+    safe = jnp.where(amax > 0, amax, jnp.ones_like(amax))
+    return amax * jnp.sqrt(jnp.sum(jnp.square(v / safe[:, None]), axis=1))
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     _check_float(x)
@@ -289,8 +297,9 @@ class QSGD(Codec):
     # (XLA's max may skip NaNs, and the codes of a non-finite value are meaningless).
     scale = jnp.where(jnp.all(jnp.isfinite(v), axis=1), self.scales(v), jnp.nan)
     s = jnp.float32(self.levels)
-    inv = jnp.where(scale > 0, s / scale, jnp.zeros_like(scale))
-    r = jnp.abs(v) * inv[:, None]
+    # |v| / scale * s (not |v| * (s / scale)): the bucket's max maps to exactly s.
+    safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+    r = jnp.where((scale > 0)[:, None], jnp.abs(v) / safe[:, None] * s, 0.0)
     low = jnp.floor(r)
     u = jax.random.uniform(key, v.shape, _F32)
     mag = jnp.minimum(low + (u < r - low).astype(_F32), s)
