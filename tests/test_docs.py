@@ -1,0 +1,23 @@
+"""The docstring examples run (doctest) and the README's usage names exist."""
+
+import doctest
+import re
+
+import pytest
+
+import jaxcomp as jc
+from jaxcomp import codecs
+from jaxcomp._src import transforms
+
+
+@pytest.mark.parametrize("module", [codecs, transforms], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+  result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
+
+
+def test_readme_names_are_public():
+  with open("README.md") as f:
+    readme = f.read()
+  for name in sorted(set(re.findall(r"\bjc\.([a-z_]+)", readme))):
+    assert name in jc.__all__, name
