@@ -99,7 +99,11 @@ class Codec:
 
   @property
   def alignment(self) -> int:
-    """Chunk lengths that keep buckets whole; the two-phase exchange rounds to it."""
+    """Chunk lengths of the two-phase exchange are multiples of this (whole uint32 words).
+
+    Buckets restart at each chunk: a chunk of c values has ``ceil(c / bucket_size)``
+    buckets, the last one shorter, so small tensors are not padded to whole buckets.
+    """
     return 32
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
@@ -274,9 +278,6 @@ class QSGD(Codec):
     """Bits per value on the wire: magnitude plus sign."""
     return self.magnitude_bits + 1
 
-  @property
-  def alignment(self) -> int:
-    return math.lcm(32, self.bucket_size or 32)
 
   def scales(self, v: Array) -> Array:
     """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array."""
@@ -353,9 +354,6 @@ class OneBit(Codec):
   def __post_init__(self):
     _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
 
-  @property
-  def alignment(self) -> int:
-    return math.lcm(32, self.bucket_size or 32)
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     del key

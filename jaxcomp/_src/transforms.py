@@ -232,6 +232,14 @@ def qsgd(
 
   Chain it before the optimizer: ``optax.chain(jc.qsgd(axis_name="batch"), optax.adam(1e-3))``.
 
+  Caveats. With ``collective="two_phase"`` the owner of each chunk quantizes the
+  average a second time; that noise is not averaged over devices, so at 2 bits the
+  exchange is noisier than ``"allgather"`` (which sends ``K/2`` times more bytes).
+  Error feedback assumes a compressor that shrinks its input
+  (``||Q(x) - x|| < ||x||``); coarse unbiased QSGD (2 bits: variance up to
+  ``sqrt(d)`` times ``||x||^2``) is not one, and with ``error_feedback=True`` it trains
+  worse, not better: keep the default ``False`` for QSGD.
+
   Args:
     bits: bits per value on the wire, sign included (>= 2).
     bucket_size: values per bucket (``None``: one bucket per tensor).

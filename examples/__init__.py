@@ -1,0 +1,1 @@
+"""Examples of data-parallel training with jaxcomp compressors."""
