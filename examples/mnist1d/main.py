@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true",
                       help="shorthand for --config quick")
   parser.add_argument("--steps", type=int, default=None, help="override num_steps")
+  parser.add_argument("--seed", type=int, default=None,
+                      help="override the init/shuffling seed (the data set stays fixed)")
   parser.add_argument("--methods", default=None,
                       help=f"comma-separated subset of {','.join(train.METHODS)}")
   return parser.parse_args(argv)
@@ -55,6 +57,8 @@ def get_config(args: argparse.Namespace):
     if args.steps < 1:
       raise ValueError(f"--steps must be positive, got {args.steps}")
     overrides["num_steps"] = args.steps
+  if args.seed is not None:
+    overrides["seed"] = args.seed
   if args.methods is not None:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = [m for m in methods if m not in train.METHODS]
