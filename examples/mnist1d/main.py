@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true",
                       help="shorthand for --config quick")
   parser.add_argument("--steps", type=int, default=None, help="override num_steps")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="override per_device_batch_size")
   parser.add_argument("--seed", type=int, default=None,
                       help="override the init/shuffling seed (the data set stays fixed)")
   parser.add_argument("--methods", default=None,
@@ -57,6 +59,10 @@ def get_config(args: argparse.Namespace):
     if args.steps < 1:
       raise ValueError(f"--steps must be positive, got {args.steps}")
     overrides["num_steps"] = args.steps
+  if args.batch is not None:
+    if args.batch < 1:
+      raise ValueError(f"--batch must be positive, got {args.batch}")
+    overrides["per_device_batch_size"] = args.batch
   if args.seed is not None:
     overrides["seed"] = args.seed
   if args.methods is not None:

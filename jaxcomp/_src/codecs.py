@@ -54,7 +54,7 @@ class Payload:
   @property
   def nbytes(self) -> int:
     """Total bytes of the payload's arrays (of one payload, or of a stacked one)."""
-    return int(sum(a.size * np.dtype(a.dtype).itemsize for a in self.arrays.values()))
+    return payload_nbytes(self)
 
 
 def payload_nbytes(payload: Any) -> int:
@@ -303,9 +303,8 @@ class QSGD(Codec):
     r = jnp.where((scale > 0)[:, None], jnp.abs(v) / safe[:, None] * s, 0.0)
     low = jnp.floor(r)
     u = jax.random.uniform(key, v.shape, _F32)
-    mag = jnp.minimum(low + (u < r - low).astype(_F32), s)
-    # Non-finite inputs: keep the codes in range; the NaN scale marks the bucket.
-    mag = jnp.where(jnp.isfinite(mag), mag, jnp.zeros_like(mag)).astype(jnp.uint32)
+    # r is finite (0 in a non-finite bucket, whose NaN scale marks it), so mag <= s.
+    mag = jnp.minimum(low + (u < r - low).astype(_F32), s).astype(jnp.uint32)
     sign = (v < 0).astype(jnp.uint32)
     codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[:n]
     words = bitpack.pack_bits(codes, self.bits)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
@@ -327,6 +328,20 @@ def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def abstract_state(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int):
+  """Shapes and dtypes of ``tx.init(params)`` traced inside ``jax.shard_map``.
+
+  The trace runs over an abstract mesh of ``num_devices`` devices (no devices needed),
+  so an ``init`` that sizes its state by the axis (two-phase error feedback) works.
+  ``params`` may hold arrays or ``jax.ShapeDtypeStruct``.
+  """
+  mesh = jax.sharding.AbstractMesh((num_devices,), (axis_name,))
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
+                        params)
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+  return jax.eval_shape(init, shapes)
+
+
 def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int):
   """PartitionSpecs of ``tx``'s state for ``jax.shard_map`` data parallelism.
 
@@ -338,13 +353,7 @@ def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devi
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
   """
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-
-  mesh = jax.sharding.AbstractMesh((num_devices,), (axis_name,))
-  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
-                        params)
-  state = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), shapes)
+  state = abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices)
 
   def spec(subtree):
     if isinstance(subtree, PerDeviceState):

@@ -1,4 +1,4 @@
-"""Default configuration: the README's demo (4 methods, about 2 minutes on 2 CPU cores)."""
+"""Default configuration: the README's demo (4 methods; docs/index.md has its timing)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ class Config:
   num_classes: int = 10
 
   # Optimisation (applied to the exchanged mean gradient).
-  # SGD with Nesterov momentum: 1-bit SGD is meant to feed SGD/momentum; with Adam its
-  # quantized gradients (bucket means of each sign) throw off the second-moment
-  # estimate, and onebit trails dense by 20-40 points. Clipping the mean gradient to
-  # norm 1 allows the high peak rate (unclipped, dense training diverges from 0.1).
+  # SGD with Nesterov momentum: 1-bit SGD is meant to feed SGD/momentum (the paper);
+  # with Adam its quantized gradients (bucket means of each sign) throw off the
+  # second-moment estimate and onebit trails dense by far (try optimizer="adamw").
+  # Clipping the mean gradient to norm 1 keeps the high peak rate stable.
   optimizer: str = "momentum"      # "momentum" or "adamw" (see train.make_optimizer)
   per_device_batch_size: int = 32  # global batch = per_device_batch_size * devices
   num_steps: int = 600
