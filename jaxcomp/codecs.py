@@ -15,5 +15,9 @@ from jaxcomp._src.codecs import OneBit
 from jaxcomp._src.codecs import Payload
 from jaxcomp._src.codecs import QSGD
 from jaxcomp._src.codecs import payload_nbytes
+from jaxcomp._src.sparse import RandomK
+from jaxcomp._src.sparse import SparseCodec
+from jaxcomp._src.sparse import TopK
 
-__all__ = ["Cast", "Codec", "Identity", "OneBit", "Payload", "QSGD", "payload_nbytes"]
+__all__ = ["Cast", "Codec", "Identity", "OneBit", "Payload", "QSGD", "RandomK", "SparseCodec",
+           "TopK", "payload_nbytes"]

@@ -97,6 +97,16 @@ class Codec:
   #: Whether ``encode`` uses ``key`` (stochastic codecs raise without one).
   needs_key: bool = False
 
+  #: Whether every device must draw the *same* random bits (e.g. :class:`RandomK` with
+  #: shared indices): :func:`jaxcomp.compress` then does not fold the device index into
+  #: the key.
+  shared_randomness: bool = False
+
+  #: Names of the payload arrays that may be summed across devices with ``lax.psum``
+  #: (the others, e.g. shared indices, are identical on every device), or ``None`` when
+  #: the payload is not linear. Enables ``collective="psum"``.
+  summable_fields: tuple[str, ...] | None = None
+
   @property
   def alignment(self) -> int:
     """Chunk lengths of the two-phase exchange are multiples of this (whole uint32 words).
@@ -108,6 +118,15 @@ class Codec:
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     raise NotImplementedError
+
+  def encode_with_info(self, x: Array, *, key: Array | None = None) -> tuple[Payload, Array]:
+    """``encode``, and whether a static capacity overflowed (a bool scalar).
+
+    Codecs whose payload holds a random number of entries in a fixed capacity
+    (:class:`UnbiasedSparsifier`) report here when they had to take their unbiased
+    overflow path; :func:`jaxcomp.compress` counts it in its state. Others never overflow.
+    """
+    return self.encode(x, key=key), jnp.zeros((), bool)
 
   def _decode_f32(self, payload: Payload) -> Array:
     raise NotImplementedError

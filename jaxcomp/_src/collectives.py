@@ -95,21 +95,59 @@ class Exchanged(NamedTuple):
   mean: Array         # the averaged tensor, float32, identical on all devices
   sent: Array         # what this device's first-stage payload decodes to (float32)
   chunk_residual: Array | None  # new second-stage residual (two-phase with EF)
+  overflow: Array     # bool scalar: a codec capacity overflowed on this device
 
 
 def local(codec: Codec, x: Array, key: Array) -> Exchanged:
   """No collective: encode and decode on this device (single-device simulation)."""
-  sent = codec.decode(codec.encode(x, key=key), _F32)
-  return Exchanged(sent, sent, None)
+  payload, overflow = codec.encode_with_info(x, key=key)
+  sent = codec.decode(payload, _F32)
+  return Exchanged(sent, sent, None, overflow)
 
 
 def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   """All-gather the payloads, decode all K, average. Traffic per device: (K-1)·B."""
   k = axis_size(axis_name)
-  payload = codec.encode(x, key=key)
+  payload, overflow = codec.encode_with_info(x, key=key)
   sent = codec.decode(payload, _F32)
   total = codec.decode_sum(gather_tree(payload, axis_name))
-  return Exchanged(total / k, sent, None)
+  return Exchanged(total / k, sent, None, overflow)
+
+
+def shared_key(key: Array, axis_name) -> Array:
+  """``key`` typed invariant over ``axis_name``; every device must hold the same key.
+
+  Under ``shard_map(check_vma=True)`` a key held in per-device state is typed varying
+  even when its value is the same everywhere; a ``pmax`` of its 8 bytes of key data
+  makes it invariant, so what is derived from it (shared indices) is too.
+  """
+  if not tracks_varying(axis_name) or axis_name not in varying_axes(key):
+    return key
+  data = lax.pmax(jax.random.key_data(key), axis_name)
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+
+
+def psum_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
+  """All-reduce the summable arrays of a linear payload (e.g. shared-index RandomK).
+
+  Requires ``codec.summable_fields``: the payload arrays named there are summed with ``psum``
+  and the others (shared indices, drawn from the same key on every device) are taken
+  from this device, so the summed payload decodes to the sum of the K decodings.
+  Traffic per device: ``2(K-1)/K`` times the summable arrays' bytes, flat in K.
+  """
+  fields = codec.summable_fields
+  if fields is None:
+    raise ValueError(f"{type(codec).__name__} payloads cannot be summed: use "
+                     f"collective='allgather' or 'two_phase'")
+  k = axis_size(axis_name)
+  if codec.shared_randomness:
+    key = shared_key(key, axis_name)
+  payload, overflow = codec.encode_with_info(x, key=key)
+  sent = codec.decode(payload, _F32)
+  arrays = {name: lax.psum(a, axis_name) if name in fields else a
+            for name, a in payload.arrays.items()}
+  total = codec.decode(type(payload)(arrays, payload.shape, payload.dtype), _F32)
+  return Exchanged(total / k, sent, None, overflow)
 
 
 def chunk_length(codec: Codec, n: int, k: int) -> int:
@@ -135,14 +173,15 @@ def two_phase_mean(codec: Codec, x: Array, key: Array, axis_name, *,
   c = chunk_length(codec, n, k)
   chunks = jnp.pad(x.reshape(-1), (0, k * c - n)).reshape(k, c)
   key1, key2 = jax.random.split(key)
-  payloads = jax.vmap(lambda v, kk: codec.encode(v, key=kk))(chunks, jax.random.split(key1, k))
+  payloads, overflow = jax.vmap(lambda v, kk: codec.encode_with_info(v, key=kk))(
+      chunks, jax.random.split(key1, k))
   sent = jax.vmap(lambda p: codec.decode(p, _F32))(payloads).reshape(-1)[:n]
   received = jax.tree.map(
       lambda a: lax.all_to_all(a, axis_name, split_axis=0, concat_axis=0), payloads)
   avg = codec.decode_sum(received) / k
   if chunk_residual is not None:
     avg = avg + chunk_residual
-  mine = codec.encode(avg, key=key2)
+  mine, overflow2 = codec.encode_with_info(avg, key=key2)
   new_residual = None
   if chunk_residual is not None:
     new_residual = avg - codec.decode(mine, _F32)
@@ -150,11 +189,12 @@ def two_phase_mean(codec: Codec, x: Array, key: Array, axis_name, *,
     new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
   gathered = gather_tree(mine, axis_name)
   mean = jax.vmap(lambda p: codec.decode(p, _F32))(gathered).reshape(-1)[:n]
-  return Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual)
+  return Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual,
+                   jnp.any(overflow) | overflow2)
 
 
 def chunk_residual_shape(codec: Codec, n: int, k: int) -> tuple[int]:
   return (chunk_length(codec, n, k),)
 
 
-COLLECTIVES = ("allgather", "two_phase")
+COLLECTIVES = ("allgather", "two_phase", "psum")

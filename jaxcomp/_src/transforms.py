@@ -43,6 +43,7 @@ class CompressState(NamedTuple):
   residual: Any          # first-stage error feedback, leaf shape, dtype=float32
   chunk_residual: Any    # second-stage (two-phase) error feedback, shape=(chunk,), float32
   nonfinite_count: Array  # shape=(), dtype=int32: steps whose input had NaN/Inf
+  overflow_count: Array   # shape=(), dtype=int32: steps a codec took its overflow path
 
 
 def _selected(filter_fn: FilterFn, path, leaf) -> bool:
@@ -86,6 +87,14 @@ def compress(
     is cut into K chunks; chunk j's payloads go to device j (``all_to_all``), which
     averages them, re-encodes the average and all-gathers it. Traffic per device about
     ``2(K-1)/K·B``, flat in K; the average is quantized a second time.
+  * ``"psum"``: for linear payloads (``codec.summable_fields``, e.g.
+    ``RandomK(density, shared=True)``, whose indices are the same on every device): the
+    values are all-reduced with ``lax.psum``; traffic ``2(K-1)/K`` times the values'
+    bytes, flat in K, and shared indices never cross the wire.
+
+  Codecs with a static capacity for a random number of entries
+  (:class:`jaxcomp.codecs.UnbiasedSparsifier`) take an unbiased overflow path when it is
+  exceeded; ``overflow_count`` in the state counts the steps where that happened.
 
   Error feedback (``error_feedback=True``, Seide et al. 2014, SPEC §5): with ``e`` the
   residual of the previous step, the device sends ``Q(g + e)`` and keeps
@@ -108,7 +117,7 @@ def compress(
   Args:
     codec: a :mod:`jaxcomp.codecs` codec.
     axis_name: the mapped axis to average over, or ``None`` (local simulation).
-    collective: ``"allgather"`` or ``"two_phase"``.
+    collective: ``"allgather"``, ``"two_phase"`` or ``"psum"``.
     error_feedback: keep and re-inject the compression error.
     seed: seed of the state's PRNG key.
     filter: ``filter(path, leaf) -> bool`` choosing which leaves are compressed
@@ -130,6 +139,11 @@ def compress(
     raise TypeError(f"codec must be a jaxcomp codec, got {codec!r}")
   if collective not in collectives.COLLECTIVES:
     raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
+  if collective == "psum" and codec.summable_fields is None:
+    raise ValueError(
+        f"collective='psum' needs a codec whose payloads can be summed across devices "
+        f"(e.g. RandomK(density, shared=True)); {codec!r} cannot: use 'allgather' or "
+        f"'two_phase'")
   filter_fn = default_filter if filter is None else filter
   two_phase = collective == "two_phase"
 
@@ -155,7 +169,8 @@ def compress(
         key=jax.random.key(seed),
         residual=treedef.unflatten(residual),
         chunk_residual=treedef.unflatten(chunk_residual),
-        nonfinite_count=jnp.zeros((), jnp.int32))
+        nonfinite_count=jnp.zeros((), jnp.int32),
+        overflow_count=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None):
     del params
@@ -166,10 +181,12 @@ def compress(
     check_reduced = False
     if axis_name is not None:
       collectives.axis_size(axis_name)  # clear error when unbound
-      step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
+      if not codec.shared_randomness:  # else every device draws the same bits
+        step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
       check_reduced = collectives.tracks_varying(axis_name)
     out, new_res, new_cres = [], [], []
     any_bad = jnp.zeros((), bool)
+    any_overflow = jnp.zeros((), bool)
     for i, ((path, g), e, e2) in enumerate(zip(leaves, residuals, chunk_residuals)):
       _check_leaf(path, g)
       if not _selected(filter_fn, path, g):
@@ -195,16 +212,20 @@ def compress(
         ex = collectives.local(codec, x, leaf_key)
       elif two_phase:
         ex = collectives.two_phase_mean(codec, x, leaf_key, axis_name, chunk_residual=ex_cres)
+      elif collective == "psum":
+        ex = collectives.psum_mean(codec, x, leaf_key, axis_name)
       else:
         ex = collectives.allgather_mean(codec, x, leaf_key, axis_name)
       out.append(ex.mean.reshape(g.shape).astype(g.dtype))
       new_res.append(jnp.where(finite, x32 - ex.sent.reshape(g.shape), e) if use_ef else e)
       new_cres.append(e2 if ex.chunk_residual is None else ex.chunk_residual)
+      any_overflow = any_overflow | ex.overflow
     new_state = CompressState(
         key=key,
         residual=treedef.unflatten(new_res),
         chunk_residual=treedef.unflatten(new_cres),
-        nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32))
+        nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
+        overflow_count=state.overflow_count + any_overflow.astype(jnp.int32))
     return treedef.unflatten(out), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,392 @@
+"""Sparse codecs: payloads of a static number of (index, value) entries.
+
+A sparse payload of a tensor of ``n`` values holds a *static* number of entries, so it
+has a fixed shape and can cross ``lax.all_gather`` like any payload:
+
+* ``indices``: the flat positions, as the narrowest unsigned type that holds ``n``
+  itself (``uint8`` for ``n < 2**8``, ``uint16`` for ``n < 2**16``, else ``int32``;
+  tensors of ``2**31`` values or more are rejected). The value ``n`` marks an unused slot
+  (padding); decoding drops it.
+* values, in float32 (or the codec's own coding, e.g. a sign bit and one shared scale).
+
+Decoding scatter-adds the entries into zeros. :meth:`SparseCodec.decode_sum` of a
+gathered stack scatter-adds all K devices' entries in one pass, in rank order (the
+entries of device 0 first), so no K dense intermediates are built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomp._src.codecs import Array
+from jaxcomp._src.codecs import Codec
+from jaxcomp._src.codecs import Payload
+from jaxcomp._src.codecs import _check_float
+
+_F32 = jnp.float32
+_MAX_N = 2**31 - 1
+
+
+def index_dtype(n: int):
+  """Narrowest index dtype that holds every position of ``n`` values *and* ``n`` (padding)."""
+  if n >= _MAX_N:
+    raise ValueError(f"sparse codecs handle tensors of fewer than 2**31 values, got {n}")
+  if n < 2**8:
+    return jnp.dtype(jnp.uint8)
+  if n < 2**16:
+    return jnp.dtype(jnp.uint16)
+  return jnp.dtype(jnp.int32)
+
+
+def num_entries(density: float, n: int) -> int:
+  """``k = ceil(density · n)``, at least 1 (for ``n >= 1``) and at most ``n``."""
+  if n == 0:
+    return 0
+  # The tiny slack absorbs float error in density * n (0.001 * 2000 = 2.0000000000000004).
+  return int(min(n, max(1, math.ceil(density * n - 1e-9))))
+
+
+def check_density(density, name: str = "density") -> None:
+  if isinstance(density, bool) or not isinstance(density, (int, float, np.floating)) or not (
+      0 < density <= 1):
+    raise ValueError(f"{name} must be a number in (0, 1], got {density!r}")
+
+
+def scatter(n: int, indices: Array, values: Array) -> Array:
+  """Dense float32 vector of length n with ``values`` added at ``indices`` (n = padding)."""
+  zeros = jnp.zeros((n,), _F32)
+  return zeros.at[indices.reshape(-1).astype(jnp.int32)].add(
+      values.reshape(-1).astype(_F32), mode="drop")
+
+
+def compact(mask: Array, size: int) -> Array:
+  """Positions of the first ``size`` True entries of a flat ``mask``, padded with n."""
+  n = mask.shape[0]
+  return jnp.nonzero(mask, size=size, fill_value=n)[0].astype(jnp.int32)
+
+
+class SparseCodec(Codec):
+  """Base of the sparse codecs: subclasses implement ``entries(payload)``."""
+
+  def entries(self, payload: Payload) -> tuple[Array, Array]:
+    """(flat int indices, float32 values) of one payload; padding slots have index n."""
+    raise NotImplementedError
+
+  def _decode_f32(self, payload: Payload) -> Array:
+    idx, val = self.entries(payload)
+    return scatter(math.prod(payload.shape), idx, val)
+
+  def decode_sum(self, stacked: Payload) -> Array:
+    """Sum of K stacked payloads: one scatter-add of all their entries, rank order."""
+    idx, val = jax.vmap(self.entries)(stacked)
+    n = math.prod(stacked.shape)
+    return scatter(n, idx, val).reshape(stacked.shape)
+
+
+def _pack_entries(x: Array, idx: Array, n: int) -> Payload:
+  """Payload of the entries of x at idx (int32, n = padding): values and narrow indices."""
+  flat = x.reshape(-1)
+  values = jnp.where(idx < n, flat[jnp.minimum(idx, n - 1)].astype(_F32), 0.0)
+  # A NaN/Inf anywhere in x must not vanish because it was not selected: poison the
+  # values so the decoded mean is not finite either (jaxcomp's NaN policy).
+  values = jnp.where(jnp.all(jnp.isfinite(flat)), values, jnp.nan)
+  return Payload({"values": values, "indices": idx.astype(index_dtype(n))},
+                 tuple(x.shape), jnp.dtype(x.dtype))
+
+
+def _entries(payload: Payload) -> tuple[Array, Array]:
+  return payload.arrays["indices"].astype(jnp.int32), payload.arrays["values"]
+
+
+# ----------------------------------------------------------------------------- top-k
+
+
+_BLOCK = 32  # values per block of the two-level selections
+
+
+def _blocks(a: Array, block: int) -> Array:
+  """(ceil(n/block), block) view of a flat non-negative vector, padded with -1."""
+  nb = -(-a.shape[0] // block)
+  return jnp.pad(a, (0, nb * block - a.shape[0]), constant_values=-1.0).reshape(nb, block)
+
+
+def _top_in_blocks(blocks: Array, chosen: Array, k: int, n: int, ids: Array | None = None
+                   ) -> Array:
+  """Flat indices of the k largest entries inside the chosen blocks (-1 entries -> n).
+
+  ``ids`` are the chosen blocks' positions in the vector when ``blocks`` is already
+  the gathered subset (then ``chosen`` indexes into it).
+  """
+  block = blocks.shape[1]
+  vals, pos = lax.top_k(blocks[chosen].reshape(-1), k)
+  ids = chosen if ids is None else ids
+  idx = ids[pos // block] * block + pos % block
+  return jnp.where(vals >= 0, idx, n).astype(jnp.int32)
+
+
+def passes(a: Array, thr: Array) -> Array:
+  """1.0 where ``a >= thr`` (computed as ``a · (1/thr) >= 1``), else 0.0; float32."""
+  return jnp.floor(jnp.clip(a * (1.0 / thr), 0.0, 1.0))
+
+
+def blocked_top_k(a: Array, k: int, block: int = _BLOCK) -> Array:
+  """Exact top-k positions of a flat non-negative vector, in two small ``top_k`` calls.
+
+  Every entry of the top k lies in one of the k blocks with the largest block maxima
+  (a block outside them has k blocks above it, each holding a larger entry), so the top
+  k of those ``k · block`` entries is the top k of the vector (up to ties). It reads the
+  vector once for the block maxima and sorts ``n/block + k·block`` values instead of n.
+  """
+  n = a.shape[0]
+  blocks = _blocks(a, block)
+  if blocks.shape[0] <= k:
+    return lax.top_k(a, k)[1].astype(jnp.int32)
+  _, chosen = lax.top_k(jnp.max(blocks, axis=1), k)
+  return _top_in_blocks(blocks, chosen, k, n)
+
+
+def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: float,
+                             max_rounds: int, capacity: int) -> tuple[Array, Array]:
+  """DGC's sampled threshold: (indices of exactly k entries, number that passed).
+
+  ``a`` is a flat non-negative vector (``|x|``). A random sample of
+  ``m = ceil(sample_fraction · n)`` entries gives a first threshold: the value that
+  ``ceil(1.4 k m / n)`` sampled entries reach, aiming at about 1.4k entries above it.
+  The entries at or above the threshold are counted (one pass); while the count is
+  outside ``[k, capacity]`` the threshold is refined (at most ``max_rounds`` passes):
+  multiplied by 0.8 (too few, the reference code's step) or 1.25 (too many) until the
+  count is bracketed, then bisected.
+
+  The passing entries lie in at most ``capacity`` blocks of 32 (those whose maximum
+  passes), so those blocks are gathered and the exact top-k among their passing entries
+  is returned: whenever the refinement lands in ``[k, capacity]`` the result *is* the
+  exact top-k (up to ties). When it ends with more than ``capacity`` entries,
+  :func:`blocked_top_k` (exact) is used instead; when it ends with fewer than k (e.g. a
+  vector with fewer than k non-zeros), those are returned and the other slots are
+  padding (index n, value 0).
+  """
+  n = a.shape[0]
+  m = min(n, max(int(math.ceil(sample_fraction * n)), 1))
+  ks = min(m, max(1, int(math.ceil(1.4 * k * m / n))))
+  sample = a[jax.random.randint(key, (m,), 0, n)]
+  # min() of the values, not [-1]: slicing top_k's output makes XLA:CPU rewrite the
+  # top_k into a full sort (100x slower at 1M).
+  thr0 = jnp.min(lax.top_k(sample, ks)[0])
+  tiny = jnp.finfo(_F32).tiny
+  thr0 = jnp.maximum(thr0, tiny)  # zeros never pass: a threshold of 0 would take them
+
+  def count(thr):
+    # floor(min(a/thr, 1)) is 1 exactly when a passes (the same test as `passes` below);
+    # summing it in float runs ~6x faster on XLA:CPU than summing a boolean compare.
+    # (A float32 sum is exact up to 2**24 passing entries, far above any capacity.)
+    return jnp.sum(passes(a, thr)).astype(jnp.int32)
+
+  def cond(carry):
+    r, _, _, _, c = carry
+    return (r < max_rounds) & ((c < k) | (c > capacity))
+
+  def body(carry):
+    r, thr, lo, hi, c = carry
+    few = c < k
+    hi = jnp.where(few, thr, hi)        # smallest threshold known to pass too few
+    lo = jnp.where(few, lo, thr)        # largest threshold known to pass too many
+    bracketed = (lo > 0) & jnp.isfinite(hi)
+    new = jnp.where(bracketed, 0.5 * (lo + hi), jnp.where(few, 0.8 * thr, 1.25 * thr))
+    new = jnp.maximum(new, tiny)
+    return r + 1, new, lo, hi, count(new)
+
+  init = (jnp.zeros((), jnp.int32), thr0, jnp.zeros((), _F32), jnp.full((), jnp.inf, _F32),
+          count(thr0))
+  _, thr, _, _, c = lax.while_loop(cond, body, init)
+  blocks = _blocks(a, _BLOCK)
+  bmax = jnp.max(blocks, axis=1)
+  cap_blocks = min(capacity, blocks.shape[0])
+
+  def from_passing_blocks(_):
+    # At most c <= capacity blocks hold a passing entry: take them, drop what fails.
+    _, chosen = lax.top_k(jnp.where(passes(bmax, thr) > 0, bmax, -1.0), cap_blocks)
+    got = blocks[chosen]
+    return _top_in_blocks(jnp.where(passes(got, thr) > 0, got, -1.0), jnp.arange(cap_blocks),
+                          k, n, ids=chosen)
+
+  def exact(_):
+    if blocks.shape[0] <= k:
+      return lax.top_k(a, k)[1].astype(jnp.int32)
+    _, chosen = lax.top_k(bmax, k)
+    return _top_in_blocks(blocks, chosen, k, n)
+
+  idx = lax.cond(c > capacity, exact, from_passing_blocks, None)
+  return idx, c
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(SparseCodec):
+  r"""Keeps the ``k = ceil(density · n)`` entries of largest magnitude.
+
+  .. math:: Q(x)_i = x_i \cdot [\,|x_i| \text{ is among the k largest}\,]
+
+  Biased (it drops everything else): use it with error feedback or DGC's local
+  accumulation (:func:`jaxcomp.dgc`), which keep what was not sent.
+
+  Methods:
+
+  * ``"exact"``: ``lax.top_k`` of ``|x|``.
+  * ``"blocked"``: the same entries (up to ties) from two small ``top_k`` calls: the k
+    blocks of 32 with the largest maxima, then the top k inside them
+    (:func:`blocked_top_k`); faster than ``lax.top_k`` on CPU (``docs/benchmarks.md``).
+  * ``"sampled"``: Deep Gradient Compression's threshold estimation (SPEC §4): the
+    threshold is estimated from a random ``sample_fraction`` of the entries and refined
+    with at most ``max_rounds`` counting passes, then the exact top-k of the at most
+    ``capacity_factor · k`` entries above it is taken (see
+    :func:`sampled_threshold_select`). It always returns exactly k entries (padding, with
+    zero value, only when fewer than k entries are non-zero or the refinement ran out of
+    rounds below k) and falls back to ``lax.top_k`` when more than the buffer pass.
+
+  Wire format: ``k`` float32 values and ``k`` indices (``uint8``/``uint16`` when ``n``
+  fits, else ``int32``; see :mod:`jaxcomp._src.sparse`): ``k · (32 + 16 or 32)`` bits.
+
+  Args:
+    density: fraction of entries kept, in (0, 1].
+    method: ``"exact"`` or ``"sampled"``.
+    sample_fraction: share of entries sampled for the threshold (``"sampled"``).
+    max_rounds: most refinement passes (``"sampled"``).
+    capacity_factor: buffer of entries above the threshold, in units of k (>= 1).
+
+  References:
+    Lin, Han, Mao, Wang, Dally. *Deep Gradient Compression: Reducing the Communication
+    Bandwidth for Distributed Training*. ICLR 2018. https://arxiv.org/abs/1712.01887
+  """
+
+  density: float
+  method: str = "exact"
+  sample_fraction: float = 0.01
+  max_rounds: int = 10
+  capacity_factor: float = 2.0
+
+  def __post_init__(self):
+    check_density(self.density)
+    if self.method not in ("exact", "blocked", "sampled"):
+      raise ValueError(f"method must be 'exact', 'blocked' or 'sampled', got {self.method!r}")
+    check_density(self.sample_fraction, "sample_fraction")
+    if isinstance(self.max_rounds, bool) or not isinstance(self.max_rounds, int) or (
+        self.max_rounds < 0):
+      raise ValueError(f"max_rounds must be an integer >= 0, got {self.max_rounds!r}")
+    if not self.capacity_factor >= 1:
+      raise ValueError(f"capacity_factor must be >= 1, got {self.capacity_factor!r}")
+
+  @property
+  def needs_key(self) -> bool:  # the sample is random
+    return self.method == "sampled"
+
+  def num_entries(self, n: int) -> int:
+    return num_entries(self.density, n)
+
+  def select(self, x: Array, *, key: Array | None = None) -> Array:
+    """int32 flat indices of the k entries kept (n marks padding)."""
+    n = x.size
+    k = self.num_entries(n)
+    a = jnp.abs(x.reshape(-1).astype(_F32))
+    a = jnp.where(jnp.isnan(a), jnp.inf, a)  # NaNs are poisoned later; keep top_k sane
+    if self.method == "exact" or k == n:
+      return lax.top_k(a, k)[1].astype(jnp.int32)
+    if self.method == "blocked":
+      return blocked_top_k(a, k)
+    key = self._require_key(key)
+    capacity = min(n, int(math.ceil(self.capacity_factor * k)))
+    idx, _ = sampled_threshold_select(a, k, key, sample_fraction=self.sample_fraction,
+                                      max_rounds=self.max_rounds, capacity=capacity)
+    return idx
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    _check_float(x)
+    index_dtype(x.size)
+    if x.size == 0:
+      return _pack_entries(x, jnp.zeros((0,), jnp.int32), 0)
+    return _pack_entries(x, self.select(x, key=key), x.size)
+
+  def entries(self, payload: Payload) -> tuple[Array, Array]:
+    return _entries(payload)
+
+
+# ----------------------------------------------------------------------------- random-k
+
+
+def systematic_indices(key: Array, n: int, k: int) -> Array:
+  """k distinct indices, each of the n included with probability exactly k/n.
+
+  Systematic sampling with a random start: ``(r + floor(j n / k)) mod n`` for
+  ``j = 0..k-1`` and ``r`` uniform in ``[0, n)``. For every j exactly one r hits a given
+  index, so its inclusion probability is ``k/n``; the offsets ``floor(j n / k)`` are
+  distinct because ``n >= k``. It costs O(k), not a permutation of n.
+  """
+  offsets = jnp.asarray((np.arange(k, dtype=np.int64) * n // k).astype(np.int32))
+  r = jax.random.randint(key, (), 0, n, dtype=jnp.int32)
+  # r + offset < 2n <= 2**32 - 2: compute the wrap in uint32 to avoid int32 overflow.
+  s = r.astype(jnp.uint32) + offsets.astype(jnp.uint32)
+  return jnp.where(s >= n, s - jnp.uint32(n), s).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomK(SparseCodec):
+  r"""Keeps ``k = ceil(density · n)`` random entries, scaled by ``n/k``: unbiased.
+
+  .. math:: Q(x)_i = \frac{n}{k} x_i Z_i, \quad P(Z_i = 1) = k/n, \qquad
+    \mathbb{E}[Q(x)] = x, \quad \mathbb{E}\|Q(x) - x\|^2 = (n/k - 1)\|x\|^2.
+
+  The k indices come from systematic sampling with a random start
+  (:func:`systematic_indices`): every coordinate has inclusion probability exactly k/n
+  at O(k) cost; the kept coordinates are evenly spaced, which leaves the per-coordinate
+  variance above unchanged.
+
+  With ``shared=True`` every device uses the same indices (:func:`jaxcomp.compress` does
+  not fold the device index into its key), so the payloads can be *summed*:
+  ``collective="psum"`` all-reduces only the k values, ``2(K-1)/K · 4k`` bytes per
+  device, flat in K, and the indices never cross the wire.
+
+  Wire format: k float32 values and k indices (as :class:`TopK`); with ``psum``, only
+  the values.
+
+  Args:
+    density: fraction of entries kept, in (0, 1].
+    shared: draw the same indices on every device.
+  """
+
+  density: float
+  shared: bool = False
+
+  needs_key = True
+
+  def __post_init__(self):
+    check_density(self.density)
+
+  @property
+  def shared_randomness(self) -> bool:
+    return bool(self.shared)
+
+  @property
+  def summable_fields(self):
+    return ("values",) if self.shared else None
+
+  def num_entries(self, n: int) -> int:
+    return num_entries(self.density, n)
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    _check_float(x)
+    key = self._require_key(key)
+    n = x.size
+    index_dtype(n)
+    if n == 0:
+      return _pack_entries(x, jnp.zeros((0,), jnp.int32), 0)
+    k = self.num_entries(n)
+    payload = _pack_entries(x, systematic_indices(key, n, k), n)
+    arrays = dict(payload.arrays, values=payload.arrays["values"] * jnp.float32(n / k))
+    return Payload(arrays, payload.shape, payload.dtype)
+
+  def entries(self, payload: Payload) -> tuple[Array, Array]:
+    return _entries(payload)
