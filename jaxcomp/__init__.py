@@ -6,6 +6,9 @@ through ``jax.shard_map``/``jax.pmap`` collectives, with explicit error-feedback
 
 from jaxcomp import codecs
 from jaxcomp._src.collectives import vary
+from jaxcomp._src.dgc import DGCState
+from jaxcomp._src.dgc import dgc
+from jaxcomp._src.dgc import dgc_density_schedule
 from jaxcomp._src.transforms import CompressState
 from jaxcomp._src.transforms import compress
 from jaxcomp._src.transforms import default_filter
@@ -23,11 +26,14 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveOp",
     "CompressState",
+    "DGCState",
     "PerDeviceState",
     "WireReport",
     "codecs",
     "compress",
     "default_filter",
+    "dgc",
+    "dgc_density_schedule",
     "onebit_sgd",
     "per_device_state",
     "qsgd",

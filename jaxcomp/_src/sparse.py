@@ -201,8 +201,8 @@ def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: f
     new = jnp.maximum(new, tiny)
     return r + 1, new, lo, hi, count(new)
 
-  init = (jnp.zeros((), jnp.int32), thr0, jnp.zeros((), _F32), jnp.full((), jnp.inf, _F32),
-          count(thr0))
+  # lo/hi derive from thr0 so they carry its sharding type (varying under shard_map).
+  init = (jnp.zeros((), jnp.int32), thr0, thr0 * 0.0, thr0 * 0.0 + jnp.inf, count(thr0))
   _, thr, _, _, c = lax.while_loop(cond, body, init)
   blocks = _blocks(a, _BLOCK)
   bmax = jnp.max(blocks, axis=1)
@@ -325,8 +325,12 @@ def systematic_indices(key: Array, n: int, k: int) -> Array:
   index, so its inclusion probability is ``k/n``; the offsets ``floor(j n / k)`` are
   distinct because ``n >= k``. It costs O(k), not a permutation of n.
   """
+  return systematic_from_start(jax.random.randint(key, (), 0, n, dtype=jnp.int32), n, k)
+
+
+def systematic_from_start(r: Array, n: int, k: int) -> Array:
+  """``(r + floor(j n / k)) mod n`` for ``j = 0..k-1`` (int32)."""
   offsets = jnp.asarray((np.arange(k, dtype=np.int64) * n // k).astype(np.int32))
-  r = jax.random.randint(key, (), 0, n, dtype=jnp.int32)
   # r + offset < 2n <= 2**32 - 2: compute the wrap in uint32 to avoid int32 overflow.
   s = r.astype(jnp.uint32) + offsets.astype(jnp.uint32)
   return jnp.where(s >= n, s - jnp.uint32(n), s).astype(jnp.int32)

@@ -16,6 +16,10 @@ ppermute           B
 =================  ====================
 
 and as much is sent. The dense baseline is a float32 ``pmean`` of every parameter.
+Of a ``lax.cond``/``lax.switch`` only the branch that moves the most bytes is counted
+(one branch runs per step; e.g. the first warm-up stage of :func:`jaxcomp.dgc`), so the
+report is an upper bound there; report the steady state of such a transform without it
+(``jc.dgc(..., warmup_steps=0)``).
 """
 
 from __future__ import annotations
@@ -108,6 +112,17 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
     if name in _TRAFFIC:
       b = sum(_nbytes(v.aval) for v in eqn.invars)
       out.append((name, b, mult, mult * _TRAFFIC[name](b, k)))
+    if name == "cond":
+      # One branch runs per step: count the branch that moves the most bytes (an upper
+      # bound; e.g. the first warm-up stage of jc.dgc).
+      per_branch = []
+      for branch in eqn.params["branches"]:
+        ops: list = []
+        for sub in _sub_jaxprs(branch):
+          _walk(sub, k, mult, ops)
+        per_branch.append(ops)
+      out.extend(max(per_branch, key=lambda ops: sum(op[3] for op in ops)))
+      continue
     inner = mult * int(eqn.params.get("length", 1)) if name == "scan" else mult
     for value in eqn.params.values():
       for sub in _sub_jaxprs(value):

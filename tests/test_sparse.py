@@ -1,0 +1,237 @@
+"""Sparse codecs: TopK (exact, blocked, DGC's sampled threshold), RandomK, psum exchange."""
+
+import functools
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp._src import sparse
+from tests import helpers
+from tests.helpers import AXIS, K
+
+C = jc.codecs
+
+
+@functools.lru_cache(maxsize=None)
+def _encode(codec):
+  return jax.jit(lambda x, key: codec.encode(x, key=key))
+
+
+def _indices(payload):
+  idx = np.asarray(payload.arrays["indices"]).astype(np.int64)
+  return idx[idx < np.prod(payload.shape)]
+
+
+def _heavy_tailed(key, n):
+  # Student-t with 1.5 degrees of freedom: infinite variance, like real gradient tails.
+  return jax.random.t(key, 1.5, (n,), jnp.float32)
+
+
+# ----------------------------------------------------------------------------- top-k
+
+
+@hypothesis.given(n=st.integers(1, 3000), density=st.sampled_from([0.001, 0.01, 0.3, 1.0]),
+                  seed=st.integers(0, 2**16))
+def test_topk_exact_is_lax_top_k(n, density, seed):
+  x = jax.random.normal(jax.random.key(seed), (n,))
+  payload = C.TopK(density).encode(x)
+  k = sparse.num_entries(density, n)
+  _, want = lax.top_k(jnp.abs(x), k)
+  np.testing.assert_array_equal(np.asarray(payload.arrays["indices"]).astype(np.int64),
+                                np.asarray(want))
+  np.testing.assert_array_equal(payload.arrays["values"], np.asarray(x)[np.asarray(want)])
+  dense = np.zeros(n, np.float32)
+  dense[np.asarray(want)] = np.asarray(x)[np.asarray(want)]
+  np.testing.assert_array_equal(C.TopK(density).decode(payload), dense)
+
+
+@pytest.mark.parametrize("n", [100, 4096, 100_003])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_topk_blocked_selects_the_exact_set(n, density):
+  x = jax.random.normal(jax.random.key(n), (n,))
+  exact = set(_indices(C.TopK(density).encode(x)))
+  blocked = _encode(C.TopK(density, "blocked"))(x, jax.random.key(0))
+  assert set(_indices(blocked)) == exact
+  assert blocked.arrays["values"].shape == (sparse.num_entries(density, n),)
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "heavy_tailed"])
+@pytest.mark.parametrize("density", [0.001, 0.01])
+def test_topk_sampled_recall_and_exactly_k(dist, density):
+  n = 200_000
+  codec = C.TopK(density, "sampled")
+  k = sparse.num_entries(density, n)
+  recalls = []
+  for seed in range(5):
+    gen = jax.random.normal if dist == "gaussian" else (lambda kk, s: _heavy_tailed(kk, s[0]))
+    x = gen(jax.random.key(seed), (n,))
+    payload = _encode(codec)(x, jax.random.key(100 + seed))
+    got = _indices(payload)
+    assert payload.arrays["values"].shape == (k,)
+    assert len(got) == k and len(set(got)) == k  # exactly k distinct entries, no padding
+    exact = set(_indices(C.TopK(density).encode(x)))
+    recalls.append(len(exact & set(got)) / k)
+    np.testing.assert_array_equal(payload.arrays["values"], np.asarray(x)[got])
+  assert min(recalls) >= 0.95, recalls
+
+
+def test_topk_sampled_pads_when_fewer_entries_are_nonzero():
+  n = 5000
+  x = jnp.zeros(n).at[jnp.array([3, 700, 4000])].set(jnp.array([1.0, -2.0, 0.5]))
+  codec = C.TopK(0.002, "sampled")  # k = 10 > 3 non-zeros
+  payload = _encode(codec)(x, jax.random.key(0))
+  assert payload.arrays["values"].shape == (10,)
+  assert sorted(_indices(payload)) == [3, 700, 4000]
+  np.testing.assert_array_equal(codec.decode(payload), x)
+  zero = _encode(codec)(jnp.zeros(n), jax.random.key(0))
+  np.testing.assert_array_equal(codec.decode(zero), jnp.zeros(n))
+
+
+def test_topk_sampled_falls_back_to_exact_when_the_buffer_overflows():
+  # No refinement and a buffer of exactly k: the first threshold (aimed at 1.4k entries)
+  # passes more than k, so the exact path must run; the result is still the exact top-k.
+  n, density = 50_000, 0.01
+  x = jax.random.normal(jax.random.key(3), (n,))
+  codec = C.TopK(density, "sampled", max_rounds=0, capacity_factor=1.0)
+  a = jnp.abs(x)
+  k = sparse.num_entries(density, n)
+  _, passed = sparse.sampled_threshold_select(a, k, jax.random.key(1), sample_fraction=0.01,
+                                              max_rounds=0, capacity=k)
+  assert int(passed) > k
+  got = _encode(codec)(x, jax.random.key(1))
+  assert set(_indices(got)) == set(_indices(C.TopK(density).encode(x)))
+
+
+def test_topk_nan_is_not_hidden_and_inputs_validated():
+  x = jnp.ones(4096).at[7].set(jnp.nan)
+  for method in ("exact", "sampled"):
+    decoded = C.TopK(0.01, method).decode(_encode(C.TopK(0.01, method))(x, jax.random.key(0)))
+    assert not bool(jnp.all(jnp.isfinite(decoded)))
+  with pytest.raises(ValueError):
+    C.TopK(0.0)
+  with pytest.raises(ValueError):
+    C.TopK(1.5)
+  with pytest.raises(ValueError):
+    C.TopK(0.1, "approx")
+  with pytest.raises(ValueError):
+    C.TopK(0.1, "sampled").encode(jnp.ones(100))  # needs a key
+  with pytest.raises(TypeError):
+    C.TopK(0.1).encode(jnp.ones(100, jnp.int32))
+
+
+@pytest.mark.parametrize("n,dtype", [(200, np.uint8), (255, np.uint8), (256, np.uint16),
+                                     (65535, np.uint16), (65536, np.int32)])
+def test_index_dtype_is_the_narrowest_that_holds_n(n, dtype):
+  codec = C.TopK(0.01)
+  payload = jax.eval_shape(lambda x: codec.encode(x), jax.ShapeDtypeStruct((n,), jnp.float32))
+  assert payload.arrays["indices"].dtype == dtype
+  k = sparse.num_entries(0.01, n)
+  assert codec.wire_bits((n,)) == 8 * k * (4 + np.dtype(dtype).itemsize)
+  assert codec.wire_bits((n,)) == 8 * payload_nbytes(payload)
+
+
+def payload_nbytes(p):
+  return C.payload_nbytes(p)
+
+
+def test_decode_sum_adds_every_devices_entries_bf16():
+  codec = C.TopK(0.05)
+  xs = jax.random.normal(jax.random.key(0), (K, 40, 30), jnp.bfloat16)
+  stacked = jax.vmap(codec.encode)(xs)
+  want = sum(np.asarray(codec.decode(jax.tree.map(lambda a: a[i], stacked)), np.float32)
+             for i in range(K))
+  got = codec.decode_sum(stacked)
+  assert got.shape == (40, 30) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert codec.decode(jax.tree.map(lambda a: a[0], stacked)).dtype == jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------- random-k
+
+
+@pytest.mark.parametrize("n,k", [(10, 3), (12, 4), (7, 7), (1000, 33)])
+def test_systematic_sampling_includes_each_index_with_probability_k_over_n(n, k):
+  # Exhaustive over the start r: each index is hit by exactly k of the n starts.
+  idx = np.asarray(jax.vmap(lambda r: sparse.systematic_from_start(r, n, k))(
+      jnp.arange(n, dtype=jnp.int32)))
+  assert all(len(set(row)) == k for row in idx)  # distinct
+  np.testing.assert_array_equal(np.bincount(idx.reshape(-1), minlength=n), np.full(n, k))
+
+
+def test_systematic_sampling_does_not_overflow_near_int32_limits():
+  n = 2**31 - 2
+  idx = sparse.systematic_from_start(jnp.int32(n - 1), n, 4)
+  np.testing.assert_array_equal(idx, [n - 1, n // 4 - 1, n // 2 - 1, 3 * n // 4 - 1])
+
+
+def test_randomk_is_unbiased_with_the_formula_variance():
+  n, density, m = 64, 0.125, 20_000
+  codec = C.RandomK(density)
+  x = jax.random.normal(jax.random.key(0), (n,))
+  keys = jax.random.split(jax.random.key(1), m)
+  q = np.asarray(jax.vmap(lambda kk: codec.decode(codec.encode(x, key=kk)))(keys), np.float64)
+  xs = np.asarray(x, np.float64)
+  var = xs**2 * (n / 8 - 1)  # per coordinate, k = 8
+  se = np.sqrt(var / m)
+  assert np.all(np.abs(q.mean(0) - xs) < 5 * se)
+  # E||Q - x||^2 = (n/k - 1)||x||^2; its sample mean within 5 standard errors.
+  err = np.sum((q - xs) ** 2, axis=1)
+  assert abs(err.mean() - var.sum()) < 5 * err.std() / np.sqrt(m)
+  # Negative control: without the n/k scale the same test fails.
+  assert not np.all(np.abs(q.mean(0) * 8 / n - xs) < 5 * se)
+
+
+def test_randomk_shared_indices_through_psum():
+  m = helpers.mesh()
+  params = {"w": jnp.zeros((64, 64))}
+  tx = jc.per_device_state(jc.compress(C.RandomK(0.05, shared=True), axis_name=AXIS,
+                                       collective="psum"))
+  state = helpers.shard_map_init(tx, params, m)
+  grads = helpers.per_device_grads(jax.random.key(0), {"w": (64, 64)})
+  update = helpers.shard_map_update(tx, m, params)
+  out, _ = update(helpers.shard(grads, m), state)
+  out = np.asarray(out["w"]).reshape(-1)
+  support = np.flatnonzero(out)
+  k = sparse.num_entries(0.05, 64 * 64)
+  assert len(support) == k
+  g = np.asarray(grads["w"]).reshape(K, -1)
+  np.testing.assert_allclose(out[support], g[:, support].mean(0) * (4096 / k),
+                             rtol=1e-5, atol=1e-6)
+  # Only the k values cross the wire, all-reduced: 2(K-1)/K · 4k bytes, flat in K.
+  for kk in (2, 8, 64):
+    report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=kk)
+    sizes = sorted(op.operand_bytes for op in report.ops)
+    assert sizes[-1] == 4 * k
+    assert report.bytes_received == pytest.approx(2 * (kk - 1) / kk * 4 * k)
+
+
+def test_psum_needs_a_summable_codec():
+  with pytest.raises(ValueError, match="summed"):
+    jc.compress(C.TopK(0.1), axis_name=AXIS, collective="psum")
+  with pytest.raises(ValueError, match="summed"):
+    jc.compress(C.RandomK(0.1), axis_name=AXIS, collective="psum")  # indices differ
+
+
+def test_topk_through_compress_allgather_with_error_feedback():
+  m = helpers.mesh()
+  params = {"w": jnp.zeros((64, 64))}
+  tx = jc.per_device_state(jc.compress(C.TopK(0.01, "sampled"), axis_name=AXIS,
+                                       error_feedback=True))
+  state = helpers.shard_map_init(tx, params, m)
+  update = helpers.shard_map_update(tx, m, params)
+  grads = helpers.per_device_grads(jax.random.key(0), {"w": (64, 64)})
+  out, state = update(helpers.shard(grads, m), state)
+  g = np.asarray(grads["w"]).reshape(K, -1)
+  res = np.asarray(state.inner.residual["w"]).reshape(K, -1)
+  sent = g - res  # error feedback: what was sent plus what is held is what came in
+  assert np.all(np.sum(sent != 0, axis=1) == 41)
+  np.testing.assert_allclose(np.asarray(out["w"]).reshape(-1), sent.mean(0), atol=1e-6)
