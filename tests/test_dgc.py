@@ -1,0 +1,210 @@
+"""jc.dgc: the four techniques of Deep Gradient Compression, exchanges and wire bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp as jc
+from jaxcomp._src import sparse
+from tests import helpers
+from tests.helpers import AXIS, K
+
+SHAPES = {"w": (64, 48), "b": (48,)}
+PARAMS = {name: jnp.zeros(shape) for name, shape in SHAPES.items()}
+
+
+def _run_sharded(tx, steps, seed=0):
+  """Per-step updates of tx (a chain with a per-device dgc) on 8 devices."""
+  m = helpers.mesh()
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  update = helpers.shard_map_update(tx, m, PARAMS)
+  outs, grads = [], []
+  for t in range(steps):
+    g = helpers.per_device_grads(jax.random.key(seed + t), SHAPES)
+    u, state = update(helpers.shard(g, m), state)
+    outs.append(jax.tree.map(np.asarray, u))
+    grads.append(jax.tree.map(lambda x: np.asarray(x).mean(0), g))
+  return outs, grads, state
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("collective", ["allgather", "chunked"])
+def test_density_one_is_momentum_sgd(nesterov, collective):
+  dgc = jc.dgc(1.0, 0.9, nesterov=nesterov, momentum_masking=False, method="exact",
+               axis_name=AXIS, collective=collective, chunk_size=64)
+  tx = optax.chain(jc.per_device_state(dgc), optax.sgd(0.1))
+  outs, grads, _ = _run_sharded(tx, 6)
+  ref = optax.sgd(0.1, momentum=0.9, nesterov=nesterov)
+  rs = ref.init(PARAMS)
+  for u, g in zip(outs, grads):
+    r, rs = ref.update(g, rs)
+    for name in SHAPES:
+      np.testing.assert_allclose(u[name], r[name], rtol=1e-5, atol=1e-6)
+
+
+def test_density_one_with_masking_is_plain_sgd():
+  # Everything is sent every step, so masking zeroes all of the momentum.
+  dgc = jc.dgc(1.0, 0.9, method="exact", axis_name=AXIS)
+  outs, grads, _ = _run_sharded(optax.chain(jc.per_device_state(dgc), optax.sgd(0.1)), 4)
+  for u, g in zip(outs[1:], grads[1:]):
+    np.testing.assert_allclose(u["w"], -0.1 * g["w"], rtol=1e-5, atol=1e-6)
+    # The dense leaf keeps dense momentum SGD (masking concerns sent entries only).
+  assert not np.allclose(outs[1]["b"], -0.1 * grads[1]["b"], atol=1e-4)
+
+
+def _local_step(tx, grads, state):
+  return jax.jit(tx.update)(grads, state)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("masking", [False, True])
+def test_residual_conservation_and_masking(nesterov, masking):
+  tx = jc.dgc(0.02, 0.9, nesterov=nesterov, momentum_masking=masking, method="exact")
+  state = tx.init(PARAMS)
+  for t in range(4):
+    g = {n: jax.random.normal(jax.random.key(t * 7 + i), s) for i, (n, s) in
+         enumerate(sorted(SHAPES.items()))}
+    u0, v0 = state.momentum["w"], state.velocity["w"]
+    out, state = _local_step(tx, g, state)
+    u_new = 0.9 * (u0 + g["w"]) if nesterov else 0.9 * u0 + g["w"]
+    v_in = v0 + u_new + (g["w"] if nesterov else 0.0)
+    sent = np.asarray(out["w"])
+    # What was sent plus what is held equals what came in, exactly.
+    np.testing.assert_allclose(sent + np.asarray(state.velocity["w"]), v_in, rtol=1e-6,
+                               atol=1e-6)
+    mask = sent != 0
+    assert mask.sum() == sparse.num_entries(0.02, 64 * 48)
+    assert np.all(np.asarray(state.velocity["w"])[mask] == 0)
+    want_u = np.where(mask, 0.0, u_new) if masking else u_new
+    np.testing.assert_allclose(state.momentum["w"], want_u, rtol=1e-6, atol=1e-6)
+    # The sent entries are the largest of the accumulated velocity.
+    assert np.min(np.abs(v_in[mask])) >= np.max(np.abs(np.asarray(v_in)[~mask]))
+
+
+def test_warmup_schedule_and_sent_counts():
+  sched = jc.dgc_density_schedule(0.001, warmup_steps=8)
+  np.testing.assert_allclose([float(sched(s)) for s in range(10)], [
+      0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001],
+      rtol=1e-7)
+  assert jc.dgc_density_schedule(0.3, warmup_steps=8)(0) == pytest.approx(0.3)
+  assert float(jc.dgc_density_schedule(0.01, 0)(0)) == pytest.approx(0.01)
+  tx = jc.dgc(0.001, 0.9, warmup_steps=8, method="exact")
+  state = tx.init(PARAMS)
+  n = 64 * 48
+  for t in range(10):
+    g = {"w": jax.random.normal(jax.random.key(t), (64, 48)), "b": jnp.ones(48)}
+    out, state = _local_step(tx, g, state)
+    density = [0.25, 0.0625, 0.015625, 0.00390625, 0.001][min(t // 2, 4)]
+    assert int(np.sum(np.asarray(out["w"]) != 0)) == sparse.num_entries(density, n)
+  with pytest.raises(ValueError):
+    jc.dgc_density_schedule(0.001, warmup_steps=-1)
+
+
+def test_local_gradient_clipping_threshold_scales_with_devices():
+  # Density 1 with masking is plain SGD: the update is the mean of the clipped gradients.
+  dgc = jc.dgc(1.0, 0.9, clip_norm=1.0, method="exact", axis_name=AXIS)
+  tx = jc.per_device_state(dgc)
+  m = helpers.mesh()
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  g = helpers.per_device_grads(jax.random.key(0), SHAPES)
+  out, _ = helpers.shard_map_update(tx, m, PARAMS)(helpers.shard(g, m), state)
+  thr = 1.0 / np.sqrt(K)
+  norms = np.sqrt(sum(np.sum(np.asarray(g[n]).reshape(K, -1) ** 2, axis=1) for n in SHAPES))
+  scale = np.minimum(1.0, thr / norms)
+  for name in SHAPES:
+    want = np.mean(np.asarray(g[name]) * scale.reshape(K, *[1] * len(SHAPES[name])), axis=0)
+    # "b" is a dense leaf: its momentum is zero at the first step, so it equals g too.
+    np.testing.assert_allclose(out[name], want, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_sends_whole_chunks_chosen_by_summed_norms():
+  dgc = jc.dgc(0.05, 0.0, method="exact", axis_name=AXIS, collective="chunked",
+               chunk_size=64, momentum_masking=False)
+  tx = jc.per_device_state(dgc)
+  m = helpers.mesh()
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  g = helpers.per_device_grads(jax.random.key(0), SHAPES)
+  out, state = helpers.shard_map_update(tx, m, PARAMS)(helpers.shard(g, m), state)
+  flat_g = np.asarray(g["w"]).reshape(K, -1)
+  chunks = np.abs(flat_g).sum(0).reshape(-1, 64).sum(1)  # psum of the chunks' L1 norms
+  n_chunks = int(np.ceil(0.05 * 64 * 48 / 64))
+  top = np.argsort(-chunks)[:n_chunks]
+  want = np.zeros_like(flat_g[0])
+  for c in top:
+    want[c * 64:(c + 1) * 64] = flat_g[:, c * 64:(c + 1) * 64].mean(0)
+  np.testing.assert_allclose(np.asarray(out["w"]).reshape(-1), want, rtol=1e-5, atol=1e-6)
+  # The velocity is zeroed on the sent chunks on every device, kept elsewhere.
+  vel = np.asarray(state.inner.velocity["w"]).reshape(K, -1)
+  sent = np.zeros(64 * 48, bool)
+  for c in top:
+    sent[c * 64:(c + 1) * 64] = True
+  assert np.all(vel[:, sent] == 0)
+  np.testing.assert_allclose(vel[:, ~sent], flat_g[:, ~sent], rtol=1e-6)
+
+
+def test_wire_bytes_chunked_flat_allgather_linear():
+  params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  n = 1024 * 1024
+  ks = [2, 8, 64, 512]
+  gather = [jc.wire_report(jc.dgc(0.001, axis_name=AXIS), params, axis_name=AXIS,
+                           num_devices=k).bytes_received for k in ks]
+  chunked = [jc.wire_report(jc.dgc(0.001, axis_name=AXIS, collective="chunked"), params,
+                            axis_name=AXIS, num_devices=k) for k in ks]
+  k_entries = sparse.num_entries(0.001, n)
+  for k, b in zip(ks, gather):  # (K-1) · k · (4 value + 4 index) bytes
+    assert b == (k - 1) * k_entries * 8
+  for k, r in zip(ks, chunked):  # 2(K-1)/K · 4 · (n/512 + ceil(density n / 512) · 512)
+    assert r.bytes_received == pytest.approx(2 * (k - 1) / k * 4 * (n // 512 + 3 * 512))
+  assert gather[-1] / gather[1] == pytest.approx(511 / 7)
+  assert chunked[1].ratio > 250
+
+
+def test_dense_leaves_and_outputs_identical_under_pmap():
+  dgc = jc.dgc(0.01, 0.9, method="sampled", axis_name=AXIS, warmup_steps=4)
+  tx = optax.chain(jc.per_device_state(dgc), optax.sgd(0.1))
+  outs, _, _ = _run_sharded(tx, 6)
+  # pmap: the same transform (state per device already, no wrapper) gives the same
+  # numbers: sampling draws from the same per-device keys.
+  ptx = optax.chain(dgc, optax.sgd(0.1))
+  replicated = jax.tree.map(lambda p: jnp.broadcast_to(p, (K, *p.shape)), PARAMS)
+  pstate = jax.pmap(ptx.init, axis_name=AXIS)(replicated)
+  step = jax.pmap(lambda g, s: ptx.update(g, s), axis_name=AXIS)
+  for t in range(6):
+    g = helpers.per_device_grads(jax.random.key(t), SHAPES)
+    u, pstate = step(g, pstate)
+    for name in SHAPES:
+      rows = np.asarray(u[name])
+      assert np.all(rows == rows[0])  # identical on every device
+      np.testing.assert_allclose(rows[0], outs[t][name], rtol=1e-6, atol=1e-7)
+
+
+def test_nonfinite_gradient_keeps_state_and_is_not_hidden():
+  tx = jc.dgc(0.05, 0.9, method="exact")
+  state = tx.init(PARAMS)
+  g = {"w": jnp.ones((64, 48)), "b": jnp.ones(48)}
+  _, state = _local_step(tx, g, state)
+  bad = {"w": g["w"].at[3, 4].set(jnp.nan), "b": g["b"]}
+  out, state2 = _local_step(tx, bad, state)
+  assert not np.all(np.isfinite(np.asarray(out["w"])))
+  assert int(state2.nonfinite_count) == 1
+  jax.tree.map(np.testing.assert_array_equal, state.momentum, state2.momentum)
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError):
+    jc.dgc(0.0)
+  with pytest.raises(ValueError):
+    jc.dgc(0.01, momentum=1.0)
+  with pytest.raises(ValueError):
+    jc.dgc(0.01, clip_norm=0.0)
+  with pytest.raises(ValueError):
+    jc.dgc(0.01, collective="two_phase")
+  with pytest.raises(ValueError):
+    jc.dgc(0.01, method="approx")
+  with pytest.raises(ValueError):
+    jc.dgc(0.01, chunk_size=0)
+  tx = jc.dgc(0.01, axis_name=AXIS)
+  with pytest.raises(ValueError, match="not bound"):
+    tx.update(PARAMS, tx.init(PARAMS))
