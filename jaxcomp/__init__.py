@@ -16,6 +16,7 @@ from jaxcomp._src.transforms import onebit_sgd
 from jaxcomp._src.transforms import PerDeviceState
 from jaxcomp._src.transforms import per_device_state
 from jaxcomp._src.transforms import qsgd
+from jaxcomp._src.transforms import sparsify
 from jaxcomp._src.transforms import state_specs
 from jaxcomp._src.wire import CollectiveOp
 from jaxcomp._src.wire import WireReport
@@ -37,6 +38,7 @@ __all__ = [
     "onebit_sgd",
     "per_device_state",
     "qsgd",
+    "sparsify",
     "state_specs",
     "vary",
     "wire_report",

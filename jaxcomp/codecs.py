@@ -18,6 +18,7 @@ from jaxcomp._src.codecs import payload_nbytes
 from jaxcomp._src.sparse import RandomK
 from jaxcomp._src.sparse import SparseCodec
 from jaxcomp._src.sparse import TopK
+from jaxcomp._src.wangni import UnbiasedSparsifier
 
 __all__ = ["Cast", "Codec", "Identity", "OneBit", "Payload", "QSGD", "RandomK", "SparseCodec",
-           "TopK", "payload_nbytes"]
+           "TopK", "UnbiasedSparsifier", "payload_nbytes"]

@@ -235,3 +235,43 @@ def test_topk_through_compress_allgather_with_error_feedback():
   sent = g - res  # error feedback: what was sent plus what is held is what came in
   assert np.all(np.sum(sent != 0, axis=1) == 41)
   np.testing.assert_allclose(np.asarray(out["w"]).reshape(-1), sent.mean(0), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- sparsify
+
+
+def test_sparsify_under_shard_map_counts_overflow_and_bytes():
+  m = helpers.mesh()
+  params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros((64,))}
+  shapes = {"w": (64, 64), "b": (64,)}
+  grads = helpers.per_device_grads(jax.random.key(0), shapes)
+  for capacity, overflows in ((None, 0), (0.002, 1)):
+    tx = jc.per_device_state(jc.sparsify(density=0.05, axis_name=AXIS, capacity=capacity))
+    state = helpers.shard_map_init(tx, params, m)
+    out, state = helpers.shard_map_update(tx, m, params)(helpers.shard(grads, m), state)
+    np.testing.assert_array_equal(state.inner.overflow_count, np.full((K,), overflows))
+    # The dense leaf is a plain pmean; the sparse one has at most K * capacity entries.
+    np.testing.assert_allclose(out["b"], np.asarray(grads["b"]).mean(0), rtol=1e-6)
+    codec = jc.codecs.UnbiasedSparsifier(density=0.05, capacity=capacity)
+    slots, _ = codec.capacities(64 * 64)
+    assert 0 < np.sum(np.asarray(out["w"]) != 0) <= K * slots
+    report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=K)
+    gathered = sum(op.bytes_received for op in report.ops if "all_gather" in op.primitive)
+    assert gathered == (K - 1) * codec.wire_bits((64, 64)) / 8
+
+
+def test_sparsify_is_unbiased_over_steps():
+  # One device (axis None): the average of many steps' updates converges to g.
+  tx = jc.sparsify(density=0.1, filter=lambda p, x: True)
+  g = {"w": jax.random.normal(jax.random.key(1), (256,))}
+  state = tx.init(g)
+
+  def body(state, _):
+    out, state = tx.update(g, state)
+    return state, out["w"]
+
+  _, outs = jax.jit(lambda s: jax.lax.scan(body, s, None, length=4000))(state)
+  outs = np.asarray(outs, np.float64)
+  se = outs.std(0) / np.sqrt(outs.shape[0])
+  assert np.all(np.abs(outs.mean(0) - np.asarray(g["w"])) < 5 * se + 1e-6)
+  assert np.mean(np.sum(outs != 0, axis=1)) == pytest.approx(25.6, rel=0.05)

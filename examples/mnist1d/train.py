@@ -28,7 +28,11 @@ from examples.mnist1d import models
 
 AXIS = "batch"
 
-METHODS = ("dense", "qsgd4", "qsgd2", "onebit")
+METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni")
+
+# Methods whose exchange carries the momentum (DGC's momentum correction): the optimizer
+# after them is plain SGD, and they clip locally instead of clipping the mean gradient.
+MOMENTUM_IN_EXCHANGE = ("dgc",)
 
 
 def pmean_gradients(axis_name: str) -> optax.GradientTransformation:
@@ -45,8 +49,24 @@ def pmean_gradients(axis_name: str) -> optax.GradientTransformation:
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def make_exchange(method: str) -> optax.GradientTransformation:
-  """The gradient exchange of ``method``: returns the mean gradient over ``AXIS``."""
+def make_exchange(method: str, config=None, *, warmup: bool = True
+                  ) -> optax.GradientTransformation:
+  """The gradient exchange of ``method``: returns the mean gradient over ``AXIS``.
+
+  ``config`` supplies DGC's clipping threshold and warm-up length (the learning-rate
+  warm-up, as in the paper); ``warmup=False`` gives DGC's steady state (for byte counts).
+  """
+  if method == "dgc":
+    clip, warmup_steps = None, 0
+    if config is not None:
+      # DGC's clip_norm bounds the *sum* of the K gradients (local threshold
+      # clip_norm/sqrt(K)); clipping the mean at grad_clip corresponds to K * grad_clip.
+      clip = jax.device_count() * config.grad_clip or None
+      warmup_steps = min(config.warmup_steps, config.num_steps // 2) if warmup else 0
+    return jc.dgc(0.001, 0.9, nesterov=True, clip_norm=clip, warmup_steps=warmup_steps,
+                  axis_name=AXIS)
+  if method == "wangni":
+    return jc.sparsify(density=0.05, axis_name=AXIS)
   if method == "dense":
     return pmean_gradients(AXIS)
   if method == "qsgd4":
@@ -58,12 +78,14 @@ def make_exchange(method: str) -> optax.GradientTransformation:
   raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
+def make_optimizer(config, *, momentum: bool = True) -> optax.GradientTransformation:
   """The optimizer applied after the exchange, with linear warmup and cosine decay.
 
   ``config.optimizer`` is ``"adamw"`` or ``"momentum"`` (SGD with Nesterov momentum 0.9
   and decoupled weight decay); the exchanged gradient is first clipped to a global norm
-  of ``config.grad_clip`` (0: no clipping).
+  of ``config.grad_clip`` (0: no clipping). With ``momentum=False`` (after DGC, whose
+  exchange carries the Nesterov momentum and clips locally) it is plain SGD with the
+  same schedule and weight decay, and no clipping.
   """
   warmup_cosine = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate,
@@ -72,6 +94,8 @@ def make_optimizer(config) -> optax.GradientTransformation:
   # optax's cosine decay mixes the int32 step count with float constants, which
   # jax_numpy_dtype_promotion="strict" rejects: hand it a float32 count.
   schedule = lambda count: warmup_cosine(jnp.asarray(count, jnp.float32))
+  if not momentum:
+    return optax.chain(optax.add_decayed_weights(config.weight_decay), optax.sgd(schedule))
   if config.optimizer == "adamw":
     optimizer = optax.adamw(schedule, weight_decay=config.weight_decay)
   elif config.optimizer == "momentum":
@@ -92,7 +116,8 @@ def make_tx(method: str, config) -> optax.GradientTransformation:
   mean gradient on every device and its state stays replicated, like the parameters.
   ``jc.state_specs`` gives the matching ``shard_map`` specs.
   """
-  return optax.chain(jc.per_device_state(make_exchange(method)), make_optimizer(config))
+  return optax.chain(jc.per_device_state(make_exchange(method, config)),
+                     make_optimizer(config, momentum=method not in MOMENTUM_IN_EXCHANGE))
 
 
 def cross_entropy(model, params, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -183,6 +208,10 @@ def train_method(method: str, config, *, model, init_params, data, mesh) -> dict
         bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", test_acc=f"{acc:.1%}")
 
   report = wire_report(tx, init_params, k)
+  if method == "dgc":  # report DGC's steady state; its warm-up stages send more
+    steady = optax.chain(jc.per_device_state(make_exchange(method, config, warmup=False)),
+                         make_optimizer(config, momentum=False))
+    report = wire_report(steady, init_params, k)
   return {
       "test_accuracy": history["test_accuracy"][-1],
       "bytes_received": None if report is None else report.bytes_received,

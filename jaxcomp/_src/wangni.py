@@ -22,7 +22,6 @@ from jaxcomp._src.codecs import Payload
 from jaxcomp._src.codecs import _check_float
 from jaxcomp._src.sparse import SparseCodec
 from jaxcomp._src.sparse import check_density
-from jaxcomp._src.sparse import compact
 from jaxcomp._src.sparse import index_dtype
 
 _F32 = jnp.float32
@@ -33,6 +32,18 @@ _SIGMAS = 6.0
 _SLACK = 6.0
 #: Counts are float32 sums of 0/1 on the common path: exact below 2**24.
 _FLOAT_COUNT_MAX = 2**23
+
+
+def _compact(mask: Array, size: int) -> Array:
+  """Positions of the first ``size`` True entries of a flat mask, padded with n (int32).
+
+  The same as :func:`jaxcomp._src.sparse.compact` (``jnp.nonzero``), as one cumsum and
+  one scatter: about half the compile time, and no slower.
+  """
+  n = mask.shape[0]
+  dest = jnp.where(mask, jnp.cumsum(mask, dtype=jnp.int32) - 1, size)
+  out = jnp.full((size,), n, jnp.int32)
+  return out.at[dest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
 def capacity_tail_bound(mean: float, capacity: int) -> float:
@@ -48,6 +59,65 @@ def capacity_tail_bound(mean: float, capacity: int) -> float:
   if c <= mean:
     return 1.0
   return math.exp(-mean + c * (1.0 + math.log(mean / c)))
+
+
+def exact_lambda(a: Array, epsilon: float) -> Array:
+  r"""λ of Algorithm 2 for non-negative magnitudes ``a``, without sorting (float32 scalar).
+
+  With ``C_1(τ) = Σ_{a_i <= τ} a_i``, ``C_2(τ) = Σ_{a_i <= τ} a_i^2`` and ``S_2 = Σ a_i^2``,
+  the paper's test for the j smallest entries to stay unsaturated,
+  ``b_{(j)} C_1 < ε S_2 + C_2`` (``b_{(j)}`` the j-th smallest), is ``H(b_{(j)}) > 0`` for
+
+  .. math:: H(\tau) = \varepsilon S_2 + C_2(\tau) - \tau\, C_1(\tau),
+
+  which is continuous and non-increasing in τ (it has slope ``-C_1(τ)`` between data
+  values and does not jump at them: an entry ``a = τ`` adds ``τ^2 - τ·τ``). So the
+  paper's smallest k (largest j) is found by bisection of H on the bit patterns of
+  non-negative float32 (31 passes of two masked sums, no sort: about 15x faster than
+  ``jnp.sort`` on XLA:CPU at 1M values), and ``λ = C_1 / (ε S_2 + C_2)`` at the last τ
+  with ``H(τ) > 0``. Returns 0 when ``a`` is all zero. :func:`exact_lambda_sorted` is the
+  paper's sorting version, kept as the reference.
+  """
+  eps = jnp.float32(epsilon)
+  s2 = jnp.sum(a * a)
+
+  def sums(bits):
+    tau = lax.bitcast_convert_type(bits, _F32)
+    below = a <= tau
+    c1 = jnp.sum(jnp.where(below, a, 0.0))
+    c2 = jnp.sum(jnp.where(below, a * a, 0.0))
+    return tau, c1, c2
+
+  def body(_, lohi):
+    lo, hi = lohi
+    mid = lo + (hi - lo) // 2
+    tau, c1, c2 = sums(mid)
+    up = eps * s2 + c2 - tau * c1 > 0
+    return jnp.where(up, mid, lo), jnp.where(up, hi, mid)
+
+  # H(0) = ε S_2 > 0 and H(+inf) = -inf: the bracket [0, +inf) of float32 bit patterns.
+  # (zeros_like: the carry varies over the same shard_map axes as `a`.)
+  lo = jnp.zeros_like(s2, dtype=jnp.int32)
+  lo, _ = lax.fori_loop(0, 31, body, (lo, lo + 0x7F800000))
+  _, c1, c2 = sums(lo)
+  budget = eps * s2 + c2
+  return jnp.where((s2 > 0) & (c1 > 0), c1 / jnp.maximum(budget, _TINY), 0.0)
+
+
+def exact_lambda_sorted(a: Array, epsilon: float) -> Array:
+  """Reference for :func:`exact_lambda`: Algorithm 2 as written, with one sort of ``a``.
+
+  Sorted ascending, the paper's suffix sums over the n - k smallest are prefix sums; the
+  smallest k is the largest j = n - k with ``b[j-1] · Σ_{i<j} b_i < ε S_2 + Σ_{i<j} b_i^2``.
+  """
+  eps = jnp.float32(epsilon)
+  b = jnp.sort(a)
+  c1 = jnp.cumsum(b)
+  c2 = jnp.cumsum(b * b)
+  budget = eps * c2[-1] + c2
+  j = jnp.max(jnp.where(b * c1 < budget, jnp.arange(1, b.shape[0] + 1, dtype=jnp.int32), 0))
+  i = jnp.maximum(j - 1, 0)
+  return jnp.where((c2[-1] > 0) & (j > 0), c1[i] / jnp.maximum(budget[i], _TINY), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +139,8 @@ class UnbiasedSparsifier(SparseCodec):
     :math:`|x|_{(k+1)} \sum_{i>k} |x|_{(i)} < \varepsilon \sum_i x_i^2 + \sum_{i>k} x_{(i)}^2`
     and :math:`\lambda = \sum_{i>k}|x|_{(i)} / (\varepsilon \sum_i x_i^2 + \sum_{i>k} x_{(i)}^2)`.
     The k largest then have ``p = 1`` and :math:`\sum_i x_i^2/p_i = (1+\varepsilon)\|x\|^2`
-    exactly (up to float32 rounding): the optimum of the problem above. One sort of n.
+    exactly (up to float32 rounding): the optimum of the problem above. The same k is
+    found by a bisection instead of a sort (:func:`exact_lambda`): about 32 passes over n.
   * ``method="greedy"`` (Algorithm 3), for a target density κ: ``λ = κn / Σ|x_j|``, then
     ``rounds`` times: over the entries not saturated (``λ|x_i| < 1``) rescale λ so that
     the expected count is κn, i.e. ``λ ← (κn − #saturated) / Σ_{unsaturated}|x_i|``.
@@ -99,9 +170,10 @@ class UnbiasedSparsifier(SparseCodec):
   .. math:: C = \min\bigl(n, \lceil m + 6\sqrt{m} + 6 \rceil\bigr), \qquad
      D = \min(\lceil \text{dense\_fraction} \cdot m \rceil, C - 1)
 
-  (``D >= 1``; ``D = C`` when ``C = n``), or ``C = ceil(capacity · n)`` when
-  ``capacity`` is given. The dense count is deterministic and, for ``"greedy"``, at
-  most κn: with ``dense_fraction=1`` it always fits. The other kept entries are a sum of
+  (``D >= 1``, and ``D <= C - 1`` so that a sign entry always has a slot, unless
+  ``C = n``), or ``C = ceil(capacity · n)`` when ``capacity`` is given. The dense
+  count is deterministic and, for ``"greedy"``, at most κn: with ``dense_fraction=1`` it
+  always fits. The other kept entries are a sum of
   independent Bernoullis of mean ``μ = Σ_{p_i<1} p_i <= m − #dense``, and they get the
   ``C − #dense >= μ + 6√m + 6`` slots left, so by the Chernoff bound
   ``P(N > C') <= e^{-μ}(eμ/(C'+1))^{C'+1}`` (:func:`capacity_tail_bound`) they overflow
@@ -122,35 +194,42 @@ class UnbiasedSparsifier(SparseCodec):
   a bfloat16/float16 input dtype rounds ``scale`` to that dtype.
 
   Args:
+    epsilon: ε > 0, the variance budget ``E||Q(x)||^2 <= (1+ε)||x||^2`` (``"exact"``).
     density: κ in (0, 1]: the expected fraction of entries kept (``"greedy"``,
       required), or the planned density that sizes the capacity (``"exact"``, optional).
-    epsilon: ε > 0, the variance budget ``E||Q(x)||^2 <= (1+ε)||x||^2`` (``"exact"``).
     method: ``"greedy"`` or ``"exact"``.
-    rounds: rescaling passes of ``"greedy"`` (integer >= 0).
+    rounds: rescaling passes of ``"greedy"`` (integer >= 0). Each is one pass over n;
+      with 4, ``Σ p_i`` was within 0.05% of κn for κ <= 0.5 and within 1.2% for
+      κ = 0.9 on normal, lognormal-scaled and Cauchy vectors of 1M values (2 rounds:
+      within 3% for κ <= 0.5, 14% short at κ = 0.9).
     capacity: entry slots as a fraction of n in (0, 1], overriding the rule above.
-    dense_fraction: dense value slots in units of ``m``, in (0, 1]. Lower it (e.g. 0.25)
-      to save 32 bits per slot when few entries saturate (a typical gradient at low
-      density), at the cost of the overflow path when more do.
+    dense_fraction: dense value slots in units of ``m``, in (0, 1]. The default 0.25
+      leaves a 4x margin over what real gradients need: on the MNIST-1D demo CNN the
+      saturated entries were at most 6% of ``m`` at κ = 10% (none at κ <= 1%). Raise it
+      to 1 (``"greedy"`` then never overflows this part) for inputs with many outliers;
+      each slot costs 32 bits.
 
   References:
     Wangni, Wang, Liu, Zhang. *Gradient Sparsification for Communication-Efficient
     Distributed Optimization*. NeurIPS 2018. https://arxiv.org/abs/1710.09854
 
   >>> import jax, jax.numpy as jnp
-  >>> codec = UnbiasedSparsifier(0.1)
-  >>> x = jax.random.normal(jax.random.key(0), (1000,))
+  >>> codec = UnbiasedSparsifier(density=0.1)  # keep 10% of the entries on average
+  >>> x = jax.random.normal(jax.random.key(0), (400,))
   >>> payload, overflowed = codec.encode_with_info(x, key=jax.random.key(1))
-  >>> codec.decode(payload).shape, bool(overflowed), codec.capacities(1000)
-  ((1000,), False, (125, 100))
+  >>> codec.decode(payload).shape, bool(overflowed), codec.capacities(400)
+  ((400,), False, (84, 10))
+  >>> codec.wire_bits(x.shape)  # 84 uint16 indices, 3 sign words, 10 values, 2 scalars
+  1824
   """
 
-  density: float | None = None
-  _: dataclasses.KW_ONLY
   epsilon: float | None = None
+  density: float | None = None
   method: str = "greedy"
-  rounds: int = 2
+  _: dataclasses.KW_ONLY
+  rounds: int = 4
   capacity: float | None = None
-  dense_fraction: float = 1.0
+  dense_fraction: float = 0.25
 
   needs_key = True
 
@@ -159,7 +238,10 @@ class UnbiasedSparsifier(SparseCodec):
       raise ValueError(f"method must be 'greedy' or 'exact', got {self.method!r}")
     if self.method == "greedy":
       if self.density is None:
-        raise ValueError("method='greedy' needs density=κ in (0, 1]")
+        hint = ("" if self.epsilon is None else
+                f" (got epsilon={self.epsilon!r}: the positional order is epsilon, "
+                f"density, method; pass density=... by keyword)")
+        raise ValueError(f"method='greedy' needs density=κ in (0, 1]{hint}")
       if self.epsilon is not None:
         raise ValueError("epsilon is used by method='exact' only; 'greedy' takes density")
     else:
@@ -221,7 +303,7 @@ class UnbiasedSparsifier(SparseCodec):
       # Saturated: a·λ >= 1, i.e. floor(min(a·λ, 1)) = 1 (a float sum, fast on XLA:CPU).
       sat = jnp.floor(jnp.minimum(a * lam, 1.0))
       n_sat = jnp.sum(sat)
-      rest = s1 - jnp.sum(sat * a)  # Σ|x| over the unsaturated entries
+      rest = jnp.sum(a - sat * a)  # Σ|x| over the unsaturated entries (no cancellation)
       ok = (target - n_sat > 0) & (rest > 0)
       new = (target - n_sat) / jnp.where(ok, rest, 1.0)
       # λ only grows (mathematically; max() guards float rounding).
@@ -229,19 +311,7 @@ class UnbiasedSparsifier(SparseCodec):
     return lam
 
   def _lambda_exact(self, a: Array) -> Array:
-    eps = jnp.float32(self.epsilon)
-    b = jnp.sort(a)  # ascending: the suffix sums of the paper are prefix sums here
-    c1 = jnp.cumsum(b)
-    c2 = jnp.cumsum(b * b)
-    s2 = c2[-1]
-    # j = n - k unsaturated entries (the j smallest); the paper's smallest k is the
-    # largest j with b[j-1] · Σ_{i<j} b_i < ε Σx² + Σ_{i<j} b_i².
-    budget = eps * s2 + c2
-    cond = b * c1 < budget
-    j = jnp.max(jnp.where(cond, jnp.arange(1, b.shape[0] + 1, dtype=jnp.int32), 0))
-    i = jnp.maximum(j - 1, 0)
-    lam = c1[i] / jnp.maximum(budget[i], _TINY)
-    return jnp.where((s2 > 0) & (j > 0), lam, 0.0)
+    return exact_lambda(a, float(self.epsilon))
 
   def probabilities(self, x: Array) -> tuple[Array, Array]:
     """(p, λ): the float32 keep probabilities of the flattened x, and λ (float32).
@@ -266,9 +336,16 @@ class UnbiasedSparsifier(SparseCodec):
 
   def encode_with_info(self, x: Array, *, key: Array | None = None) -> tuple[Payload, Array]:
     """(payload, overflowed): ``overflowed`` (bool scalar) is True when a capacity was
-    exceeded and the unbiased subsampling fallback was taken."""
+    exceeded and the unbiased subsampling fallback was taken.
+
+    The work is one jitted function (``self`` is static), so an eager call compiles one
+    program instead of dispatching each operation; under an outer ``jit`` it is inlined.
+    """
     _check_float(x)
     key = self._require_key(key)
+    return _encode_jit(self, x, key)
+
+  def _encode(self, x: Array, key: Array) -> tuple[Payload, Array]:
     n = x.size
     idt = index_dtype(n)
     c_slots, d_slots = self.capacities(n)
@@ -282,8 +359,7 @@ class UnbiasedSparsifier(SparseCodec):
     xf = x.reshape(-1).astype(_F32)
     a, amax, all_finite = self._normalized(x)
     lam = self._lambda_normalized(a)
-    key_draw, key_sub = jax.random.split(key)
-    u = jax.random.uniform(key_draw, (n,), _F32)
+    u = jax.random.uniform(key, (n,), _F32)
     finite = jnp.isfinite(xf)
     p = jnp.minimum(a * lam, 1.0)
     # One definition of "dense" and "kept", materialised once and read by both paths.
@@ -298,41 +374,50 @@ class UnbiasedSparsifier(SparseCodec):
       n_dense = jnp.sum(dense, dtype=jnp.int32)
       n_keep = jnp.sum(keep, dtype=jnp.int32)
     overflow = (n_dense > d_slots) | (n_keep > c_slots)
+    # Both branches of the cond must return values that vary over the same shard_map
+    # axes (check_vma); `keep` depends on x and on the key, so a zero derived from it
+    # varies over every axis either one does, and is added to each output.
+    zero = jnp.zeros_like(n_keep, dtype=jnp.int32)
 
     def common(_):
       # Every kept entry fits: the C first kept positions are all of them.
-      idx = compact(keep, c_slots)
+      idx = _compact(keep, c_slots)
       valid = idx < n
       safe = jnp.minimum(idx, n - 1)
       is_dense = valid & dense[safe]
       # Stable partition of the slots: dense first, then sign entries, then padding.
       nd = jnp.sum(is_dense, dtype=jnp.int32)
+      ns = jnp.sum(valid & ~is_dense, dtype=jnp.int32)
       dest = jnp.where(is_dense, jnp.cumsum(is_dense) - 1, nd + jnp.cumsum(~is_dense) - 1)
       idx = jnp.zeros_like(idx).at[dest].set(idx, unique_indices=True)
-      return idx, nd, jnp.ones((), _F32), jnp.ones((), _F32)
+      return idx + zero, nd + zero, nd + zero, ns + zero
 
     def subsample(_):
-      # Uniformly random subsets (the largest priorities r) of each part that fits;
-      # dense and sign entries are disjoint, so one priority vector serves both.
-      r = jax.random.uniform(key_sub, (n,), _F32)
+      # Uniformly random subsets (the largest priorities r) of each part that fits.
+      # r = u / p: given that entry i was kept (u_i < p_i), u_i / p_i is uniform on
+      # [0, 1) and independent across entries, so no second draw is needed (dense
+      # entries have p = 1, r = u). The two parts are disjoint: one r serves both.
+      r = u / jnp.where(p > 0, p, 1.0)
       nd_all = jnp.sum(dense, dtype=jnp.int32)
       ns_all = jnp.sum(keep & ~dense, dtype=jnp.int32)
       _, d_idx = lax.top_k(jnp.where(dense, r, -1.0), d_slots)
       _, s_idx = lax.top_k(jnp.where(keep & ~dense, r, -1.0), c_slots)
       nd = jnp.minimum(nd_all, d_slots)
-      room = c_slots - nd  # >= 1 whenever a sign entry exists (see capacities)
-      ns = jnp.minimum(ns_all, room)
+      ns = jnp.minimum(ns_all, c_slots - nd)  # c_slots - nd >= 1 (see capacities)
       j_d = jnp.arange(d_slots, dtype=jnp.int32)
       j_s = jnp.arange(c_slots, dtype=jnp.int32)
       idx = jnp.full((c_slots,), n, jnp.int32)
       idx = idx.at[j_d].set(jnp.where(j_d < nd, d_idx.astype(jnp.int32), n))
       dest = jnp.where(j_s < ns, nd + j_s, c_slots)  # past the end: dropped
       idx = idx.at[dest].set(s_idx.astype(jnp.int32), mode="drop")
-      f_d = jnp.where(nd_all > d_slots, nd_all.astype(_F32) / d_slots, 1.0)
-      f_s = jnp.where(ns_all > room, ns_all.astype(_F32) / jnp.maximum(room, 1).astype(_F32), 1.0)
-      return idx, nd, f_d, f_s
+      return idx + zero, nd + zero, nd_all + zero, ns_all + zero
 
-    idx, nd, f_dense, f_sign = lax.cond(overflow, subsample, common, None)
+    # nd_all, ns_all: dense and sign entries drawn; nd of them dense are sent.
+    idx, nd, nd_all, ns_all = lax.cond(overflow, subsample, common, None)
+    # Unbiased thinning factors (1 unless the part overflowed): count / kept.
+    room = jnp.maximum(c_slots - nd, 1)
+    f_dense = jnp.where(nd_all > d_slots, nd_all.astype(_F32) / d_slots, 1.0)
+    f_sign = jnp.where(ns_all > room, ns_all.astype(_F32) / room.astype(_F32), 1.0)
     vals = xf[jnp.minimum(idx, n - 1)]
     j = jnp.arange(d_slots, dtype=jnp.int32)
     values = jnp.where(j < nd, vals[:d_slots] * f_dense, 0.0)
@@ -358,3 +443,6 @@ class UnbiasedSparsifier(SparseCodec):
     dense = jnp.pad(arrays["values"], (0, c_slots - d_slots))
     j = jnp.arange(c_slots, dtype=jnp.int32)
     return idx, jnp.where(j < arrays["num_dense"], dense, signed)
+
+
+_encode_jit = jax.jit(UnbiasedSparsifier._encode, static_argnums=0)

@@ -1,4 +1,4 @@
-"""Default configuration: the README's demo (4 methods; docs/index.md has its timing)."""
+"""Default configuration: the README's demo (6 methods; docs/index.md has its timing)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ class Config:
   grad_clip: float = 1.0           # global-norm clipping of the mean gradient (0: off)
   seed: int = 0                    # init and shuffling
 
-  # Methods to compare, in table order: "dense", "qsgd4", "qsgd2", "onebit".
-  methods: tuple[str, ...] = ("dense", "qsgd4", "qsgd2", "onebit")
+  # Methods to compare, in table order (see train.make_exchange).
+  methods: tuple[str, ...] = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni")
 
   # Logging.
   eval_every: int = 50             # steps between test-accuracy evaluations
