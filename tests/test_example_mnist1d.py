@@ -38,6 +38,10 @@ def test_quick_run_writes_results(tmp_path):
   assert all(r["dense_bytes"] == results["dense"]["bytes_received"] for r in results.values())
   assert 5 < ratio["qsgd4"] < ratio["qsgd2"] < ratio["onebit"]
   assert ratio["onebit"] > 10
+  # All-gathered sparse payloads: DGC sends 9 (value, uint16 index) pairs per kernel per
+  # step; Wangni (5%) a capacity of 538 indices + signs and 103 values per kernel.
+  assert ratio["dgc"] > ratio["onebit"]
+  assert 3 < ratio["wangni"] < ratio["qsgd4"]
 
   for name in ("results.md", "results.json", "accuracy.png"):
     assert os.path.getsize(os.path.join(workdir, name)) > 0
