@@ -7,10 +7,14 @@ import pytest
 
 import jaxcomp as jc
 from jaxcomp import codecs
+from jaxcomp._src import dgc
+from jaxcomp._src import sparse
 from jaxcomp._src import transforms
+from jaxcomp._src import wangni
 
 
-@pytest.mark.parametrize("module", [codecs, transforms], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [codecs, transforms, dgc, sparse, wangni],
+                         ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0

@@ -261,6 +261,14 @@ class TopK(SparseCodec):
   References:
     Lin, Han, Mao, Wang, Dally. *Deep Gradient Compression: Reducing the Communication
     Bandwidth for Distributed Training*. ICLR 2018. https://arxiv.org/abs/1712.01887
+
+  >>> import jax.numpy as jnp, jaxcomp as jc
+  >>> codec = jc.codecs.TopK(0.25)  # k = ceil(0.25 * 8) = 2
+  >>> payload = codec.encode(jnp.array([0.1, -3.0, 0.2, 2.0, 0.0, 0.5, -0.3, 1.0]))
+  >>> payload.arrays["indices"]
+  Array([1, 3], dtype=uint8)
+  >>> codec.decode(payload)
+  Array([ 0., -3.,  0.,  2.,  0.,  0.,  0.,  0.], dtype=float32)
   """
 
   density: float
