@@ -221,7 +221,7 @@ def dgc(
                     momentum=treedef.unflatten(mom), velocity=treedef.unflatten(vel),
                     nonfinite_count=jnp.zeros((), jnp.int32))
 
-  def exchange_all(stage_index, gs, us, vs, step_key, on, paths):
+  def exchange_all(stage_index, gs, us, vs, step_key, on):
     """One stage's exchange of every leaf: (outputs, new momenta, new velocities)."""
     codec = codecs[stage_index]
     outs, new_u, new_v = [], [], []
@@ -290,7 +290,7 @@ def dgc(
     def branch(j):
       def run(args):
         g_, u_, v_ = args
-        return exchange_all(j, g_, u_, v_, step_key, on, paths)
+        return exchange_all(j, g_, u_, v_, step_key, on)
       return run
 
     args = (gs, us, vs_in)
