@@ -5,10 +5,16 @@ through ``jax.shard_map``/``jax.pmap`` collectives, with explicit error-feedback
 """
 
 from jaxcomp import codecs
+from jaxcomp import elias
 from jaxcomp._src.collectives import vary
 from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import dgc
 from jaxcomp._src.dgc import dgc_density_schedule
+from jaxcomp._src.qsvrg import QSVRG
+from jaxcomp._src.qsvrg import QSVRGState
+from jaxcomp._src.qsvrg import QSVRGWireReport
+from jaxcomp._src.qsvrg import qsvrg
+from jaxcomp._src.qsvrg import qsvrg_wire_report
 from jaxcomp._src.transforms import CompressState
 from jaxcomp._src.transforms import compress
 from jaxcomp._src.transforms import default_filter
@@ -29,15 +35,21 @@ __all__ = [
     "CompressState",
     "DGCState",
     "PerDeviceState",
+    "QSVRG",
+    "QSVRGState",
+    "QSVRGWireReport",
     "WireReport",
     "codecs",
     "compress",
     "default_filter",
+    "elias",
     "dgc",
     "dgc_density_schedule",
     "onebit_sgd",
     "per_device_state",
     "qsgd",
+    "qsvrg",
+    "qsvrg_wire_report",
     "sparsify",
     "state_specs",
     "vary",

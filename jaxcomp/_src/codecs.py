@@ -307,7 +307,14 @@ class QSGD(Codec):
     safe = jnp.where(amax > 0, amax, jnp.ones_like(amax))
     return amax * jnp.sqrt(jnp.sum(jnp.square(v / safe[:, None]), axis=1))
 
-  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+  def quantize(self, x: Array, *, key: Array | None = None) -> tuple[Array, Array, Array]:
+    """The quantization before packing: ``(scales, magnitudes, negative)``.
+
+    ``scales`` is float32 ``(buckets,)``; ``magnitudes`` (uint32, ``s·ξ_i`` in
+    ``0..levels``) and ``negative`` (bool) are ``(buckets, bucket_length)``, the padding
+    of the last bucket zero. :meth:`encode` packs exactly these; other wire formats of
+    the same quantization (e.g. Elias coding) start from them.
+    """
     _check_float(x)
     key = self._require_key(key)
     n = x.size
@@ -324,20 +331,29 @@ class QSGD(Codec):
     u = jax.random.uniform(key, v.shape, _F32)
     # r is finite (0 in a non-finite bucket, whose NaN scale marks it), so mag <= s.
     mag = jnp.minimum(low + (u < r - low).astype(_F32), s).astype(jnp.uint32)
-    sign = (v < 0).astype(jnp.uint32)
-    codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[:n]
+    # A zero code carries no sign (the paper's string has no bit for it): +0, not -0.
+    return scale, mag, (v < 0) & (mag > 0)
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    scale, mag, negative = self.quantize(x, key=key)
+    sign = negative.astype(jnp.uint32)
+    codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[:x.size]
     words = bitpack.pack_bits(codes, self.bits)
     return Payload({"words": words, "scales": scale}, tuple(x.shape), jnp.dtype(x.dtype))
 
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)
-    b, nb = _buckets(n, self.bucket_size)
     codes = bitpack.unpack_bits(payload.arrays["words"], self.bits, n)
+    return self.dequantize(codes, payload.arrays["scales"], n)
+
+  def dequantize(self, codes: Array, scales: Array, n: int) -> Array:
+    """Flat float32 values of ``n`` codes (``magnitude | sign << magnitude_bits``)."""
+    b, nb = _buckets(n, self.bucket_size)
     mask = jnp.uint32((1 << self.magnitude_bits) - 1)
     mag = (codes & mask).astype(_F32)
     neg = (codes >> self.magnitude_bits) != 0
     q = _to_buckets(jnp.where(neg, -mag, mag), b, nb)
-    step = payload.arrays["scales"] / jnp.float32(self.levels)
+    step = scales / jnp.float32(self.levels)
     return (q * step[:, None]).reshape(-1)[:n]
 
 

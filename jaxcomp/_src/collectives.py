@@ -101,16 +101,44 @@ class Exchanged(NamedTuple):
 def local(codec: Codec, x: Array, key: Array) -> Exchanged:
   """No collective: encode and decode on this device (single-device simulation)."""
   payload, overflow = codec.encode_with_info(x, key=key)
-  sent = codec.decode(payload, _F32)
+  fallback = getattr(codec, "fallback", None)
+  if fallback is not None:  # what the receivers would decode, overflow or not
+    sent = fallback.decode(fallback.encode(x, key=key), _F32)
+  else:
+    sent = codec.decode(payload, _F32)
   return Exchanged(sent, sent, None, overflow)
 
 
 def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
-  """All-gather the payloads, decode all K, average. Traffic per device: (K-1)·B."""
+  """All-gather the payloads, decode all K, average. Traffic per device: (K-1)·B.
+
+  A codec with a ``fallback`` codec (a variable-length format in a fixed buffer, e.g.
+  Elias-coded QSGD) whose buffer overflowed on *any* device makes every device send
+  the fallback's payload of the same quantization instead: a ``pmax`` of the overflow
+  flags (4 bytes) picks the branch of a ``lax.cond``, so all devices run the same
+  collectives. The fallback branch runs under ``jax.named_scope("jaxcomp_fallback")``
+  and :func:`jaxcomp.wire_report` lists its bytes apart.
+  """
   k = axis_size(axis_name)
   payload, overflow = codec.encode_with_info(x, key=key)
-  sent = codec.decode(payload, _F32)
-  total = codec.decode_sum(gather_tree(payload, axis_name))
+  fallback = getattr(codec, "fallback", None)
+  if fallback is None:
+    sent = codec.decode(payload, _F32)
+    total = codec.decode_sum(gather_tree(payload, axis_name))
+    return Exchanged(total / k, sent, None, overflow)
+  # The fallback codes the same quantization (same key): decode what was sent from it.
+  fixed = fallback.encode(x, key=key)
+  sent = fallback.decode(fixed, _F32)
+  any_overflow = lax.pmax(overflow.astype(jnp.int32), axis_name) > 0
+
+  def coded(_):
+    return codec.decode_sum(gather_tree(payload, axis_name))
+
+  def fixed_width(_):
+    with jax.named_scope("jaxcomp_fallback"):
+      return fallback.decode_sum(gather_tree(fixed, axis_name))
+
+  total = lax.cond(any_overflow, fixed_width, coded, None)
   return Exchanged(total / k, sent, None, overflow)
 
 

@@ -54,6 +54,9 @@ _TRAFFIC = {
 }
 
 
+_FALLBACK_SCOPE = "jaxcomp_fallback"  # jax.named_scope of rarely taken fallback exchanges
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveOp:
   """One collective of the traced update."""
@@ -62,6 +65,7 @@ class CollectiveOp:
   operand_bytes: int   # B: bytes of the operand on one device
   count: int           # how many times it runs per step (scan trip counts)
   bytes_received: float  # per device per step, by the convention above
+  fallback: bool = False  # only on a rare fallback path (not in bytes_received)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,7 @@ class WireReport:
   bytes_received: float
   dense_bytes: float
   ops: tuple[CollectiveOp, ...]
+  fallback_bytes: float = 0.0  # bytes of the rare fallback path, when it is taken
 
   @property
   def ratio(self) -> float:
@@ -85,7 +90,11 @@ class WireReport:
              f" ratio {self.ratio:.2f}x)"]
     for op in self.ops:
       lines.append(f"  {op.primitive:<22} operand {op.operand_bytes:>12,} B x{op.count:<3}"
-                   f" -> {op.bytes_received:,.0f} B")
+                   f" -> {op.bytes_received:,.0f} B" + ("  (fallback only)" if op.fallback
+                                                       else ""))
+    if self.fallback_bytes:
+      lines.append(f"  a step that takes the fallback path receives "
+                   f"{self.fallback_bytes:,.0f} B more")
     return "\n".join(lines)
 
 
@@ -106,22 +115,32 @@ def _sub_jaxprs(value):
       yield from _sub_jaxprs(v)
 
 
+def _regular_bytes(ops) -> float:
+  return sum(op[3] for op in ops if not op[4])
+
+
 def _walk(jaxpr, k: int, mult: int, out: list) -> None:
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in _TRAFFIC:
       b = sum(_nbytes(v.aval) for v in eqn.invars)
-      out.append((name, b, mult, mult * _TRAFFIC[name](b, k)))
+      fallback = _FALLBACK_SCOPE in str(eqn.source_info.name_stack)
+      out.append((name, b, mult, mult * _TRAFFIC[name](b, k), fallback))
     if name == "cond":
       # One branch runs per step: count the branch that moves the most bytes (an upper
-      # bound; e.g. the first warm-up stage of jc.dgc).
+      # bound; e.g. the first warm-up stage of jc.dgc). Collectives under the
+      # jaxcomp_fallback scope (a rare path, e.g. Elias coding's overflow) are kept
+      # apart, as the costliest such branch.
       per_branch = []
       for branch in eqn.params["branches"]:
         ops: list = []
         for sub in _sub_jaxprs(branch):
           _walk(sub, k, mult, ops)
         per_branch.append(ops)
-      out.extend(max(per_branch, key=lambda ops: sum(op[3] for op in ops)))
+      regular = max(per_branch, key=_regular_bytes)
+      rare = max(per_branch, key=lambda ops: sum(op[3] for op in ops if op[4]))
+      out.extend(op for op in regular if not op[4])
+      out.extend(op for op in rare if op[4])
       continue
     inner = mult * int(eqn.params.get("length", 1)) if name == "scan" else mult
     for value in eqn.params.values():
@@ -129,8 +148,12 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
         _walk(sub, k, inner, out)
 
 
-def collective_ops(fn, *args, axis_name, num_devices: int) -> list[tuple[str, int, int, float]]:
-  """(primitive, operand bytes, count, bytes received) of each collective ``fn`` issues.
+def collective_ops(fn, *args, axis_name, num_devices: int
+                   ) -> list[tuple[str, int, int, float, bool]]:
+  """(primitive, operand bytes, count, bytes received, fallback) of each collective.
+
+  ``fallback`` marks collectives under ``jax.named_scope("jaxcomp_fallback")``: a rare
+  path (taken when a capacity overflowed) that is reported apart.
 
   ``fn(*args)`` is traced inside ``jax.shard_map`` over an abstract mesh of
   ``num_devices`` devices, every argument replicated (so each device sees ``args``).
@@ -171,15 +194,21 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
   state = transforms.abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices)
   ops = collective_ops(lambda g, s, p: tx.update(g, s, p)[0], params, state, params,
                        axis_name=axis_name, num_devices=num_devices)
-  received = float(sum(op[3] for op in ops))
+  received = float(sum(op[3] for op in ops if not op[4]))
+  fallback = float(sum(op[3] for op in ops if op[4]))
   n_dense = sum(int(np.prod(p.shape, dtype=np.int64)) for p in jax.tree.leaves(params))
   k = num_devices
   dense = 2 * (k - 1) / k * 4 * n_dense
-  merged: dict[tuple[str, int], list] = {}
-  for name, b, count, recv in ops:
-    entry = merged.setdefault((name, b), [0, 0.0])
-    entry[0] += count
-    entry[1] += recv
   return WireReport(
       num_devices=k, bytes_sent=received, bytes_received=received, dense_bytes=dense,
-      ops=tuple(CollectiveOp(n, b, c, r) for (n, b), (c, r) in merged.items()))
+      ops=merge_ops(ops), fallback_bytes=fallback)
+
+
+def merge_ops(ops) -> tuple[CollectiveOp, ...]:
+  """Merges the tuples of :func:`collective_ops` by (primitive, operand bytes, fallback)."""
+  merged: dict[tuple[str, int, bool], list] = {}
+  for name, b, count, recv, rare in ops:
+    entry = merged.setdefault((name, b, rare), [0, 0.0])
+    entry[0] += count
+    entry[1] += recv
+  return tuple(CollectiveOp(n, b, c, r, rare) for (n, b, rare), (c, r) in merged.items())
