@@ -13,23 +13,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxcomp as jc
-
-
-def _time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+from benchmarks._timing import median_time
 
 
 def main(argv=None) -> None:
@@ -52,10 +41,10 @@ def main(argv=None) -> None:
     enc_fixed = jax.jit(lambda v, k: fixed.encode(v, key=k))
     enc_elias = jax.jit(lambda v, k: elias.encode(v, key=k))
     dec_elias = jax.jit(elias.decode)
-    t_fixed = _time(enc_fixed, x, key, repeats=args.repeats)
-    t_elias = _time(enc_elias, x, key, repeats=args.repeats)
+    t_fixed = median_time(enc_fixed, x, key, repeats=args.repeats)
+    t_elias = median_time(enc_elias, x, key, repeats=args.repeats)
     payload = enc_elias(x, key)
-    t_dec = _time(dec_elias, payload, repeats=args.repeats)
+    t_dec = median_time(dec_elias, payload, repeats=args.repeats)
     used = int(payload.arrays["used_bits"])
     print(f"| 2^{e} | {n / t_fixed / 1e6:.1f} | {n / t_elias / 1e6:.1f} |"
           f" {t_elias / t_fixed:.2f}x | {n / t_dec / 1e6:.2f} |"

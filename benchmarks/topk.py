@@ -14,24 +14,13 @@ in the same run, since this machine's timings are noisy.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp as jc
-
-
-def _time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+from benchmarks._timing import median_time
 
 
 def _inputs(dist: str, n: int, seed: int) -> jax.Array:
@@ -59,7 +48,7 @@ def run(sizes_m, density: float, repeats: int) -> list[dict]:
         else:
           row[f"recall_{method}_{dist}"] = len(exact_idx & set(idx.tolist())) / len(exact_idx)
         if dist == "gaussian":
-          row[f"time_{method}"] = _time(encode, x, key, repeats=repeats)
+          row[f"time_{method}"] = median_time(encode, x, key, repeats=repeats)
     rows.append(row)
     print(f"n={n:>10,}: exact {row['time_exact'] * 1e3:7.1f} ms, blocked "
           f"{row['time_blocked'] * 1e3:7.1f} ms, sampled {row['time_sampled'] * 1e3:7.1f} ms",

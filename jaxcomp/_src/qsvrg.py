@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
+from jaxcomp._src import transforms
 from jaxcomp._src import wire
 
 Array = jax.Array
@@ -77,11 +78,7 @@ def default_levels(n: int, bucket_size: int | None = None) -> int:
 
 
 def _check_leaf(path, leaf) -> None:
-  dtype = getattr(leaf, "dtype", None)
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f"qsvrg needs floating-point parameters; the leaf at "
-        f"{jax.tree_util.keystr(path)} has dtype {dtype}")
+  transforms._check_leaf(path, leaf, "qsvrg needs floating-point parameters")  # pylint: disable=protected-access
 
 
 def qsvrg(

@@ -55,12 +55,11 @@ def _selected(filter_fn: FilterFn, path, leaf) -> bool:
   return bool(chosen)
 
 
-def _check_leaf(path, leaf) -> None:
+def _check_leaf(path, leaf, what: str = "jaxcomp transforms need floating-point gradients"
+                ) -> None:
   dtype = getattr(leaf, "dtype", None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f"jaxcomp transforms need floating-point gradients; the leaf at "
-        f"{jax.tree_util.keystr(path)} has dtype {dtype}")
+    raise TypeError(f"{what}; the leaf at {jax.tree_util.keystr(path)} has dtype {dtype}")
 
 
 def compress(
