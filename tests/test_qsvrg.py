@@ -217,7 +217,10 @@ def test_bits_per_epoch():
   two_phase = qsvrg_lib.qsvrg_wire_report(
       qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, collective="two_phase"), PARAMS, batch,
       axis_name=AXIS, num_devices=K, inner_steps=T)
-  assert {op.primitive for op in two_phase.step_ops} == {"all_to_all", "all_gather_invariant"}
+  # (all_gather's primitive is "all_gather_invariant" on jax 0.10, "all_gather" on 0.12.)
+  prims = {op.primitive for op in two_phase.step_ops}
+  assert "all_to_all" in prims and len(prims) == 2
+  assert any(p.startswith("all_gather") for p in prims)
 
 
 def test_bits_for_a_large_tensor_against_the_paper_bound():
