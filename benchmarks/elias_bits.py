@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp as jc
+from benchmarks._timing import median_time
 from jaxcomp._src import elias
 
 C = jc.codecs
@@ -48,11 +48,6 @@ def _rows(payloads, count):
 def _mean_bits(codec, x, keys) -> float:
   payloads = _encoder(codec)(jnp.asarray(x), keys)
   return statistics.mean(elias.stream_bits(codec, p) for p in _rows(payloads, len(keys)))
-
-
-def _fixed_bits(codec, n: int) -> int:
-  b = n if codec.bucket_size is None else min(codec.bucket_size, n)
-  return codec.bits * n + 32 * -(-n // b)
 
 
 def _bound_bits(codec, n: int) -> float | None:
@@ -77,7 +72,7 @@ def gaussian_table(log2n: list[int], num_keys: int) -> str:
     for s in sorted({1, 3, 7, 15, root}):
       codec = C.QSGD(s, bucket_size=None, norm="l2")
       bits = _mean_bits(codec, x, keys)
-      fixed = _fixed_bits(codec, n)
+      fixed = codec.wire_bits((n,))
       dense = ("yes" if bits <= 2.8 * n + 32 else "**no**") if s == root else ""
       label = f"{s} (√n)" if s == root else str(s)
       lines.append(f"| 2^{e} | {label} | {bits / n:.3f} | "
@@ -123,7 +118,7 @@ def cnn_tables(grads: dict[str, np.ndarray], num_keys: int) -> str:
       n = g.size
       codec = fixed_codec or C.QSGD(round(math.sqrt(n)), bucket_size=None, norm="l2")
       bits = _mean_bits(codec, g.reshape(-1), keys)
-      fixed = _fixed_bits(codec, n)
+      fixed = codec.wire_bits((n,))
       bound = _bound_bits(codec, n)
       tot["n"] += n
       tot["elias"] += bits
@@ -140,15 +135,6 @@ def cnn_tables(grads: dict[str, np.ndarray], num_keys: int) -> str:
                  f"{tot['fixed'] / n:.3f} | {tot['elias'] / tot['fixed']:.3f} |")
     out.append("\n".join(lines))
   return "\n\n".join(out)
-
-
-def _median_time(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def throughput_table(log2n: int, repeats: int) -> str:
@@ -168,14 +154,31 @@ def throughput_table(log2n: int, repeats: int) -> str:
     data = elias.qsgd_to_bytes(codec, payload)
     back = elias.qsgd_from_bytes(codec, data, (n,))
     assert np.array_equal(np.asarray(codec.decode(back)), np.asarray(codec.decode(payload)))
-    enc = _median_time(lambda c=codec, p=payload: elias.qsgd_to_bytes(c, p), repeats)
-    dec = _median_time(lambda c=codec, d=data: elias.qsgd_from_bytes(c, d, (n,)), repeats)
+    enc = median_time(lambda c=codec, p=payload: elias.qsgd_to_bytes(c, p), repeats=repeats)
+    dec = median_time(lambda c=codec, d=data: elias.qsgd_from_bytes(c, d, (n,)), repeats=repeats)
     mb = len(data) / 1e6
     name = (f"s={codec.levels}, {codec.norm}, "
             f"{'one bucket' if codec.bucket_size is None else f'buckets of {codec.bucket_size}'}")
     lines.append(f"| {name} | {8 * (len(data) - 4) / n:.3f} | {n / enc:,.0f} | "
                  f"{mb / enc:.2f}, {4 * n / 1e6 / enc:.1f} | {n / dec:,.0f} | "
                  f"{mb / dec:.2f}, {4 * n / 1e6 / dec:.1f} |")
+  return "\n".join(lines)
+
+
+def spread_table(log2n: list[int], draws: int) -> str:
+  """Mean and spread of the string length at s = sqrt(n) over ``draws`` quantizations."""
+  lines = [f"s = round(sqrt(n)), l2, one bucket; {draws} draws of the quantization", "",
+           "| n | mean bits/coord | std bits/coord | max bits/coord | share > 2.8n + 32 |",
+           "|---:|---:|---:|---:|---:|"]
+  for e in log2n:
+    n = 2**e
+    codec = C.QSGD(round(math.sqrt(n)), bucket_size=None, norm="l2")
+    x = np.random.default_rng(e).standard_normal(n).astype(np.float32)
+    payloads = _encoder(codec)(jnp.asarray(x), jax.random.split(jax.random.key(1), draws))
+    bits = np.array([elias.stream_bits(codec, p) for p in _rows(payloads, draws)]) / n
+    over = np.mean(bits * n > 2.8 * n + 32)
+    lines.append(f"| 2^{e} | {bits.mean():.3f} | {bits.std():.3f} | {bits.max():.3f} |"
+                 f" {over:.2f} |")
   return "\n".join(lines)
 
 
@@ -187,6 +190,7 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
   parser.add_argument("--workdir", default="/tmp/elias_data", help="MNIST-1D cache")
   parser.add_argument("--no-cnn", action="store_true", help="skip the CNN gradients")
+  parser.add_argument("--draws", type=int, default=20, help="draws of the spread table")
   args = parser.parse_args()
   log2n = [int(e) for e in args.log2n.split(",")]
 
@@ -197,6 +201,8 @@ def main() -> None:
   if not args.no_cnn:
     print("\n### Demo CNN (MNIST-1D) gradient at init, batch 256\n")
     print(cnn_tables(cnn_gradients(args.workdir), args.keys))
+  print("\n### Length spread at s = sqrt(n)\n")
+  print(spread_table([10, 12, 16], args.draws))
   print("\n### Host throughput (qsgd_to_bytes / qsgd_from_bytes)\n")
   print(throughput_table(max(log2n), args.repeats))
 

@@ -129,6 +129,13 @@ def test_topk_nan_is_not_hidden_and_inputs_validated():
     C.TopK(0.1).encode(jnp.ones(100, jnp.int32))
 
 
+@pytest.mark.parametrize("size", [1, 7, 40, 200])
+def test_compact_is_nonzero_with_padding(size):
+  mask = jax.random.bernoulli(jax.random.key(size), 0.1, (300,))
+  want = jnp.nonzero(mask, size=size, fill_value=300)[0]
+  np.testing.assert_array_equal(sparse.compact(mask, size), want)
+
+
 @pytest.mark.parametrize("n,dtype", [(200, np.uint8), (255, np.uint8), (256, np.uint16),
                                      (65535, np.uint16), (65536, np.int32)])
 def test_index_dtype_is_the_narrowest_that_holds_n(n, dtype):

@@ -9,7 +9,6 @@ sampling: the variance constraint on p, Algorithm 2 against a sort-based referen
 generic convex solver (scipy), Algorithm 3's density, Lemma 3 and Theorem 4.
 """
 
-import doctest
 import functools
 import math
 
@@ -691,8 +690,3 @@ def test_codec_is_hashable_and_argument_order():
   with pytest.raises(ValueError, match="epsilon"):
     UnbiasedSparsifier(0.1)  # positional order is (epsilon, density, method)
   assert UnbiasedSparsifier(density=0.1).needs_key
-
-
-def test_docstring_examples():
-  result = doctest.testmod(wangni, optionflags=doctest.ELLIPSIS)
-  assert result.attempted > 0 and result.failed == 0

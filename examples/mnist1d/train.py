@@ -108,15 +108,18 @@ def make_optimizer(config, *, momentum: bool = True) -> optax.GradientTransforma
   return optimizer
 
 
-def make_tx(method: str, config) -> optax.GradientTransformation:
-  """The exchange, then the optimizer.
+def make_tx(method: str, config, exchange: optax.GradientTransformation | None = None
+            ) -> optax.GradientTransformation:
+  """The exchange (``make_exchange(method, config)`` unless given), then the optimizer.
 
   Only the exchange's state is per device (error-feedback residuals, device-folded
   keys), so only it is wrapped in ``jc.per_device_state``; the optimizer sees the same
   mean gradient on every device and its state stays replicated, like the parameters.
   ``jc.state_specs`` gives the matching ``shard_map`` specs.
   """
-  return optax.chain(jc.per_device_state(make_exchange(method, config)),
+  if exchange is None:
+    exchange = make_exchange(method, config)
+  return optax.chain(jc.per_device_state(exchange),
                      make_optimizer(config, momentum=method not in MOMENTUM_IN_EXCHANGE))
 
 
@@ -158,10 +161,17 @@ def make_eval_step(model, mesh):
       accuracy, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P()))
 
 
-def train_method(method: str, config, *, model, init_params, data, mesh) -> dict[str, Any]:
-  """Trains one method from ``init_params``; returns its accuracy, bytes and timings."""
+def train_method(method: str, config, *, model, init_params, data, mesh,
+                 exchange: optax.GradientTransformation | None = None,
+                 steady_exchange: optax.GradientTransformation | None = None
+                 ) -> dict[str, Any]:
+  """Trains one method from ``init_params``; returns its accuracy, bytes and timings.
+
+  ``exchange`` replaces ``make_exchange(method, config)`` (for variants of a method);
+  the bytes are those of ``steady_exchange`` when given (e.g. DGC without warm-up).
+  """
   k = mesh.size
-  tx = make_tx(method, config)
+  tx = make_tx(method, config, exchange)
   replicated = jax.NamedSharding(mesh, P())
   per_device = jax.NamedSharding(mesh, P(AXIS))
 
@@ -207,11 +217,12 @@ def train_method(method: str, config, *, model, init_params, data, mesh) -> dict
         losses = []
         bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", test_acc=f"{acc:.1%}")
 
+  if steady_exchange is None and exchange is None and method == "dgc":
+    # Report DGC's steady state; its warm-up stages send more.
+    steady_exchange = make_exchange(method, config, warmup=False)
+  if steady_exchange is not None:
+    tx = make_tx(method, config, steady_exchange)
   report = wire_report(tx, init_params, k)
-  if method == "dgc":  # report DGC's steady state; its warm-up stages send more
-    steady = optax.chain(jc.per_device_state(make_exchange(method, config, warmup=False)),
-                         make_optimizer(config, momentum=False))
-    report = wire_report(steady, init_params, k)
   return {
       "test_accuracy": history["test_accuracy"][-1],
       "bytes_received": None if report is None else report.bytes_received,
@@ -270,6 +281,23 @@ def plot_accuracy(results: dict[str, dict[str, Any]], path: str) -> None:
   fig.savefig(path)
 
 
+def setup(config, workdir: str):
+  """(mesh over all devices, data set, model, host copy of the initial params)."""
+  os.makedirs(workdir, exist_ok=True)
+  k = jax.device_count()
+  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  data = input_pipeline.load_dataset(config, workdir)
+  model = models.create_model(config)
+  # Host copy: every method starts from it (the train step donates its device buffers).
+  init_params = jax.device_get(
+      jax.jit(model.init)(jax.random.key(config.seed), data["x"][:1])["params"])
+  num_params = sum(p.size for p in jax.tree.leaves(init_params))
+  print(f"{k} devices ({jax.devices()[0].platform}), {num_params:,} parameters, "
+        f"{len(data['x'])} train / {len(data['x_test'])} test examples, global batch "
+        f"{k * config.per_device_batch_size}, {config.num_steps} steps")
+  return mesh, data, model, init_params
+
+
 def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
   """Trains every method in ``config.methods`` and writes the results to ``workdir``.
 
@@ -284,19 +312,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
     ``{method: {"test_accuracy", "bytes_received", "dense_bytes", "ratio",
     "train_time_s", "compile_time_s", "history", "wire_report"}}``.
   """
-  os.makedirs(workdir, exist_ok=True)
-  k = jax.device_count()
-  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  data = input_pipeline.load_dataset(config, workdir)
-  model = models.create_model(config)
-  # Host copy: every method starts from it (the train step donates its device buffers).
-  init_params = jax.device_get(
-      jax.jit(model.init)(jax.random.key(config.seed), data["x"][:1])["params"])
-  num_params = sum(p.size for p in jax.tree.leaves(init_params))
-  print(f"{k} devices ({jax.devices()[0].platform}), {num_params:,} parameters, "
-        f"{len(data['x'])} train / {len(data['x_test'])} test examples, global batch "
-        f"{k * config.per_device_batch_size}, {config.num_steps} steps")
-
+  mesh, data, model, init_params = setup(config, workdir)
+  k = mesh.size
   results = {}
   for method in config.methods:
     results[method] = train_method(method, config, model=model, init_params=init_params,

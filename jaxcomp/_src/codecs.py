@@ -107,6 +107,11 @@ class Codec:
   #: the payload is not linear. Enables ``collective="psum"``.
   summable_fields: tuple[str, ...] | None = None
 
+  #: A fixed-width codec of the same quantization, for a variable-length format held in
+  #: a fixed buffer (:class:`EliasQSGD`): when a buffer overflows on any device, the
+  #: all-gather exchange sends this codec's payload instead. ``None``: never overflows.
+  fallback: "Codec | None" = None
+
   @property
   def alignment(self) -> int:
     """Chunk lengths of the two-phase exchange are multiples of this (whole uint32 words).

@@ -101,7 +101,7 @@ class Exchanged(NamedTuple):
 def local(codec: Codec, x: Array, key: Array) -> Exchanged:
   """No collective: encode and decode on this device (single-device simulation)."""
   payload, overflow = codec.encode_with_info(x, key=key)
-  fallback = getattr(codec, "fallback", None)
+  fallback = codec.fallback
   if fallback is not None:  # what the receivers would decode, overflow or not
     sent = fallback.decode(fallback.encode(x, key=key), _F32)
   else:
@@ -121,7 +121,7 @@ def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   """
   k = axis_size(axis_name)
   payload, overflow = codec.encode_with_info(x, key=key)
-  fallback = getattr(codec, "fallback", None)
+  fallback = codec.fallback
   if fallback is None:
     sent = codec.decode(payload, _F32)
     total = codec.decode_sum(gather_tree(payload, axis_name))

@@ -85,6 +85,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp._src import bitpack
 from jaxcomp._src import codecs as _codecs
 
 _U64 = np.uint64
@@ -698,29 +699,6 @@ def _triple_error(rd: _Reader, gap_end: int, j: int) -> str:
 # ----------------------------------------------------------------------------- payloads
 
 
-def _pack_np(codes: np.ndarray, bits: int) -> np.ndarray:
-  """NumPy twin of :func:`jaxcomp._src.bitpack.pack_bits` (bit-plane layout)."""
-  n = codes.size
-  groups = -(-n // 32)
-  c = np.zeros(groups * 32, np.uint32)
-  c[:n] = codes
-  c = c.reshape(groups, 1, 32)
-  planes = ((c >> np.arange(bits, dtype=np.uint32)[None, :, None]) & 1).astype(np.uint8)
-  packed = np.packbits(planes, axis=-1, bitorder="little")  # (groups, bits, 4)
-  return np.ascontiguousarray(packed).view("<u4").reshape(-1).astype(np.uint32)
-
-
-def _unpack_np(words: np.ndarray, bits: int, n: int) -> np.ndarray:
-  """NumPy twin of :func:`jaxcomp._src.bitpack.unpack_bits`."""
-  groups = words.size // bits
-  w = np.ascontiguousarray(words.reshape(groups, bits).astype("<u4")).view(np.uint8)
-  planes = np.unpackbits(w.reshape(groups, bits, 4), axis=-1, bitorder="little")
-  codes = np.zeros((groups, 32), np.uint32)
-  for j in range(bits):
-    codes |= planes[:, j, :].astype(np.uint32) << np.uint32(j)
-  return codes.reshape(-1)[:n]
-
-
 def _check_codec(codec: Any) -> None:
   if not isinstance(codec, _codecs.QSGD):
     raise TypeError(f"the Elias string format is QSGD's; got {type(codec).__name__}")
@@ -738,7 +716,7 @@ def _payload_codes(codec: Any, payload: Any) -> tuple[np.ndarray, np.ndarray, np
     raise ValueError(
         f"expected one payload of {n} values: words ({expected},) and scales ({nb},), got "
         f"{words.shape} and {scales.shape} (stacked payloads: serialize each row)")
-  codes = _unpack_np(words.astype(np.uint32), codec.bits, n)
+  codes = np.asarray(bitpack.unpack_bits(jnp.asarray(words, jnp.uint32), codec.bits, n))
   mags = codes & np.uint32((1 << codec.magnitude_bits) - 1)
   signs = codes >> np.uint32(codec.magnitude_bits)
   if mags.size and mags.max() > codec.levels:
@@ -820,7 +798,7 @@ def qsgd_from_bytes(codec: Any, data: bytes, shape: tuple[int, ...],
   scales, mags, signs = decode_stream(body, num_bits, n=n, levels=codec.levels,
                                       bucket_size=codec.bucket_size)
   codes = mags | (signs << np.uint32(codec.magnitude_bits))
-  words = _pack_np(codes, codec.bits)
+  words = np.asarray(bitpack.pack_bits(jnp.asarray(codes), codec.bits))
   return _codecs.Payload({"words": words, "scales": scales}, shape, jnp.dtype(dtype))
 
 

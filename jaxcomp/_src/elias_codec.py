@@ -46,19 +46,6 @@ def bit_length(k: Array) -> Array:
   return (32 - lax.clz(k.astype(_U32))).astype(jnp.int32)
 
 
-def omega_length(k: Array) -> Array:
-  """Length of the Elias omega code of integers ``k >= 1`` (int32; 0 where k == 0)."""
-  k = k.astype(_U32)
-  total = jnp.where(k > 0, 1, 0).astype(jnp.int32)
-  cur = k
-  for _ in range(_MAX_GROUPS):
-    group = cur > 1
-    bl = bit_length(cur)
-    total = total + jnp.where(group, bl, 0)
-    cur = jnp.where(group, (bl - 1).astype(_U32), _U32(0))
-  return total
-
-
 def _or_shifted(hi: Array, lo: Array, v: Array, shift: Array) -> tuple[Array, Array]:
   """(hi, lo) | (v << shift) for a uint32 v and 0 <= shift < 64 (as a 64-bit value)."""
   s = shift.astype(_U32)
@@ -191,10 +178,10 @@ class EliasQSGD(codecs_lib.Codec):
   l2 norm: the smallest of the fixed-width size, 1.05x Theorem 3.2's bound on the
   *expected* length (o(1) dropped) and, when ``s <= √b``, 1.05x ``(2.8b + 32)``, plus
   the sentinel. The ``2.8b + 32`` is Corollary 3.3's figure, and this string format meets
-  it on average: the mean length at ``s = √b`` measured 2.793b (b = 1024), 2.769b
-  (4096) and 2.757b (65536), spreads 0.032b, 0.013b and 0.005b over 20 draws
-  (``python -m benchmarks.elias_bits``), so 1.05x is 4-5 standard deviations of margin
-  at b = 1024 and more above. With ``norm="max"`` (no bound) the default is the
+  it on average: the mean length at ``s = √b`` measured 2.781b (b = 1024), 2.772b
+  (4096) and 2.757b (65536), standard deviations 0.024b, 0.009b and 0.003b over 20
+  draws (``python -m benchmarks.elias_bits``), so 1.05x is 6 standard deviations of
+  margin at b = 1024 and more above. With ``norm="max"`` (no bound) the default is the
   fixed-width size, i.e. no saving: pass ``capacity`` (bits per value), e.g. from the
   benchmark (the demo CNN's gradients took 0.55x the fixed width at 4 bits, buckets of
   512; Gaussian data 1.02x).
@@ -265,7 +252,7 @@ class EliasQSGD(codecs_lib.Codec):
   def _host_codes(self, words: Array, used: Array, n: int) -> tuple[Array, Array]:
     """(scales, codes) of stacked buffers, decoded on the host (one callback)."""
     nb = len(self.bucket_lengths(n))
-    host = functools.partial(_host_decode, n=n, levels=self.levels,
+    host = functools.partial(_host_decode, n=n, nb=nb, levels=self.levels,
                              bucket_size=self.bucket_size,
                              magnitude_bits=self.fallback.magnitude_bits)
     lead = words.shape[:-1]
@@ -289,13 +276,12 @@ class EliasQSGD(codecs_lib.Codec):
     return total.reshape(stacked.shape)
 
 
-def _host_decode(words, used, *, n, levels, bucket_size, magnitude_bits):
+def _host_decode(words, used, *, n, nb, levels, bucket_size, magnitude_bits):
   """NumPy: (scales, codes) of one or more stacked buffers; NaN scales if overflowed."""
   words = np.asarray(words, np.uint32)
   used = np.asarray(used)
   lead = words.shape[:-1]
   words2 = words.reshape(-1, words.shape[-1])
-  nb = -(-n // (n if bucket_size is None else min(bucket_size, max(n, 1)))) if n else 1
   scales = np.full((words2.shape[0], nb), np.nan, np.float32)
   codes = np.zeros((words2.shape[0], n), np.uint32)
   for i, (w, u) in enumerate(zip(words2, used.reshape(-1))):

@@ -66,9 +66,15 @@ def scatter(n: int, indices: Array, values: Array) -> Array:
 
 
 def compact(mask: Array, size: int) -> Array:
-  """Positions of the first ``size`` True entries of a flat ``mask``, padded with n."""
+  """Positions of the first ``size`` True entries of a flat ``mask``, padded with n (int32).
+
+  What ``jnp.nonzero(mask, size=size, fill_value=n)`` returns, as one cumsum and one
+  scatter: about half the compile time, and no slower.
+  """
   n = mask.shape[0]
-  return jnp.nonzero(mask, size=size, fill_value=n)[0].astype(jnp.int32)
+  dest = jnp.where(mask, jnp.cumsum(mask, dtype=jnp.int32) - 1, size)
+  out = jnp.full((size,), n, jnp.int32)
+  return out.at[dest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
 class SparseCodec(Codec):
@@ -131,8 +137,13 @@ def _top_in_blocks(blocks: Array, chosen: Array, k: int, n: int, ids: Array | No
 
 
 def passes(a: Array, thr: Array) -> Array:
-  """1.0 where ``a >= thr`` (computed as ``a · (1/thr) >= 1``), else 0.0; float32."""
-  return jnp.floor(jnp.clip(a * (1.0 / thr), 0.0, 1.0))
+  """1.0 where ``a >= thr`` (as ``a · (1/thr) >= 1``), 0.0 below, for ``thr > 0``.
+
+  Negative ``a`` (the -1 padding of :func:`_blocks`) gives a negative value, never > 0.
+  No lower clip: ``floor(min(x, 1))`` alone keeps XLA:CPU's vectorised reduction
+  (``python -m benchmarks.xla_cpu_pitfalls``).
+  """
+  return jnp.floor(jnp.minimum(a * (1.0 / thr), 1.0))
 
 
 def blocked_top_k(a: Array, k: int, block: int = _BLOCK) -> Array:

@@ -139,7 +139,7 @@ def compress(
     raise TypeError(f"codec must be a jaxcomp codec, got {codec!r}")
   if collective not in collectives.COLLECTIVES:
     raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
-  if getattr(codec, "fallback", None) is not None and collective != "allgather":
+  if codec.fallback is not None and collective != "allgather":
     raise ValueError(f"{type(codec).__name__} (a variable-length format with a fixed-width "
                      f"fallback) needs collective='allgather', got {collective!r}")
   if collective == "psum" and codec.summable_fields is None:

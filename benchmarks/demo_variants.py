@@ -1,0 +1,123 @@
+"""Variants of the demo's DGC and Wangni exchanges, trained like the demo's rows.
+
+  python -m benchmarks.demo_variants --variants dgc_clip_mean,dgc_no_clip --seed 0
+  python -m benchmarks.demo_variants --variants all --seed 1
+  python -m benchmarks.demo_variants --saturation
+
+Each variant trains the demo's CNN (examples/mnist1d, default config, 8 CPU devices)
+with one exchange changed and prints its test accuracy next to a dense run of the same
+seed (the baseline of the same run), and its bytes ratio from ``jc.wire_report`` (DGC:
+steady state, without warm-up). ``--saturation`` prints, per compressed kernel of the
+CNN's gradient at init (batch 256), the share of the greedy Wangni sparsifier's planned
+count ``m = κn`` that saturates (``p_i = 1``): what sizes its value slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+# pylint: disable=wrong-import-position
+import jax.numpy as jnp
+import numpy as np
+
+import jaxcomp as jc
+from examples.mnist1d import train
+from examples.mnist1d.configs import default
+
+AXIS = train.AXIS
+
+
+def _dgc(config, num_devices: int, steady: bool, *, clip="sum", warmup=None, **kwargs):
+  """The demo's DGC with one change; ``steady``: without warm-up (for the byte count)."""
+  clip_norm = {"sum": num_devices * config.grad_clip, "mean": config.grad_clip, None: None}[clip]
+  warmup = config.warmup_steps if warmup is None else warmup
+  return jc.dgc(0.001, 0.9, nesterov=True, clip_norm=clip_norm, axis_name=AXIS,
+                warmup_steps=0 if steady else warmup, **kwargs)
+
+
+# name -> (method whose optimizer follows, exchange factory(config, K, steady))
+VARIANTS = {
+    # DGC: the demo's recipe is dgc_demo (clip_norm = K x the mean-gradient threshold).
+    "dgc_demo": ("dgc", lambda c, k, steady: _dgc(c, k, steady)),
+    "dgc_clip_mean": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip="mean")),
+    "dgc_no_clip": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip=None)),
+    "dgc_no_clip_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip=None, warmup=300)),
+    "dgc_warmup200": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=200)),
+    "dgc_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=300)),
+    "dgc_no_masking": ("dgc", lambda c, k, steady: _dgc(c, k, steady, momentum_masking=False)),
+    "dgc_dense_classifier": ("dgc", lambda c, k: _dgc(
+        c, k, filter=lambda path, x: x.ndim >= 2 and x.size >= 2048)),
+    # Wangni (greedy) at other densities; the demo row is 5%.
+    "wangni_1pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS)),
+    "wangni_2pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.02, axis_name=AXIS)),
+    "wangni_10pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.1, axis_name=AXIS)),
+    "wangni_1pct_ef": ("wangni", lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS,
+                                                          error_feedback=True)),
+}
+
+
+def run(names, seed: int, workdir: str) -> None:
+  config = dataclasses.replace(default.get_config(), seed=seed)
+  mesh, data, model, init_params = train.setup(config, workdir)
+  k = mesh.size
+  common = dict(model=model, init_params=init_params, data=data, mesh=mesh)
+  dense = train.train_method("dense", config, **common)["test_accuracy"]
+  rows = [f"| dense | {100 * dense:.1f} | | 1.0x |"]
+  for name in names:
+    method, factory = VARIANTS[name]
+    r = train.train_method(method, config, exchange=factory(config, k, False),
+                           steady_exchange=factory(config, k, True), **common)
+    acc = r["test_accuracy"]
+    rows.append(f"| {name} | {100 * acc:.1f} | {100 * (acc - dense):+.1f} |"
+                f" {r['ratio']:.1f}x |")
+  print(f"\nseed {seed}, {k} devices, {config.num_steps} steps\n")
+  print("| variant | test acc (%) | vs dense (points) | ratio vs dense |")
+  print("|---|---:|---:|---:|")
+  print("\n".join(rows))
+
+
+def saturation(workdir: str) -> None:
+  config = default.get_config()
+  _, data, model, params = train.setup(config, workdir)
+  grads = jax.grad(lambda p: train.cross_entropy(model, p, data["x"][:256], data["y"][:256]))(
+      params)
+  print("\n| kernel | n | κ = 1% | κ = 5% | κ = 10% |")
+  print("|---|---:|---:|---:|---:|")
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    if not jc.default_filter(path, g):
+      continue
+    shares = []
+    for kappa in (0.01, 0.05, 0.1):
+      p, _ = jc.codecs.UnbiasedSparsifier(density=kappa).probabilities(jnp.asarray(g))
+      shares.append(float(np.sum(np.asarray(p) >= 1)) / (kappa * g.size))
+    print(f"| {jax.tree_util.keystr(path)} | {g.size:,} | "
+          + " | ".join(f"{x:.3f}" for x in shares) + " |")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--variants", default="dgc_demo",
+                      help=f"comma-separated, or 'all': {', '.join(VARIANTS)}")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--workdir", default=os.path.join("runs", "mnist1d"))
+  parser.add_argument("--saturation", action="store_true",
+                      help="print the Wangni saturation shares instead of training")
+  args = parser.parse_args(argv)
+  if args.saturation:
+    saturation(args.workdir)
+    return
+  names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown:
+    raise ValueError(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+  run(names, args.seed, args.workdir)
+
+
+if __name__ == "__main__":
+  main()
