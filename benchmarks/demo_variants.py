@@ -1,7 +1,8 @@
-"""Variants of the demo's DGC and Wangni exchanges, trained like the demo's rows.
+"""Variants of the demo's DGC, Wangni and MIPD exchanges, trained like the demo's rows.
 
   python -m benchmarks.demo_variants --variants dgc_clip_mean,dgc_no_clip --seed 0
   python -m benchmarks.demo_variants --variants all --seed 1
+  python -m benchmarks.demo_variants --variants mipd_half,mipd_half_drop,mipd_full
   python -m benchmarks.demo_variants --saturation
 
 Each variant trains the demo's CNN (examples/mnist1d, default config, 8 CPU devices)
@@ -51,14 +52,27 @@ VARIANTS = {
     "dgc_warmup200": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=200)),
     "dgc_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=300)),
     "dgc_no_masking": ("dgc", lambda c, k, steady: _dgc(c, k, steady, momentum_masking=False)),
-    "dgc_dense_classifier": ("dgc", lambda c, k: _dgc(
-        c, k, filter=lambda path, x: x.ndim >= 2 and x.size >= 2048)),
+    "dgc_dense_classifier": ("dgc", lambda c, k, steady: _dgc(
+        c, k, steady, filter=lambda path, x: x.ndim >= 2 and x.size >= 2048)),
     # Wangni (greedy) at other densities; the demo row is 5%.
     "wangni_1pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS)),
     "wangni_2pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.02, axis_name=AXIS)),
     "wangni_10pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.1, axis_name=AXIS)),
     "wangni_1pct_ef": ("wangni", lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS,
                                                           error_feedback=True)),
+    # MIPD ablation (the paper's Fig. 9 groups B-D; the demo row is mipd_full).
+    "mipd_half": ("mipd", lambda c, k, steady: jc.mipd(0.0, quantize=False, axis_name=AXIS)),
+    "mipd_half_drop": ("mipd", lambda c, k, steady: jc.mipd(0.5, quantize=False,
+                                                            axis_name=AXIS)),
+    "mipd_full": ("mipd", lambda c, k, steady: jc.mipd(0.5, axis_name=AXIS)),
+    "mipd_no_half": ("mipd", lambda c, k, steady: jc.mipd(0.5, half_update=False,
+                                                          axis_name=AXIS)),
+    "mipd_no_compensation": ("mipd", lambda c, k, steady: jc.mipd(0.5, compensate=False,
+                                                                  axis_name=AXIS)),
+    "mipd_half_drop_predict_compensated": ("mipd", lambda c, k, steady: jc.mipd(
+        0.5, quantize=False, predict_from="compensated", axis_name=AXIS)),
+    "mipd_full_predict_compensated": ("mipd", lambda c, k, steady: jc.mipd(
+        0.5, predict_from="compensated", axis_name=AXIS)),
 }
 
 
@@ -67,18 +81,22 @@ def run(names, seed: int, workdir: str) -> None:
   mesh, data, model, init_params = train.setup(config, workdir)
   k = mesh.size
   common = dict(model=model, init_params=init_params, data=data, mesh=mesh)
-  dense = train.train_method("dense", config, **common)["test_accuracy"]
-  rows = [f"| dense | {100 * dense:.1f} | | 1.0x |"]
+  r = train.train_method("dense", config, **common)
+  dense = r["test_accuracy"]
+  rows = [f"| dense | {100 * dense:.1f} | | {r['bytes_received']:,.0f} | 1.0x |"
+          f" {r['train_time_s']:.1f} | |"]
   for name in names:
     method, factory = VARIANTS[name]
     r = train.train_method(method, config, exchange=factory(config, k, False),
                            steady_exchange=factory(config, k, True), **common)
     acc = r["test_accuracy"]
     rows.append(f"| {name} | {100 * acc:.1f} | {100 * (acc - dense):+.1f} |"
-                f" {r['ratio']:.1f}x |")
+                f" {r['bytes_received']:,.0f} | {r['ratio']:.1f}x | {r['train_time_s']:.1f} |"
+                f" {r['overflow_steps'] if r['overflow_steps'] is not None else ''} |")
   print(f"\nseed {seed}, {k} devices, {config.num_steps} steps\n")
-  print("| variant | test acc (%) | vs dense (points) | ratio vs dense |")
-  print("|---|---:|---:|---:|")
+  print("| variant | test acc (%) | vs dense (points) | bytes recv/device/step |"
+        " ratio vs dense | train time (s) | overflow steps |")
+  print("|---|---:|---:|---:|---:|---:|---:|")
   print("\n".join(rows))
 
 

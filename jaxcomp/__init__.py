@@ -10,6 +10,8 @@ from jaxcomp._src.collectives import vary
 from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import dgc
 from jaxcomp._src.dgc import dgc_density_schedule
+from jaxcomp._src.mipd import MIPDState
+from jaxcomp._src.mipd import mipd
 from jaxcomp._src.qsvrg import QSVRG
 from jaxcomp._src.qsvrg import QSVRGState
 from jaxcomp._src.qsvrg import QSVRGWireReport
@@ -34,6 +36,7 @@ __all__ = [
     "CollectiveOp",
     "CompressState",
     "DGCState",
+    "MIPDState",
     "PerDeviceState",
     "QSVRG",
     "QSVRGState",
@@ -45,6 +48,7 @@ __all__ = [
     "elias",
     "dgc",
     "dgc_density_schedule",
+    "mipd",
     "onebit_sgd",
     "per_device_state",
     "qsgd",

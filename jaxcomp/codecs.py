@@ -13,6 +13,7 @@ from jaxcomp._src.codecs import Codec
 from jaxcomp._src.elias_codec import EliasQSGD
 from jaxcomp._src.codecs import Identity
 from jaxcomp._src.codecs import OneBit
+from jaxcomp._src.normal import NormalQuantizer
 from jaxcomp._src.codecs import Payload
 from jaxcomp._src.codecs import QSGD
 from jaxcomp._src.codecs import payload_nbytes
@@ -21,5 +22,5 @@ from jaxcomp._src.sparse import SparseCodec
 from jaxcomp._src.sparse import TopK
 from jaxcomp._src.wangni import UnbiasedSparsifier
 
-__all__ = ["Cast", "Codec", "EliasQSGD", "Identity", "OneBit", "Payload", "QSGD", "RandomK", "SparseCodec",
+__all__ = ["Cast", "Codec", "EliasQSGD", "Identity", "NormalQuantizer", "OneBit", "Payload", "QSGD", "RandomK", "SparseCodec",
            "TopK", "UnbiasedSparsifier", "payload_nbytes"]

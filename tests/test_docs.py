@@ -11,6 +11,7 @@ from jaxcomp import elias as elias_public
 from jaxcomp._src import dgc
 from jaxcomp._src import elias
 from jaxcomp._src import elias_codec
+from jaxcomp._src import normal
 from jaxcomp._src import qsvrg
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
@@ -18,7 +19,7 @@ from jaxcomp._src import wangni
 
 
 @pytest.mark.parametrize("module", [codecs, elias_public, transforms, dgc, sparse,
-                                    wangni, elias, qsvrg],
+                                    wangni, elias, qsvrg, normal],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

@@ -28,11 +28,15 @@ from examples.mnist1d import models
 
 AXIS = "batch"
 
-METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni")
+METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd")
 
 # Methods whose exchange carries the momentum (DGC's momentum correction): the optimizer
 # after them is plain SGD, and they clip locally instead of clipping the mean gradient.
 MOMENTUM_IN_EXCHANGE = ("dgc",)
+
+# Exchanges whose state is identical on every device (MIPD's prediction is updated from
+# the aggregated gradient only): kept replicated, not wrapped in jc.per_device_state.
+REPLICATED_STATE = ("mipd",)
 
 
 def pmean_gradients(axis_name: str) -> optax.GradientTransformation:
@@ -67,6 +71,8 @@ def make_exchange(method: str, config=None, *, warmup: bool = True
                   axis_name=AXIS)
   if method == "wangni":
     return jc.sparsify(density=0.05, axis_name=AXIS)
+  if method == "mipd":  # drop 50%, int8 normal quantization, half update, compensation
+    return jc.mipd(0.5, axis_name=AXIS)
   if method == "dense":
     return pmean_gradients(AXIS)
   if method == "qsgd4":
@@ -113,13 +119,16 @@ def make_tx(method: str, config, exchange: optax.GradientTransformation | None =
   """The exchange (``make_exchange(method, config)`` unless given), then the optimizer.
 
   Only the exchange's state is per device (error-feedback residuals, device-folded
-  keys), so only it is wrapped in ``jc.per_device_state``; the optimizer sees the same
+  keys), so only it is wrapped in ``jc.per_device_state`` (not MIPD's, which is the
+  same on every device); the optimizer sees the same
   mean gradient on every device and its state stays replicated, like the parameters.
   ``jc.state_specs`` gives the matching ``shard_map`` specs.
   """
   if exchange is None:
     exchange = make_exchange(method, config)
-  return optax.chain(jc.per_device_state(exchange),
+  if method not in REPLICATED_STATE:
+    exchange = jc.per_device_state(exchange)
+  return optax.chain(exchange,
                      make_optimizer(config, momentum=method not in MOMENTUM_IN_EXCHANGE))
 
 
@@ -224,6 +233,7 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
     tx = make_tx(method, config, steady_exchange)
   report = wire_report(tx, init_params, k)
   return {
+      "overflow_steps": overflow_steps(opt_state),
       "test_accuracy": history["test_accuracy"][-1],
       "bytes_received": None if report is None else report.bytes_received,
       "dense_bytes": None if report is None else report.dense_bytes,
@@ -233,6 +243,19 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
       "history": history,
       "wire_report": None if report is None else str(report),
   }
+
+
+def overflow_steps(opt_state) -> int | None:
+  """Steps in which the exchange took its overflow path (``overflow_count``), or None."""
+  found = []
+
+  def visit(x):
+    if hasattr(x, "overflow_count"):
+      found.append(int(np.max(np.asarray(x.overflow_count))))
+    return x
+
+  jax.tree.map(visit, opt_state, is_leaf=lambda x: hasattr(x, "overflow_count"))
+  return max(found) if found else None
 
 
 def wire_report(tx, params, num_devices: int) -> jc.WireReport | None:

@@ -1,4 +1,4 @@
-"""Default configuration: the README's demo (6 methods; docs/index.md has its timing)."""
+"""Default configuration: the README's demo (7 methods; docs/index.md has its timing)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Config:
   seed: int = 0                    # init and shuffling
 
   # Methods to compare, in table order (see train.make_exchange).
-  methods: tuple[str, ...] = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni")
+  methods: tuple[str, ...] = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd")
 
   # Logging.
   eval_every: int = 50             # steps between test-accuracy evaluations
