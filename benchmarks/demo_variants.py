@@ -69,6 +69,9 @@ VARIANTS = {
                                                           axis_name=AXIS)),
     "mipd_no_compensation": ("mipd", lambda c, k, steady: jc.mipd(0.5, compensate=False,
                                                                   axis_name=AXIS)),
+    "mipd_alpha01": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.1, axis_name=AXIS)),
+    "mipd_alpha09": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.9, axis_name=AXIS)),
+    "mipd_beta1": ("mipd", lambda c, k, steady: jc.mipd(0.5, beta=1.0, axis_name=AXIS)),
     "mipd_half_drop_predict_compensated": ("mipd", lambda c, k, steady: jc.mipd(
         0.5, quantize=False, predict_from="compensated", axis_name=AXIS)),
     "mipd_full_predict_compensated": ("mipd", lambda c, k, steady: jc.mipd(
