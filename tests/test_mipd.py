@@ -112,31 +112,43 @@ def test_no_drop_no_quantization_is_the_gradient_and_esp_recurrence():
   assert int(state.count) == 4 and bool(np.all(state.observed))
 
 
-def _kept_counts(tx_kwargs, g, state):
+def _kept_counts(g, state, drop_rate=0.5, beta=0.5):
   """The per-layer kept counts mipd should use, from the state's prediction (eqs. 1-7)."""
   names = COMPRESSED
   pn = jnp.stack([jnp.linalg.norm(PARAMS[n]) for n in names])
   en = jnp.stack([jnp.linalg.norm(g[n] - state.prediction[n]) for n in names])
   sizes = [math.prod(SHAPES[n]) for n in names]
-  drops = mipd_lib.allocate_drops(mipd_lib.drop_rates(pn, en, tx_kwargs.get("beta", 0.5)),
-                                  sizes, round(tx_kwargs["drop_rate"] * sum(sizes)))
+  drops = mipd_lib.allocate_drops(mipd_lib.drop_rates(pn, en, beta), sizes,
+                                  round(drop_rate * sum(sizes)))
   return {n: s - int(d) for n, s, d in zip(names, sizes, drops)}
+
+
+def _local_steps(tx, steps=3, beta=0.5):
+  """Runs ``tx`` (drop rate 0.5, one device) on ``steps`` gradients.
+
+  Yields ``(t, g, sent, prediction before the step, output, state after)``, where
+  ``sent[name]`` is the mask of the entries the drop rates say that layer keeps.
+  """
+  state = tx.init(PARAMS)
+  for t in range(steps):
+    g = _grads(t)
+    kept = _kept_counts(g, state, beta=beta)
+    sent = {n: np.asarray(mipd_lib.top_mask(g[n].reshape(-1), jnp.int32(kept[n])))
+            .reshape(SHAPES[n]) for n in COMPRESSED}
+    pred = state.prediction
+    out, state = _step(tx, g, state)
+    yield t, g, sent, pred, out, state
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_without_compensation_dropped_entries_are_zero(beta):
-  kwargs = dict(drop_rate=0.5, beta=beta)
   tx = jc.mipd(0.5, beta=beta, quantize=False, half_update=False, compensate=False)
-  state = tx.init(PARAMS)
-  for t in range(3):
-    g = _grads(t)
-    want = _kept_counts(kwargs, g, state)
-    out, state = _step(tx, g, state)
+  for _, g, sent, _, out, _ in _local_steps(tx, beta=beta):
     total = 0
     for name in COMPRESSED:
       o, x = np.asarray(out[name]), np.asarray(g[name])
       kept = o != 0
-      assert kept.sum() == want[name]
+      np.testing.assert_array_equal(kept, sent[name])   # the counts of eqs. 1-7
       np.testing.assert_array_equal(o[kept], x[kept])   # kept: exact
       assert np.min(np.abs(x[kept])) >= np.max(np.abs(x[~kept]))  # by magnitude
       total += kept.sum()
@@ -147,18 +159,11 @@ def test_without_compensation_dropped_entries_are_zero(beta):
 
 def test_compensation_fills_dropped_entries_with_the_prediction():
   tx = jc.mipd(0.5, quantize=False, half_update=False, compensate=True)
-  state = tx.init(PARAMS)
-  for t in range(3):
-    g = _grads(t)
-    kept = _kept_counts(dict(drop_rate=0.5), g, state)
-    pred = state.prediction
-    out, state = _step(tx, g, state)
+  for t, g, sent, pred, out, _ in _local_steps(tx):
     for name in COMPRESSED:
-      o, x, p = (np.asarray(a) for a in (out[name], g[name], pred[name]))
-      sent = np.asarray(mipd_lib.top_mask(g[name].reshape(-1), jnp.int32(kept[name])))
-      sent = sent.reshape(x.shape)
-      np.testing.assert_array_equal(o[sent], x[sent])
-      np.testing.assert_array_equal(o[~sent], p[~sent])  # 0 at the first step
+      o, x, p, m = np.asarray(out[name]), np.asarray(g[name]), np.asarray(pred[name]), sent[name]
+      np.testing.assert_array_equal(o[m], x[m])
+      np.testing.assert_array_equal(o[~m], p[~m])  # 0 at the first step
     if t:
       assert np.any(np.asarray(pred["a"]) != 0)
 
@@ -167,23 +172,17 @@ def test_compensation_fills_dropped_entries_with_the_prediction():
 def test_prediction_smooths_the_received_or_the_compensated_mean(predict_from):
   tx = jc.mipd(0.5, alpha=0.3, quantize=False, half_update=False,
                predict_from=predict_from)
-  state = tx.init(PARAMS)
-  for t in range(3):
-    g = _grads(t)
-    kept = _kept_counts(dict(drop_rate=0.5), g, state)
-    pred = state.prediction
-    out, state = _step(tx, g, state)
+  for t, g, sent, pred, out, state in _local_steps(tx):
     for name in COMPRESSED:
-      sent = np.asarray(mipd_lib.top_mask(g[name].reshape(-1), jnp.int32(kept[name])))
-      received = np.where(sent, np.asarray(g[name]).ravel(), 0.0)
+      m = sent[name].ravel()
+      received = np.where(m, np.asarray(g[name]).ravel(), 0.0)
       obs = np.asarray(out[name]).ravel() if predict_from == "compensated" else received
       p = np.asarray(pred[name]).ravel()
       want = obs if t == 0 else 0.3 * obs + 0.7 * p
-      np.testing.assert_allclose(np.asarray(state.prediction[name]).ravel(), want,
-                                 rtol=1e-6, atol=1e-7)
+      new = np.asarray(state.prediction[name]).ravel()
+      np.testing.assert_allclose(new, want, rtol=1e-6, atol=1e-7)
       if t and predict_from == "compensated":  # a dropped entry keeps its prediction
-        np.testing.assert_allclose(np.asarray(state.prediction[name]).ravel()[~sent],
-                                   p[~sent], rtol=1e-6)
+        np.testing.assert_allclose(new[~m], p[~m], rtol=1e-6)
 
 
 def test_quantized_kept_entries_within_their_interval_width():
@@ -309,7 +308,7 @@ def test_compensation_counts_the_devices_that_dropped():
   sent = np.zeros_like(g, bool)
   for d in range(K):
     local = {n: grads[0][n][d] for n in SHAPES}
-    kept = _kept_counts(dict(drop_rate=0.5), local, jc.mipd(0.5).init(PARAMS))["a"]
+    kept = _kept_counts(local, jc.mipd(0.5).init(PARAMS))["a"]
     sent[d] = np.asarray(mipd_lib.top_mask(jnp.asarray(g[d]), jnp.int32(kept)))
   np.testing.assert_allclose(out, np.where(sent, g, 0.0).sum(0) / K, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(state.prediction["a"].ravel(), out, rtol=1e-6)

@@ -311,7 +311,7 @@ def mipd(
     (at 50% kept it is, 16x: the paper does not say how positions are coded);
   * values beyond ``μ_i ± 3σ_i`` travel as (index, float32) pairs in a static capacity
     of ``ceil(outlier_fraction · N)`` slots per group (the demo CNN's gradients have
-    1.9–2.5% of their entries beyond 3σ: ``python -m benchmarks.normal_quantizer``);
+    1.9–3.1% of their entries beyond 3σ: ``python -m benchmarks.normal_quantizer``);
     when it overflows on any device, every device sends its kept entries as float32
     for that step instead (the same selection, no loss; a 4-byte ``pmax`` picks the
     branch, :func:`jaxcomp.wire_report` lists it as ``fallback_bytes``), and the step is

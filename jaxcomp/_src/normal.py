@@ -105,12 +105,11 @@ def intervals_table(intervals: int, sigmas: float) -> tuple[np.ndarray, np.ndarr
   return counts, edges, proxies
 
 
-def _check_intervals(intervals) -> int:
+def _check_intervals(intervals) -> None:
   _check_positive_int(intervals, "intervals")
   if intervals < 2 or intervals & (intervals - 1) or intervals > 2**16:
     raise ValueError("intervals must be a power of two in 2..65536 (m bits plus a sign bit),"
                      f" got {intervals!r}")
-  return int(intervals).bit_length() - 1
 
 
 def _check_sigmas(sigmas) -> None:
@@ -118,17 +117,11 @@ def _check_sigmas(sigmas) -> None:
     raise ValueError(f"sigmas must be a number in (0, 8], got {sigmas!r}")
 
 
-def moments(x: Array, mask: Array | None = None) -> tuple[Array, Array]:
-  """(μ, σ) of the flat float32 ``x`` (of its ``mask``\\ ed entries), population std."""
-  if mask is None:
-    count = jnp.float32(max(x.shape[0], 1))
-    mu = jnp.sum(x) / count
-    var = jnp.sum(jnp.square(x - mu)) / count
-  else:
-    count = jnp.maximum(jnp.sum(mask, dtype=jnp.int32), 1).astype(_F32)
-    mu = jnp.sum(jnp.where(mask, x, 0.0)) / count
-    var = jnp.sum(jnp.where(mask, jnp.square(x - mu), 0.0)) / count
-  return mu, jnp.sqrt(var)
+def moments(x: Array) -> tuple[Array, Array]:
+  """(μ, σ) of the flat float32 ``x``, population standard deviation."""
+  count = jnp.float32(max(x.shape[0], 1))
+  mu = jnp.sum(x) / count
+  return mu, jnp.sqrt(jnp.sum(jnp.square(x - mu)) / count)
 
 
 def interval_codes(x: Array, mu: Array, sigma: Array, intervals: int, sigmas: float
@@ -162,7 +155,6 @@ def proxy_values(codes: Array, mu: Array, sigma: Array, intervals: int, sigmas: 
                  ) -> Array:
   """Decoded values ``μ ± σ p_j`` of interval codes (float32)."""
   _, _, proxies = intervals_table(intervals, sigmas)
-  half = intervals // 2
   table = jnp.asarray(np.concatenate([proxies, -proxies]), _F32)
   return mu + sigma * table[jnp.minimum(codes, intervals - 1).astype(jnp.int32)]
 
