@@ -13,7 +13,7 @@ format's reference. See :mod:`jaxcomp._src.elias` for the format.
 >>> bool((codec.decode(back) == codec.decode(payload)).all())
 True
 >>> jc.elias.stream_bits(codec, payload), codec.wire_bits(x.shape)  # vs fixed width
-(11429, 32800)
+(11325, 32800)
 """
 
 from jaxcomp._src.elias import bytes_to_words

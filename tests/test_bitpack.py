@@ -32,12 +32,21 @@ def _round_trip(codes, bits):
 
 
 def _reference_pack(codes: np.ndarray, bits: int) -> np.ndarray:
-  """Plain-Python reading of the documented layout.
+  """Plain-Python reading of the two documented layouts.
 
-  Word ``g * bits + j`` holds bit ``j`` of the 32 codes of group ``g``, code ``i`` of the
-  group in bit ``i`` of the word; the lanes past the end are zero.
+  Lanes (``bits`` divides 32): code ``idx`` sits in word ``idx // (32 // bits)`` at bit
+  offset ``bits * (idx % (32 // bits))``. Bit planes (other widths): word ``g * bits + j``
+  holds bit ``j`` of the 32 codes of group ``g``, code ``i`` of the group in bit ``i``
+  of the word. Bits past the end are zero.
   """
   n = codes.shape[0]
+  if 32 % bits == 0:
+    per_word = 32 // bits
+    words = np.zeros(-(-n // per_word), np.uint64)
+    for idx in range(n):
+      w, i = divmod(idx, per_word)
+      words[w] |= np.uint64(int(codes[idx])) << np.uint64(bits * i)
+    return words.astype(np.uint32)
   groups = -(-n // 32)
   words = np.zeros(groups * bits, np.uint64)
   for idx in range(n):
@@ -70,14 +79,15 @@ def test_round_trip_every_width_and_layout(bits):
   codes = _random_codes(n, bits, seed=bits)
   words, back = _round_trip(jnp.asarray(codes), bits)
   words = np.asarray(words)
-  assert words.shape == (bitpack.num_words(n, bits),) == (3 * bits,)
+  expected = -(-n * bits // 32) if 32 % bits == 0 else 3 * bits
+  assert words.shape == (bitpack.num_words(n, bits),) == (expected,)
   np.testing.assert_array_equal(words, _reference_pack(codes, bits))
   np.testing.assert_array_equal(np.asarray(back), codes)
 
 
 @pytest.mark.parametrize("n, bits, expected", [
-    (1, 1, 1), (32, 1, 1), (33, 1, 2), (64, 3, 6), (65, 3, 9), (100, 4, 16),
-    (1000, 32, 32 * 32), (0, 5, 0),
+    (1, 1, 1), (32, 1, 1), (33, 1, 2), (64, 3, 6), (65, 3, 9), (100, 4, 13), (100, 5, 20), (64, 4, 8),
+    (1000, 32, 1000), (1000, 31, 32 * 31), (0, 5, 0),
 ])
 def test_num_words(n, bits, expected):
   assert bitpack.num_words(n, bits) == expected
@@ -114,13 +124,20 @@ def test_bit_planes_layout_small_example():
   assert words.tolist() == [1, 2, 3]
 
 
+def test_lanes_layout_small_example():
+  # 4-bit codes, 8 per word, code i in bits 4i..4i+3: 0x1, 0x2, ..., 0x9.
+  words = np.asarray(_round_trip(jnp.arange(1, 10, dtype=jnp.uint32), 4)[0])
+  assert words.tolist() == [0x87654321, 0x9]
+
+
 def test_high_bits_are_dropped_and_padding_is_zero():
   codes = jnp.asarray([0xFFFFFFFF, 0b1010, 7], jnp.uint32)
-  words, back = _round_trip(codes, 2)
-  back = np.asarray(back)
-  np.testing.assert_array_equal(back, [3, 2, 3])
-  # Lanes 3..31 hold no code and stay zero in every plane.
-  assert np.all(np.asarray(words) >> 3 == 0)
+  for bits, lanes_used in ((2, 6), (3, 3)):  # lanes layout, then bit planes
+    words, back = _round_trip(codes, bits)
+    mask = (1 << bits) - 1
+    np.testing.assert_array_equal(np.asarray(back), [mask, 0b1010 & mask, 7 & mask])
+    # The bits past the last code hold nothing and stay zero.
+    assert np.all(np.asarray(words) >> lanes_used == 0)
 
 
 def test_under_jit_and_vmap():

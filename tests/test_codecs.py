@@ -426,7 +426,9 @@ def test_qsgd_reproducible_and_key_dependent():
 def _qsgd_bits_expected(codec, n):
   bits = math.ceil(math.log2(codec.levels + 1)) + 1
   nb = 1 if codec.bucket_size is None else -(-n // codec.bucket_size)
-  return -(-n // 32) * bits * 32 + 32 * nb
+  # bitpack's layouts: 32 // bits codes per word when bits divides 32, else bit planes.
+  words = -(-n * bits // 32) if 32 % bits == 0 else -(-n // 32) * bits
+  return 32 * words + 32 * nb
 
 
 def _onebit_bits_expected(codec, n):

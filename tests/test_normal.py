@@ -120,7 +120,7 @@ def test_wire_bits_come_from_the_arrays():
     n = math.prod(shape)
     cap = q.capacity(n)
     idx_bits = 8 * sparse.index_dtype(n).itemsize
-    want = 32 * math.ceil(n / 32) * 8 + 64 + cap * (idx_bits + 32)
+    want = 32 * math.ceil(n * 8 / 32) + 64 + cap * (idx_bits + 32)
     assert q.wire_bits(shape) == want
     p = q.encode(jnp.zeros(shape))
     assert 8 * p.nbytes == want

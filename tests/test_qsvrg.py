@@ -190,10 +190,10 @@ def test_bits_per_epoch():
   assert report.snapshot_bits == 32 * n               # one dense float32 ∇f_j(y)
   assert all(op.primitive.startswith("psum") for op in report.snapshot_ops)
   # Each step: the QSGD payloads with s = round(sqrt(n_leaf)): w has s = 6 (4 bits with
-  # the sign, one word per bit plane of 32 values) and the scalar b has s = 1 (2 bits).
+  # the sign, 8 codes per uint32 word) and the scalar b has s = 1 (2 bits, one word).
   codec_w, codec_b = jc.codecs.QSGD(6), jc.codecs.QSGD(1)
   expected_step = codec_w.wire_bits((D,)) + codec_b.wire_bits(())
-  assert expected_step == (4 * 32 + 32) + (2 * 32 + 32)
+  assert expected_step == (32 * -(-4 * D // 32) + 32) + (32 + 32)
   assert report.step_bits == expected_step
   assert all("all_gather" in op.primitive for op in report.step_ops)
   assert report.broadcast_bits_per_epoch == 32 * n + T * expected_step

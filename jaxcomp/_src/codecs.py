@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomp._src import bitpack
+from jaxcomp._src import rng
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -184,6 +185,28 @@ def _to_buckets(flat: Array, b: int, nb: int) -> Array:
   return jnp.pad(flat, (0, nb * b - flat.shape[0])).reshape(nb, b)
 
 
+def _row_absmax(v: Array) -> Array:
+  """``max |v|`` along axis 1, as ``max(max v, -min v)`` (NaNs may be skipped).
+
+  Two plain reductions of ``v``: XLA:CPU runs those as fast library reductions, while
+  a reduction of ``abs(v)`` goes through its generic loop emitter, ~6x slower
+  (``python -m benchmarks.xla_cpu_pitfalls``).
+  """
+  return jnp.maximum(jnp.max(v, axis=1), -jnp.min(v, axis=1))
+
+
+def _row_finite(v: Array) -> Array:
+  """Whether each row of ``v`` is all finite (plain reductions only, see above).
+
+  A NaN makes the row's sum NaN, an infinity its max or min infinite. (Only finite
+  values above ~1e35 could make a false alarm, their sum overflowing to +inf and -inf
+  in different partial sums.)
+  """
+  total = jnp.sum(v, axis=1)
+  return (~jnp.isnan(total) & jnp.isfinite(jnp.max(v, axis=1))
+          & jnp.isfinite(jnp.min(v, axis=1)))
+
+
 # ----------------------------------------------------------------------------- codecs
 
 
@@ -304,8 +327,8 @@ class QSGD(Codec):
 
 
   def scales(self, v: Array) -> Array:
-    """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array."""
-    amax = jnp.max(jnp.abs(v), axis=1)
+    """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array (finite inputs)."""
+    amax = _row_absmax(v)
     if self.norm == "max":
       return amax
     # ||v|| = amax * ||v / amax||: no float32 overflow above 1.8e19, no underflow below 1e-19.
@@ -319,6 +342,10 @@ class QSGD(Codec):
     ``0..levels``) and ``negative`` (bool) are ``(buckets, bucket_length)``, the padding
     of the last bucket zero. :meth:`encode` packs exactly these; other wire formats of
     the same quantization (e.g. Elias coding) start from them.
+
+    The Bernoulli draws are :mod:`jaxcomp._src.rng`'s counter-based bits: value ``i``
+    of the flattened tensor uses ``h(i)`` under ``key``, the same bits a Pallas kernel
+    computes from its element index.
     """
     _check_float(x)
     key = self._require_key(key)
@@ -327,15 +354,13 @@ class QSGD(Codec):
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
     # A bucket holding NaN/Inf gets a NaN scale, so it decodes to NaN: never hidden
     # (XLA's max may skip NaNs, and the codes of a non-finite value are meaningless).
-    scale = jnp.where(jnp.all(jnp.isfinite(v), axis=1), self.scales(v), jnp.nan)
+    scale = jnp.where(_row_finite(v), self.scales(v), jnp.nan)
     s = jnp.float32(self.levels)
     # |v| / scale * s (not |v| * (s / scale)): the bucket's max maps to exactly s.
     safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     r = jnp.where((scale > 0)[:, None], jnp.abs(v) / safe[:, None] * s, 0.0)
-    low = jnp.floor(r)
-    u = jax.random.uniform(key, v.shape, _F32)
     # r is finite (0 in a non-finite bucket, whose NaN scale marks it), so mag <= s.
-    mag = jnp.minimum(low + (u < r - low).astype(_F32), s).astype(jnp.uint32)
+    mag = jnp.minimum(rng.bernoulli_round(r, key), s).astype(jnp.uint32)
     # A zero code carries no sign (the paper's string has no bit for it): +0, not -0.
     return scale, mag, (v < 0) & (mag > 0)
 
@@ -400,17 +425,27 @@ class OneBit(Codec):
     n = x.size
     b, nb = _buckets(n, self.bucket_size)
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
-    valid = (jnp.arange(nb * b) < n).reshape(nb, b)
     neg = v < 0
-    pos = valid & ~neg
+    # Padding is +0, counted as non-negative: take it out of the counts.
+    valid = np.full((nb,), b, np.float32)
+    if nb:
+      valid[-1] = n - (nb - 1) * b
+    # Three reductions (the positive count is the valid count minus the negative one).
+    # Sums of max(v, 0) and min(v, 0), not the total minus one of them: that would
+    # cancel catastrophically when one sign dominates a bucket.
+    pos_sum = jnp.sum(jnp.maximum(v, 0.0), axis=1)
+    neg_sum = jnp.sum(jnp.minimum(v, 0.0), axis=1)
+    # float32 counts are exact up to 2**24 per bucket (and faster to sum than int32).
+    count_dtype = _F32 if b <= 2**24 else jnp.int32
+    neg_count = jnp.sum(neg.astype(count_dtype), axis=1).astype(_F32)
+    pos_count = jnp.asarray(valid) - neg_count
 
-    def mean(mask):
-      total = jnp.sum(jnp.where(mask, v, 0.0), axis=1)
-      count = jnp.sum(mask, axis=1, dtype=jnp.int32).astype(_F32)
+    def mean(total, count):
       return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
 
     words = bitpack.pack_bits(neg.reshape(-1)[:n].astype(jnp.uint32), 1)
-    arrays = {"words": words, "pos": mean(pos), "neg": mean(valid & neg)}
+    arrays = {"words": words, "pos": mean(pos_sum, pos_count),
+              "neg": mean(neg_sum, neg_count)}
     return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
 
   def _decode_f32(self, payload: Payload) -> Array:

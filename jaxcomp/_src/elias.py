@@ -711,7 +711,7 @@ def _payload_codes(codec: Any, payload: Any) -> tuple[np.ndarray, np.ndarray, np
   _, nb = _codecs._buckets(n, codec.bucket_size)  # pylint: disable=protected-access
   words = np.asarray(payload.arrays["words"])
   scales = np.asarray(payload.arrays["scales"])
-  expected = -(-n // 32) * codec.bits
+  expected = bitpack.num_words(n, codec.bits)
   if words.shape != (expected,) or scales.shape != (nb,):
     raise ValueError(
         f"expected one payload of {n} values: words ({expected},) and scales ({nb},), got "

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomp._src import bitpack
+from jaxcomp._src import rng
 from jaxcomp._src.codecs import Array
 from jaxcomp._src.codecs import Payload
 from jaxcomp._src.codecs import _check_float
@@ -349,7 +350,7 @@ class UnbiasedSparsifier(SparseCodec):
     xf = x.reshape(-1).astype(_F32)
     a, amax, all_finite = self._normalized(x)
     lam = self._lambda_normalized(a)
-    u = jax.random.uniform(key, (n,), _F32)
+    u = rng.uniform(key, (n,))  # the counter-based bits of jaxcomp._src.rng
     finite = jnp.isfinite(xf)
     p = jnp.minimum(a * lam, 1.0)
     # One definition of "dense" and "kept", materialised once and read by both paths.

@@ -1,0 +1,101 @@
+r"""Throughput of every codec's encode, decode and encode+decode on this machine.
+
+Each row is timed next to this machine's *read roof*, ``jnp.sum(x)`` over the same
+float32 array in the same run (the least a codec can do is read its input once), and
+next to a copy (``x + 1``: read and write). Throughput counts the float32 input bytes
+(``4n``) per second; "% roof" is encode+decode time of the roof over the codec's.
+
+  python -m benchmarks.codecs                       # 1M..64M, every codec
+  python -m benchmarks.codecs --sizes 22,24 --codecs qsgd4,onebit --repeats 5
+
+On XLA:CPU everything runs on the host's cores (2 on the development machine); XLA
+parallelises large fusions across them, so the roof is the machine's, not one core's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import jax.numpy as jnp
+
+import jaxcomp as jc
+from benchmarks._timing import median_time
+
+C = jc.codecs
+
+#: name -> (codec, largest log2 size it is run at: slow codecs stop early).
+CODECS = {
+    "identity": (C.Identity(), 26),
+    "bf16": (C.Cast(jnp.bfloat16), 26),
+    "fp16": (C.Cast(jnp.float16), 26),
+    "qsgd8": (C.QSGD(127, 512, "max"), 26),
+    "qsgd4": (C.QSGD(7, 512, "max"), 26),
+    "qsgd2": (C.QSGD(1, 128, "max"), 26),
+    "qsgd4_l2": (C.QSGD(7, 512, "l2"), 26),
+    "onebit": (C.OneBit(1024), 26),
+    "normal8": (C.NormalQuantizer(256), 24),
+    "topk0.1%": (C.TopK(0.001), 24),
+    "randomk1%": (C.RandomK(0.01), 24),
+    "wangni5%": (C.UnbiasedSparsifier(density=0.05), 24),
+    "elias_qsgd4": (C.EliasQSGD(7, 512, "max"), 22),
+}
+
+
+def roofs(x: jax.Array, repeats: int) -> tuple[float, float]:
+  """(read time, copy time) of ``x`` in seconds."""
+  read = jax.jit(jnp.sum)
+  copy = jax.jit(lambda a: a + 1.0)
+  return median_time(read, x, repeats=repeats), median_time(copy, x, repeats=repeats)
+
+
+def time_codec(codec, x: jax.Array, key: jax.Array, repeats: int) -> tuple[float, float, float]:
+  """Median seconds of (encode, decode, encode+decode), each jitted on its own."""
+  encode = jax.jit(lambda a, k: codec.encode(a, key=k))
+  decode = jax.jit(codec.decode)
+  both = jax.jit(lambda a, k: codec.decode(codec.encode(a, key=k)))
+  payload = encode(x, key)
+  return (median_time(encode, x, key, repeats=repeats),
+          median_time(decode, payload, repeats=repeats),
+          median_time(both, x, key, repeats=repeats))
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default="20,22,24,26", help="log2 of n, comma-separated")
+  parser.add_argument("--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS))
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  names = args.codecs.split(",")
+  unknown = sorted(set(names) - set(CODECS))
+  if unknown:
+    parser.error(f"unknown codecs {unknown}; expected a subset of {list(CODECS)}")
+
+  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, "
+        f"{jax.local_device_count()} device(s) visible; median of {args.repeats}")
+  print("| n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s) |"
+        " % read roof | bits/value |")
+  print("|---:|---|---:|---:|---:|---:|---:|---:|")
+  for p in (int(s) for s in args.sizes.split(",")):
+    n = 2**p
+    x = jax.random.normal(jax.random.key(p), (n,), jnp.float32)
+    key = jax.random.key(1)
+    gb = 4 * n / 1e9
+    read, copy = roofs(x, args.repeats)
+    print(f"| 2^{p} | *read roof: sum(x)* | {gb / read:.2f} | | | {n / read / 1e6:.0f} |"
+          f" 100 | |")
+    print(f"| 2^{p} | *copy: x + 1* | {gb / copy:.2f} | | | {n / copy / 1e6:.0f} |"
+          f" {100 * read / copy:.0f} | |")
+    for name in names:
+      codec, max_p = CODECS[name]
+      if p > max_p:
+        continue
+      enc, dec, both = time_codec(codec, x, key, args.repeats)
+      bits = codec.wire_bits((n,)) / n
+      print(f"| 2^{p} | {name} | {gb / enc:.2f} | {gb / dec:.2f} | {gb / both:.2f} |"
+            f" {n / both / 1e6:.0f} | {100 * read / both:.0f} | {bits:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
