@@ -1,0 +1,711 @@
+r"""Multi-process MNIST-1D training on ``jax.distributed``: one launcher, N workers.
+
+From the repository root::
+
+  python -m examples.mnist1d.launch --processes 2 --devices-per-process 2 \
+      --method onebit --steps 20
+  python -m examples.mnist1d.launch --processes 2 --devices-per-process 2 \
+      --method dense,qsgd4,onebit,dgc --config quick --steps 5
+
+The launcher picks a free port for the coordinator, starts N copies of this module in
+worker mode (``--worker --process-id i --num-processes N --coordinator HOST:PORT``),
+streams their output, kills all of them when one fails, on a timeout or on Ctrl-C,
+checks that every process ends with bit-identical parameters and prints a summary.
+
+Each worker joins ``jax.distributed`` (on CPU with ``D`` devices per process and gloo
+collectives; on GPU XLA's default, NCCL, over the GPUs the process sees: give each
+process its own through ``launch(env=...)``, e.g. ``CUDA_VISIBLE_DEVICES``), builds the
+demo's mesh over every process's devices and trains the demo's CNN with
+``train.make_tx`` and ``train.make_train_step``. Every process generates the same data
+set, starts from the same parameters and draws the same global batches as the
+single-process trainer on ``jax.device_count()`` devices, but puts only its own devices'
+rows on them. Each writes ``WORKDIR/worker{i}.json`` and prints the same JSON on one
+stdout line starting with :data:`RESULT_MARKER`.
+
+Python API: :func:`launch` (spawn, collect, return the workers' results),
+:func:`worker_args`, :func:`check_identical` and :func:`summary` on the launcher side;
+:func:`init_distributed`, :func:`train_worker`, :func:`train_method`,
+:func:`params_digest` on the worker side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from examples.mnist1d import input_pipeline
+from examples.mnist1d import train
+
+MODULE = "examples.mnist1d.launch"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
+
+# A worker prints its result as one stdout line: this marker, then the JSON.
+RESULT_MARKER = "JAXCOMP_WORKER_RESULT "
+
+# Lines of a failing worker's stderr quoted in the launcher's error.
+TAIL_LINES = 30
+
+Prefix = Callable[[int], Sequence[str]]
+Env = Mapping[str, str] | Callable[[int], Mapping[str, str]]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+  """``"dense,onebit"`` -> ``("dense", "onebit")``, each one of ``train.METHODS``."""
+  methods = tuple(m.strip() for m in text.split(",") if m.strip())
+  unknown = [m for m in methods if m not in train.METHODS]
+  if unknown or not methods:
+    raise ValueError(f"--method: unknown {unknown} in {text!r}; "
+                     f"choose from {','.join(train.METHODS)}")
+  if len(set(methods)) != len(methods):
+    raise ValueError(f"--method: repeated method in {text!r}")
+  return methods
+
+
+def config_names() -> list[str]:
+  """The modules of ``examples/mnist1d/configs`` (``--config`` values)."""
+  return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def load_config(name: str, *, steps: int | None = None, seed: int | None = None,
+                batch: int | None = None):
+  """``configs/NAME.py``'s ``get_config()`` with the command-line overrides applied."""
+  if name not in config_names():
+    raise ValueError(f"--config: unknown {name!r}; choose from {','.join(config_names())}")
+  config = importlib.import_module(f"examples.mnist1d.configs.{name}").get_config()
+  overrides = {}
+  if steps is not None:
+    if steps < 1:
+      raise ValueError(f"--steps must be positive, got {steps}")
+    overrides["num_steps"] = steps
+  if batch is not None:
+    if batch < 1:
+      raise ValueError(f"--batch must be positive, got {batch}")
+    overrides["per_device_batch_size"] = batch
+  if seed is not None:
+    overrides["seed"] = seed
+  return dataclasses.replace(config, **overrides)
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def cpu_platform_selected() -> bool:
+  """Whether JAX may run on CPU here: ``JAX_PLATFORMS`` unset, empty or naming cpu."""
+  names = [p.strip().lower() for p in os.environ.get("JAX_PLATFORMS", "").split(",")]
+  names = [n for n in names if n]
+  return not names or "cpu" in names
+
+
+def init_distributed(coordinator: str, num_processes: int, process_id: int, *,
+                     devices_per_process: int | None = None,
+                     initialization_timeout: int = 300) -> None:
+  """Joins ``jax.distributed``; must run before anything initialises JAX's backends.
+
+  When JAX may use the CPU, first gives the CPU backend ``devices_per_process`` devices
+  and gloo collectives (both only shape the CPU backend: on a GPU host ``jax.devices()``
+  stays the GPUs, which use NCCL).
+
+  Args:
+    coordinator: ``HOST:PORT`` of the coordination service, run by process 0.
+    num_processes: N, the number of processes.
+    process_id: this process, in ``[0, N)``.
+    devices_per_process: CPU devices of this process (None: JAX's default).
+    initialization_timeout: seconds to wait for every process to connect.
+
+  Raises:
+    ValueError: on bad arguments, or when the CPU backend does not end up with
+      ``devices_per_process`` local devices.
+    RuntimeError: when JAX's backends were initialised already.
+  """
+  check_coordinator(coordinator)
+  if num_processes < 1 or not 0 <= process_id < num_processes:
+    raise ValueError(f"need 0 <= process_id < num_processes, got process_id "
+                     f"{process_id}, num_processes {num_processes}")
+  if devices_per_process is not None and devices_per_process < 1:
+    raise ValueError(f"devices_per_process must be positive, got {devices_per_process}")
+  if cpu_platform_selected():
+    try:
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+      if devices_per_process is not None:
+        jax.config.update("jax_num_cpu_devices", devices_per_process)
+    except RuntimeError as e:
+      raise RuntimeError("init_distributed must run before JAX initialises its backends "
+                         "(before any jax.devices() or computation)") from e
+  jax.distributed.initialize(coordinator, num_processes=num_processes,
+                             process_id=process_id,
+                             initialization_timeout=initialization_timeout)
+  if (devices_per_process is not None and jax.default_backend() == "cpu"
+      and jax.local_device_count() != devices_per_process):
+    raise ValueError(f"asked for {devices_per_process} CPU devices per process, got "
+                     f"{jax.local_device_count()}")
+
+
+def host_to_global(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A global array of ``x``, the same host value in every process.
+
+  Each process puts only the slices of its own (addressable) devices; with ``P()``
+  every device gets all of ``x``, with ``P(AXIS)`` device ``i`` of the mesh gets row ``i``.
+  """
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def local_leaves(params) -> list[np.ndarray]:
+  """Host copies of the leaves; of a replicated jax.Array, its first local shard."""
+  leaves = []
+  for leaf in jax.tree.leaves(params):
+    if isinstance(leaf, jax.Array):
+      leaf = leaf.addressable_data(0)
+    leaves.append(np.ascontiguousarray(jax.device_get(leaf)))
+  return leaves
+
+
+def params_digest(params) -> str:
+  """sha256 over every leaf's shape, dtype and bytes, in ``jax.tree.leaves`` order."""
+  return _sha256(local_leaves(params))
+
+
+def _sha256(leaves: Sequence[np.ndarray]) -> str:
+  h = hashlib.sha256()
+  for leaf in leaves:
+    h.update(f"{leaf.shape}{leaf.dtype}".encode())
+    h.update(leaf.tobytes())
+  return h.hexdigest()
+
+
+def local_copies_identical(params) -> bool:
+  """Whether every local device holds the same bytes of every replicated leaf."""
+  for leaf in jax.tree.leaves(params):
+    shards = [np.asarray(s.data).tobytes() for s in leaf.addressable_shards]
+    if any(s != shards[0] for s in shards[1:]):
+      return False
+  return True
+
+
+def overflow_steps(opt_state, mesh) -> int | None:
+  """Most steps any device took an overflow path (``overflow_count``), or None.
+
+  Like ``train.overflow_steps``, but the counts are per device on devices of every
+  process: their maximum is a jitted reduction, which every process must call.
+  """
+  counts = []
+
+  def visit(x):
+    if hasattr(x, "overflow_count"):
+      counts.append(x.overflow_count)
+    return x
+
+  jax.tree.map(visit, opt_state, is_leaf=lambda x: hasattr(x, "overflow_count"))
+  if not counts:
+    return None
+  top = jax.jit(lambda cs: jnp.max(jnp.stack([jnp.max(c) for c in cs])),
+                out_shardings=jax.NamedSharding(mesh, P()))(counts)
+  return int(top.addressable_data(0))
+
+
+def train_method(method: str, config, *, model, init_params, data, mesh,
+                 evaluate: bool = False) -> dict[str, Any]:
+  """Trains ``method`` from ``init_params`` on a mesh that may span processes.
+
+  Every process must call it with the same arguments (each jitted call is a collective).
+  One step is in flight at a time: its wall time runs from building the global batch to
+  the host having the step's loss.
+
+  Returns:
+    The JSON-ready record of the run: ``step_times_s``, ``median_step_time_s`` (steps
+    after the first), ``final_loss``, ``params_sha256``/``params_checksum`` of the
+    final parameters, ``local_copies_identical``, ``params_change_l2`` (from init), the
+    wire report's bytes (DGC's steady state) and ``test_accuracy`` (None unless
+    ``evaluate``).
+  """
+  k = mesh.size
+  tx = train.make_tx(method, config)
+  replicated = jax.NamedSharding(mesh, P())
+  per_device = jax.NamedSharding(mesh, P(train.AXIS))
+
+  state_specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
+  params = jax.tree.map(lambda a: host_to_global(a, replicated), init_params)
+  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
+                                    out_specs=state_specs))(params)
+  batches = input_pipeline.train_batches(
+      data["x"], data["y"], num_devices=k,
+      per_device_batch_size=config.per_device_batch_size, seed=config.seed)
+
+  start = time.perf_counter()
+  batch_spec = tuple(
+      jax.ShapeDtypeStruct((k, config.per_device_batch_size, *a.shape[1:]), a.dtype,
+                           sharding=per_device) for a in (data["x"], data["y"]))
+  step = train.make_train_step(model, tx, mesh, state_specs).lower(
+      params, opt_state, batch_spec).compile()
+  compile_time = time.perf_counter() - start
+
+  step_times, losses = [], []
+  for _ in range(config.num_steps):
+    start = time.perf_counter()
+    batch = tuple(host_to_global(a, per_device) for a in next(batches))
+    params, opt_state, loss = step(params, opt_state, batch)
+    losses.append(float(loss.addressable_data(0)))  # waits for the step
+    step_times.append(time.perf_counter() - start)
+
+  accuracy = None
+  if evaluate:
+    test = tuple(host_to_global(a, per_device)
+                 for a in input_pipeline.eval_shards(data["x_test"], data["y_test"], k))
+    accuracy = float(train.make_eval_step(model, mesh)(params, *test).addressable_data(0))
+
+  final = local_leaves(params)
+  change = np.sqrt(sum(np.sum((f.astype(np.float64) - np.asarray(i, np.float64)) ** 2)
+                       for f, i in zip(final, jax.tree.leaves(init_params))))
+  # DGC's bytes are its steady state, as in the demo; other methods have no warm-up.
+  report = train.wire_report(
+      train.make_tx(method, config, train.make_exchange(method, config, warmup=False)),
+      init_params, k)
+  return {
+      "method": method,
+      "num_steps": config.num_steps,
+      "step_times_s": step_times,
+      "median_step_time_s": statistics.median(step_times[1:] or step_times),
+      "compile_time_s": compile_time,
+      "losses": losses,
+      "final_loss": losses[-1],
+      "params_sha256": _sha256(final),
+      "params_checksum": float(sum(np.sum(f, dtype=np.float64) for f in final)),
+      "local_copies_identical": local_copies_identical(params),
+      "params_change_l2": float(change),
+      "overflow_steps": overflow_steps(opt_state, mesh),
+      "bytes_received": None if report is None else report.bytes_received,
+      "dense_bytes": None if report is None else report.dense_bytes,
+      "ratio": None if report is None else report.ratio,
+      "wire_report": None if report is None else str(report),
+      "test_accuracy": accuracy,
+  }
+
+
+def train_worker(config, methods: Sequence[str], workdir: str, *,
+                 evaluate: bool = False) -> dict[str, Any]:
+  """This process's part of training every method in turn; ``jax.distributed`` is up.
+
+  Returns:
+    ``{"process_id", "num_processes", "num_devices", "local_devices", "platform",
+    "num_params", "global_batch", "init_params_sha256", "methods": {method: record}}``
+    with :func:`train_method`'s records.
+  """
+  mesh, data, model, init_params = train.setup(config, workdir)
+  pid = jax.process_index()
+  result = {
+      "process_id": pid,
+      "num_processes": jax.process_count(),
+      "num_devices": jax.device_count(),
+      "local_devices": jax.local_device_count(),
+      "platform": jax.default_backend(),
+      "num_params": int(sum(p.size for p in jax.tree.leaves(init_params))),
+      "global_batch": jax.device_count() * config.per_device_batch_size,
+      "init_params_sha256": params_digest(init_params),
+      "methods": {},
+  }
+  for method in methods:
+    r = train_method(method, config, model=model, init_params=init_params, data=data,
+                     mesh=mesh, evaluate=evaluate)
+    result["methods"][method] = r
+    print(f"[process {pid}] {method}: {r['num_steps']} steps, final loss "
+          f"{r['final_loss']:.4f}, median step {1e3 * r['median_step_time_s']:.1f} ms, "
+          f"compile {r['compile_time_s']:.1f} s, params {r['params_sha256'][:16]}",
+          flush=True)
+  return result
+
+
+def write_result(result: dict[str, Any], workdir: str) -> str:
+  """Writes ``WORKDIR/worker{i}.json``, prints the marked stdout line; returns the path."""
+  path = os.path.join(workdir, f"worker{result['process_id']}.json")
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  print(RESULT_MARKER + json.dumps(result), flush=True)
+  return path
+
+
+def run_worker(args: argparse.Namespace) -> None:
+  """Worker mode: join the job, train, report, leave together with the others."""
+  config = load_config(args.config, steps=args.steps, seed=args.seed, batch=args.batch)
+  methods = parse_methods(args.method)
+  init_distributed(args.coordinator, args.num_processes, args.process_id,
+                   devices_per_process=args.devices_per_process)
+  result = train_worker(config, methods, args.workdir, evaluate=args.eval)
+  write_result(result, args.workdir)
+  jax.distributed.shutdown()  # a barrier: no process leaves while others still run
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+class LaunchError(RuntimeError):
+  """A worker failed, or the workers timed out; ``outputs`` holds what they printed."""
+
+  def __init__(self, message: str, outputs: Sequence[WorkerOutput] = ()):
+    super().__init__(message)
+    self.outputs = list(outputs)
+
+
+class ParamsMismatchError(RuntimeError):
+  """The processes (or one process's devices) ended with different parameters."""
+
+
+@dataclasses.dataclass
+class WorkerOutput:
+  """One worker process: its command, exit code (None: still running) and output lines."""
+
+  process_id: int
+  command: list[str]
+  returncode: int | None = None
+  stdout: list[str] = dataclasses.field(default_factory=list)
+  stderr: list[str] = dataclasses.field(default_factory=list)
+
+  def tail(self, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of stderr (of stdout when stderr is empty)."""
+    return "\n".join((self.stderr or self.stdout)[-lines:])
+
+
+def check_coordinator(address: str) -> None:
+  """Raises ValueError unless ``address`` is ``HOST:PORT`` with a port in 1..65535."""
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ValueError(f"coordinator must be HOST:PORT, got {address!r}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port free now on ``host`` (on every local address if ``host`` is not local)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    try:
+      s.bind((host, 0))
+    except OSError:  # e.g. an address of another network namespace
+      s.bind(("", 0))
+    return s.getsockname()[1]
+
+
+def worker_args(methods: Sequence[str] | str, *, config: str = "default",
+                devices_per_process: int | None = None, steps: int | None = None,
+                seed: int | None = None, batch: int | None = None,
+                workdir: str | None = None, evaluate: bool = False) -> list[str]:
+  """The flags of the worker command line shared by all processes (for :func:`launch`)."""
+  methods = methods if isinstance(methods, str) else ",".join(methods)
+  parse_methods(methods)
+  load_config(config, steps=steps, seed=seed, batch=batch)  # fail here, not N times
+  args = ["--method", methods, "--config", config]
+  for flag, value in (("--devices-per-process", devices_per_process), ("--steps", steps),
+                      ("--seed", seed), ("--batch", batch), ("--workdir", workdir)):
+    if value is not None:
+      args += [flag, str(value)]
+  return args + (["--eval"] if evaluate else [])
+
+
+def worker_command(args: Sequence[str], *, process_id: int, num_processes: int,
+                   coordinator: str, prefix: Prefix | None = None) -> list[str]:
+  """``[*prefix(i), python, -m, examples.mnist1d.launch, *args, --worker, ...]``."""
+  command = [sys.executable, "-m", MODULE, *args, "--worker",
+             "--process-id", str(process_id), "--num-processes", str(num_processes),
+             "--coordinator", coordinator]
+  return [*(prefix(process_id) if prefix is not None else ()), *command]
+
+
+def worker_env(process_id: int, env: Env | None) -> dict[str, str]:
+  """This environment, ``env`` (or ``env(process_id)``) on top, the repo on PYTHONPATH."""
+  out = dict(os.environ)
+  out.update(env(process_id) if callable(env) else (env or {}))
+  path = out.get("PYTHONPATH")
+  out["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + path if path else "")
+  out.setdefault("PYTHONUNBUFFERED", "1")
+  return out
+
+
+_ECHO_LOCK = threading.Lock()
+
+
+def _read_lines(pipe, lines: list[str], echo, label: str) -> None:
+  """Reader thread: appends each line of ``pipe`` to ``lines``, echoing it if asked."""
+  for line in pipe:
+    line = line.rstrip("\n")
+    lines.append(line)
+    if echo is not None and not line.startswith(RESULT_MARKER):
+      with _ECHO_LOCK:  # whole lines: the threads of stdout and stderr share a terminal
+        echo.write(f"{label} {line}\n")
+        echo.flush()
+  pipe.close()
+
+
+def _kill(procs: Sequence[subprocess.Popen], grace: float = 2.0) -> None:
+  """SIGTERM, then SIGKILL after ``grace`` seconds, to each still-running worker's group.
+
+  (Once in ``jax.distributed``, a worker's preemption notifier catches SIGTERM: only
+  the SIGKILL stops it. The SIGTERM is for prefixes that relay it, like sudo.)
+  """
+  for sig in (signal.SIGTERM, signal.SIGKILL):
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+      try:
+        os.killpg(p.pid, sig)  # the worker's own session: it and its children only
+      except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + grace
+    for p in alive:
+      try:
+        p.wait(max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        pass
+    if all(p.poll() is not None for p in procs):
+      return
+
+
+def run_processes(commands: Sequence[Sequence[str]], *, env: Env | None = None,
+                  timeout: float | None = None, stream: bool = False,
+                  poll_interval: float = 0.05) -> list[WorkerOutput]:
+  """Runs ``commands[i]`` as worker ``i``; all succeed, or all are killed.
+
+  Each worker runs in its own session (Ctrl-C reaches only this process, which then
+  kills them). With ``stream``, lines are echoed as they come, prefixed ``[wI]``.
+
+  Raises:
+    LaunchError: a worker exited non-zero (the others are killed at once), or
+      ``timeout`` seconds passed (all are killed).
+    KeyboardInterrupt: after killing the workers.
+  """
+  outputs = [WorkerOutput(i, list(c)) for i, c in enumerate(commands)]
+  procs, readers = [], []
+  try:
+    for out in outputs:
+      p = subprocess.Popen(out.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
+                           env=worker_env(out.process_id, env), start_new_session=True)
+      procs.append(p)
+      for pipe, lines, echo in ((p.stdout, out.stdout, sys.stdout),
+                                (p.stderr, out.stderr, sys.stderr)):
+        t = threading.Thread(target=_read_lines, daemon=True,
+                             args=(pipe, lines, echo if stream else None,
+                                   f"[w{out.process_id}]"))
+        t.start()
+        readers.append(t)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failed = None
+    while failed is None and any(p.poll() is None for p in procs):
+      failed = next((o for o, p in zip(outputs, procs) if p.poll()), None)
+      if failed is None and deadline is not None and time.monotonic() > deadline:
+        _finish(procs, readers, outputs)
+        raise LaunchError(f"workers timed out after {timeout:g} s; last output:\n"
+                          + _tails(outputs), outputs)
+      time.sleep(poll_interval)
+    failed = failed or next((o for o, p in zip(outputs, procs) if p.poll()), None)
+    _finish(procs, readers, outputs)
+    if failed is not None:
+      raise LaunchError(f"worker {failed.process_id} exited with code "
+                        f"{failed.returncode}; its output ends with:\n{failed.tail()}",
+                        outputs)
+    return outputs
+  finally:
+    _kill(procs)  # on any exception (Ctrl-C included) no worker outlives the launcher
+
+
+def _finish(procs, readers, outputs) -> None:
+  """Kills the workers still running, drains their pipes, records exit codes."""
+  _kill(procs)
+  for t in readers:
+    t.join(timeout=5.0)
+  for out, p in zip(outputs, procs):
+    out.returncode = p.returncode
+
+
+def _tails(outputs: Sequence[WorkerOutput]) -> str:
+  return "\n".join(f"--- worker {o.process_id} (exit {o.returncode}) ---\n{o.tail(10)}"
+                   for o in outputs)
+
+
+def parse_result(output: WorkerOutput) -> dict[str, Any]:
+  """The JSON of the worker's last :data:`RESULT_MARKER` line."""
+  for line in reversed(output.stdout):
+    if line.startswith(RESULT_MARKER):
+      return json.loads(line[len(RESULT_MARKER):])
+  raise LaunchError(f"worker {output.process_id} exited without a result line; its "
+                    f"output ends with:\n{output.tail()}", [output])
+
+
+def launch(args: Sequence[str], *, processes: int, prefix: Prefix | None = None,
+           env: Env | None = None, coordinator: str | None = None,
+           coordinator_host: str = "127.0.0.1", timeout: float | None = 600.0,
+           stream: bool = False) -> list[dict[str, Any]]:
+  """Runs ``processes`` workers of this module and returns their results.
+
+  Args:
+    args: worker flags shared by all processes (see :func:`worker_args`); the launcher
+      appends ``--worker --process-id i --num-processes N --coordinator ADDRESS``.
+    processes: N, the number of worker processes.
+    prefix: ``process_id -> argv`` put before worker ``i``'s command, e.g.
+      ``lambda i: ["ip", "netns", "exec", f"ns{i}"]``.
+    env: variables set on top of this environment, for all workers or per worker
+      (``process_id -> mapping``). The repository goes on ``PYTHONPATH``.
+    coordinator: ``HOST:PORT`` of process 0's coordination service; by default
+      ``coordinator_host`` with a port free here.
+    coordinator_host: host of the default coordinator address.
+    timeout: seconds before every worker is killed (None: no limit).
+    stream: echo the workers' output as it comes, prefixed ``[wI]``.
+
+  Returns:
+    The workers' results (see :func:`train_worker`), ordered by process id.
+
+  Raises:
+    LaunchError: a worker failed, gave no result, or the timeout passed; every worker
+      has been killed, and the message quotes the failing worker's output.
+  """
+  if processes < 1:
+    raise ValueError(f"processes must be positive, got {processes}")
+  if timeout is not None and timeout <= 0:
+    raise ValueError(f"timeout must be positive, got {timeout}")
+  if coordinator is None:
+    coordinator = f"{coordinator_host}:{free_port(coordinator_host)}"
+  check_coordinator(coordinator)
+  commands = [worker_command(args, process_id=i, num_processes=processes,
+                             coordinator=coordinator, prefix=prefix)
+              for i in range(processes)]
+  outputs = run_processes(commands, env=env, timeout=timeout, stream=stream)
+  return [parse_result(o) for o in outputs]
+
+
+def check_identical(results: Sequence[dict[str, Any]]) -> None:
+  """Raises ParamsMismatchError unless every method ends with the same parameters
+  on every device of every process."""
+  for method in results[0]["methods"]:
+    digests = {r["process_id"]: r["methods"][method]["params_sha256"] for r in results}
+    if len(set(digests.values())) != 1:
+      raise ParamsMismatchError(f"{method}: the processes' parameters differ: {digests}")
+    split = [r["process_id"] for r in results
+             if not r["methods"][method]["local_copies_identical"]]
+    if split:
+      raise ParamsMismatchError(f"{method}: the devices of processes {split} hold "
+                                "different parameters")
+
+
+def summary(results: Sequence[dict[str, Any]]) -> str:
+  """A Markdown table: one row per method, with the step times of every process."""
+  r0 = results[0]
+  lines = [
+      f"{len(results)} processes x {r0['local_devices']} {r0['platform']} devices, "
+      f"{r0['num_params']:,} parameters, global batch {r0['global_batch']}. Median step:"
+      " wall time of the steps after the first, in process order.",
+      "",
+      "| method | final loss | test acc (%) | median step (ms) | bytes recv/device/step |"
+      " ratio vs dense | params sha256 | identical |",
+      "|---|---:|---:|---:|---:|---:|---|---|",
+  ]
+  for method, m in r0["methods"].items():
+    runs = [r["methods"][method] for r in results]
+    times = " / ".join(f"{1e3 * run['median_step_time_s']:.1f}" for run in runs)
+    same = (len({run["params_sha256"] for run in runs}) == 1
+            and all(run["local_copies_identical"] for run in runs))
+    acc = "n/a" if m["test_accuracy"] is None else f"{100 * m['test_accuracy']:.1f}"
+    recv = "n/a" if m["bytes_received"] is None else f"{m['bytes_received']:,.0f}"
+    ratio = "n/a" if m["ratio"] is None else f"{m['ratio']:.1f}x"
+    lines.append(f"| {method} | {m['final_loss']:.4f} | {acc} | {times} | {recv} | {ratio} |"
+                 f" {m['params_sha256'][:16]} | {'yes' if same else 'NO'} |")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """Command-line flags of both modes."""
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--processes", type=int, default=2, help="N worker processes")
+  parser.add_argument("--devices-per-process", type=int, default=1,
+                      help="CPU devices per process (not used on GPU)")
+  parser.add_argument("--method", default="dense",
+                      help=f"comma-separated methods of {','.join(train.METHODS)}, "
+                      "trained in turn")
+  parser.add_argument("--config", default="default",
+                      help="module in examples/mnist1d/configs: "
+                      f"{','.join(config_names())}")
+  parser.add_argument("--steps", type=int, default=None, help="override num_steps")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="override per_device_batch_size")
+  parser.add_argument("--seed", type=int, default=None,
+                      help="override the init/shuffling seed (the data set stays fixed)")
+  parser.add_argument("--workdir", default="runs/mnist1d_launch",
+                      help="output directory (worker{i}.json, data cache)")
+  parser.add_argument("--eval", action="store_true",
+                      help="evaluate test accuracy after each method")
+  parser.add_argument("--timeout", type=float, default=600.0,
+                      help="seconds before all workers are killed")
+  parser.add_argument("--coordinator", default=None,
+                      help="HOST:PORT of the coordinator (default: 127.0.0.1, free port)")
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--num-processes", type=int, default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.worker and (args.process_id is None or args.num_processes is None
+                      or args.coordinator is None):
+    parser.error("--worker needs --process-id, --num-processes and --coordinator")
+  return args
+
+
+def run_launcher(args: argparse.Namespace) -> list[dict[str, Any]]:
+  """Launcher mode: start the workers, check their parameters, print a summary."""
+  workdir = os.path.abspath(args.workdir)
+  forwarded = worker_args(args.method, config=args.config,
+                          devices_per_process=args.devices_per_process, steps=args.steps,
+                          seed=args.seed, batch=args.batch, workdir=workdir,
+                          evaluate=args.eval)
+  start = time.perf_counter()
+  results = launch(forwarded, processes=args.processes, coordinator=args.coordinator,
+                   timeout=args.timeout, stream=True)
+  print(summary(results))
+  print(f"wall time {time.perf_counter() - start:.1f} s; results in "
+        f"{os.path.join(workdir, 'worker*.json')}")
+  check_identical(results)
+  return results
+
+
+def _raise_keyboard_interrupt(signum, frame):
+  del signum, frame
+  raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+  """Runs the worker or the launcher; returns the exit code."""
+  args = parse_args(argv)
+  if args.worker:
+    run_worker(args)
+    return 0
+  # A SIGTERM unwinds like Ctrl-C (run_processes kills the workers on the way out):
+  # they run in their own sessions, so a signal to the launcher does not reach them.
+  signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+  try:
+    run_launcher(args)
+  except (LaunchError, ParamsMismatchError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    print("interrupted: workers killed", file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

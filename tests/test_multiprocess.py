@@ -1,0 +1,141 @@
+"""Multi-process training (examples/mnist1d/launch.py): 2 processes x 2 CPU devices.
+
+The workers are separate processes on jax.distributed with gloo collectives; they set
+their own device count (this process's 8 CPU devices from conftest do not apply).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+import time
+
+import jax
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("mnist1d")
+pytest.importorskip("tqdm")
+
+from examples.mnist1d import input_pipeline  # noqa: E402
+from examples.mnist1d import launch  # noqa: E402
+from examples.mnist1d import models  # noqa: E402
+from examples.mnist1d import train  # noqa: E402
+
+METHODS = ("dense", "qsgd4", "onebit", "dgc")
+STEPS = 3
+
+
+@pytest.mark.slow
+def test_two_processes_end_with_identical_params(tmp_path):
+  # One launch trains the four methods in turn: the start-up (imports, data set,
+  # jax.distributed) is paid once; compiling the four train steps dominates (~1 min).
+  workdir = str(tmp_path)
+  args = launch.worker_args(METHODS, config="quick", devices_per_process=2, steps=STEPS,
+                            workdir=workdir)
+  results = launch.launch(args, processes=2, timeout=400, env={"JAX_PLATFORMS": "cpu"})
+
+  assert [r["process_id"] for r in results] == [0, 1]
+  launch.check_identical(results)  # every method, every device of every process
+  for r in results:
+    assert (r["num_processes"], r["num_devices"], r["local_devices"]) == (2, 4, 2)
+    assert r["num_params"] == 17274 and r["global_batch"] == 4 * 4
+    assert list(r["methods"]) == list(METHODS)
+    assert os.path.exists(os.path.join(workdir, f"worker{r['process_id']}.json"))
+
+  for method in METHODS:
+    m = results[0]["methods"][method]
+    assert {r["methods"][method]["params_sha256"] for r in results} == {m["params_sha256"]}
+    assert m["params_sha256"] != results[0]["init_params_sha256"], method
+    assert m["params_change_l2"] > 0, method
+    assert len(m["losses"]) == len(m["step_times_s"]) == STEPS
+    assert all(math.isfinite(loss) for loss in m["losses"]), method
+    assert all(t > 0 for t in m["step_times_s"]) and m["median_step_time_s"] > 0
+  digests = {results[0]["methods"][m]["params_sha256"] for m in METHODS}
+  assert len(digests) == len(METHODS)  # the exchanges really differ
+
+  ratio = {m: results[0]["methods"][m]["ratio"] for m in METHODS}
+  assert ratio["dense"] == pytest.approx(1.0)
+  assert 5 < ratio["qsgd4"] < ratio["onebit"] < ratio["dgc"]
+
+  # The processes fed the single-process trainer's global batch: the first step's loss
+  # (before any update) is the mean loss of that batch at the shared initial params.
+  config = dataclasses.replace(launch.load_config("quick"), num_steps=STEPS)
+  data = input_pipeline.load_dataset(config, workdir)  # the workers' cached copy
+  model = models.create_model(config)
+  params = jax.device_get(
+      jax.jit(model.init)(jax.random.key(config.seed), data["x"][:1])["params"])
+  assert launch.params_digest(params) == results[0]["init_params_sha256"]
+  x, y = next(input_pipeline.train_batches(
+      data["x"], data["y"], num_devices=4,
+      per_device_batch_size=config.per_device_batch_size, seed=config.seed))
+  first = float(train.cross_entropy(model, params, x.reshape(-1, x.shape[-1]),
+                                    y.reshape(-1)))
+  for method in METHODS:
+    assert results[0]["methods"][method]["losses"][0] == pytest.approx(first, rel=1e-5)
+
+
+def test_failing_worker_kills_the_others_and_reports_its_stderr():
+  def prefix(i):
+    return ["sh", "-c", "echo boom >&2; exit 3"] if i == 0 else ["sh", "-c", "sleep 60"]
+
+  start = time.monotonic()
+  with pytest.raises(launch.LaunchError, match=r"worker 0 exited with code 3(.|\n)*boom"
+                     ) as info:
+    launch.launch(["--method", "dense"], processes=2, prefix=prefix, timeout=60)
+  assert time.monotonic() - start < 30
+  codes = [o.returncode for o in info.value.outputs]
+  assert codes[0] == 3 and codes[1] < 0  # the sleeping worker was killed
+
+
+def test_timeout_kills_every_worker():
+  start = time.monotonic()
+  with pytest.raises(launch.LaunchError, match="timed out") as info:
+    launch.launch([], processes=2, prefix=lambda i: ["sh", "-c", "sleep 60"], timeout=1)
+  assert time.monotonic() - start < 30
+  assert all(o.returncode < 0 for o in info.value.outputs)
+
+
+def test_worker_without_result_is_an_error():
+  with pytest.raises(launch.LaunchError, match="without a result line"):
+    launch.launch([], processes=1, prefix=lambda i: ["true"], timeout=60)
+
+
+def test_prefix_env_and_coordinator_reach_the_command():
+  # The builders launch() uses, as a network benchmark would call it.
+  commands = []
+  env = lambda i: {"WORKER_TAG": f"tag{i}"}
+  for i in range(2):
+    commands.append(launch.worker_command(
+        ["--method", "dense"], process_id=i, num_processes=2,
+        coordinator="10.0.0.1:1234", prefix=lambda i: ["ip", "netns", "exec", f"ns{i}"]))
+    assert launch.worker_env(i, env)["WORKER_TAG"] == f"tag{i}"
+  assert commands[1][:4] == ["ip", "netns", "exec", "ns1"]
+  assert commands[1][-7:] == ["--worker", "--process-id", "1", "--num-processes", "2",
+                              "--coordinator", "10.0.0.1:1234"]
+  assert launch.REPO_ROOT.as_posix() in launch.worker_env(0, None)["PYTHONPATH"]
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1", ":80", "host:0", "host:port", "host:70000"])
+def test_bad_coordinator_is_rejected(bad):
+  with pytest.raises(ValueError, match="HOST:PORT"):
+    launch.launch([], processes=1, coordinator=bad)
+
+
+def test_bad_worker_flags_are_rejected_before_launch():
+  with pytest.raises(ValueError, match="unknown"):
+    launch.worker_args("dense,nope")
+  with pytest.raises(ValueError, match="unknown"):
+    launch.worker_args("dense", config="nope")
+  with pytest.raises(ValueError, match="positive"):
+    launch.worker_args("dense", steps=0)
+  with pytest.raises(ValueError, match="repeated"):
+    launch.worker_args("dense,dense")
+
+
+def test_free_port_is_bindable():
+  port = launch.free_port()
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", port))
