@@ -6,6 +6,7 @@ through ``jax.shard_map``/``jax.pmap`` collectives, with explicit error-feedback
 
 from jaxcomp import codecs
 from jaxcomp import elias
+from jaxcomp import network
 from jaxcomp._src.collectives import vary
 from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import dgc
@@ -49,6 +50,7 @@ __all__ = [
     "dgc",
     "dgc_density_schedule",
     "mipd",
+    "network",
     "onebit_sgd",
     "per_device_state",
     "qsgd",

@@ -1,0 +1,439 @@
+r"""Training over a real, throttled link: 2 processes in 2 network namespaces.
+
+Creates two network namespaces joined by a veth pair, throttles both ends with
+``tc qdisc ... tbf rate R``, and runs the 2-process MNIST-1D trainer
+(``examples/mnist1d/launch.py``, one CPU device per process, each pinned to its own
+core) across the link for every rate, model and method; gloo's collectives then really
+cross the link. It also times single ``psum``\ s of several sizes on each link and fits
+:mod:`jaxcomp.network`'s α-β model to them, then predicts every method's step time
+from its compute time (measured on the unthrottled veth) and its
+``jc.wire_report``, and reports the prediction error against the measured steps.
+
+  sudo python -m benchmarks.network                         # everything (~30 min)
+  sudo python -m benchmarks.network --configs params2m --rates 1gbit --methods dense,onebit
+
+Needs root (``ip netns``, ``tc``) and ``taskset``; without them it says so and exits 2.
+Only the namespaces, the veth pair and ``/etc/netns/<name>`` entries it creates are
+touched, and all of them are removed at the end, also on failure or Ctrl-C. gloo finds
+its peers through the address the host name resolves to: ``ip netns exec`` bind-mounts
+``/etc/netns/<name>/hosts`` over ``/etc/hosts``, which maps the host name to the
+namespace's own veth address.
+
+Writes ``--out`` (default ``runs/network``): ``results.json``, ``results.md`` and
+``step_time_vs_bandwidth.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+NAMESPACES = ("jcnet0", "jcnet1")
+VETHS = ("jcveth0", "jcveth1")
+ADDRESSES = ("10.231.77.1", "10.231.77.2")
+PREFIX_LEN = 24
+RATES = ("none", "10gbit", "1gbit", "100mbit")
+CONFIGS = ("params2m", "params20m")
+METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd")
+PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes per device
+RESULT_MARKER = "JAXCOMP_PSUM_RESULT "
+
+
+# ----------------------------------------------------------------------------- the link
+
+
+def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+  return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
+
+
+def missing_requirements() -> list[str]:
+  """What this machine lacks for the benchmark (empty: it can run)."""
+  missing = []
+  if os.geteuid() != 0:
+    missing.append("root (ip netns and tc need CAP_NET_ADMIN): run it with sudo")
+  for tool in ("ip", "tc", "taskset"):
+    if shutil.which(tool) is None:
+      missing.append(f"the {tool!r} command")
+  return missing
+
+
+def rate_bytes_per_s(rate: str) -> float | None:
+  """``"100mbit"`` -> 12.5e6 bytes/s; ``"none"`` -> None (no throttle)."""
+  if rate == "none":
+    return None
+  units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+  for unit, scale in units.items():
+    if rate.endswith(unit):
+      return float(rate[:-len(unit)]) * scale / 8
+  raise ValueError(f"rate must look like 100mbit, 1gbit or none; got {rate!r}")
+
+
+class Link(contextlib.AbstractContextManager):
+  """Two namespaces joined by a veth pair; torn down on exit, whatever happened."""
+
+  def __init__(self):
+    self.created_netns: list[str] = []
+    self.created_dirs: list[str] = []
+    self.created_netns_root = False
+
+  def __enter__(self) -> "Link":
+    try:
+      self._setup()
+    except BaseException:
+      self.teardown()
+      raise
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.teardown()
+
+  def _setup(self) -> None:
+    existing = _run(["ip", "netns", "list"]).stdout.split()
+    clash = [n for n in NAMESPACES if n in existing]
+    if clash:
+      raise RuntimeError(f"network namespaces {clash} exist already (a previous run that "
+                         f"was killed?): remove them with `ip netns del NAME`")
+    host = socket.gethostname()
+    if not os.path.isdir("/etc/netns"):
+      os.makedirs("/etc/netns")
+      self.created_netns_root = True
+    for ns, veth, addr in zip(NAMESPACES, VETHS, ADDRESSES):
+      _run(["ip", "netns", "add", ns])
+      self.created_netns.append(ns)
+      d = os.path.join("/etc/netns", ns)
+      os.makedirs(d, exist_ok=True)
+      self.created_dirs.append(d)
+      with open(os.path.join(d, "hosts"), "w") as f:
+        f.write(f"127.0.0.1 localhost\n{addr} {host}\n")
+    _run(["ip", "link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1]])
+    for ns, veth, addr in zip(NAMESPACES, VETHS, ADDRESSES):
+      _run(["ip", "link", "set", veth, "netns", ns])
+      self.exec(ns, ["ip", "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", veth])
+      self.exec(ns, ["ip", "link", "set", veth, "up"])
+      self.exec(ns, ["ip", "link", "set", "lo", "up"])
+
+  def exec(self, ns: str, cmd: Sequence[str], check: bool = True):
+    return _run(["ip", "netns", "exec", ns, *cmd], check=check)
+
+  def set_rate(self, rate: str) -> None:
+    """Throttles both ends' egress to ``rate`` (tc tbf), or removes the throttle."""
+    bps = rate_bytes_per_s(rate)
+    for ns, veth in zip(NAMESPACES, VETHS):
+      self.exec(ns, ["tc", "qdisc", "del", "dev", veth, "root"], check=False)
+      if bps is None:
+        continue
+      # tbf's bucket must hold at least one timer tick of traffic: 10 ms' worth here.
+      burst = max(int(bps / 100), 64 * 1024)
+      self.exec(ns, ["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate,
+                     "burst", str(burst), "latency", "100ms"])
+
+  def teardown(self) -> None:
+    for ns in self.created_netns:  # deleting a namespace deletes its veth end (and pair)
+      _run(["ip", "netns", "del", ns], check=False)
+    self.created_netns = []
+    for d in self.created_dirs:
+      shutil.rmtree(d, ignore_errors=True)
+    self.created_dirs = []
+    if self.created_netns_root:
+      with contextlib.suppress(OSError):
+        os.rmdir("/etc/netns")
+      self.created_netns_root = False
+
+  @staticmethod
+  def prefix(process_id: int) -> list[str]:
+    """Worker ``i`` runs in namespace ``i``, pinned to core ``i``."""
+    return ["ip", "netns", "exec", NAMESPACES[process_id], "taskset", "-c",
+            str(process_id % (os.cpu_count() or 1))]
+
+
+# ----------------------------------------------------------------------------- psum timing
+
+
+def psum_worker(args: argparse.Namespace) -> None:
+  """Worker mode: times ``psum`` of each size across the two processes."""
+  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  launch.init_distributed(args.coordinator, args.num_processes, args.process_id,
+                          devices_per_process=1)
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.make_mesh((jax.device_count(),), ("b",))
+  f = jax.jit(jax.shard_map(lambda x: lax.psum(x, "b"), mesh=mesh, in_specs=P("b"),
+                            out_specs=P("b")))
+  samples = []
+  for size in args.sizes:
+    n = size // 4
+    local = np.ones((n,), np.float32)
+    x = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P("b")), local)
+    f(x).block_until_ready()  # compile, and warm the connection
+    times = []
+    budget = time.perf_counter() + args.seconds_per_size
+    while len(times) < 3 or (len(times) < 15 and time.perf_counter() < budget):
+      start = time.perf_counter()
+      f(x).block_until_ready()
+      times.append(time.perf_counter() - start)
+    samples.append({"bytes": size, "times_s": times, "median_s": statistics.median(times)})
+  print(RESULT_MARKER + json.dumps({"process_id": args.process_id, "psum": samples}),
+        flush=True)
+  jax.distributed.shutdown()
+
+
+def time_psums(sizes: Sequence[int], seconds_per_size: float, timeout: float) -> list[dict]:
+  """Runs :func:`psum_worker` in the two namespaces; process 0's timings."""
+  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  coordinator = f"{ADDRESSES[0]}:{free_port()}"
+  commands = [[*Link.prefix(i), sys.executable, "-m", "benchmarks.network", "--psum-worker",
+               "--process-id", str(i), "--num-processes", "2", "--coordinator", coordinator,
+               "--psum-sizes", ",".join(map(str, sizes)),
+               "--seconds-per-size", str(seconds_per_size)] for i in range(2)]
+  outputs = launch.run_processes(commands, timeout=timeout)
+  for line in outputs[0].stdout:
+    if line.startswith(RESULT_MARKER):
+      return json.loads(line[len(RESULT_MARKER):])["psum"]
+  raise RuntimeError("the psum worker gave no result:\n" + outputs[0].tail())
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("", 0))
+    return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_on_link(config: str, methods: Sequence[str], steps: int | None,
+                  timeout: float, workdir: str) -> dict[str, Any]:
+  """The 2-process trainer across the namespaces; process 0's result (checked equal)."""
+  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  args = launch.worker_args(methods, config=config, devices_per_process=1, steps=steps,
+                            workdir=workdir)
+  results = launch.launch(args, processes=2, prefix=Link.prefix,
+                          coordinator=f"{ADDRESSES[0]}:{free_port()}", timeout=timeout)
+  launch.check_identical(results)
+  return results[0]
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def fit_and_predict(runs: dict, psums: dict) -> dict:
+  """Fits α-β per rate; predicts each method's step time; the errors vs measured."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+  from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
+  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  from examples.mnist1d import models  # pylint: disable=import-outside-toplevel
+
+  links = {rate: jc.network.fit_link([("psum", s["bytes"], 2, s["median_s"]) for s in ps])
+           for rate, ps in psums.items()}
+  out: dict[str, Any] = {"links": {r: {"latency_s": l.latency_s, "bandwidth_Bps": l.bandwidth}
+                                   for r, l in links.items()},
+                         "predictions": {}, "scaling": {}}
+  for config_name, by_rate in runs.items():
+    config = launch.load_config(config_name)
+    model = models.create_model(config)
+    x = jax.ShapeDtypeStruct((1, 40), jax.numpy.float32)
+    params = jax.eval_shape(lambda a: model.init(jax.random.key(0), a)["params"], x)
+    base = by_rate.get("none")
+    if base is None:
+      continue
+    preds: dict[str, Any] = {}
+    scaling: dict[str, Any] = {}
+    for method in base["methods"]:
+      tx = train.make_tx(method, config, train.make_exchange(method, config, warmup=False))
+      report2 = jc.wire_report(tx, params, axis_name=train.AXIS, num_devices=2)
+      compute = jc.network.compute_time(base["methods"][method]["median_step_time_s"],
+                                        report2, links["none"])
+      preds[method] = {"compute_s": compute}
+      for rate, run in by_rate.items():
+        if rate == "none" or method not in run["methods"]:
+          continue
+        predicted = jc.network.predict_step_time(compute, report2, links[rate])
+        measured = run["methods"][method]["median_step_time_s"]
+        preds[method][rate] = {"predicted_s": predicted, "measured_s": measured,
+                               "error": predicted / measured - 1}
+      # K up to 1024 at 1 Gbit/s with this link's fitted latency.
+      ref = links.get("1gbit")
+      if ref is not None:
+        scaling[method] = {}
+        for k in (2, 8, 64, 256, 1024):
+          report = jc.wire_report(tx, params, axis_name=train.AXIS, num_devices=k)
+          scaling[method][k] = {"bytes": report.bytes_received,
+                                "step_s": jc.network.predict_step_time(compute, report, ref)}
+    out["predictions"][config_name] = preds
+    out["scaling"][config_name] = scaling
+  return out
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def tables(runs: dict, model: dict) -> str:
+  """Markdown: measured steps per config and rate, then the model's errors and scaling."""
+  lines = []
+  for config, by_rate in runs.items():
+    any_run = next(iter(by_rate.values()))
+    lines += [f"### {config}: {any_run['num_params']:,} parameters, 2 processes x 1 CPU "
+              "device", "",
+              "| rate | method | median step (ms) | speed-up vs dense | bytes/step (wire_report)"
+              " | final loss | predicted step (ms) | error |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    preds = model["predictions"].get(config, {})
+    for rate, run in by_rate.items():
+      dense = run["methods"].get("dense", {}).get("median_step_time_s")
+      for method, r in run["methods"].items():
+        t = r["median_step_time_s"]
+        speedup = f"{dense / t:.2f}x" if dense else "n/a"
+        p = preds.get(method, {}).get(rate)
+        pred = f"{1e3 * p['predicted_s']:.0f}" if p else ""
+        err = f"{100 * p['error']:+.0f}%" if p else ""
+        lines.append(f"| {rate} | {method} | {1e3 * t:.0f} | {speedup} |"
+                     f" {r['bytes_received']:,.0f} | {r['final_loss']:.3f} | {pred} | {err} |")
+    lines.append("")
+    scaling = model["scaling"].get(config)
+    if scaling:
+      ks = list(next(iter(scaling.values())))
+      lines += [f"Predicted step time (ms) at 1 Gbit/s vs K ({config}, fitted α, β):", "",
+                "| method | " + " | ".join(f"K={k}" for k in ks) + " |",
+                "|---|" + "---:|" * len(ks)]
+      for method, by_k in scaling.items():
+        lines.append(f"| {method} | " + " | ".join(
+            f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks) + " |")
+      lines.append("")
+  lines += ["Fitted links (psum timings, least squares on relative error):", "",
+            "| rate | α (µs) | bandwidth (MB/s) |", "|---|---:|---:|"]
+  for rate, l in model["links"].items():
+    lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, path: str) -> None:
+  """Median step time vs bandwidth, one line per method, one panel per config."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  fig = Figure(figsize=(5 * len(runs), 4), dpi=120)
+  FigureCanvasAgg(fig)
+  for i, (config, by_rate) in enumerate(runs.items()):
+    ax = fig.add_subplot(1, len(runs), i + 1)
+    rates = [r for r in by_rate if r != "none"]
+    xs = [8 * rate_bytes_per_s(r) / 1e6 for r in rates]
+    methods = next(iter(by_rate.values()))["methods"]
+    for method in methods:
+      ys = [1e3 * by_rate[r]["methods"][method]["median_step_time_s"] for r in rates]
+      ax.plot(xs, ys, marker="o", label=method)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate (Mbit/s, tc tbf)")
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"{config}, 2 processes")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rates", default=",".join(RATES),
+                      help="tc tbf rates; 'none' (unthrottled) is always run first")
+  parser.add_argument("--configs", default=",".join(CONFIGS))
+  parser.add_argument("--methods", default=",".join(METHODS))
+  parser.add_argument("--steps", type=int, default=None, help="override the config's steps")
+  parser.add_argument("--out", default="runs/network")
+  parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
+  parser.add_argument("--seconds-per-size", type=float, default=3.0)
+  parser.add_argument("--analyze", default=None, metavar="RESULTS_JSON",
+                      help="only fit the model and write the tables/plot from a "
+                           "results.json of an earlier run (no root needed)")
+  # psum worker mode (internal).
+  parser.add_argument("--psum-worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+  parser.add_argument("--num-processes", type=int, default=2, help=argparse.SUPPRESS)
+  parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--psum-sizes", default=",".join(map(str, PSUM_SIZES)),
+                      help="bytes per device of the timed psums")
+  args = parser.parse_args(argv)
+  args.sizes = [int(s) for s in args.psum_sizes.split(",")]
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.psum_worker:
+    psum_worker(args)
+    return 0
+  if args.analyze:
+    with open(args.analyze) as f:
+      saved = json.load(f)
+    report(saved["runs"], saved["psums"], args.out)
+    return 0
+  missing = missing_requirements()
+  if missing:
+    print("benchmarks/network.py cannot run here; it needs " + "; ".join(missing) + ".",
+          file=sys.stderr)
+    return 2
+  rates = ["none"] + [r for r in args.rates.split(",") if r != "none"]
+  for r in rates:
+    rate_bytes_per_s(r)  # validate before building anything
+  configs = args.configs.split(",")
+  methods = args.methods.split(",")
+  os.makedirs(args.out, exist_ok=True)
+  # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so the link is torn down.
+  signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+  runs: dict[str, dict[str, Any]] = {c: {} for c in configs}
+  psums: dict[str, list] = {}
+  with Link() as link:
+    for rate in rates:
+      link.set_rate(rate)
+      print(f"== link {rate}: timing psums", flush=True)
+      psums[rate] = time_psums(args.sizes, args.seconds_per_size, args.timeout)
+      for s in psums[rate]:
+        print(f"   psum {s['bytes']:>10,} B: {1e3 * s['median_s']:9.2f} ms", flush=True)
+      for config in configs:
+        print(f"== link {rate}, {config}: {','.join(methods)}", flush=True)
+        start = time.perf_counter()
+        runs[config][rate] = train_on_link(config, methods, args.steps, args.timeout,
+                                           os.path.join(args.out, "data"))
+        for m, r in runs[config][rate]["methods"].items():
+          print(f"   {m:>7}: median step {1e3 * r['median_step_time_s']:8.1f} ms, "
+                f"loss {r['final_loss']:.3f}", flush=True)
+        print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:  # partial results
+          json.dump({"runs": runs, "psums": psums}, f, indent=2)
+  report(runs, psums, args.out)
+  return 0
+
+
+def report(runs: dict, psums: dict, out: str) -> None:
+  """Fits the model; writes results.json (with it), results.md and the plot."""
+  os.makedirs(out, exist_ok=True)
+  model = fit_and_predict(runs, psums)
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump({"runs": runs, "psums": psums, "model": model}, f, indent=2)
+  text = tables(runs, model)
+  with open(os.path.join(out, "results.md"), "w") as f:
+    f.write(text)
+  print(text)
+  plot(runs, os.path.join(out, "step_time_vs_bandwidth.png"))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
