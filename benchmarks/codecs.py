@@ -6,7 +6,7 @@ next to a copy (``x + 1``: read and write). Throughput counts the float32 input 
 (``4n``) per second; "% roof" is encode+decode time of the roof over the codec's.
 
   python -m benchmarks.codecs                       # 1M..64M, every codec
-  python -m benchmarks.codecs --sizes 22,24 --codecs qsgd4,onebit --repeats 5
+  python -m benchmarks.codecs --sizes 22,24 --codecs qsgd4,onebit --repeats 5 --rng
 
 On XLA:CPU everything runs on the host's cores (2 on the development machine); XLA
 parallelises large fusions across them, so the roof is the machine's, not one core's.
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxcomp as jc
+from jaxcomp._src import rng
 from benchmarks._timing import median_time
 
 C = jc.codecs
@@ -41,6 +42,14 @@ CODECS = {
     "wangni5%": (C.UnbiasedSparsifier(density=0.05), 24),
     "elias_qsgd4": (C.EliasQSGD(7, 512, "max"), 22),
 }
+
+
+def rng_times(n: int, repeats: int) -> tuple[float, float]:
+  """Seconds to draw and sum n uniforms: threefry (jax.random) vs jaxcomp's hash."""
+  key = jax.random.key(0)
+  threefry = jax.jit(lambda k: jnp.sum(jax.random.uniform(k, (n,), jnp.float32)))
+  hashed = jax.jit(lambda k: jnp.sum(rng.uniform(k, (n,))))
+  return median_time(threefry, key, repeats=repeats), median_time(hashed, key, repeats=repeats)
 
 
 def roofs(x: jax.Array, repeats: int) -> tuple[float, float]:
@@ -66,6 +75,8 @@ def main(argv=None) -> None:
   parser.add_argument("--sizes", default="20,22,24,26", help="log2 of n, comma-separated")
   parser.add_argument("--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS))
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--rng", action="store_true",
+                      help="also time the random bits: jax.random (threefry) vs the hash")
   args = parser.parse_args(argv)
   names = args.codecs.split(",")
   unknown = sorted(set(names) - set(CODECS))
@@ -87,6 +98,11 @@ def main(argv=None) -> None:
           f" 100 | |")
     print(f"| 2^{p} | *copy: x + 1* | {gb / copy:.2f} | | | {n / copy / 1e6:.0f} |"
           f" {100 * read / copy:.0f} | |")
+    if args.rng:
+      threefry, hashed = rng_times(n, args.repeats)
+      print(f"| 2^{p} | *sum of uniforms: threefry* | | | | {n / threefry / 1e6:.0f} | | |")
+      print(f"| 2^{p} | *sum of uniforms: jaxcomp hash* | | | | {n / hashed / 1e6:.0f} |"
+            f" | |")
     for name in names:
       codec, max_p = CODECS[name]
       if p > max_p:

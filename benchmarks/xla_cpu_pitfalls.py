@@ -18,6 +18,8 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +34,26 @@ def _ms(fn, *args, repeats):
   return 1e3 * median_time(jax.jit(fn), *args, repeats=repeats)
 
 
+def _donated_ms(x, *, repeats: int) -> float:
+  f = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+  y = f(x + 0.0)
+  y.block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    y = f(y)
+    y.block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=5)
   r = parser.parse_args(argv).repeats
   m1 = jnp.abs(jax.random.normal(jax.random.key(0), (2**20,)))
   m16 = jnp.abs(jax.random.normal(jax.random.key(1), (2**24,)))
+  s16 = jax.random.normal(jax.random.key(2), (2**24,))
   t = jnp.float32(3.2)
   rows = [
       ("top_k(x, 235)[0][-1], n=1M", _ms(lambda a: lax.top_k(a, 235)[0][-1], m1, repeats=r)),
@@ -57,6 +73,21 @@ def main(argv=None) -> None:
       ("UnbiasedSparsifier exact λ (eps=1), n=1M", _ms(
           lambda a: jc.codecs.UnbiasedSparsifier(epsilon=1.0, method="exact").probabilities(a)[1],
           m1, repeats=r)),
+      # The quantizers' per-bucket reductions (buckets of 512, n=16M): XLA:CPU hands a
+      # plain reduction of an input to a library kernel, one with a prologue to its loop
+      # emitter.
+      ("max(x) per bucket of 512, n=16M", _ms(
+          lambda a: jnp.max(a.reshape(-1, 512), axis=1), s16, repeats=r)),
+      ("max(|x|) per bucket of 512, n=16M", _ms(
+          lambda a: jnp.max(jnp.abs(a.reshape(-1, 512)), axis=1), s16, repeats=r)),
+      ("max(max x, -min x) per bucket of 512, n=16M", _ms(
+          lambda a: jnp.maximum(jnp.max(a.reshape(-1, 512), axis=1),
+                                -jnp.min(a.reshape(-1, 512), axis=1)), s16, repeats=r)),
+      ("sum(x*x) per bucket of 512, n=16M", _ms(
+          lambda a: jnp.sum(jnp.square(a.reshape(-1, 512)), axis=1), s16, repeats=r)),
+      # Writing a fresh 64 MB output (every decode does) vs the same loop in place.
+      ("x + 1 into a new buffer, n=16M", _ms(lambda a: a + 1.0, s16, repeats=r)),
+      ("x + 1 in place (donated), n=16M", _donated_ms(s16, repeats=r)),
       ("UnbiasedSparsifier greedy λ (1%), n=1M", _ms(
           lambda a: jc.codecs.UnbiasedSparsifier(density=0.01).probabilities(a)[1], m1,
           repeats=r)),

@@ -64,7 +64,9 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
   if uses_lanes(bits):
     per_word = _LANES // bits
     words = num_words(n, bits)
-    c = jnp.pad(codes.astype(jnp.uint32) & mask, (0, words * per_word - n))
+    c = codes.astype(jnp.uint32) & mask
+    if words * per_word != n:
+      c = jnp.pad(c, (0, words * per_word - n))
     shifts = jnp.arange(per_word, dtype=jnp.uint32) * jnp.uint32(bits)
     return jnp.sum(c.reshape(words, per_word) << shifts, axis=1, dtype=jnp.uint32)
   groups = -(-n // _LANES)

@@ -182,7 +182,9 @@ def _buckets(n: int, bucket_size: int | None) -> tuple[int, int]:
 
 
 def _to_buckets(flat: Array, b: int, nb: int) -> Array:
-  return jnp.pad(flat, (0, nb * b - flat.shape[0])).reshape(nb, b)
+  pad = nb * b - flat.shape[0]
+  # No pad op when none is needed: XLA:CPU then reduces the input itself (fast path).
+  return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(nb, b)
 
 
 def _row_absmax(v: Array) -> Array:
@@ -430,14 +432,17 @@ class OneBit(Codec):
     valid = np.full((nb,), b, np.float32)
     if nb:
       valid[-1] = n - (nb - 1) * b
-    # Three reductions (the positive count is the valid count minus the negative one).
     # Sums of max(v, 0) and min(v, 0), not the total minus one of them: that would
-    # cancel catastrophically when one sign dominates a bucket.
-    pos_sum = jnp.sum(jnp.maximum(v, 0.0), axis=1)
-    neg_sum = jnp.sum(jnp.minimum(v, 0.0), axis=1)
-    # float32 counts are exact up to 2**24 per bucket (and faster to sum than int32).
+    # cancel catastrophically when one sign dominates a bucket. The positive count is
+    # the valid count minus the negative one. One variadic reduction computes the three
+    # in a single pass over v (three jnp.sum calls are three passes on XLA:CPU).
+    # float32 counts are exact up to 2**24 per bucket.
     count_dtype = _F32 if b <= 2**24 else jnp.int32
-    neg_count = jnp.sum(neg.astype(count_dtype), axis=1).astype(_F32)
+    pos_sum, neg_sum, neg_count = lax.reduce(
+        (jnp.maximum(v, 0.0), jnp.minimum(v, 0.0), neg.astype(count_dtype)),
+        (jnp.zeros((), _F32), jnp.zeros((), _F32), jnp.zeros((), count_dtype)),
+        lambda x, y: tuple(a + b for a, b in zip(x, y)), (1,))
+    neg_count = neg_count.astype(_F32)
     pos_count = jnp.asarray(valid) - neg_count
 
     def mean(total, count):
