@@ -78,7 +78,7 @@ def main(argv=None) -> None:
       # emitter.
       ("max(x) per bucket of 512, n=16M", _ms(
           lambda a: jnp.max(a.reshape(-1, 512), axis=1), s16, repeats=r)),
-      ("max(|x|) per bucket of 512, n=16M", _ms(
+      ("max(abs(x)) per bucket of 512, n=16M", _ms(
           lambda a: jnp.max(jnp.abs(a.reshape(-1, 512)), axis=1), s16, repeats=r)),
       ("max(max x, -min x) per bucket of 512, n=16M", _ms(
           lambda a: jnp.maximum(jnp.max(a.reshape(-1, 512), axis=1),
