@@ -254,11 +254,8 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
       per_device_batch_size=config.per_device_batch_size, seed=config.seed)
 
   start = time.perf_counter()
-  batch_spec = tuple(
-      jax.ShapeDtypeStruct((k, config.per_device_batch_size, *a.shape[1:]), a.dtype,
-                           sharding=per_device) for a in (data["x"], data["y"]))
-  step = train.make_train_step(model, tx, mesh, state_specs).lower(
-      params, opt_state, batch_spec).compile()
+  step = train.compile_train_step(model, tx, mesh, state_specs, params, opt_state, config,
+                                  data)
   compile_time = time.perf_counter() - start
 
   step_times, losses = [], []

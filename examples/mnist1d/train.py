@@ -157,6 +157,16 @@ def make_train_step(model, tx, mesh, state_specs):
       donate_argnums=(0, 1))
 
 
+def compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, data):
+  """:func:`make_train_step` compiled ahead of time for global batches of ``config``."""
+  per_device = jax.NamedSharding(mesh, P(AXIS))
+  batch_spec = tuple(
+      jax.ShapeDtypeStruct((mesh.size, config.per_device_batch_size, *a.shape[1:]),
+                           a.dtype, sharding=per_device) for a in (data["x"], data["y"]))
+  return make_train_step(model, tx, mesh, state_specs).lower(
+      params, opt_state, batch_spec).compile()
+
+
 def make_eval_step(model, mesh):
   """jit(shard_map(accuracy)) over a test set split ``(K, n/K, ...)`` with a pad mask."""
 
@@ -196,11 +206,7 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
 
   # Compile ahead of time, so that the training time below excludes compilation.
   start = time.perf_counter()
-  batch_spec = tuple(
-      jax.ShapeDtypeStruct((k, config.per_device_batch_size, *a.shape[1:]), a.dtype,
-                           sharding=per_device) for a in (data["x"], data["y"]))
-  step = make_train_step(model, tx, mesh, state_specs).lower(
-      params, opt_state, batch_spec).compile()
+  step = compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, data)
   evaluate = make_eval_step(model, mesh).lower(params, *test).compile()
   compile_time = time.perf_counter() - start
 
