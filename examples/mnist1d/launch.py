@@ -679,7 +679,8 @@ def run_launcher(args: argparse.Namespace) -> list[dict[str, Any]]:
   return results
 
 
-def _raise_keyboard_interrupt(signum, frame):
+def raise_keyboard_interrupt(signum, frame):
+  """A signal handler: SIGTERM unwinds like Ctrl-C (so cleanup code runs)."""
   del signum, frame
   raise KeyboardInterrupt
 
@@ -692,7 +693,7 @@ def main(argv=None) -> int:
     return 0
   # A SIGTERM unwinds like Ctrl-C (run_processes kills the workers on the way out):
   # they run in their own sessions, so a signal to the launcher does not reach them.
-  signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+  signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
   try:
     run_launcher(args)
   except (LaunchError, ParamsMismatchError, ValueError) as e:
