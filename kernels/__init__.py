@@ -1,6 +1,28 @@
 """Pallas GPU kernels for jaxcomp's hot paths, shipped as ``jaxcomp.kernels``.
 
-The kernels (fused stochastic rounding, bucketed max-norm scaling, bit packing) are
-tracked in their own issue; until they land every codec runs its XLA path, which is
-what this package will fall back to on CPU and for shapes a kernel cannot handle.
+One module per kernel, each with the kernel body, a jitted wrapper around
+``pl.pallas_call``, a pure-jnp ``*_reference`` (the XLA codec it must match) and a
+``benchmark`` entry:
+
+* :mod:`~jaxcomp.kernels.quantize`: QSGD's bucket scale (max or l2), stochastic rounding
+  with the counter hash of :mod:`jaxcomp._src.rng`, sign and lanes bit packing in one
+  pass, optionally fused with error feedback.
+* :mod:`~jaxcomp.kernels.dequantize`: the sum of K gathered QSGD payloads, decoded in
+  one pass (``decode_sum``).
+* :mod:`~jaxcomp.kernels.sign_pack`: 1-bit SGD's signs and bucket means (with optional
+  fused error feedback) and the K-payload decode-sum.
+
+The codecs (:class:`jaxcomp.codecs.QSGD`, :class:`jaxcomp.codecs.OneBit`) dispatch to
+them with ``implementation=None | "xla" | "pallas"`` and fall back to XLA for shapes the
+kernels do not handle. The backend (Pallas on Triton) and why: :mod:`._common`.
+
+Run ``python -m jaxcomp.kernels.bench`` for GB/s of every kernel against the XLA path.
 """
+
+from . import dequantize
+from . import quantize
+from . import sign_pack
+from ._common import cuda_available
+from ._common import LaunchConfig
+
+__all__ = ["LaunchConfig", "cuda_available", "dequantize", "quantize", "sign_pack"]

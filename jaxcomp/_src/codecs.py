@@ -24,6 +24,10 @@ from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
+from jaxcomp.kernels import _common as kernel_common
+from jaxcomp.kernels import dequantize as dequantize_kernel
+from jaxcomp.kernels import quantize as quantize_kernel
+from jaxcomp.kernels import sign_pack as sign_pack_kernel
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -137,6 +141,24 @@ class Codec:
   def _decode_f32(self, payload: Payload) -> Array:
     raise NotImplementedError
 
+  def fuses_feedback(self, n: int, dtype: Any) -> bool:
+    """Whether :meth:`encode_feedback` runs as one fused kernel for this tensor."""
+    del n, dtype
+    return False
+
+  def encode_feedback(self, g: Array, residual: Array, *,
+                      key: Array | None = None) -> tuple[Payload, Array, Array]:
+    """Error-feedback encode: ``(payload, e', finite)`` for gradient ``g`` and residual ``e``.
+
+    The payload encodes ``v = fl_{g.dtype}(g + e)`` (the sum in float32), ``e' = (g + e)
+    - decode(payload)`` in float32, and ``finite`` (a bool scalar) says whether ``g + e``
+    was finite. Codecs with a fused kernel (:meth:`fuses_feedback`) read ``g`` and ``e``
+    and write ``e'`` and the payload in one pass; this is the unfused definition.
+    """
+    x32 = g.astype(_F32) + residual
+    payload = self.encode(x32.astype(g.dtype), key=key)
+    return payload, x32 - self.decode(payload, _F32), jnp.all(jnp.isfinite(x32))
+
   def decode(self, payload: Payload, dtype: Any = None) -> Array:
     """Decodes one payload to an array of the encoded shape and dtype.
 
@@ -185,6 +207,12 @@ def _to_buckets(flat: Array, b: int, nb: int) -> Array:
   pad = nb * b - flat.shape[0]
   # No pad op when none is needed: XLA:CPU then reduces the input itself (fast path).
   return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(nb, b)
+
+
+def _interpret(implementation: str | None) -> bool:
+  """Kernels run compiled on a CUDA GPU, in interpret mode when asked for elsewhere."""
+  del implementation
+  return not kernel_common.cuda_available()
 
 
 def _row_absmax(v: Array) -> Array:
@@ -298,6 +326,10 @@ class QSGD(Codec):
     levels: ``1 <= s < 2**24``, levels per sign (``2**(bits-1) - 1`` for ``bits``).
     bucket_size: values per bucket, or ``None`` for one bucket per tensor.
     norm: ``"l2"`` or ``"max"``.
+    implementation: ``None`` (the Pallas kernels of :mod:`jaxcomp.kernels` on a CUDA
+      GPU, XLA elsewhere), ``"xla"``, or ``"pallas"`` (interpret mode off GPU). A shape
+      the kernels do not handle (see ``jaxcomp.kernels.quantize.unsupported``) falls
+      back to XLA; both give bit-identical payloads for the same key.
 
   References:
     Alistarh, Grubic, Li, Tomioka, Vojnovic. *QSGD: Communication-Efficient SGD via
@@ -307,10 +339,12 @@ class QSGD(Codec):
   levels: int
   bucket_size: int | None = None
   norm: str = "l2"
+  implementation: str | None = None
 
   needs_key = True
 
   def __post_init__(self):
+    kernel_common.check_implementation(self.implementation)
     _check_positive_int(self.levels, "levels")
     if self.levels > _MAX_LEVELS:
       raise ValueError(f"levels must be at most 2**24 - 1 (exact in float32), got {self.levels}")
@@ -366,7 +400,38 @@ class QSGD(Codec):
     # A zero code carries no sign (the paper's string has no bit for it): +0, not -0.
     return scale, mag, (v < 0) & (mag > 0)
 
+  def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
+    """Whether encoding ``n`` values of ``dtype`` (and decoding them) runs the kernels."""
+    return (kernel_common.use_pallas(self.implementation)
+            and quantize_kernel.unsupported(n, levels=self.levels, bucket_size=self.bucket_size,
+                                            dtype=dtype) is None)
+
+  def fuses_feedback(self, n: int, dtype: Any) -> bool:
+    return self.uses_kernel(n, dtype)
+
+  def encode_feedback(self, g: Array, residual: Array, *,
+                      key: Array | None = None) -> tuple[Payload, Array, Array]:
+    """See :meth:`Codec.encode_feedback`; fused into the quantize kernel when it runs.
+
+    ``finite`` is then read off the scales (a bucket that is not finite has a NaN scale).
+    """
+    if not self.fuses_feedback(g.size, g.dtype):
+      return super().encode_feedback(g, residual, key=key)
+    _check_float(g)
+    words, scale, new_residual = quantize_kernel.quantize(
+        g, self._require_key(key), residual.astype(_F32), levels=self.levels,
+        bucket_size=self.bucket_size, norm=self.norm,
+        interpret=_interpret(self.implementation))
+    payload = Payload({"words": words, "scales": scale}, tuple(g.shape), jnp.dtype(g.dtype))
+    return payload, new_residual, jnp.all(jnp.isfinite(scale))
+
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    if self.uses_kernel(getattr(x, "size", 0), getattr(x, "dtype", None)):
+      _check_float(x)
+      words, scale = quantize_kernel.quantize(
+          x, self._require_key(key), levels=self.levels, bucket_size=self.bucket_size,
+          norm=self.norm, interpret=_interpret(self.implementation))
+      return Payload({"words": words, "scales": scale}, tuple(x.shape), jnp.dtype(x.dtype))
     scale, mag, negative = self.quantize(x, key=key)
     sign = negative.astype(jnp.uint32)
     codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[:x.size]
@@ -375,8 +440,22 @@ class QSGD(Codec):
 
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)
+    if self.uses_kernel(n):
+      return self._decode_sum_kernel(
+          jax.tree.map(lambda a: a[None], payload.arrays), n)
     codes = bitpack.unpack_bits(payload.arrays["words"], self.bits, n)
     return self.dequantize(codes, payload.arrays["scales"], n)
+
+  def decode_sum(self, stacked: Payload) -> Array:
+    n = math.prod(stacked.shape)
+    if self.uses_kernel(n):
+      return self._decode_sum_kernel(stacked.arrays, n).reshape(stacked.shape)
+    return super().decode_sum(stacked)
+
+  def _decode_sum_kernel(self, arrays: dict[str, Array], n: int) -> Array:
+    return dequantize_kernel.dequantize_sum(
+        arrays["words"], arrays["scales"], n=n, levels=self.levels,
+        bucket_size=self.bucket_size, interpret=_interpret(self.implementation))
 
   def dequantize(self, codes: Array, scales: Array, n: int) -> Array:
     """Flat float32 values of ``n`` codes (``magnitude | sign << magnitude_bits``)."""
@@ -409,6 +488,10 @@ class OneBit(Codec):
 
   Args:
     bucket_size: values per bucket, or ``None`` for one bucket per tensor.
+    implementation: ``None`` (the Pallas kernels on a CUDA GPU, XLA elsewhere),
+      ``"xla"``, or ``"pallas"`` (interpret mode off GPU); shapes the kernels do not
+      handle fall back to XLA. The sign words are bit-identical between the two; the
+      means agree to float32 rounding (their sums are taken in different orders).
 
   References:
     Seide, Fu, Droppo, Li, Yu. *1-Bit Stochastic Gradient Descent and its Application
@@ -416,15 +499,48 @@ class OneBit(Codec):
   """
 
   bucket_size: int | None = None
+  implementation: str | None = None
 
   def __post_init__(self):
     _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
+    kernel_common.check_implementation(self.implementation)
 
+  def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
+    """Whether encoding ``n`` values of ``dtype`` (and decoding them) runs the kernels."""
+    return (kernel_common.use_pallas(self.implementation)
+            and sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size,
+                                             dtype=dtype) is None)
+
+  def fuses_feedback(self, n: int, dtype: Any) -> bool:
+    return self.uses_kernel(n, dtype)
+
+  def encode_feedback(self, g: Array, residual: Array, *,
+                      key: Array | None = None) -> tuple[Payload, Array, Array]:
+    """See :meth:`Codec.encode_feedback`; fused into the sign_pack kernel when it runs.
+
+    ``finite`` is then read off the means (a non-finite value makes its bucket's mean
+    non-finite; so does a bucket sum beyond float32's range, ~3e38).
+    """
+    del key
+    if not self.fuses_feedback(g.size, g.dtype):
+      return super().encode_feedback(g, residual)
+    _check_float(g)
+    words, pos, neg, new_residual = sign_pack_kernel.sign_pack(
+        g, residual.astype(_F32), bucket_size=self.bucket_size,
+        interpret=_interpret(self.implementation))
+    payload = Payload({"words": words, "pos": pos, "neg": neg}, tuple(g.shape),
+                      jnp.dtype(g.dtype))
+    return payload, new_residual, jnp.all(jnp.isfinite(pos)) & jnp.all(jnp.isfinite(neg))
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     del key
     _check_float(x)
     n = x.size
+    if self.uses_kernel(n, x.dtype):
+      words, pos, neg = sign_pack_kernel.sign_pack(
+          x, bucket_size=self.bucket_size, interpret=_interpret(self.implementation))
+      return Payload({"words": words, "pos": pos, "neg": neg}, tuple(x.shape),
+                     jnp.dtype(x.dtype))
     b, nb = _buckets(n, self.bucket_size)
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
     neg = v < 0
@@ -453,8 +569,21 @@ class OneBit(Codec):
               "neg": mean(neg_sum, neg_count)}
     return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
 
+  def decode_sum(self, stacked: Payload) -> Array:
+    n = math.prod(stacked.shape)
+    if self.uses_kernel(n):
+      return self._decode_sum_kernel(stacked.arrays, n).reshape(stacked.shape)
+    return super().decode_sum(stacked)
+
+  def _decode_sum_kernel(self, arrays: dict[str, Array], n: int) -> Array:
+    return sign_pack_kernel.sign_unpack_sum(
+        arrays["words"], arrays["pos"], arrays["neg"], n=n, bucket_size=self.bucket_size,
+        interpret=_interpret(self.implementation))
+
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)
+    if self.uses_kernel(n):
+      return self._decode_sum_kernel(jax.tree.map(lambda a: a[None], payload.arrays), n)
     b, nb = _buckets(n, self.bucket_size)
     neg = _to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
     out = jnp.where(neg, payload.arrays["neg"][:, None], payload.arrays["pos"][:, None])

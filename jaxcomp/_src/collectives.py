@@ -109,6 +109,17 @@ def local(codec: Codec, x: Array, key: Array) -> Exchanged:
   return Exchanged(sent, sent, None, overflow)
 
 
+def payload_mean(codec: Codec, payload, axis_name) -> Array:
+  """Mean over devices of what each device's ``payload`` decodes to (float32).
+
+  ``all_gather`` of the payloads and one ``decode_sum`` (a fused kernel where the codec
+  has one); with ``axis_name=None`` the local decoding. For codecs without a fallback.
+  """
+  if axis_name is None:
+    return codec.decode(payload, _F32)
+  return codec.decode_sum(gather_tree(payload, axis_name)) / axis_size(axis_name)
+
+
 def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   """All-gather the payloads, decode all K, average. Traffic per device: (K-1)·B.
 

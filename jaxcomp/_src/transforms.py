@@ -101,6 +101,10 @@ def compress(
   ``e' = g + e - Q^{-1}(Q(g + e))``, so no part of the gradient is ever dropped, only
   delayed. In the two-phase exchange the owner of each chunk keeps a second residual for
   its re-quantization in the same way. Residuals are float32 whatever the gradient dtype.
+  With the all-gather exchange and a codec whose Pallas kernel runs
+  (:meth:`~jaxcomp.codecs.Codec.fuses_feedback`: QSGD and OneBit on a GPU), the sum
+  ``g + e``, the encoding and ``e'`` are one kernel pass, and receivers decode the K
+  payloads straight into their sum.
 
   NaN/Inf policy: a leaf whose input is not finite on this device does not update its
   residual (the previous residual is kept, so the error-feedback state is never
@@ -205,11 +209,21 @@ def compress(
             f"gradient over devices (a dense psum); differentiate with respect to "
             f"jc.vary(params, {axis_name!r}) to get the local gradient.")
       use_ef = not isinstance(e, optax.MaskedNode)
+      leaf_key = jax.random.fold_in(step_key, i)
+      if (use_ef and collective == "allgather" and codec.fallback is None
+          and codec.fuses_feedback(g.size, g.dtype)):
+        # One kernel reads g and e and writes the payload and e' (same payload as below).
+        payload, new_e, finite = codec.encode_feedback(g, e, key=leaf_key)
+        any_bad = any_bad | ~finite
+        out.append(collectives.payload_mean(codec, payload, axis_name)
+                   .reshape(g.shape).astype(g.dtype))
+        new_res.append(lax.cond(finite, lambda new_e=new_e: new_e, lambda e=e: e))
+        new_cres.append(e2)
+        continue
       x32 = g.astype(_F32) + e if use_ef else g.astype(_F32)
       finite = jnp.all(jnp.isfinite(x32))
       any_bad = any_bad | ~finite
       x = x32.astype(g.dtype)  # what is encoded keeps the gradient's dtype
-      leaf_key = jax.random.fold_in(step_key, i)
       ex_cres = None if isinstance(e2, optax.MaskedNode) else e2
       if axis_name is None:
         ex = collectives.local(codec, x, leaf_key)

@@ -1,0 +1,210 @@
+"""What the kernels share: the backend choice, the launch, exact arithmetic, dispatch.
+
+Backend: Pallas on Triton (``pl.pallas_call`` with
+``jax.experimental.pallas.triton.CompilerParams``). jax 0.10/0.11 lower a bare
+``pl.pallas_call`` on GPU to Mosaic GPU and deprecate that route in favour of
+``plgpu.kernel``; we pass Triton's compiler parameters explicitly instead, because:
+
+* the kernels are bandwidth-bound elementwise passes with row reductions (no matmul,
+  no TMA or warpgroup pipelining to gain), which Triton schedules well;
+* the very same kernel body runs in ``interpret=True`` mode on CPU, where CI tests it
+  bit for bit against the reference; Mosaic GPU kernels need explicit layouts
+  (``plgpu.layout_cast`` on every iota) and a different interpreter;
+* Triton runs on every CUDA GPU jax supports (A100 and older too), Mosaic GPU needs
+  Hopper or newer;
+* the Triton IR is produced at lowering time without a GPU, so ``jax.export`` for the
+  ``cuda`` platform on a CPU-only machine catches unsupported primitives
+  (``tests/test_kernels.py``).
+
+Should Triton lowering be removed from Pallas, the kernel bodies are plain jnp on
+refs and port to ``plgpu.kernel`` by adding layouts; the references and tests stay.
+
+Exact arithmetic: Triton lowers ``x / y`` on float32 to PTX ``div.full.f32`` (an
+approximation within 2 ulp), while XLA divides with correct rounding. A payload must
+be bit-identical to the XLA path's, so compiled kernels divide and take square roots
+with inline ``div.rn.f32`` / ``sqrt.rn.f32`` (:func:`div`, :func:`sqrt`); interpret
+mode uses jnp's, which are already exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+#: What ``implementation=`` may be on a codec.
+IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+@functools.cache
+def cuda_available() -> bool:
+  """Whether jax's default backend is an NVIDIA GPU (the kernels' compiled target)."""
+  try:
+    devices = jax.devices()
+  except RuntimeError:
+    return False
+  if not devices or devices[0].platform != "gpu":
+    return False
+  version = str(getattr(devices[0].client, "platform_version", "")).lower()
+  return "rocm" not in version and "hip" not in version
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  """``None``: compiled on a CUDA GPU, interpret mode anywhere else."""
+  if interpret is None:
+    return not cuda_available()
+  if not isinstance(interpret, bool):
+    raise TypeError(f"interpret must be None or a bool, got {interpret!r}")
+  return interpret
+
+
+def check_implementation(implementation) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
+
+
+def use_pallas(implementation: str | None) -> bool:
+  """Whether a codec's ``implementation`` asks for the kernels.
+
+  ``None`` picks them on a CUDA GPU and XLA elsewhere; ``"pallas"`` always (interpret
+  mode off GPU, slow but exact: what the CPU tests run); ``"xla"`` never.
+  """
+  check_implementation(implementation)
+  if implementation is None:
+    return cuda_available()
+  return implementation == "pallas"
+
+
+def is_power_of_two(v: int) -> bool:
+  return v > 0 and v & (v - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+  """Tuning knobs shared by the kernels.
+
+  Attributes:
+    block_size: values per program (a power of two; rounded up to whole buckets).
+    num_warps: Triton warps per program.
+    num_stages: Triton pipeline stages.
+  """
+
+  block_size: int = 8192
+  num_warps: int = 4
+  num_stages: int = 1
+
+  def __post_init__(self):
+    for name in ("block_size", "num_warps", "num_stages"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if not is_power_of_two(self.block_size):
+      raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+  def rows(self, bucket: int) -> int:
+    """Buckets per program."""
+    return max(1, self.block_size // bucket)
+
+  def compiler_params(self):
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def div(x: Array, y: Array, *, exact_asm: bool) -> Array:
+  """float32 ``x / y`` with correct rounding, in a compiled kernel or in interpret mode."""
+  if not exact_asm:
+    return x / y
+  from jax.experimental.pallas import triton as pltriton
+  x, y = jnp.broadcast_arrays(x, y)
+  [out] = pltriton.elementwise_inline_asm(
+      "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return out
+
+
+def sqrt(x: Array, *, exact_asm: bool) -> Array:
+  """float32 square root with correct rounding (as XLA's), compiled or interpreted."""
+  if not exact_asm:
+    return jnp.sqrt(x)
+  from jax.experimental.pallas import triton as pltriton
+  [out] = pltriton.elementwise_inline_asm(
+      "sqrt.rn.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return out
+
+
+def key_words_array(key: Array) -> Array:
+  """The two uint32 hash seeds of ``key`` (:func:`jaxcomp._src.rng.key_words`) as ``(2,)``."""
+  from jaxcomp._src import rng
+  k0, k1 = rng.key_words(key)
+  return jnp.stack([k0, k1])
+
+
+
+def median_time(fn, *args, repeats: int) -> float:
+  """Median wall time of ``fn(*args)`` over ``repeats`` runs, after a warm-up run."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def out_struct(like: Array, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+  """A ``pallas_call`` output type that varies over the mesh axes ``like`` varies over.
+
+  Inside ``jax.shard_map`` with ``check_vma`` Pallas needs to know over which manual
+  axes an output varies; the kernels' outputs vary like their main input.
+  """
+  aval = jax.typeof(like)
+  mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if mat is not None:
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+  vma = getattr(aval, "vma", None)  # older spelling
+  if vma:
+    return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _varying(x: Array) -> frozenset:
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def check_interpretable(interpret: bool, *arrays: Array) -> None:
+  """Pallas's interpreter cannot run on values typed as varying under ``check_vma``.
+
+  Its grid loop slices device-varying blocks with a device-invariant loop index, which
+  ``jax.shard_map(check_vma=True)`` rejects while lowering. Compiled kernels are not
+  affected. Raise a clear error instead of that one.
+  """
+  if not interpret:
+    return
+  axes = frozenset().union(*(_varying(a) for a in arrays if a is not None))
+  if axes:
+    raise ValueError(
+        f"jaxcomp's Pallas kernels run in interpret mode here (no CUDA GPU), and Pallas's "
+        f"interpreter cannot run on values that vary over the manual axes {sorted(axes)} "
+        f"of a jax.shard_map with check_vma=True. Use implementation='xla' (bit-identical "
+        f"payloads), jax.shard_map(..., check_vma=False), or jax.pmap.")
+
+
+def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args,
+              repeats: int) -> dict:
+  """One benchmark row: GB/s (``nbytes`` per call) of a kernel and of the XLA path."""
+  t_kernel = median_time(jax.jit(kernel_fn), *args, repeats=repeats)
+  t_xla = median_time(jax.jit(xla_fn), *args, repeats=repeats)
+  return {"kernel": name, "n": n, "pallas_gbs": nbytes / t_kernel / 1e9,
+          "xla_gbs": nbytes / t_xla / 1e9}

@@ -1,0 +1,151 @@
+r"""QSGD dequantization fused with the sum of K gathered payloads.
+
+After an ``all_gather`` every device holds K payloads (words and per-bucket scales) of
+the same tensor and needs their sum. Decoding them one by one writes a full float32
+tensor K times; this kernel reads the K payloads (``K (n bits / 8 + 4 n / b)`` bytes)
+and writes the sum once (``4 n`` bytes):
+
+.. math::
+  \mathrm{out}_i = \sum_{k=0}^{K-1} \pm_{k,i}\, \xi_{k,i} \cdot (\sigma_{k,\lfloor i/b\rfloor} / s),
+
+added in rank order ``((d_0 + d_1) + d_2) + ...``, the order of
+:meth:`jaxcomp.codecs.QSGD.decode_sum`, so that in interpret mode the result is
+bit-identical to it (a compiled kernel may contract ``acc + q * step`` into one fused
+multiply-add, within one rounding of it).
+
+The payload format is :class:`jaxcomp.codecs.QSGD`'s lanes layout (see
+:mod:`kernels.quantize`). The K payloads are read with a loop inside each program, so K
+is not unrolled and need not be a power of two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxcomp._src import bitpack
+from . import _common
+from . import quantize as quantize_lib
+
+Array = jax.Array
+_F32 = jnp.float32
+_U32 = jnp.uint32
+
+DequantizeConfig = _common.LaunchConfig
+
+
+def _next_pow2(k: int) -> int:
+  return 1 << max(0, (k - 1).bit_length())
+
+
+def _decode_one(words, scale, *, rows, bucket, levels, exact_asm):
+  """float32 ``(rows, bucket)`` values of one payload's block (words ``(W,)``)."""
+  mbits = int(levels).bit_length()
+  bits = mbits + 1
+  per_word = 32 // bits
+  shifts = lax.broadcasted_iota(_U32, (words.shape[0], per_word), 1) * jnp.uint32(bits)
+  codes = ((words[:, None] >> shifts) & jnp.uint32((1 << bits) - 1)).reshape(rows, bucket)
+  mag = (codes & jnp.uint32((1 << mbits) - 1)).astype(_F32)
+  q = jnp.where((codes >> mbits) != 0, -mag, mag)
+  step = _common.div(scale, jnp.float32(levels), exact_asm=exact_asm)
+  return q * step[:, None]
+
+
+def _dequantize_sum_kernel(words_ref, scales_ref, out_ref, *, k, rows, bucket, levels,
+                           exact_asm):
+  decode = functools.partial(_decode_one, rows=rows, bucket=bucket, levels=levels,
+                             exact_asm=exact_asm)
+  acc = decode(words_ref[0, :], scales_ref[0, :])
+
+  def body(j, acc):
+    return acc + decode(words_ref[j, :], scales_ref[j, :])
+
+  acc = lax.fori_loop(1, k, body, acc)
+  out_ref[...] = acc.reshape(rows * bucket)
+
+
+def unsupported(n: int, *, levels: int, bucket_size: int | None) -> str | None:
+  """Why the kernel cannot decode this payload (``None`` when it can)."""
+  return quantize_lib.unsupported(n, levels=levels, bucket_size=bucket_size,
+                                  dtype=jnp.float32)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("n", "levels", "bucket_size", "config", "interpret"))
+def dequantize_sum(words: Array, scales: Array, *, n: int, levels: int, bucket_size: int,
+                   config: DequantizeConfig = DequantizeConfig(),
+                   interpret: bool | None = None) -> Array:
+  """Sum of K QSGD payloads, decoded in one pass.
+
+  Args:
+    words: uint32 ``(K, ceil(n * bits / 32))``, the stacked payload words.
+    scales: float32 ``(K, ceil(n / bucket_size))``.
+    n: values per payload.
+    levels, bucket_size: the codec's (the code width must divide 32).
+    config: block size and Triton launch parameters.
+    interpret: run in Pallas interpret mode (default: unless on a CUDA GPU).
+
+  Returns:
+    float32 ``(n,)``.
+  """
+  why = unsupported(n, levels=levels, bucket_size=bucket_size)
+  if why is not None:
+    raise ValueError(f"the dequantize kernel does not handle this payload: {why}")
+  bits = quantize_lib.bits_per_value(levels)
+  nb = -(-n // bucket_size)
+  if words.ndim != 2 or words.shape[1] != bitpack.num_words(n, bits) or words.dtype != _U32:
+    raise ValueError(f"words must be uint32 (K, {bitpack.num_words(n, bits)}), got "
+                     f"{words.dtype} {words.shape}")
+  k = words.shape[0]
+  if scales.shape != (k, nb) or scales.dtype != _F32:
+    raise ValueError(f"scales must be float32 ({k}, {nb}), got {scales.dtype} {scales.shape}")
+  if k < 1:
+    raise ValueError("need at least one payload")
+  interpret = _common.resolve_interpret(interpret)
+  _common.check_interpretable(interpret, words, scales)
+  per_word = 32 // bits
+  rows = config.rows(bucket_size)
+  length = rows * bucket_size
+  kp = _next_pow2(k)  # Triton blocks are powers of two; rows >= k are never read
+  kernel = functools.partial(_dequantize_sum_kernel, k=k, rows=rows, bucket=bucket_size,
+                             levels=levels, exact_asm=not interpret)
+  return pl.pallas_call(
+      kernel, out_shape=_common.out_struct(words, (n,), _F32), grid=(-(-nb // rows),),
+      in_specs=[pl.BlockSpec((kp, length // per_word), lambda i: (0, i)),
+                pl.BlockSpec((kp, rows), lambda i: (0, i))],
+      out_specs=pl.BlockSpec((length,), lambda i: (i,)), interpret=interpret,
+      compiler_params=None if interpret else config.compiler_params(),
+      name="jaxcomp_dequantize_sum")(words, scales)
+
+
+def dequantize_sum_reference(words: Array, scales: Array, *, n: int, levels: int,
+                             bucket_size: int) -> Array:
+  """The XLA path: :meth:`jaxcomp.codecs.QSGD.decode_sum` of the stacked payload."""
+  from jaxcomp._src import codecs
+  codec = codecs.QSGD(levels, bucket_size, "max", implementation="xla")
+  return codec.decode_sum(codecs.Payload({"words": words, "scales": scales}, (n,), _F32))
+
+
+def benchmark(sizes=(2**20, 2**22, 2**24), *, k: int = 8, levels: int = 7,
+              bucket_size: int = 512, repeats: int = 20,
+              interpret: bool | None = None) -> list[dict]:
+  """GB/s of the fused decode-sum of ``k`` payloads and of the XLA path, same run.
+
+  Bytes counted: the K payloads read plus the float32 sum written.
+  """
+  rows = []
+  q = dict(levels=levels, bucket_size=bucket_size)
+  for n in sizes:
+    x = jax.random.normal(jax.random.key(1), (n,), _F32)
+    words, scales = quantize_lib.quantize_reference(x, jax.random.key(0), **q)
+    words, scales = jnp.stack([words] * k), jnp.stack([scales] * k)
+    rows.append(_common.bench_row(
+        f"dequantize_sum K={k}", n, words.nbytes + scales.nbytes + 4 * n,
+        lambda w, s: dequantize_sum(w, s, n=n, **q, interpret=interpret),
+        lambda w, s: dequantize_sum_reference(w, s, n=n, **q), words, scales,
+        repeats=repeats))
+  return rows

@@ -1,0 +1,256 @@
+r"""QSGD quantization in one pass: bucket scale, stochastic rounding, sign, bit packing.
+
+Per bucket ``v`` of ``bucket_size`` consecutive values (the last one zero-padded),
+with ``s = levels`` and ``m = ceil(log2(s + 1))`` magnitude bits:
+
+.. math::
+  \sigma = \max_i |v_i| \;(\texttt{norm="max"}) \quad\text{or}\quad
+  \sigma = a \sqrt{\textstyle\sum_i (v_i / a)^2},\; a = \max_i |v_i| \;(\texttt{"l2"}),
+
+  \xi_i = \min\!\big(\lfloor r_i \rfloor + [u_i < r_i - \lfloor r_i \rfloor],\; s\big),
+  \quad r_i = |v_i| / \sigma \cdot s, \qquad
+  \mathrm{code}_i = \xi_i \,|\, [v_i < 0 \wedge \xi_i > 0] \ll m,
+
+where ``u_i = (h(i) >> 8) 2^{-24}`` is :mod:`jaxcomp._src.rng`'s counter hash of the
+value's flat index ``i`` under the key: no random numbers are read from memory. Codes
+are packed ``32 / (m + 1)`` per uint32 word (the lanes layout of
+:mod:`jaxcomp._src.bitpack`), so the kernel writes exactly the payload of
+:class:`jaxcomp.codecs.QSGD` and its ``decode`` is shared: ``words`` and ``scales`` are
+bit-identical to :func:`quantize_reference` for the same key (for ``norm="l2"`` up to
+the order of the sum of squares inside a bucket, which a compiled kernel may take
+differently from XLA; interpret mode matches bit for bit).
+
+Fused error feedback: with ``residual=e``, the kernel quantizes
+``v = fl_{dtype}(x + e)`` (``x + e`` in float32, rounded to ``x``'s dtype, as
+:func:`jaxcomp.compress` does) and also returns ``e' = (x + e) - Q(v)`` in float32: one
+read of ``x`` and ``e``, one write of ``e'`` and of the payload, instead of a separate
+add, encode and decode.
+
+A bucket holding NaN or Inf gets a NaN scale (it decodes to NaN, never hidden), its
+codes are zero, and its residual is NaN (:func:`jaxcomp.compress` then keeps the old one).
+
+Reference: Alistarh et al., *QSGD: Communication-Efficient SGD via Gradient
+Quantization and Encoding*, NeurIPS 2017, https://arxiv.org/abs/1610.02132.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxcomp._src import bitpack
+from jaxcomp._src import rng
+from . import _common
+
+Array = jax.Array
+_F32 = jnp.float32
+_U32 = jnp.uint32
+
+QuantizeConfig = _common.LaunchConfig
+
+#: dtypes the kernel reads (everything else falls back to XLA).
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def bits_per_value(levels: int) -> int:
+  """Bits of one code: ``ceil(log2(levels + 1))`` magnitude bits and a sign bit."""
+  return int(levels).bit_length() + 1
+
+
+def unsupported(n: int, *, levels: int, bucket_size: int | None, dtype) -> str | None:
+  """Why the kernel cannot quantize this tensor (``None`` when it can).
+
+  The kernel needs a power-of-two bucket of 32..65536 values (one bucket per tensor
+  is an XLA job: a whole-tensor reduction), a code width dividing 32 (2, 4, 8 or 16
+  bits: ``levels`` in 1, 3..7, 15..127, 32767..), a float16/bfloat16/float32 input and
+  ``0 < n < 2**31``.
+  """
+  bits = bits_per_value(levels)
+  if bucket_size is None:
+    return "bucket_size=None (one bucket per tensor)"
+  if not _common.is_power_of_two(bucket_size) or not 32 <= bucket_size <= 65536:
+    return f"bucket_size {bucket_size} is not a power of two in 32..65536"
+  if not bitpack.uses_lanes(bits) or bits > 16:
+    return f"{bits}-bit codes (the kernel packs 2, 4, 8 or 16 bits)"
+  if jnp.dtype(dtype) not in DTYPES:
+    return f"dtype {jnp.dtype(dtype)}"
+  if not 0 < n < 2**31:
+    return f"{n} values"
+  return None
+
+
+def _bucket_rows(v: Array, bucket: int) -> Array:
+  return v.reshape(-1, bucket)
+
+
+def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_asm,
+                     has_residual):
+  if has_residual:
+    e_ref, words_ref, scales_ref, new_e_ref = refs
+  else:
+    words_ref, scales_ref = refs
+  length = rows * bucket
+  mbits = int(levels).bit_length()
+  bits = mbits + 1
+  per_word = 32 // bits
+  s = jnp.float32(levels)
+
+  start = pl.program_id(0) * length
+  idx = (lax.broadcasted_iota(jnp.int32, (rows, bucket), 0) * bucket
+         + lax.broadcasted_iota(jnp.int32, (rows, bucket), 1) + start)
+  valid = idx < n
+  x = x_ref[...].reshape(rows, bucket)
+  if has_residual:
+    x32 = x.astype(_F32) + e_ref[...].reshape(rows, bucket)
+    v = x32.astype(x.dtype).astype(_F32)
+  else:
+    v = x.astype(_F32)
+  v = jnp.where(valid, v, 0.0)  # the padding of the last bucket (and past the array)
+
+  # Scale: max |v| as max(max v, -min v); NaN when the bucket is not all finite.
+  vmax = jnp.max(v, axis=1)
+  vmin = jnp.min(v, axis=1)
+  amax = jnp.maximum(vmax, -vmin)
+  finite = ~jnp.isnan(jnp.sum(v, axis=1)) & jnp.isfinite(vmax) & jnp.isfinite(vmin)
+  if norm == "max":
+    scale = amax
+  else:
+    safe = jnp.where(amax > 0, amax, 1.0)
+    w = _common.div(v, safe[:, None], exact_asm=exact_asm)
+    scale = amax * _common.sqrt(jnp.sum(w * w, axis=1), exact_asm=exact_asm)
+  scale = jnp.where(finite, scale, jnp.nan)
+
+  # Stochastic rounding with the counter hash of the flat (padded) index.
+  positive = scale > 0
+  safe = jnp.where(positive, scale, 1.0)
+  r = jnp.where(positive[:, None],
+                _common.div(jnp.abs(v), safe[:, None], exact_asm=exact_asm) * s, 0.0)
+  low = jnp.floor(r)
+  u24 = rng.hash_bits(idx.astype(_U32), kw_ref[0], kw_ref[1]) >> 8
+  up = u24.astype(_F32) < (r - low) * jnp.float32(2.0**24)
+  magf = jnp.minimum(low + up.astype(_F32), s)
+  mag = magf.astype(_U32)
+  neg = (v < 0) & (mag > 0)
+  codes = mag | (neg.astype(_U32) << mbits)
+
+  # Lanes packing: per_word consecutive codes per word, code j in bits j*bits...
+  lanes = codes.reshape(length // per_word, per_word)
+  shifts = lax.broadcasted_iota(_U32, lanes.shape, 1) * jnp.uint32(bits)
+  words_ref[...] = jnp.sum(lanes << shifts, axis=1, dtype=_U32)
+  scales_ref[...] = scale
+
+  if has_residual:
+    step = _common.div(scale, s, exact_asm=exact_asm)
+    sent = jnp.where(neg, -magf, magf) * step[:, None]
+    new_e_ref[...] = (x32 - sent).reshape(length)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("levels", "bucket_size", "norm", "config", "interpret"))
+def quantize(x: Array, key: Array, residual: Array | None = None, *, levels: int,
+             bucket_size: int, norm: str = "max",
+             config: QuantizeConfig = QuantizeConfig(),
+             interpret: bool | None = None) -> tuple[Array, ...]:
+  """Quantizes ``x`` into QSGD's packed words and per-bucket scales in one pass.
+
+  Args:
+    x: float32/bfloat16/float16 array (flattened row-major).
+    key: the tensor's PRNG key (typed or raw), as for ``QSGD.encode``.
+    residual: optional float32 error-feedback residual of ``x``'s shape.
+    levels: ``s``, levels per sign; the code width must divide 32.
+    bucket_size: values per bucket, a power of two in 32..65536.
+    norm: ``"max"`` or ``"l2"``.
+    config: block size and Triton launch parameters.
+    interpret: run in Pallas interpret mode (default: unless on a CUDA GPU).
+
+  Returns:
+    ``(words, scales)`` (uint32 ``(ceil(n * bits / 32),)``, float32
+    ``(ceil(n / bucket_size),)``), plus the new float32 residual of ``x``'s shape when
+    ``residual`` is given.
+  """
+  if norm not in ("max", "l2"):
+    raise ValueError(f"norm must be 'max' or 'l2', got {norm!r}")
+  n = x.size
+  why = unsupported(n, levels=levels, bucket_size=bucket_size, dtype=x.dtype)
+  if why is not None:
+    raise ValueError(f"the quantize kernel does not handle this input: {why}")
+  if residual is not None and (residual.shape != x.shape or residual.dtype != _F32):
+    raise ValueError(f"residual must be float32 of shape {x.shape}, got "
+                     f"{residual.dtype} {residual.shape}")
+  interpret = _common.resolve_interpret(interpret)
+  _common.check_interpretable(interpret, x, key, residual)
+  bits = bits_per_value(levels)
+  per_word = 32 // bits
+  rows = config.rows(bucket_size)
+  length = rows * bucket_size
+  nb = -(-n // bucket_size)
+  grid = (-(-nb // rows),)
+  has_residual = residual is not None
+
+  kernel = functools.partial(
+      _quantize_kernel, n=n, bucket=bucket_size, rows=rows, levels=levels, norm=norm,
+      exact_asm=not interpret, has_residual=has_residual)
+  flat = pl.BlockSpec((length,), lambda i: (i,))
+  in_specs = [pl.BlockSpec((2,), lambda i: (0,)), flat]
+  args = [_common.key_words_array(key), x.reshape(-1)]
+  out_shape = [_common.out_struct(x, (bitpack.num_words(n, bits),), _U32),
+               _common.out_struct(x, (nb,), _F32)]
+  out_specs = [pl.BlockSpec((length // per_word,), lambda i: (i,)),
+               pl.BlockSpec((rows,), lambda i: (i,))]
+  if has_residual:
+    in_specs.append(flat)
+    args.append(residual.reshape(-1))
+    out_shape.append(_common.out_struct(x, (n,), _F32))
+    out_specs.append(flat)
+  outs = pl.pallas_call(
+      kernel, out_shape=tuple(out_shape), grid=grid, in_specs=in_specs,
+      out_specs=tuple(out_specs), interpret=interpret,
+      compiler_params=None if interpret else config.compiler_params(),
+      name="jaxcomp_quantize")(*args)
+  if has_residual:
+    return outs[0], outs[1], outs[2].reshape(x.shape)
+  return outs[0], outs[1]
+
+
+def quantize_reference(x: Array, key: Array, residual: Array | None = None, *,
+                       levels: int, bucket_size: int, norm: str = "max") -> tuple[Array, ...]:
+  """The XLA path: :class:`jaxcomp.codecs.QSGD`'s encode (and decode for the residual)."""
+  from jaxcomp._src import codecs
+  codec = codecs.QSGD(levels, bucket_size, norm, implementation="xla")
+  if residual is None:
+    p = codec.encode(x, key=key)
+    return p.arrays["words"], p.arrays["scales"]
+  x32 = x.astype(_F32) + residual
+  p = codec.encode(x32.astype(x.dtype), key=key)
+  return p.arrays["words"], p.arrays["scales"], x32 - codec.decode(p, _F32)
+
+
+def benchmark(sizes=(2**20, 2**22, 2**24), *, levels: int = 7, bucket_size: int = 512,
+              repeats: int = 20, interpret: bool | None = None) -> list[dict]:
+  """GB/s of the kernel and of the XLA codec (same run), without and with fused EF.
+
+  Bytes counted: the float32 input (and residual) read, the payload (and new residual)
+  written.
+  """
+  rows = []
+  key = jax.random.key(0)
+  q = dict(levels=levels, bucket_size=bucket_size)
+  for n in sizes:
+    x = jax.random.normal(jax.random.key(1), (n,), _F32)
+    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
+    payload = sum(a.nbytes for a in quantize_reference(x, key, **q))
+    rows.append(_common.bench_row(
+        "quantize", n, 4 * n + payload,
+        lambda x, k: quantize(x, k, **q, interpret=interpret),
+        lambda x, k: quantize_reference(x, k, **q), x, key, repeats=repeats))
+    rows.append(_common.bench_row(
+        "quantize+ef", n, 12 * n + payload,
+        lambda x, k, e: quantize(x, k, e, **q, interpret=interpret),
+        lambda x, k, e: quantize_reference(x, k, e, **q), x, key, e, repeats=repeats))
+  return rows

@@ -1,0 +1,260 @@
+r"""1-bit SGD in one pass: sign bits and per-bucket positive/negative means.
+
+Per bucket ``v`` of ``bucket_size`` values (Seide et al. 2014):
+
+.. math::
+  \mathrm{bit}_i = [v_i < 0], \qquad
+  \mu^+ = \mathrm{mean}\{v_i : v_i \ge 0\}, \qquad \mu^- = \mathrm{mean}\{v_i : v_i < 0\},
+
+signs packed 32 per uint32 word (bit ``i`` of word ``g`` is value ``32 g + i``) and the
+two means in float32: exactly :class:`jaxcomp.codecs.OneBit`'s payload. With
+``residual=e`` the kernel also fuses the error feedback of :func:`jaxcomp.onebit_sgd`:
+it encodes ``v = fl_{dtype}(x + e)`` and returns ``e' = (x + e) - Q(v)``.
+
+The sign words are bit-identical to :func:`sign_pack_reference`; the means are sums
+taken in another order than XLA's, so they agree to float32 rounding (a few ulp), not
+bit for bit.
+
+:func:`sign_unpack_sum` is the receiving side: the sum of K gathered payloads decoded
+in one pass, in rank order, like :meth:`jaxcomp.codecs.OneBit.decode_sum`.
+
+Reference: Seide, Fu, Droppo, Li, Yu, *1-Bit Stochastic Gradient Descent and its
+Application to Data-Parallel Distributed Training of Speech DNNs*, Interspeech 2014.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from . import _common
+
+Array = jax.Array
+_F32 = jnp.float32
+_U32 = jnp.uint32
+
+SignPackConfig = _common.LaunchConfig
+
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def unsupported(n: int, *, bucket_size: int | None, dtype=jnp.float32) -> str | None:
+  """Why the kernels cannot handle this tensor (``None`` when they can).
+
+  They need a power-of-two bucket of 32..65536 values, a float16/bfloat16/float32
+  input and ``0 < n < 2**31``.
+  """
+  if bucket_size is None:
+    return "bucket_size=None (one bucket per tensor)"
+  if not _common.is_power_of_two(bucket_size) or not 32 <= bucket_size <= 65536:
+    return f"bucket_size {bucket_size} is not a power of two in 32..65536"
+  if jnp.dtype(dtype) not in DTYPES:
+    return f"dtype {jnp.dtype(dtype)}"
+  if not 0 < n < 2**31:
+    return f"{n} values"
+  return None
+
+
+def _sign_pack_kernel(x_ref, *refs, n, bucket, rows, exact_asm, has_residual):
+  if has_residual:
+    e_ref, words_ref, pos_ref, neg_ref, new_e_ref = refs
+  else:
+    words_ref, pos_ref, neg_ref = refs
+  length = rows * bucket
+  start = pl.program_id(0) * length
+  row = lax.broadcasted_iota(jnp.int32, (rows, bucket), 0)
+  idx = row * bucket + lax.broadcasted_iota(jnp.int32, (rows, bucket), 1) + start
+  valid = idx < n
+  x = x_ref[...].reshape(rows, bucket)
+  if has_residual:
+    x32 = x.astype(_F32) + e_ref[...].reshape(rows, bucket)
+    v = x32.astype(x.dtype).astype(_F32)
+  else:
+    v = x.astype(_F32)
+  v = jnp.where(valid, v, 0.0)
+  neg = v < 0
+
+  # Values of this bucket that exist (the last bucket is short): clip(n - first, 0, b).
+  first = lax.broadcasted_iota(jnp.int32, (rows,), 0) * bucket + start
+  count = jnp.clip(n - first, 0, bucket).astype(_F32)
+  neg_count = jnp.sum(neg.astype(_F32), axis=1)
+  pos_count = count - neg_count
+  pos_sum = jnp.sum(jnp.maximum(v, 0.0), axis=1)
+  neg_sum = jnp.sum(jnp.minimum(v, 0.0), axis=1)
+
+  def mean(total, c):
+    return jnp.where(c > 0, _common.div(total, jnp.maximum(c, 1.0), exact_asm=exact_asm), 0.0)
+
+  pos = mean(pos_sum, pos_count)
+  negm = mean(neg_sum, neg_count)
+  lanes = neg.astype(_U32).reshape(length // 32, 32)
+  shifts = lax.broadcasted_iota(_U32, lanes.shape, 1)
+  words_ref[...] = jnp.sum(lanes << shifts, axis=1, dtype=_U32)
+  pos_ref[...] = pos
+  neg_ref[...] = negm
+  if has_residual:
+    sent = jnp.where(neg, negm[:, None], pos[:, None])
+    new_e_ref[...] = (x32 - sent).reshape(length)
+
+
+@functools.partial(jax.jit, static_argnames=("bucket_size", "config", "interpret"))
+def sign_pack(x: Array, residual: Array | None = None, *, bucket_size: int,
+              config: SignPackConfig = SignPackConfig(),
+              interpret: bool | None = None) -> tuple[Array, ...]:
+  """Packs the signs of ``x`` and computes its per-bucket means, in one pass.
+
+  Args:
+    x: float32/bfloat16/float16 array (flattened row-major).
+    residual: optional float32 error-feedback residual of ``x``'s shape.
+    bucket_size: values per bucket, a power of two in 32..65536.
+    config: block size and Triton launch parameters.
+    interpret: run in Pallas interpret mode (default: unless on a CUDA GPU).
+
+  Returns:
+    ``(words, pos, neg)``: uint32 ``(ceil(n / 32),)`` and float32
+    ``(ceil(n / bucket_size),)`` twice; plus the new float32 residual when ``residual``
+    is given.
+  """
+  n = x.size
+  why = unsupported(n, bucket_size=bucket_size, dtype=x.dtype)
+  if why is not None:
+    raise ValueError(f"the sign_pack kernel does not handle this input: {why}")
+  if residual is not None and (residual.shape != x.shape or residual.dtype != _F32):
+    raise ValueError(f"residual must be float32 of shape {x.shape}, got "
+                     f"{residual.dtype} {residual.shape}")
+  interpret = _common.resolve_interpret(interpret)
+  _common.check_interpretable(interpret, x, residual)
+  rows = config.rows(bucket_size)
+  length = rows * bucket_size
+  nb = -(-n // bucket_size)
+  has_residual = residual is not None
+  kernel = functools.partial(_sign_pack_kernel, n=n, bucket=bucket_size, rows=rows,
+                             exact_asm=not interpret, has_residual=has_residual)
+  flat = pl.BlockSpec((length,), lambda i: (i,))
+  per_bucket = pl.BlockSpec((rows,), lambda i: (i,))
+  in_specs = [flat]
+  args = [x.reshape(-1)]
+  out_shape = [_common.out_struct(x, (-(-n // 32),), _U32),
+               _common.out_struct(x, (nb,), _F32), _common.out_struct(x, (nb,), _F32)]
+  out_specs = [pl.BlockSpec((length // 32,), lambda i: (i,)), per_bucket, per_bucket]
+  if has_residual:
+    in_specs.append(flat)
+    args.append(residual.reshape(-1))
+    out_shape.append(_common.out_struct(x, (n,), _F32))
+    out_specs.append(flat)
+  outs = pl.pallas_call(
+      kernel, out_shape=tuple(out_shape), grid=(-(-nb // rows),), in_specs=in_specs,
+      out_specs=tuple(out_specs), interpret=interpret,
+      compiler_params=None if interpret else config.compiler_params(),
+      name="jaxcomp_sign_pack")(*args)
+  if has_residual:
+    return (*outs[:3], outs[3].reshape(x.shape))
+  return tuple(outs)
+
+
+def sign_pack_reference(x: Array, residual: Array | None = None, *,
+                        bucket_size: int) -> tuple[Array, ...]:
+  """The XLA path: :class:`jaxcomp.codecs.OneBit`'s encode (and decode for the residual)."""
+  from jaxcomp._src import codecs
+  codec = codecs.OneBit(bucket_size, implementation="xla")
+  if residual is None:
+    p = codec.encode(x)
+    return p.arrays["words"], p.arrays["pos"], p.arrays["neg"]
+  x32 = x.astype(_F32) + residual
+  p = codec.encode(x32.astype(x.dtype))
+  return p.arrays["words"], p.arrays["pos"], p.arrays["neg"], x32 - codec.decode(p, _F32)
+
+
+def _sign_unpack_sum_kernel(words_ref, pos_ref, neg_ref, out_ref, *, k, rows, bucket):
+  wpr = bucket // 32  # words per bucket
+  shifts = lax.broadcasted_iota(_U32, (rows * wpr, 32), 1)
+
+  def decode(j):
+    bits = ((words_ref[j, :][:, None] >> shifts) & jnp.uint32(1)).reshape(rows, bucket)
+    return jnp.where(bits != 0, neg_ref[j, :][:, None], pos_ref[j, :][:, None])
+
+  acc = lax.fori_loop(1, k, lambda j, acc: acc + decode(j), decode(0))
+  out_ref[...] = acc.reshape(rows * bucket)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "bucket_size", "config", "interpret"))
+def sign_unpack_sum(words: Array, pos: Array, neg: Array, *, n: int, bucket_size: int,
+                    config: SignPackConfig = SignPackConfig(),
+                    interpret: bool | None = None) -> Array:
+  """Sum of K OneBit payloads, decoded in one pass (rank order).
+
+  Args:
+    words: uint32 ``(K, ceil(n / 32))``.
+    pos, neg: float32 ``(K, ceil(n / bucket_size))``.
+    n: values per payload.
+    bucket_size: the codec's, a power of two in 32..65536.
+
+  Returns:
+    float32 ``(n,)``.
+  """
+  why = unsupported(n, bucket_size=bucket_size)
+  if why is not None:
+    raise ValueError(f"the sign_unpack_sum kernel does not handle this payload: {why}")
+  nb = -(-n // bucket_size)
+  if words.ndim != 2 or words.shape[1] != -(-n // 32) or words.dtype != _U32:
+    raise ValueError(f"words must be uint32 (K, {-(-n // 32)}), got {words.dtype} {words.shape}")
+  k = words.shape[0]
+  for name, a in (("pos", pos), ("neg", neg)):
+    if a.shape != (k, nb) or a.dtype != _F32:
+      raise ValueError(f"{name} must be float32 ({k}, {nb}), got {a.dtype} {a.shape}")
+  if k < 1:
+    raise ValueError("need at least one payload")
+  interpret = _common.resolve_interpret(interpret)
+  _common.check_interpretable(interpret, words, pos, neg)
+  rows = config.rows(bucket_size)
+  length = rows * bucket_size
+  kp = 1 << max(0, (k - 1).bit_length())
+  per_bucket = pl.BlockSpec((kp, rows), lambda i: (0, i))
+  return pl.pallas_call(
+      functools.partial(_sign_unpack_sum_kernel, k=k, rows=rows, bucket=bucket_size),
+      out_shape=_common.out_struct(words, (n,), _F32), grid=(-(-nb // rows),),
+      in_specs=[pl.BlockSpec((kp, length // 32), lambda i: (0, i)), per_bucket, per_bucket],
+      out_specs=pl.BlockSpec((length,), lambda i: (i,)), interpret=interpret,
+      compiler_params=None if interpret else config.compiler_params(),
+      name="jaxcomp_sign_unpack_sum")(words, pos, neg)
+
+
+def sign_unpack_sum_reference(words: Array, pos: Array, neg: Array, *, n: int,
+                              bucket_size: int) -> Array:
+  """The XLA path: :meth:`jaxcomp.codecs.OneBit.decode_sum` of the stacked payload."""
+  from jaxcomp._src import codecs
+  codec = codecs.OneBit(bucket_size, implementation="xla")
+  return codec.decode_sum(
+      codecs.Payload({"words": words, "pos": pos, "neg": neg}, (n,), _F32))
+
+
+def benchmark(sizes=(2**20, 2**22, 2**24), *, k: int = 8, bucket_size: int = 512,
+              repeats: int = 20, interpret: bool | None = None) -> list[dict]:
+  """GB/s of ``sign_pack`` (without and with fused EF) and of the K-payload decode-sum,
+  each next to the XLA codec measured in the same run."""
+  rows = []
+  b = dict(bucket_size=bucket_size)
+  for n in sizes:
+    x = jax.random.normal(jax.random.key(1), (n,), _F32)
+    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
+    payload = sign_pack_reference(x, **b)
+    nbytes = sum(a.nbytes for a in payload)
+    rows.append(_common.bench_row(
+        "sign_pack", n, 4 * n + nbytes,
+        lambda x: sign_pack(x, **b, interpret=interpret),
+        lambda x: sign_pack_reference(x, **b), x, repeats=repeats))
+    rows.append(_common.bench_row(
+        "sign_pack+ef", n, 12 * n + nbytes,
+        lambda x, e: sign_pack(x, e, **b, interpret=interpret),
+        lambda x, e: sign_pack_reference(x, e, **b), x, e, repeats=repeats))
+    stacked = [jnp.stack([a] * k) for a in payload]
+    rows.append(_common.bench_row(
+        f"sign_unpack_sum K={k}", n, k * nbytes + 4 * n,
+        lambda w, p, m: sign_unpack_sum(w, p, m, n=n, **b, interpret=interpret),
+        lambda w, p, m: sign_unpack_sum_reference(w, p, m, n=n, **b), *stacked,
+        repeats=repeats))
+  return rows
