@@ -208,3 +208,27 @@ def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args,
   t_xla = median_time(jax.jit(xla_fn), *args, repeats=repeats)
   return {"kernel": name, "n": n, "pallas_gbs": nbytes / t_kernel / 1e9,
           "xla_gbs": nbytes / t_xla / 1e9}
+
+
+def load_buckets(x_ref, e_ref, *, n: int, rows: int, bucket: int):
+  """A program's block of ``rows`` buckets: ``(start, idx, v, x32)``.
+
+  ``start`` is the flat index of the block's first value, ``idx`` (int32, ``(rows,
+  bucket)``) every value's flat index, ``v`` the float32 values to encode, zero past
+  ``n`` (the last bucket's padding; a ragged block's tail, which Pallas leaves
+  undefined). With an error-feedback residual ``e_ref`` (else ``None``), ``x32 = x + e``
+  in float32 and ``v = fl_{x.dtype}(x32)``, what :func:`jaxcomp.compress` encodes.
+  """
+  from jax import lax
+  from jax.experimental import pallas as pl
+  start = pl.program_id(0) * (rows * bucket)
+  idx = (lax.broadcasted_iota(jnp.int32, (rows, bucket), 0) * bucket
+         + lax.broadcasted_iota(jnp.int32, (rows, bucket), 1) + start)
+  x = x_ref[...].reshape(rows, bucket)
+  x32 = None
+  if e_ref is not None:
+    x32 = x.astype(jnp.float32) + e_ref[...].reshape(rows, bucket)
+    v = x32.astype(x.dtype).astype(jnp.float32)
+  else:
+    v = x.astype(jnp.float32)
+  return start, idx, jnp.where(idx < n, v, 0.0), x32

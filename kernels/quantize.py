@@ -29,6 +29,18 @@ add, encode and decode.
 A bucket holding NaN or Inf gets a NaN scale (it decodes to NaN, never hidden), its
 codes are zero, and its residual is NaN (:func:`jaxcomp.compress` then keeps the old one).
 
+Example (interpret mode, as on a machine without a GPU):
+
+>>> import jax, jax.numpy as jnp
+>>> from jaxcomp.kernels import quantize
+>>> x, key = jnp.linspace(-1.0, 1.0, 1000), jax.random.key(0)
+>>> words, scales = quantize.quantize(x, key, levels=7, bucket_size=256, interpret=True)
+>>> words.shape, scales.shape  # 1000 4-bit codes, 4 buckets
+((125,), (4,))
+>>> ref_words, ref_scales = quantize.quantize_reference(x, key, levels=7, bucket_size=256)
+>>> bool((words == ref_words).all() and (scales == ref_scales).all())
+True
+
 Reference: Alistarh et al., *QSGD: Communication-Efficient SGD via Gradient
 Quantization and Encoding*, NeurIPS 2017, https://arxiv.org/abs/1610.02132.
 """
@@ -36,7 +48,6 @@ Quantization and Encoding*, NeurIPS 2017, https://arxiv.org/abs/1610.02132.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -84,33 +95,19 @@ def unsupported(n: int, *, levels: int, bucket_size: int | None, dtype) -> str |
   return None
 
 
-def _bucket_rows(v: Array, bucket: int) -> Array:
-  return v.reshape(-1, bucket)
-
-
 def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_asm,
                      has_residual):
   if has_residual:
     e_ref, words_ref, scales_ref, new_e_ref = refs
   else:
-    words_ref, scales_ref = refs
+    (words_ref, scales_ref), e_ref = refs, None
   length = rows * bucket
   mbits = int(levels).bit_length()
   bits = mbits + 1
   per_word = 32 // bits
   s = jnp.float32(levels)
 
-  start = pl.program_id(0) * length
-  idx = (lax.broadcasted_iota(jnp.int32, (rows, bucket), 0) * bucket
-         + lax.broadcasted_iota(jnp.int32, (rows, bucket), 1) + start)
-  valid = idx < n
-  x = x_ref[...].reshape(rows, bucket)
-  if has_residual:
-    x32 = x.astype(_F32) + e_ref[...].reshape(rows, bucket)
-    v = x32.astype(x.dtype).astype(_F32)
-  else:
-    v = x.astype(_F32)
-  v = jnp.where(valid, v, 0.0)  # the padding of the last bucket (and past the array)
+  _, idx, v, x32 = _common.load_buckets(x_ref, e_ref, n=n, rows=rows, bucket=bucket)
 
   # Scale: max |v| as max(max v, -min v); NaN when the bucket is not all finite.
   vmax = jnp.max(v, axis=1)

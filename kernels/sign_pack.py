@@ -63,19 +63,9 @@ def _sign_pack_kernel(x_ref, *refs, n, bucket, rows, exact_asm, has_residual):
   if has_residual:
     e_ref, words_ref, pos_ref, neg_ref, new_e_ref = refs
   else:
-    words_ref, pos_ref, neg_ref = refs
+    (words_ref, pos_ref, neg_ref), e_ref = refs, None
   length = rows * bucket
-  start = pl.program_id(0) * length
-  row = lax.broadcasted_iota(jnp.int32, (rows, bucket), 0)
-  idx = row * bucket + lax.broadcasted_iota(jnp.int32, (rows, bucket), 1) + start
-  valid = idx < n
-  x = x_ref[...].reshape(rows, bucket)
-  if has_residual:
-    x32 = x.astype(_F32) + e_ref[...].reshape(rows, bucket)
-    v = x32.astype(x.dtype).astype(_F32)
-  else:
-    v = x.astype(_F32)
-  v = jnp.where(valid, v, 0.0)
+  start, _, v, x32 = _common.load_buckets(x_ref, e_ref, n=n, rows=rows, bucket=bucket)
   neg = v < 0
 
   # Values of this bucket that exist (the last bucket is short): clip(n - first, 0, b).

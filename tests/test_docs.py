@@ -8,6 +8,7 @@ import pytest
 import jaxcomp as jc
 from jaxcomp import codecs
 from jaxcomp import elias as elias_public
+from jaxcomp.kernels import quantize as quantize_kernel
 from jaxcomp._src import dgc
 from jaxcomp._src import elias
 from jaxcomp._src import elias_codec
@@ -19,7 +20,7 @@ from jaxcomp._src import wangni
 
 
 @pytest.mark.parametrize("module", [codecs, elias_public, transforms, dgc, sparse,
-                                    wangni, elias, qsvrg, normal],
+                                    wangni, elias, qsvrg, normal, quantize_kernel],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

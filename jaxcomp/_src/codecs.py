@@ -141,10 +141,18 @@ class Codec:
   def _decode_f32(self, payload: Payload) -> Array:
     raise NotImplementedError
 
-  def fuses_feedback(self, n: int, dtype: Any) -> bool:
-    """Whether :meth:`encode_feedback` runs as one fused kernel for this tensor."""
+  def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
+    """Whether encoding ``n`` values of ``dtype`` (and decoding them) runs Pallas kernels."""
     del n, dtype
     return False
+
+  def fuses_feedback(self, n: int, dtype: Any) -> bool:
+    """Whether :meth:`encode_feedback` runs as one fused kernel for this tensor."""
+    return self.uses_kernel(n, dtype)
+
+  def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
+    """The flat float32 sum of stacked payload arrays by a kernel (when uses_kernel)."""
+    raise NotImplementedError
 
   def encode_feedback(self, g: Array, residual: Array, *,
                       key: Array | None = None) -> tuple[Payload, Array, Array]:
@@ -174,8 +182,13 @@ class Codec:
 
     The K payloads are decoded and added one at a time in index order (a ``lax.scan``),
     the order of a ring/sequential ``psum``: only one decoded copy is live at a time, and
-    with :class:`Identity` the result equals ``lax.psum`` exactly on CPU.
+    with :class:`Identity` the result equals ``lax.psum`` exactly on CPU. Codecs with a
+    kernel (:meth:`uses_kernel`) decode all K in one pass, adding in the same order.
     """
+    n = math.prod(stacked.shape)
+    if self.uses_kernel(n):
+      return self._kernel_decode_sum(stacked.arrays, n).reshape(stacked.shape)
+
     def body(acc, p):
       return acc + self.decode(p, _F32), None
 
@@ -401,13 +414,9 @@ class QSGD(Codec):
     return scale, mag, (v < 0) & (mag > 0)
 
   def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
-    """Whether encoding ``n`` values of ``dtype`` (and decoding them) runs the kernels."""
     return (kernel_common.use_pallas(self.implementation)
             and quantize_kernel.unsupported(n, levels=self.levels, bucket_size=self.bucket_size,
                                             dtype=dtype) is None)
-
-  def fuses_feedback(self, n: int, dtype: Any) -> bool:
-    return self.uses_kernel(n, dtype)
 
   def encode_feedback(self, g: Array, residual: Array, *,
                       key: Array | None = None) -> tuple[Payload, Array, Array]:
@@ -441,18 +450,11 @@ class QSGD(Codec):
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)
     if self.uses_kernel(n):
-      return self._decode_sum_kernel(
-          jax.tree.map(lambda a: a[None], payload.arrays), n)
+      return self._kernel_decode_sum(jax.tree.map(lambda a: a[None], payload.arrays), n)
     codes = bitpack.unpack_bits(payload.arrays["words"], self.bits, n)
     return self.dequantize(codes, payload.arrays["scales"], n)
 
-  def decode_sum(self, stacked: Payload) -> Array:
-    n = math.prod(stacked.shape)
-    if self.uses_kernel(n):
-      return self._decode_sum_kernel(stacked.arrays, n).reshape(stacked.shape)
-    return super().decode_sum(stacked)
-
-  def _decode_sum_kernel(self, arrays: dict[str, Array], n: int) -> Array:
+  def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
     return dequantize_kernel.dequantize_sum(
         arrays["words"], arrays["scales"], n=n, levels=self.levels,
         bucket_size=self.bucket_size, interpret=_interpret(self.implementation))
@@ -506,13 +508,9 @@ class OneBit(Codec):
     kernel_common.check_implementation(self.implementation)
 
   def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
-    """Whether encoding ``n`` values of ``dtype`` (and decoding them) runs the kernels."""
     return (kernel_common.use_pallas(self.implementation)
             and sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size,
                                              dtype=dtype) is None)
-
-  def fuses_feedback(self, n: int, dtype: Any) -> bool:
-    return self.uses_kernel(n, dtype)
 
   def encode_feedback(self, g: Array, residual: Array, *,
                       key: Array | None = None) -> tuple[Payload, Array, Array]:
@@ -569,13 +567,7 @@ class OneBit(Codec):
               "neg": mean(neg_sum, neg_count)}
     return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
 
-  def decode_sum(self, stacked: Payload) -> Array:
-    n = math.prod(stacked.shape)
-    if self.uses_kernel(n):
-      return self._decode_sum_kernel(stacked.arrays, n).reshape(stacked.shape)
-    return super().decode_sum(stacked)
-
-  def _decode_sum_kernel(self, arrays: dict[str, Array], n: int) -> Array:
+  def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
     return sign_pack_kernel.sign_unpack_sum(
         arrays["words"], arrays["pos"], arrays["neg"], n=n, bucket_size=self.bucket_size,
         interpret=_interpret(self.implementation))
@@ -583,7 +575,7 @@ class OneBit(Codec):
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)
     if self.uses_kernel(n):
-      return self._decode_sum_kernel(jax.tree.map(lambda a: a[None], payload.arrays), n)
+      return self._kernel_decode_sum(jax.tree.map(lambda a: a[None], payload.arrays), n)
     b, nb = _buckets(n, self.bucket_size)
     neg = _to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
     out = jnp.where(neg, payload.arrays["neg"][:, None], payload.arrays["pos"][:, None])

@@ -258,6 +258,7 @@ def qsgd(
     error_feedback: bool = False,
     seed: int = 0,
     filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+    implementation: str | None = None,
 ) -> optax.GradientTransformation:
   r"""QSGD: stochastic ``bits``-bit quantization of the gradient exchange.
 
@@ -285,6 +286,7 @@ def qsgd(
     norm: ``"max"`` or ``"l2"``.
     axis_name, collective, error_feedback, seed, filter: as in :func:`compress`.
       ``collective="two_phase"`` keeps per-device traffic flat in the device count.
+    implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, else XLA).
 
   References:
     Alistarh et al. *QSGD: Communication-Efficient SGD via Gradient Quantization and
@@ -292,7 +294,7 @@ def qsgd(
   """
   if isinstance(bits, bool) or not isinstance(bits, int) or bits < 2:
     raise ValueError(f"bits must be an integer >= 2 (sign included), got {bits!r}")
-  codec = codecs_lib.QSGD(2 ** (bits - 1) - 1, bucket_size, norm)
+  codec = codecs_lib.QSGD(2 ** (bits - 1) - 1, bucket_size, norm, implementation)
   return compress(codec, axis_name=axis_name, collective=collective,
                   error_feedback=error_feedback, seed=seed, filter=filter)
 
@@ -304,6 +306,7 @@ def onebit_sgd(
     collective: str = "two_phase",
     seed: int = 0,
     filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+    implementation: str | None = None,
 ) -> optax.GradientTransformation:
   r"""1-bit SGD with error feedback and the two-phase exchange (Seide et al., 2014).
 
@@ -321,12 +324,13 @@ def onebit_sgd(
   Args:
     bucket_size: values per reconstruction bucket (the paper: one matrix column).
     axis_name, collective, seed, filter: as in :func:`compress`.
+    implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, else XLA).
 
   References:
     Seide, Fu, Droppo, Li, Yu. *1-Bit Stochastic Gradient Descent and its Application
     to Data-Parallel Distributed Training of Speech DNNs*. Interspeech 2014.
   """
-  return compress(codecs_lib.OneBit(bucket_size), axis_name=axis_name,
+  return compress(codecs_lib.OneBit(bucket_size, implementation), axis_name=axis_name,
                   collective=collective, error_feedback=True, seed=seed, filter=filter)
 
 
