@@ -16,8 +16,11 @@ Backend: Pallas on Triton (``pl.pallas_call`` with
   ``cuda`` platform on a CPU-only machine catches unsupported primitives
   (``tests/test_kernels.py``).
 
-Should Triton lowering be removed from Pallas, the kernel bodies are plain jnp on
-refs and port to ``plgpu.kernel`` by adding layouts; the references and tests stay.
+The risk: jax 0.12 warns that the Pallas Triton backend is deprecated and will be
+removed (checked with jax 0.12.0.1 on CPU, where the export test also passes). The
+kernel bodies are plain jnp on refs and port to ``plgpu.kernel`` by adding layouts; the
+references, tests and dispatch stay. jax >= 0.11 needs the target GPU to lower Triton
+kernels without one (``tests/test_kernels.py`` exports under an abstract H100).
 
 Exact arithmetic: Triton lowers ``x / y`` on float32 to PTX ``div.full.f32`` (an
 approximation within 2 ulp), while XLA divides with correct rounding. A payload must

@@ -308,8 +308,16 @@ _TRITON = "__gpu$xla.gpu.triton"
 
 
 def _export_cuda(fn, *args):
-  exp = export.export(jax.jit(fn), platforms=("cuda",),
-                      disabled_checks=[export.DisabledSafetyCheck.custom_call(_TRITON)])(*args)
+  """Exports ``fn`` for CUDA with no GPU present: an abstract H100 says which GPU.
+
+  (jax >= 0.11 asks Triton lowering for the target's compute capability; with no GPU it
+  reads it from the abstract mesh's device.)
+  """
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("export",), abstract_device=h100)
+  with jax.sharding.use_abstract_mesh(mesh):
+    exp = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=[
+        export.DisabledSafetyCheck.custom_call(_TRITON)])(*args)
   return exp.mlir_module()
 
 
