@@ -89,6 +89,28 @@ def is_power_of_two(v: int) -> bool:
   return v > 0 and v & (v - 1) == 0
 
 
+#: Input dtypes the encoding kernels read (others fall back to XLA).
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def unsupported_bucketing(n: int, bucket_size: int | None, dtype) -> str | None:
+  """Why a bucketed kernel cannot take this tensor (``None`` when it can).
+
+  Bucketed kernels need a power-of-two bucket of 32..65536 values (one bucket per
+  tensor is a whole-tensor reduction: an XLA job), a float16/bfloat16/float32 input
+  and ``0 < n < 2**31`` (int32 indices).
+  """
+  if bucket_size is None:
+    return "bucket_size=None (one bucket per tensor)"
+  if not is_power_of_two(bucket_size) or not 32 <= bucket_size <= 65536:
+    return f"bucket_size {bucket_size} is not a power of two in 32..65536"
+  if jnp.dtype(dtype) not in DTYPES:
+    return f"dtype {jnp.dtype(dtype)}"
+  if not 0 < n < 2**31:
+    return f"{n} values"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
   """Tuning knobs shared by the kernels.
@@ -235,3 +257,39 @@ def load_buckets(x_ref, e_ref, *, n: int, rows: int, bucket: int):
   else:
     v = x.astype(jnp.float32)
   return start, idx, jnp.where(idx < n, v, 0.0), x32
+
+
+def call_encoder(body, x: Array, residual: Array | None, *, name: str, bucket: int,
+                 config: LaunchConfig, interpret: bool, outputs, lead=()) -> tuple[Array, ...]:
+  """Runs an encoding kernel over ``x``'s buckets, one program per ``config.rows`` buckets.
+
+  ``body(*lead_refs, x_ref, [e_ref], *output_refs, [new_e_ref])`` sees each ``lead``
+  array whole, and a block of ``rows * bucket`` values of the flat ``x`` (and of the
+  residual). ``outputs`` lists ``(shape, dtype, values_per_block)`` of the payload
+  arrays, each a 1-D array written one block per program. With a residual, the last
+  result is the new float32 residual in ``x``'s shape.
+  """
+  from jax.experimental import pallas as pl
+  if residual is not None and (residual.shape != x.shape or residual.dtype != jnp.float32):
+    raise ValueError(f"residual must be float32 of shape {x.shape}, got "
+                     f"{residual.dtype} {residual.shape}")
+  n = x.size
+  rows = config.rows(bucket)
+  nb = -(-n // bucket)
+  flat = pl.BlockSpec((rows * bucket,), lambda i: (i,))
+  in_specs = [pl.BlockSpec(a.shape, lambda i, nd=a.ndim: (0,) * nd) for a in lead] + [flat]
+  args = [*lead, x.reshape(-1)]
+  out_shape = [out_struct(x, shape, dtype) for shape, dtype, _ in outputs]
+  out_specs = [pl.BlockSpec((block,), lambda i: (i,)) for _, _, block in outputs]
+  if residual is not None:
+    in_specs.append(flat)
+    args.append(residual.reshape(-1))
+    out_shape.append(out_struct(x, (n,), jnp.float32))
+    out_specs.append(flat)
+  outs = pl.pallas_call(
+      body, out_shape=tuple(out_shape), grid=(-(-nb // rows),), in_specs=in_specs,
+      out_specs=tuple(out_specs), interpret=interpret,
+      compiler_params=None if interpret else config.compiler_params(), name=name)(*args)
+  if residual is not None:
+    return (*outs[:-1], outs[-1].reshape(x.shape))
+  return tuple(outs)

@@ -64,8 +64,7 @@ _U32 = jnp.uint32
 
 QuantizeConfig = _common.LaunchConfig
 
-#: dtypes the kernel reads (everything else falls back to XLA).
-DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+DTYPES = _common.DTYPES
 
 
 def bits_per_value(levels: int) -> int:
@@ -76,23 +75,14 @@ def bits_per_value(levels: int) -> int:
 def unsupported(n: int, *, levels: int, bucket_size: int | None, dtype) -> str | None:
   """Why the kernel cannot quantize this tensor (``None`` when it can).
 
-  The kernel needs a power-of-two bucket of 32..65536 values (one bucket per tensor
-  is an XLA job: a whole-tensor reduction), a code width dividing 32 (2, 4, 8 or 16
-  bits: ``levels`` in 1, 3..7, 15..127, 32767..), a float16/bfloat16/float32 input and
-  ``0 < n < 2**31``.
+  Besides :func:`~jaxcomp.kernels._common.unsupported_bucketing`'s conditions, the
+  code width must divide 32 (2, 4, 8 or 16 bits: ``levels`` in 1, 3..7, 15..127,
+  32767..).
   """
   bits = bits_per_value(levels)
-  if bucket_size is None:
-    return "bucket_size=None (one bucket per tensor)"
-  if not _common.is_power_of_two(bucket_size) or not 32 <= bucket_size <= 65536:
-    return f"bucket_size {bucket_size} is not a power of two in 32..65536"
   if not bitpack.uses_lanes(bits) or bits > 16:
     return f"{bits}-bit codes (the kernel packs 2, 4, 8 or 16 bits)"
-  if jnp.dtype(dtype) not in DTYPES:
-    return f"dtype {jnp.dtype(dtype)}"
-  if not 0 < n < 2**31:
-    return f"{n} values"
-  return None
+  return _common.unsupported_bucketing(n, bucket_size, dtype)
 
 
 def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_asm,
@@ -177,42 +167,18 @@ def quantize(x: Array, key: Array, residual: Array | None = None, *, levels: int
   why = unsupported(n, levels=levels, bucket_size=bucket_size, dtype=x.dtype)
   if why is not None:
     raise ValueError(f"the quantize kernel does not handle this input: {why}")
-  if residual is not None and (residual.shape != x.shape or residual.dtype != _F32):
-    raise ValueError(f"residual must be float32 of shape {x.shape}, got "
-                     f"{residual.dtype} {residual.shape}")
   interpret = _common.resolve_interpret(interpret)
   _common.check_interpretable(interpret, x, key, residual)
   bits = bits_per_value(levels)
-  per_word = 32 // bits
   rows = config.rows(bucket_size)
-  length = rows * bucket_size
-  nb = -(-n // bucket_size)
-  grid = (-(-nb // rows),)
-  has_residual = residual is not None
-
   kernel = functools.partial(
       _quantize_kernel, n=n, bucket=bucket_size, rows=rows, levels=levels, norm=norm,
-      exact_asm=not interpret, has_residual=has_residual)
-  flat = pl.BlockSpec((length,), lambda i: (i,))
-  in_specs = [pl.BlockSpec((2,), lambda i: (0,)), flat]
-  args = [_common.key_words_array(key), x.reshape(-1)]
-  out_shape = [_common.out_struct(x, (bitpack.num_words(n, bits),), _U32),
-               _common.out_struct(x, (nb,), _F32)]
-  out_specs = [pl.BlockSpec((length // per_word,), lambda i: (i,)),
-               pl.BlockSpec((rows,), lambda i: (i,))]
-  if has_residual:
-    in_specs.append(flat)
-    args.append(residual.reshape(-1))
-    out_shape.append(_common.out_struct(x, (n,), _F32))
-    out_specs.append(flat)
-  outs = pl.pallas_call(
-      kernel, out_shape=tuple(out_shape), grid=grid, in_specs=in_specs,
-      out_specs=tuple(out_specs), interpret=interpret,
-      compiler_params=None if interpret else config.compiler_params(),
-      name="jaxcomp_quantize")(*args)
-  if has_residual:
-    return outs[0], outs[1], outs[2].reshape(x.shape)
-  return outs[0], outs[1]
+      exact_asm=not interpret, has_residual=residual is not None)
+  return _common.call_encoder(
+      kernel, x, residual, name="jaxcomp_quantize", bucket=bucket_size, config=config,
+      interpret=interpret, lead=(_common.key_words_array(key),),
+      outputs=[((bitpack.num_words(n, bits),), _U32, rows * bucket_size * bits // 32),
+               ((-(-n // bucket_size),), _F32, rows)])
 
 
 def quantize_reference(x: Array, key: Array, residual: Array | None = None, *,

@@ -39,24 +39,13 @@ _U32 = jnp.uint32
 
 SignPackConfig = _common.LaunchConfig
 
-DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+DTYPES = _common.DTYPES
 
 
 def unsupported(n: int, *, bucket_size: int | None, dtype=jnp.float32) -> str | None:
-  """Why the kernels cannot handle this tensor (``None`` when they can).
-
-  They need a power-of-two bucket of 32..65536 values, a float16/bfloat16/float32
-  input and ``0 < n < 2**31``.
-  """
-  if bucket_size is None:
-    return "bucket_size=None (one bucket per tensor)"
-  if not _common.is_power_of_two(bucket_size) or not 32 <= bucket_size <= 65536:
-    return f"bucket_size {bucket_size} is not a power of two in 32..65536"
-  if jnp.dtype(dtype) not in DTYPES:
-    return f"dtype {jnp.dtype(dtype)}"
-  if not 0 < n < 2**31:
-    return f"{n} values"
-  return None
+  """Why the kernels cannot handle this tensor (``None`` when it can); see
+  :func:`~jaxcomp.kernels._common.unsupported_bucketing`."""
+  return _common.unsupported_bucketing(n, bucket_size, dtype)
 
 
 def _sign_pack_kernel(x_ref, *refs, n, bucket, rows, exact_asm, has_residual):
@@ -113,37 +102,17 @@ def sign_pack(x: Array, residual: Array | None = None, *, bucket_size: int,
   why = unsupported(n, bucket_size=bucket_size, dtype=x.dtype)
   if why is not None:
     raise ValueError(f"the sign_pack kernel does not handle this input: {why}")
-  if residual is not None and (residual.shape != x.shape or residual.dtype != _F32):
-    raise ValueError(f"residual must be float32 of shape {x.shape}, got "
-                     f"{residual.dtype} {residual.shape}")
   interpret = _common.resolve_interpret(interpret)
   _common.check_interpretable(interpret, x, residual)
   rows = config.rows(bucket_size)
-  length = rows * bucket_size
   nb = -(-n // bucket_size)
-  has_residual = residual is not None
   kernel = functools.partial(_sign_pack_kernel, n=n, bucket=bucket_size, rows=rows,
-                             exact_asm=not interpret, has_residual=has_residual)
-  flat = pl.BlockSpec((length,), lambda i: (i,))
-  per_bucket = pl.BlockSpec((rows,), lambda i: (i,))
-  in_specs = [flat]
-  args = [x.reshape(-1)]
-  out_shape = [_common.out_struct(x, (-(-n // 32),), _U32),
-               _common.out_struct(x, (nb,), _F32), _common.out_struct(x, (nb,), _F32)]
-  out_specs = [pl.BlockSpec((length // 32,), lambda i: (i,)), per_bucket, per_bucket]
-  if has_residual:
-    in_specs.append(flat)
-    args.append(residual.reshape(-1))
-    out_shape.append(_common.out_struct(x, (n,), _F32))
-    out_specs.append(flat)
-  outs = pl.pallas_call(
-      kernel, out_shape=tuple(out_shape), grid=(-(-nb // rows),), in_specs=in_specs,
-      out_specs=tuple(out_specs), interpret=interpret,
-      compiler_params=None if interpret else config.compiler_params(),
-      name="jaxcomp_sign_pack")(*args)
-  if has_residual:
-    return (*outs[:3], outs[3].reshape(x.shape))
-  return tuple(outs)
+                             exact_asm=not interpret, has_residual=residual is not None)
+  return _common.call_encoder(
+      kernel, x, residual, name="jaxcomp_sign_pack", bucket=bucket_size, config=config,
+      interpret=interpret,
+      outputs=[((-(-n // 32),), _U32, rows * bucket_size // 32), ((nb,), _F32, rows),
+               ((nb,), _F32, rows)])
 
 
 def sign_pack_reference(x: Array, residual: Array | None = None, *,
