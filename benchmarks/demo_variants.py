@@ -67,6 +67,8 @@ VARIANTS = {
     "mipd_full": ("mipd", lambda c, k, steady: jc.mipd(0.5, axis_name=AXIS)),
     "mipd_no_half": ("mipd", lambda c, k, steady: jc.mipd(0.5, half_update=False,
                                                           axis_name=AXIS)),
+    # Quantization without drops (half update on): which module costs the accuracy.
+    "mipd_half_quant": ("mipd", lambda c, k, steady: jc.mipd(0.0, axis_name=AXIS)),
     "mipd_no_compensation": ("mipd", lambda c, k, steady: jc.mipd(0.5, compensate=False,
                                                                   axis_name=AXIS)),
     "mipd_alpha01": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.1, axis_name=AXIS)),
