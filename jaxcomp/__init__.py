@@ -6,6 +6,7 @@ through ``jax.shard_map``/``jax.pmap`` collectives, with explicit error-feedback
 
 from jaxcomp import codecs
 from jaxcomp import elias
+from jaxcomp import kernels
 from jaxcomp import network
 from jaxcomp._src.collectives import vary
 from jaxcomp._src.dgc import DGCState
@@ -47,6 +48,7 @@ __all__ = [
     "compress",
     "default_filter",
     "elias",
+    "kernels",
     "dgc",
     "dgc_density_schedule",
     "mipd",
