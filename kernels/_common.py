@@ -98,7 +98,7 @@ def unsupported_bucketing(n: int, bucket_size: int | None, dtype) -> str | None:
 
   Bucketed kernels need a power-of-two bucket of 32..65536 values (one bucket per
   tensor is a whole-tensor reduction: an XLA job), a float16/bfloat16/float32 input
-  and ``0 < n < 2**31`` (int32 indices).
+  and ``0 < n < 2**30`` (int32 indices, with room for the last block's padding).
   """
   if bucket_size is None:
     return "bucket_size=None (one bucket per tensor)"
@@ -106,8 +106,8 @@ def unsupported_bucketing(n: int, bucket_size: int | None, dtype) -> str | None:
     return f"bucket_size {bucket_size} is not a power of two in 32..65536"
   if jnp.dtype(dtype) not in DTYPES:
     return f"dtype {jnp.dtype(dtype)}"
-  if not 0 < n < 2**31:
-    return f"{n} values"
+  if not 0 < n < 2**30:
+    return f"{n} values (the kernels take 1 to 2**30 - 1)"
   return None
 
 
@@ -172,7 +172,6 @@ def key_words_array(key: Array) -> Array:
   return jnp.stack([k0, k1])
 
 
-
 def median_time(fn, *args, repeats: int) -> float:
   """Median wall time of ``fn(*args)`` over ``repeats`` runs, after a warm-up run."""
   jax.block_until_ready(fn(*args))
@@ -200,14 +199,6 @@ def out_struct(like: Array, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStru
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _varying(x: Array) -> frozenset:
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", frozenset()))
-
-
 def check_interpretable(interpret: bool, *arrays: Array) -> None:
   """Pallas's interpreter cannot run on values typed as varying under ``check_vma``.
 
@@ -217,7 +208,8 @@ def check_interpretable(interpret: bool, *arrays: Array) -> None:
   """
   if not interpret:
     return
-  axes = frozenset().union(*(_varying(a) for a in arrays if a is not None))
+  from jaxcomp._src.collectives import varying_axes  # (collectives imports the codecs)
+  axes = frozenset().union(*(varying_axes(a) for a in arrays if a is not None))
   if axes:
     raise ValueError(
         f"jaxcomp's Pallas kernels run in interpret mode here (no CUDA GPU), and Pallas's "
@@ -293,3 +285,54 @@ def call_encoder(body, x: Array, residual: Array | None, *, name: str, bucket: i
   if residual is not None:
     return (*outs[:-1], outs[-1].reshape(x.shape))
   return tuple(outs)
+
+
+def call_decoder(decode, words: Array, per_bucket: dict[str, Array], *, n: int, bits: int,
+                 bucket: int, name: str, config: LaunchConfig,
+                 interpret: bool | None) -> Array:
+  """Sums K stacked payloads decoded block by block: one pass, adds in rank order.
+
+  ``words`` is uint32 ``(K, ceil(n * bits / 32))`` (lanes layout), each array of
+  ``per_bucket`` float32 ``(K, ceil(n / bucket))``. ``decode(words_block, *bucket_rows,
+  rows=, bucket=, exact_asm=)`` returns the float32 ``(rows, bucket)`` values of one
+  payload's block. The K payloads are read in a loop inside each program (not
+  unrolled; K need not be a power of two) and added ``((d_0 + d_1) + d_2) + ...``, the
+  order of :meth:`jaxcomp.codecs.Codec.decode_sum`. Returns float32 ``(n,)``.
+  """
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from jaxcomp._src import bitpack
+  want = bitpack.num_words(n, bits)
+  if words.ndim != 2 or words.shape[1] != want or words.dtype != jnp.uint32:
+    raise ValueError(f"words must be uint32 (K, {want}), got {words.dtype} {words.shape}")
+  k = words.shape[0]
+  if k < 1:
+    raise ValueError("need at least one payload")
+  nb = -(-n // bucket)
+  for field, a in per_bucket.items():
+    if a.shape != (k, nb) or a.dtype != jnp.float32:
+      raise ValueError(f"{field} must be float32 ({k}, {nb}), got {a.dtype} {a.shape}")
+  interpret = resolve_interpret(interpret)
+  check_interpretable(interpret, words, *per_bucket.values())
+  rows = config.rows(bucket)
+  length = rows * bucket
+  kp = 1 << max(0, (k - 1).bit_length())  # Triton blocks are powers of two; rows >= K unread
+
+  def body(words_ref, *refs):
+    *row_refs, out_ref = refs
+
+    def one(j):
+      return decode(words_ref[j, :], *(r[j, :] for r in row_refs), rows=rows, bucket=bucket,
+                    exact_asm=not interpret)
+
+    acc = lax.fori_loop(1, k, lambda j, acc: acc + one(j), one(0))
+    out_ref[...] = acc.reshape(length)
+
+  rows_spec = pl.BlockSpec((kp, rows), lambda i: (0, i))
+  return pl.pallas_call(
+      body, out_shape=out_struct(words, (n,), jnp.float32), grid=(-(-nb // rows),),
+      in_specs=[pl.BlockSpec((kp, length * bits // 32), lambda i: (0, i))]
+      + [rows_spec] * len(per_bucket),
+      out_specs=pl.BlockSpec((length,), lambda i: (i,)), interpret=interpret,
+      compiler_params=None if interpret else config.compiler_params(),
+      name=name)(words, *per_bucket.values())

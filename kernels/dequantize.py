@@ -25,9 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
-from jaxcomp._src import bitpack
 from . import _common
 from . import quantize as quantize_lib
 
@@ -38,11 +36,7 @@ _U32 = jnp.uint32
 DequantizeConfig = _common.LaunchConfig
 
 
-def _next_pow2(k: int) -> int:
-  return 1 << max(0, (k - 1).bit_length())
-
-
-def _decode_one(words, scale, *, rows, bucket, levels, exact_asm):
+def _decode_block(words, scale, *, rows, bucket, levels, exact_asm):
   """float32 ``(rows, bucket)`` values of one payload's block (words ``(W,)``)."""
   mbits = int(levels).bit_length()
   bits = mbits + 1
@@ -53,19 +47,6 @@ def _decode_one(words, scale, *, rows, bucket, levels, exact_asm):
   q = jnp.where((codes >> mbits) != 0, -mag, mag)
   step = _common.div(scale, jnp.float32(levels), exact_asm=exact_asm)
   return q * step[:, None]
-
-
-def _dequantize_sum_kernel(words_ref, scales_ref, out_ref, *, k, rows, bucket, levels,
-                           exact_asm):
-  decode = functools.partial(_decode_one, rows=rows, bucket=bucket, levels=levels,
-                             exact_asm=exact_asm)
-  acc = decode(words_ref[0, :], scales_ref[0, :])
-
-  def body(j, acc):
-    return acc + decode(words_ref[j, :], scales_ref[j, :])
-
-  acc = lax.fori_loop(1, k, body, acc)
-  out_ref[...] = acc.reshape(rows * bucket)
 
 
 def unsupported(n: int, *, levels: int, bucket_size: int | None) -> str | None:
@@ -95,31 +76,10 @@ def dequantize_sum(words: Array, scales: Array, *, n: int, levels: int, bucket_s
   why = unsupported(n, levels=levels, bucket_size=bucket_size)
   if why is not None:
     raise ValueError(f"the dequantize kernel does not handle this payload: {why}")
-  bits = quantize_lib.bits_per_value(levels)
-  nb = -(-n // bucket_size)
-  if words.ndim != 2 or words.shape[1] != bitpack.num_words(n, bits) or words.dtype != _U32:
-    raise ValueError(f"words must be uint32 (K, {bitpack.num_words(n, bits)}), got "
-                     f"{words.dtype} {words.shape}")
-  k = words.shape[0]
-  if scales.shape != (k, nb) or scales.dtype != _F32:
-    raise ValueError(f"scales must be float32 ({k}, {nb}), got {scales.dtype} {scales.shape}")
-  if k < 1:
-    raise ValueError("need at least one payload")
-  interpret = _common.resolve_interpret(interpret)
-  _common.check_interpretable(interpret, words, scales)
-  per_word = 32 // bits
-  rows = config.rows(bucket_size)
-  length = rows * bucket_size
-  kp = _next_pow2(k)  # Triton blocks are powers of two; rows >= k are never read
-  kernel = functools.partial(_dequantize_sum_kernel, k=k, rows=rows, bucket=bucket_size,
-                             levels=levels, exact_asm=not interpret)
-  return pl.pallas_call(
-      kernel, out_shape=_common.out_struct(words, (n,), _F32), grid=(-(-nb // rows),),
-      in_specs=[pl.BlockSpec((kp, length // per_word), lambda i: (0, i)),
-                pl.BlockSpec((kp, rows), lambda i: (0, i))],
-      out_specs=pl.BlockSpec((length,), lambda i: (i,)), interpret=interpret,
-      compiler_params=None if interpret else config.compiler_params(),
-      name="jaxcomp_dequantize_sum")(words, scales)
+  return _common.call_decoder(
+      functools.partial(_decode_block, levels=levels), words, {"scales": scales}, n=n,
+      bits=quantize_lib.bits_per_value(levels), bucket=bucket_size,
+      name="jaxcomp_dequantize_sum", config=config, interpret=interpret)
 
 
 def dequantize_sum_reference(words: Array, scales: Array, *, n: int, levels: int,

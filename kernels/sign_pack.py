@@ -29,7 +29,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from . import _common
 
@@ -128,16 +127,12 @@ def sign_pack_reference(x: Array, residual: Array | None = None, *,
   return p.arrays["words"], p.arrays["pos"], p.arrays["neg"], x32 - codec.decode(p, _F32)
 
 
-def _sign_unpack_sum_kernel(words_ref, pos_ref, neg_ref, out_ref, *, k, rows, bucket):
-  wpr = bucket // 32  # words per bucket
-  shifts = lax.broadcasted_iota(_U32, (rows * wpr, 32), 1)
-
-  def decode(j):
-    bits = ((words_ref[j, :][:, None] >> shifts) & jnp.uint32(1)).reshape(rows, bucket)
-    return jnp.where(bits != 0, neg_ref[j, :][:, None], pos_ref[j, :][:, None])
-
-  acc = lax.fori_loop(1, k, lambda j, acc: acc + decode(j), decode(0))
-  out_ref[...] = acc.reshape(rows * bucket)
+def _unpack_block(words, pos, neg, *, rows, bucket, exact_asm):
+  """float32 ``(rows, bucket)`` values of one OneBit payload's block (words ``(W,)``)."""
+  del exact_asm  # no arithmetic
+  shifts = lax.broadcasted_iota(_U32, (words.shape[0], 32), 1)
+  bits = ((words[:, None] >> shifts) & jnp.uint32(1)).reshape(rows, bucket)
+  return jnp.where(bits != 0, neg[:, None], pos[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("n", "bucket_size", "config", "interpret"))
@@ -158,28 +153,9 @@ def sign_unpack_sum(words: Array, pos: Array, neg: Array, *, n: int, bucket_size
   why = unsupported(n, bucket_size=bucket_size)
   if why is not None:
     raise ValueError(f"the sign_unpack_sum kernel does not handle this payload: {why}")
-  nb = -(-n // bucket_size)
-  if words.ndim != 2 or words.shape[1] != -(-n // 32) or words.dtype != _U32:
-    raise ValueError(f"words must be uint32 (K, {-(-n // 32)}), got {words.dtype} {words.shape}")
-  k = words.shape[0]
-  for name, a in (("pos", pos), ("neg", neg)):
-    if a.shape != (k, nb) or a.dtype != _F32:
-      raise ValueError(f"{name} must be float32 ({k}, {nb}), got {a.dtype} {a.shape}")
-  if k < 1:
-    raise ValueError("need at least one payload")
-  interpret = _common.resolve_interpret(interpret)
-  _common.check_interpretable(interpret, words, pos, neg)
-  rows = config.rows(bucket_size)
-  length = rows * bucket_size
-  kp = 1 << max(0, (k - 1).bit_length())
-  per_bucket = pl.BlockSpec((kp, rows), lambda i: (0, i))
-  return pl.pallas_call(
-      functools.partial(_sign_unpack_sum_kernel, k=k, rows=rows, bucket=bucket_size),
-      out_shape=_common.out_struct(words, (n,), _F32), grid=(-(-nb // rows),),
-      in_specs=[pl.BlockSpec((kp, length // 32), lambda i: (0, i)), per_bucket, per_bucket],
-      out_specs=pl.BlockSpec((length,), lambda i: (i,)), interpret=interpret,
-      compiler_params=None if interpret else config.compiler_params(),
-      name="jaxcomp_sign_unpack_sum")(words, pos, neg)
+  return _common.call_decoder(
+      _unpack_block, words, {"pos": pos, "neg": neg}, n=n, bits=1, bucket=bucket_size,
+      name="jaxcomp_sign_unpack_sum", config=config, interpret=interpret)
 
 
 def sign_unpack_sum_reference(words: Array, pos: Array, neg: Array, *, n: int,

@@ -222,12 +222,6 @@ def _to_buckets(flat: Array, b: int, nb: int) -> Array:
   return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(nb, b)
 
 
-def _interpret(implementation: str | None) -> bool:
-  """Kernels run compiled on a CUDA GPU, in interpret mode when asked for elsewhere."""
-  del implementation
-  return not kernel_common.cuda_available()
-
-
 def _row_absmax(v: Array) -> Array:
   """``max |v|`` along axis 1, as ``max(max v, -min v)`` (NaNs may be skipped).
 
@@ -418,29 +412,31 @@ class QSGD(Codec):
             and quantize_kernel.unsupported(n, levels=self.levels, bucket_size=self.bucket_size,
                                             dtype=dtype) is None)
 
+  def _kernel_encode(self, x: Array, key: Array | None,
+                     residual: Array | None = None) -> tuple[Payload, ...]:
+    """The quantize kernel's payload (and new residual, when ``residual`` is given)."""
+    words, scales, *new_residual = quantize_kernel.quantize(
+        x, self._require_key(key), residual, levels=self.levels,
+        bucket_size=self.bucket_size, norm=self.norm)
+    payload = Payload({"words": words, "scales": scales}, tuple(x.shape), jnp.dtype(x.dtype))
+    return (payload, *new_residual)
+
   def encode_feedback(self, g: Array, residual: Array, *,
                       key: Array | None = None) -> tuple[Payload, Array, Array]:
     """See :meth:`Codec.encode_feedback`; fused into the quantize kernel when it runs.
 
     ``finite`` is then read off the scales (a bucket that is not finite has a NaN scale).
     """
+    _check_float(g)
     if not self.fuses_feedback(g.size, g.dtype):
       return super().encode_feedback(g, residual, key=key)
-    _check_float(g)
-    words, scale, new_residual = quantize_kernel.quantize(
-        g, self._require_key(key), residual.astype(_F32), levels=self.levels,
-        bucket_size=self.bucket_size, norm=self.norm,
-        interpret=_interpret(self.implementation))
-    payload = Payload({"words": words, "scales": scale}, tuple(g.shape), jnp.dtype(g.dtype))
-    return payload, new_residual, jnp.all(jnp.isfinite(scale))
+    payload, new_residual = self._kernel_encode(g, key, residual.astype(_F32))
+    return payload, new_residual, jnp.all(jnp.isfinite(payload.arrays["scales"]))
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
-    if self.uses_kernel(getattr(x, "size", 0), getattr(x, "dtype", None)):
-      _check_float(x)
-      words, scale = quantize_kernel.quantize(
-          x, self._require_key(key), levels=self.levels, bucket_size=self.bucket_size,
-          norm=self.norm, interpret=_interpret(self.implementation))
-      return Payload({"words": words, "scales": scale}, tuple(x.shape), jnp.dtype(x.dtype))
+    _check_float(x)
+    if self.uses_kernel(x.size, x.dtype):
+      return self._kernel_encode(x, key)[0]
     scale, mag, negative = self.quantize(x, key=key)
     sign = negative.astype(jnp.uint32)
     codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[:x.size]
@@ -457,7 +453,7 @@ class QSGD(Codec):
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
     return dequantize_kernel.dequantize_sum(
         arrays["words"], arrays["scales"], n=n, levels=self.levels,
-        bucket_size=self.bucket_size, interpret=_interpret(self.implementation))
+        bucket_size=self.bucket_size)
 
   def dequantize(self, codes: Array, scales: Array, n: int) -> Array:
     """Flat float32 values of ``n`` codes (``magnitude | sign << magnitude_bits``)."""
@@ -512,6 +508,14 @@ class OneBit(Codec):
             and sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size,
                                              dtype=dtype) is None)
 
+  def _kernel_encode(self, x: Array, residual: Array | None = None) -> tuple[Payload, ...]:
+    """The sign_pack kernel's payload (and new residual, when ``residual`` is given)."""
+    words, pos, neg, *new_residual = sign_pack_kernel.sign_pack(
+        x, residual, bucket_size=self.bucket_size)
+    payload = Payload({"words": words, "pos": pos, "neg": neg}, tuple(x.shape),
+                      jnp.dtype(x.dtype))
+    return (payload, *new_residual)
+
   def encode_feedback(self, g: Array, residual: Array, *,
                       key: Array | None = None) -> tuple[Payload, Array, Array]:
     """See :meth:`Codec.encode_feedback`; fused into the sign_pack kernel when it runs.
@@ -520,25 +524,19 @@ class OneBit(Codec):
     non-finite; so does a bucket sum beyond float32's range, ~3e38).
     """
     del key
+    _check_float(g)
     if not self.fuses_feedback(g.size, g.dtype):
       return super().encode_feedback(g, residual)
-    _check_float(g)
-    words, pos, neg, new_residual = sign_pack_kernel.sign_pack(
-        g, residual.astype(_F32), bucket_size=self.bucket_size,
-        interpret=_interpret(self.implementation))
-    payload = Payload({"words": words, "pos": pos, "neg": neg}, tuple(g.shape),
-                      jnp.dtype(g.dtype))
-    return payload, new_residual, jnp.all(jnp.isfinite(pos)) & jnp.all(jnp.isfinite(neg))
+    payload, new_residual = self._kernel_encode(g, residual.astype(_F32))
+    means = (payload.arrays["pos"], payload.arrays["neg"])
+    return payload, new_residual, jnp.all(jnp.isfinite(means[0])) & jnp.all(jnp.isfinite(means[1]))
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     del key
     _check_float(x)
     n = x.size
     if self.uses_kernel(n, x.dtype):
-      words, pos, neg = sign_pack_kernel.sign_pack(
-          x, bucket_size=self.bucket_size, interpret=_interpret(self.implementation))
-      return Payload({"words": words, "pos": pos, "neg": neg}, tuple(x.shape),
-                     jnp.dtype(x.dtype))
+      return self._kernel_encode(x)[0]
     b, nb = _buckets(n, self.bucket_size)
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
     neg = v < 0
@@ -569,8 +567,7 @@ class OneBit(Codec):
 
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
     return sign_pack_kernel.sign_unpack_sum(
-        arrays["words"], arrays["pos"], arrays["neg"], n=n, bucket_size=self.bucket_size,
-        interpret=_interpret(self.implementation))
+        arrays["words"], arrays["pos"], arrays["neg"], n=n, bucket_size=self.bucket_size)
 
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)

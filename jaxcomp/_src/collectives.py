@@ -135,8 +135,7 @@ def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   fallback = codec.fallback
   if fallback is None:
     sent = codec.decode(payload, _F32)
-    total = codec.decode_sum(gather_tree(payload, axis_name))
-    return Exchanged(total / k, sent, None, overflow)
+    return Exchanged(payload_mean(codec, payload, axis_name), sent, None, overflow)
   # The fallback codes the same quantization (same key): decode what was sent from it.
   fixed = fallback.encode(x, key=key)
   sent = fallback.decode(fixed, _F32)
