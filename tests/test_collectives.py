@@ -220,3 +220,104 @@ def test_chains_with_optax_adam_under_shard_map():
   assert state[1][0].mu["w"].shape == SHAPES["w"]
   chex.assert_trees_all_equal_shapes_and_dtypes(updates, PARAMS)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+def test_gather_tree_is_one_collective_and_exact_for_mixed_dtypes():
+  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  shapes = {"f32": ((10,), jnp.float32), "bits": ((7,), jnp.bool_), "u8": ((2, 3), jnp.uint8),
+            "bf16": ((5,), jnp.bfloat16), "i32": ((3,), jnp.int32), "u16": ((4,), jnp.uint16)}
+  keys = jax.random.split(jax.random.key(0), len(shapes))
+  tree = {}
+  for key, (name, (shape, dtype)) in zip(keys, shapes.items()):
+    bits = jax.random.bits(key, (K, *shape), jnp.uint32)
+    tree[name] = (bits % 2 == 1) if dtype == jnp.bool_ else (
+        jax.random.normal(key, (K, *shape)).astype(dtype) if jnp.issubdtype(dtype, jnp.floating)
+        else bits.astype(dtype))
+  m = helpers.mesh()
+  f = jax.jit(jax.shard_map(lambda t: collectives.gather_tree(jax.tree.map(lambda x: x[0], t),
+                                                              AXIS),
+                            mesh=m, in_specs=P(AXIS), out_specs=P()))
+  tree = helpers.shard(tree, m)
+  out = f(tree)
+  for name, x in tree.items():
+    assert out[name].dtype == x.dtype and out[name].shape == x.shape, name
+    np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(x), err_msg=name)
+  hlo = f.lower(tree).compile().as_text()
+  assert hlo.count("all-gather(") + hlo.count("all-gather-start(") == 1
+
+
+def test_all_to_all_tree_is_one_collective_and_exact_for_mixed_dtypes():
+  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.key(2), 4)
+  # Device d holds K slices per array; slice j goes to device j.
+  tree = {"f32": jax.random.normal(keys[0], (K, K, 3, 5)),
+          "bf16": jax.random.normal(keys[1], (K, K, 7)).astype(jnp.bfloat16),
+          "u8": jax.random.bits(keys[2], (K, K, 6), jnp.uint8),
+          "bits": jax.random.bits(keys[3], (K, K, 9), jnp.uint8) % 2 == 1}
+  f = jax.pmap(lambda t: collectives.all_to_all_tree(t, AXIS), axis_name=AXIS)
+  out = f(tree)
+  for name, x in tree.items():
+    assert out[name].dtype == x.dtype and out[name].shape == x.shape, name
+    # Device d receives slice d of every device j, stacked in rank order.
+    np.testing.assert_array_equal(np.asarray(out[name]), np.swapaxes(np.asarray(x), 0, 1),
+                                  err_msg=name)
+  assert f.lower(tree).compile().as_text().count("all-to-all(") == 1
+
+
+def test_compressed_leaves_share_one_all_gather():
+  params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros((32, 128)), "b": jnp.zeros((64,))}
+  codec = jc.codecs.QSGD(7, 512, "max")
+  report = jc.wire_report(jc.compress(codec, axis_name=AXIS), params, axis_name=AXIS,
+                          num_devices=K)
+  gathers = [op for op in report.ops if "all_gather" in op.primitive]
+  per_leaf = [sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(
+      lambda x: codec.encode(x, key=jax.random.key(0)), params[n]))) for n in ("v", "w")]
+  assert [op.operand_bytes for op in gathers] == [sum(per_leaf)]
+  two_phase = jc.wire_report(jc.compress(codec, axis_name=AXIS, collective="two_phase"),
+                             params, axis_name=AXIS, num_devices=K)
+  prims = sorted(op.primitive.split("_invariant")[0] for op in two_phase.ops
+                 if not op.primitive.startswith(("psum", "pmax", "pmin")))
+  assert prims == ["all_gather", "all_to_all"]
+
+
+@pytest.mark.parametrize("collective", ["allgather", "two_phase"])
+def test_fused_exchange_returns_each_leaf_its_own_mean(collective):
+  # The Identity codec's mean is exactly the pmean: a leaf mixed up with another, or
+  # split at the wrong offset, would show.
+  shapes = {"w": (64, 64), "v": (32, 128), "u": (16, 48), "b": (64,)}
+  grads = helpers.per_device_grads(jax.random.key(1), shapes)
+  tx = jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective=collective,
+                   error_feedback=True)
+  replicated = {n: jnp.zeros((K, *s)) for n, s in shapes.items()}
+  state = jax.pmap(tx.init, axis_name=AXIS)(replicated)
+  out, state = jax.pmap(tx.update, axis_name=AXIS)(grads, state)
+  want = jax.pmap(lambda g: lax.pmean(g, AXIS), axis_name=AXIS)(grads)
+  chex.assert_trees_all_equal(out, want)
+  for name in ("w", "v", "u"):  # lossless: nothing left for error feedback
+    np.testing.assert_array_equal(state.residual[name], 0.0)
+
+
+@pytest.mark.parametrize("k,want", [(2, "allgather"), (K, "two_phase")])
+def test_auto_collective_is_allgather_on_two_devices_else_two_phase(k, want):
+  codec = jc.codecs.OneBit(256)
+  params = {"w": jnp.zeros((64, 64))}
+  grads = helpers.per_device_grads(jax.random.key(3), {"w": (64, 64)})
+  grads = jax.tree.map(lambda g: g[:k], grads)
+  devices = jax.devices()[:k]
+
+  def run(collective):
+    tx = jc.compress(codec, axis_name=AXIS, collective=collective, error_feedback=True)
+    replicated = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)), params)
+    state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(replicated)
+    update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+    for _ in range(2):
+      out, state = update(grads, state)
+    return out, state
+
+  chex.assert_trees_all_equal(run("auto"), run(want))
+  report = jc.wire_report(jc.compress(codec, axis_name=AXIS, collective="auto"), params,
+                          axis_name=AXIS, num_devices=k)
+  prims = {op.primitive.split("_invariant")[0] for op in report.ops}
+  assert prims == ({"all_gather"} if want == "allgather" else {"all_gather", "all_to_all"})
+  # Elias-coded QSGD has a fallback: "auto" is its all-gather at any K.
+  jc.compress(jc.codecs.EliasQSGD(7), axis_name=AXIS, collective="auto")

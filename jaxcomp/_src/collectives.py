@@ -87,8 +87,72 @@ def all_gather_invariant(x: Array, axis_name) -> Array:
   return lax.all_gather(x, axis_name, **_ALL_GATHER_TO)
 
 
+def _as_words(x: Array, unit) -> Array:
+  """Flat ``x`` as unsigned words of ``unit``'s width (no data change; bool as 0/1)."""
+  x = x.reshape(-1)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  if x.dtype.itemsize == unit.itemsize:
+    return lax.bitcast_convert_type(x, unit)
+  return lax.bitcast_convert_type(x, unit).reshape(-1)
+
+
+def _from_words(w: Array, like) -> Array:
+  """Inverse of :func:`_as_words` on a gathered ``(K, words)`` block."""
+  k = w.shape[0]
+  dtype = jnp.dtype(jnp.uint8 if like.dtype == jnp.bool_ else like.dtype)
+  ratio = dtype.itemsize // w.dtype.itemsize
+  if ratio > 1:
+    w = w.reshape(k, -1, ratio)
+  x = lax.bitcast_convert_type(w, dtype)
+  if like.dtype == jnp.bool_:
+    x = x != 0
+  return x.reshape((k,) + like.shape)
+
+
 def gather_tree(tree, axis_name):
-  return jax.tree.map(lambda a: all_gather_invariant(a, axis_name), tree)
+  """All-gathers every array of ``tree`` (stacked on a new leading axis) in one collective.
+
+  The arrays are bit-cast to unsigned words of the narrowest itemsize among them,
+  concatenated, all-gathered once and split again: the bytes on the wire are exactly the
+  arrays' bytes, and a payload of several arrays (codes, scales, indices), or of several
+  tensors, costs one collective's latency instead of one per array. (XLA combines
+  independent all-reduces, but XLA:CPU does not combine all-gathers.)
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves):
+    return jax.tree.map(lambda a: all_gather_invariant(a, axis_name), tree)
+  unit = jnp.dtype(f"uint{8 * min(jnp.dtype(x.dtype).itemsize for x in leaves)}")
+  words = [_as_words(x, unit) for x in leaves]
+  gathered = all_gather_invariant(jnp.concatenate(words), axis_name)
+  out, offset = [], 0
+  for x, w in zip(leaves, words):
+    out.append(_from_words(gathered[:, offset:offset + w.size], x))
+    offset += w.size
+  return treedef.unflatten(out)
+
+
+def all_to_all_tree(tree, axis_name):
+  """``all_to_all`` over the leading (device) axis of every array of ``tree``, fused.
+
+  Each array's leading axis has the axis size K; slice j goes to device j, which gets
+  the K slices sent to it stacked in rank order. As in :func:`gather_tree`, the arrays
+  travel as one buffer of unsigned words (exactly their bytes): one collective.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves):
+    return jax.tree.map(
+        lambda a: lax.all_to_all(a, axis_name, split_axis=0, concat_axis=0), tree)
+  unit = jnp.dtype(f"uint{8 * min(jnp.dtype(x.dtype).itemsize for x in leaves)}")
+  words = [jax.vmap(lambda a: _as_words(a, unit))(x) for x in leaves]  # (K, w_i) each
+  received = lax.all_to_all(jnp.concatenate(words, axis=1), axis_name, split_axis=0,
+                            concat_axis=0)
+  out, offset = [], 0
+  for x, w in zip(leaves, words):
+    part = received[:, offset:offset + w.shape[1]]
+    out.append(_from_words(part, jax.ShapeDtypeStruct(x.shape[1:], x.dtype)))
+    offset += w.shape[1]
+  return treedef.unflatten(out)
 
 
 class Exchanged(NamedTuple):
@@ -109,15 +173,22 @@ def local(codec: Codec, x: Array, key: Array) -> Exchanged:
   return Exchanged(sent, sent, None, overflow)
 
 
-def payload_mean(codec: Codec, payload, axis_name) -> Array:
-  """Mean over devices of what each device's ``payload`` decodes to (float32).
+def payload_means(codec: Codec, payloads, axis_name) -> list[Array]:
+  """Means over devices of what each device's ``payloads`` decode to (float32), one each.
 
-  ``all_gather`` of the payloads and one ``decode_sum`` (a fused kernel where the codec
-  has one); with ``axis_name=None`` the local decoding. For codecs without a fallback.
+  One ``all_gather`` for all of them (:func:`gather_tree`) and one ``decode_sum`` per
+  payload (a fused kernel where the codec has one); with ``axis_name=None`` the local
+  decodings. For codecs without a fallback.
   """
   if axis_name is None:
-    return codec.decode(payload, _F32)
-  return codec.decode_sum(gather_tree(payload, axis_name)) / axis_size(axis_name)
+    return [codec.decode(p, _F32) for p in payloads]
+  k = axis_size(axis_name)
+  return [codec.decode_sum(g) / k for g in gather_tree(list(payloads), axis_name)]
+
+
+def payload_mean(codec: Codec, payload, axis_name) -> Array:
+  """:func:`payload_means` of one payload."""
+  return payload_means(codec, [payload], axis_name)[0]
 
 
 def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
@@ -206,33 +277,64 @@ def two_phase_mean(codec: Codec, x: Array, key: Array, axis_name, *,
   device decodes the K averaged chunks. Per-device traffic is about
   ``2 (K-1)/K · B(n)``, independent of K.
   """
+  return two_phase_means(codec, [x], [key], axis_name, [chunk_residual])[0]
+
+
+def two_phase_means(codec: Codec, xs, keys, axis_name,
+                    chunk_residuals=None) -> list[Exchanged]:
+  """:func:`two_phase_mean` of several tensors, with one ``all_to_all`` and one
+  ``all_gather`` for all of them (their payloads fused, :func:`all_to_all_tree`,
+  :func:`gather_tree`): the same payloads and results, two collectives' latency."""
   k = axis_size(axis_name)
-  n = x.size
-  c = chunk_length(codec, n, k)
-  chunks = jnp.pad(x.reshape(-1), (0, k * c - n)).reshape(k, c)
-  key1, key2 = jax.random.split(key)
-  payloads, overflow = jax.vmap(lambda v, kk: codec.encode_with_info(v, key=kk))(
-      chunks, jax.random.split(key1, k))
-  sent = jax.vmap(lambda p: codec.decode(p, _F32))(payloads).reshape(-1)[:n]
-  received = jax.tree.map(
-      lambda a: lax.all_to_all(a, axis_name, split_axis=0, concat_axis=0), payloads)
-  avg = codec.decode_sum(received) / k
-  if chunk_residual is not None:
-    avg = avg + chunk_residual
-  mine, overflow2 = codec.encode_with_info(avg, key=key2)
-  new_residual = None
-  if chunk_residual is not None:
-    new_residual = avg - codec.decode(mine, _F32)
-    # A non-finite average must not poison the residual: keep the old one.
-    new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
-  gathered = gather_tree(mine, axis_name)
-  mean = jax.vmap(lambda p: codec.decode(p, _F32))(gathered).reshape(-1)[:n]
-  return Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual,
-                   jnp.any(overflow) | overflow2)
+  chunk_residuals = [None] * len(xs) if chunk_residuals is None else list(chunk_residuals)
+  firsts = []
+  for x, key in zip(xs, keys):
+    n = x.size
+    c = chunk_length(codec, n, k)
+    chunks = jnp.pad(x.reshape(-1), (0, k * c - n)).reshape(k, c)
+    key1, key2 = jax.random.split(key)
+    payloads, overflow = jax.vmap(lambda v, kk: codec.encode_with_info(v, key=kk))(
+        chunks, jax.random.split(key1, k))
+    sent = jax.vmap(lambda p: codec.decode(p, _F32))(payloads).reshape(-1)[:n]
+    firsts.append((payloads, sent, jnp.any(overflow), key2))
+  received = all_to_all_tree([f[0] for f in firsts], axis_name)
+  seconds = []
+  for (_, _, _, key2), got, chunk_residual in zip(firsts, received, chunk_residuals):
+    avg = codec.decode_sum(got) / k
+    if chunk_residual is not None:
+      avg = avg + chunk_residual
+    mine, overflow2 = codec.encode_with_info(avg, key=key2)
+    new_residual = None
+    if chunk_residual is not None:
+      new_residual = avg - codec.decode(mine, _F32)
+      # A non-finite average must not poison the residual: keep the old one.
+      new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
+    seconds.append((mine, new_residual, overflow2))
+  gathered = gather_tree([s[0] for s in seconds], axis_name)
+  out = []
+  for x, (_, sent, overflow, _), (_, new_residual, overflow2), g in zip(
+      xs, firsts, seconds, gathered):
+    mean = jax.vmap(lambda p: codec.decode(p, _F32))(g).reshape(-1)[:x.size]
+    out.append(Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual,
+                         overflow | overflow2))
+  return out
 
 
 def chunk_residual_shape(codec: Codec, n: int, k: int) -> tuple[int]:
   return (chunk_length(codec, n, k),)
 
 
-COLLECTIVES = ("allgather", "two_phase", "psum")
+COLLECTIVES = ("allgather", "two_phase", "psum", "auto")
+
+
+def resolve(collective: str, codec: Codec, k: int) -> str:
+  """The exchange ``collective`` stands for on ``k`` devices (``"auto"`` resolved).
+
+  ``"auto"`` is ``"allgather"`` for K <= 2, where it moves the same bytes as the
+  two-phase exchange (``(K-1)·B = 2(K-1)/K·B = B``) with one encode and decode, one
+  collective and no second quantization, and for codecs with a fallback (which need
+  it); else ``"two_phase"``, whose traffic stays flat in K.
+  """
+  if collective != "auto":
+    return collective
+  return "allgather" if k <= 2 or codec.fallback is not None else "two_phase"

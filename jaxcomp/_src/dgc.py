@@ -231,7 +231,7 @@ def dgc(
   def sparse_leaves(stage_index, gs, us, vs, keys):
     """One warm-up stage's exchange of the compressed leaves: (outputs, new u, new v)."""
     codec = codecs[stage_index]
-    outs, new_u, new_v = [], [], []
+    outs, new_u, new_v, payloads = [], [], [], []
     for g, u, v, key in zip(gs, us, vs, keys):
       if nesterov:
         u = m * (u + g)
@@ -241,18 +241,18 @@ def dgc(
         v = v + u
       if collective == "chunked" and axis_name is not None:
         mean, sent_mask = _chunked_exchange(v, codec.density, chunk_size, axis_name)
+        outs.append(mean.reshape(v.shape))
       else:
         payload = codec.encode(v, key=key)
         idx = payload.arrays["indices"].astype(jnp.int32)
         sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(v.shape)
-        if axis_name is None:
-          mean = codec.decode(payload, _F32)
-        else:
-          gathered = collectives.gather_tree(payload, axis_name)
-          mean = codec.decode_sum(gathered) / collectives.axis_size(axis_name)
-      outs.append(mean.reshape(v.shape))
+        payloads.append(payload)
+        outs.append(v)  # replaced by the mean below
       new_v.append(jnp.where(sent_mask, 0.0, v))
       new_u.append(jnp.where(sent_mask, 0.0, u) if momentum_masking else u)
+    if payloads:  # every leaf's indices and values in one all-gather
+      means = iter(collectives.payload_means(codec, payloads, axis_name))
+      outs = [next(means).reshape(o.shape) for o in outs]
     return outs, new_u, new_v
 
   def update_fn(updates, state, params=None):
