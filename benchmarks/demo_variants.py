@@ -71,6 +71,9 @@ VARIANTS = {
     "mipd_half_quant": ("mipd", lambda c, k, steady: jc.mipd(0.0, axis_name=AXIS)),
     "mipd_no_compensation": ("mipd", lambda c, k, steady: jc.mipd(0.5, compensate=False,
                                                                   axis_name=AXIS)),
+    "mipd_keep0": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.0, axis_name=AXIS)),
+    "mipd_keep10": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.1, axis_name=AXIS)),
+    "mipd_keep25": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.25, axis_name=AXIS)),
     "mipd_alpha01": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.1, axis_name=AXIS)),
     "mipd_alpha09": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.9, axis_name=AXIS)),
     "mipd_beta1": ("mipd", lambda c, k, steady: jc.mipd(0.5, beta=1.0, axis_name=AXIS)),
@@ -88,6 +91,7 @@ def run(names, seed: int, workdir: str) -> None:
   common = dict(model=model, init_params=init_params, data=data, mesh=mesh)
   r = train.train_method("dense", config, **common)
   dense = r["test_accuracy"]
+  changes = {"dense": r["layer_change"]}
   rows = [f"| dense | {100 * dense:.1f} | | {r['bytes_received']:,.0f} | 1.0x |"
           f" {r['train_time_s']:.1f} | |"]
   for name in names:
@@ -95,6 +99,7 @@ def run(names, seed: int, workdir: str) -> None:
     r = train.train_method(method, config, exchange=factory(config, k, False),
                            steady_exchange=factory(config, k, True), **common)
     acc = r["test_accuracy"]
+    changes[name] = r["layer_change"]
     rows.append(f"| {name} | {100 * acc:.1f} | {100 * (acc - dense):+.1f} |"
                 f" {r['bytes_received']:,.0f} | {r['ratio']:.1f}x | {r['train_time_s']:.1f} |"
                 f" {r['overflow_steps'] if r['overflow_steps'] is not None else ''} |")
@@ -103,6 +108,12 @@ def run(names, seed: int, workdir: str) -> None:
         " ratio vs dense | train time (s) | overflow steps |")
   print("|---|---:|---:|---:|---:|---:|---:|")
   print("\n".join(rows))
+  # How far each kernel moved from its initialization: ||w_T - w_0|| / ||w_0||.
+  kernels = [p for p in changes["dense"] if p.endswith("['kernel']")]
+  print("\n| variant | " + " | ".join(kernels) + " |")
+  print("|---|" + "---:|" * len(kernels))
+  for name, change in changes.items():
+    print(f"| {name} | " + " | ".join(f"{change[p]:.3f}" for p in kernels) + " |")
 
 
 def saturation(workdir: str) -> None:

@@ -112,13 +112,15 @@ def test_no_drop_no_quantization_is_the_gradient_and_esp_recurrence():
   assert int(state.count) == 4 and bool(np.all(state.observed))
 
 
-def _kept_counts(g, state, drop_rate=0.5, beta=0.5):
+def _kept_counts(g, state, drop_rate=0.5, beta=0.5, min_keep=0.1, params=None):
   """The per-layer kept counts mipd should use, from the state's prediction (eqs. 1-7)."""
   names = COMPRESSED
-  pn = jnp.stack([jnp.linalg.norm(PARAMS[n]) for n in names])
+  params = PARAMS if params is None else params
+  pn = jnp.stack([jnp.linalg.norm(params[n]) for n in names])
   en = jnp.stack([jnp.linalg.norm(g[n] - state.prediction[n]) for n in names])
   sizes = [math.prod(SHAPES[n]) for n in names]
-  drops = mipd_lib.allocate_drops(mipd_lib.drop_rates(pn, en, beta), sizes,
+  caps = [s - math.ceil(min_keep * s) for s in sizes]  # each layer keeps >= min_keep
+  drops = mipd_lib.allocate_drops(mipd_lib.drop_rates(pn, en, beta), caps,
                                   round(drop_rate * sum(sizes)))
   return {n: s - int(d) for n, s, d in zip(names, sizes, drops)}
 
@@ -155,6 +157,29 @@ def test_without_compensation_dropped_entries_are_zero(beta):
     # Σ drops = s · N over the compressed layers; the bias is untouched.
     assert total == sum(math.prod(SHAPES[n]) for n in COMPRESSED) // 2
     np.testing.assert_array_equal(out["b"], g["b"])
+
+
+@pytest.mark.parametrize("min_keep", [0.0, 0.1, 0.3])
+def test_min_keep_bounds_every_layers_drops(min_keep):
+  # Layer "a" has by far the smallest parameter norm, so the rates (eq. 1, β = 1) hand it
+  # more drops than it has: the paper's cap (min_keep=0) drops it whole.
+  params = dict(PARAMS, a=jnp.full(SHAPES["a"], 1e-4))
+  tx = jc.mipd(0.5, beta=1.0, quantize=False, half_update=False, compensate=False,
+               min_keep=min_keep)
+  state = tx.init(params)
+  g = _grads(0)
+  out, _ = jax.jit(tx.update)(g, state, params)
+  kept = {n: int(np.sum(np.asarray(out[n]) != 0)) for n in COMPRESSED}
+  want = _kept_counts(g, state, beta=1.0, min_keep=min_keep, params=params)
+  assert kept == want
+  sizes = {n: math.prod(SHAPES[n]) for n in COMPRESSED}
+  assert sum(kept.values()) == sum(sizes.values()) // 2  # Σ drops is still s·N
+  for n in COMPRESSED:
+    assert kept[n] >= math.ceil(min_keep * sizes[n])
+  if min_keep == 0:
+    assert kept["a"] == 0  # the paper's rule: the whole layer dropped
+  else:
+    assert kept["a"] == math.ceil(min_keep * sizes["a"])  # held at the floor
 
 
 def test_compensation_fills_dropped_entries_with_the_prediction():
@@ -255,7 +280,8 @@ def test_outlier_overflow_sends_the_same_selection_exactly_and_is_counted():
 
 def test_bad_arguments():
   for kwargs in [dict(drop_rate=1.0), dict(drop_rate=-0.1), dict(beta=1.5),
-                 dict(alpha=0.0), dict(intervals=12), dict(predict_from="server")]:
+                 dict(alpha=0.0), dict(intervals=12), dict(predict_from="server"),
+                 dict(min_keep=-0.1), dict(drop_rate=0.5, min_keep=0.6)]:
     with pytest.raises(ValueError):
       jc.mipd(**kwargs)
   tx = jc.mipd(0.5)

@@ -75,10 +75,11 @@ def make_exchange(method: str, config=None, *, warmup: bool = True
     return jc.mipd(0.5, axis_name=AXIS)
   if method == "dense":
     return pmean_gradients(AXIS)
+  # "auto": two-phase (traffic flat in K), or the all-gather on 2 devices (same bytes).
   if method == "qsgd4":
-    return jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase")
+    return jc.qsgd(bits=4, axis_name=AXIS, collective="auto")
   if method == "qsgd2":
-    return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="two_phase")
+    return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="auto")
   if method == "onebit":
     return jc.onebit_sgd(axis_name=AXIS)
   raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -248,7 +249,19 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
       "compile_time_s": compile_time,
       "history": history,
       "wire_report": None if report is None else str(report),
+      "layer_change": layer_change(init_params, params),
   }
+
+
+def layer_change(before, after) -> dict[str, float]:
+  """``||after - before|| / ||before||`` per parameter, keyed by its path."""
+  out = {}
+  for (path, b), a in zip(jax.tree_util.tree_flatten_with_path(before)[0],
+                          jax.tree_util.tree_leaves(after)):
+    b, a = np.asarray(b, np.float64), np.asarray(a, np.float64)
+    out[jax.tree_util.keystr(path)] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b),
+                                                                        1e-30))
+  return out
 
 
 def overflow_steps(opt_state) -> int | None:
@@ -339,7 +352,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
 
   Returns:
     ``{method: {"test_accuracy", "bytes_received", "dense_bytes", "ratio",
-    "train_time_s", "compile_time_s", "history", "wire_report"}}``.
+    "train_time_s", "compile_time_s", "history", "wire_report", "layer_change"}}``.
   """
   mesh, data, model, init_params = setup(config, workdir)
   k = mesh.size
