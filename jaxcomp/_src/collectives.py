@@ -92,13 +92,11 @@ def _as_words(x: Array, unit) -> Array:
   x = x.reshape(-1)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)
-  if x.dtype.itemsize == unit.itemsize:
-    return lax.bitcast_convert_type(x, unit)
   return lax.bitcast_convert_type(x, unit).reshape(-1)
 
 
 def _from_words(w: Array, like) -> Array:
-  """Inverse of :func:`_as_words` on a gathered ``(K, words)`` block."""
+  """Inverse of :func:`_as_words` on a ``(K, words)`` block: ``(K, *like.shape)``."""
   k = w.shape[0]
   dtype = jnp.dtype(jnp.uint8 if like.dtype == jnp.bool_ else like.dtype)
   ratio = dtype.itemsize // w.dtype.itemsize
@@ -108,6 +106,32 @@ def _from_words(w: Array, like) -> Array:
   if like.dtype == jnp.bool_:
     x = x != 0
   return x.reshape((k,) + like.shape)
+
+
+def _fusable(leaves) -> bool:
+  return len(leaves) > 1 and not any(
+      jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves)
+
+
+def _exchange_words(leaves, exchange, *, per_device: bool) -> list[Array]:
+  """``exchange`` run once on all ``leaves`` packed into one buffer of unsigned words.
+
+  The words have the narrowest itemsize among the leaves, so the buffer holds exactly
+  their bytes. ``exchange`` maps the packed buffer (``(words,)``, or ``(K, words)`` with
+  ``per_device``: each leaf keeps its leading axis of K slices) to ``(K, words)``; the
+  result is split back into ``(K, ...)`` arrays of the leaves' dtypes.
+  """
+  unit = jnp.dtype(f"uint{8 * min(jnp.dtype(x.dtype).itemsize for x in leaves)}")
+  pack = jax.vmap(lambda a: _as_words(a, unit)) if per_device else (
+      lambda a: _as_words(a, unit))
+  words = [pack(x) for x in leaves]
+  got = exchange(jnp.concatenate(words, axis=-1))
+  out, offset = [], 0
+  for x, w in zip(leaves, words):
+    like = jax.ShapeDtypeStruct(x.shape[1:] if per_device else x.shape, x.dtype)
+    out.append(_from_words(got[:, offset:offset + w.shape[-1]], like))
+    offset += w.shape[-1]
+  return out
 
 
 def gather_tree(tree, axis_name):
@@ -120,16 +144,10 @@ def gather_tree(tree, axis_name):
   independent all-reduces, but XLA:CPU does not combine all-gathers.)
   """
   leaves, treedef = jax.tree.flatten(tree)
-  if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves):
+  if not _fusable(leaves):
     return jax.tree.map(lambda a: all_gather_invariant(a, axis_name), tree)
-  unit = jnp.dtype(f"uint{8 * min(jnp.dtype(x.dtype).itemsize for x in leaves)}")
-  words = [_as_words(x, unit) for x in leaves]
-  gathered = all_gather_invariant(jnp.concatenate(words), axis_name)
-  out, offset = [], 0
-  for x, w in zip(leaves, words):
-    out.append(_from_words(gathered[:, offset:offset + w.size], x))
-    offset += w.size
-  return treedef.unflatten(out)
+  return treedef.unflatten(_exchange_words(
+      leaves, lambda b: all_gather_invariant(b, axis_name), per_device=False))
 
 
 def all_to_all_tree(tree, axis_name):
@@ -140,19 +158,13 @@ def all_to_all_tree(tree, axis_name):
   travel as one buffer of unsigned words (exactly their bytes): one collective.
   """
   leaves, treedef = jax.tree.flatten(tree)
-  if len(leaves) < 2 or any(jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves):
-    return jax.tree.map(
-        lambda a: lax.all_to_all(a, axis_name, split_axis=0, concat_axis=0), tree)
-  unit = jnp.dtype(f"uint{8 * min(jnp.dtype(x.dtype).itemsize for x in leaves)}")
-  words = [jax.vmap(lambda a: _as_words(a, unit))(x) for x in leaves]  # (K, w_i) each
-  received = lax.all_to_all(jnp.concatenate(words, axis=1), axis_name, split_axis=0,
-                            concat_axis=0)
-  out, offset = [], 0
-  for x, w in zip(leaves, words):
-    part = received[:, offset:offset + w.shape[1]]
-    out.append(_from_words(part, jax.ShapeDtypeStruct(x.shape[1:], x.dtype)))
-    offset += w.shape[1]
-  return treedef.unflatten(out)
+
+  def a2a(a):
+    return lax.all_to_all(a, axis_name, split_axis=0, concat_axis=0)
+
+  if not _fusable(leaves):
+    return jax.tree.map(a2a, tree)
+  return treedef.unflatten(_exchange_words(leaves, a2a, per_device=True))
 
 
 class Exchanged(NamedTuple):

@@ -96,6 +96,11 @@ def compress(
     values are all-reduced with ``lax.psum``; traffic ``2(K-1)/K`` times the values'
     bytes, flat in K, and shared indices never cross the wire.
 
+  All compressed leaves share each collective: their payloads are encoded first, then
+  moved in one ``all_gather`` (``"allgather"``) or one ``all_to_all`` and one
+  ``all_gather`` (``"two_phase"``), so a step pays each collective's latency once, not
+  once per leaf and payload array. The dense leaves' ``pmean``\ s are combined by XLA.
+
   Codecs with a static capacity for a random number of entries
   (:class:`jaxcomp.codecs.UnbiasedSparsifier`) take an unbiased overflow path when it is
   exceeded; ``overflow_count`` in the state counts the steps where that happened.
@@ -168,10 +173,12 @@ def compress(
       _check_leaf(path, leaf)
       on = error_feedback and _selected(filter_fn, path, leaf)
       residual.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
+      two_phase = False
       if on and axis_name is not None and collective in ("two_phase", "auto"):
         if k is None:
           k = collectives.axis_size(axis_name)
-      if k is not None and on and collectives.resolve(collective, codec, k) == "two_phase":
+        two_phase = collectives.resolve(collective, codec, k) == "two_phase"
+      if two_phase:
         shape = collectives.chunk_residual_shape(codec, math.prod(leaf.shape), k)
         chunk_residual.append(jnp.zeros(shape, _F32))
       else:
