@@ -5,7 +5,8 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/setup.sh")" || exit 1
 cd "$root"
-"$py" -m pytest -q "$@"
+# One pytest worker per core (pytest-xdist); JAXCOMP_TEST_WORKERS=0 runs in one process.
+"$py" -m pytest -q -n "${JAXCOMP_TEST_WORKERS:-auto}" "$@"
 code=$?
 if [ "$code" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
