@@ -139,3 +139,13 @@ def test_free_port_is_bindable():
   port = launch.free_port()
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.slow
+def test_collective_probe_runs_across_two_processes(capsys):
+  from benchmarks import collective_probe  # pylint: disable=import-outside-toplevel
+  assert collective_probe.main(["--repeats", "1", "--sizes", "65536"]) == 0
+  out = capsys.readouterr().out
+  assert "| 65,536 |" in out and "all_gather (ms)" in out
+  with pytest.raises(SystemExit):
+    collective_probe.main(["--sizes", "12"])

@@ -1,0 +1,96 @@
+"""Times psum, all_gather and all_to_all of the same per-process bytes across 2 processes.
+
+  python -m benchmarks.collective_probe            # 2 processes on 127.0.0.1 (gloo)
+
+Each process contributes ``B`` bytes. Ideal per-process traffic at K = 2: a ring psum
+sends ``B`` (half in its reduce-scatter, half in its all-gather), an all_gather sends
+``B``, an all_to_all ``B/2``. Prints the median time of each, so one can see how the
+CPU collectives (gloo) implement them: if the all_gather took as long as a psum of
+twice the bytes, it would be moving twice what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from benchmarks.network import RESULT_MARKER, free_port
+
+SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
+
+
+def worker(args) -> None:
+  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  launch.init_distributed(args.coordinator, 2, args.process_id, devices_per_process=1)
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.make_mesh((2,), ("b",))
+  ops = {
+      "psum": lambda x: lax.psum(x, "b"),
+      "psum_2x": lambda x: lax.psum(jax.numpy.concatenate([x, x]), "b"),
+      "all_gather": lambda x: lax.all_gather(x, "b", tiled=True),
+      "all_to_all": lambda x: lax.all_to_all(x.reshape(2, -1), "b", 0, 0).reshape(-1),
+  }
+  rows = []
+  for size in args.sizes:
+    local = np.ones((size // 4,), np.float32)
+    x = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P("b")), local)
+    row = {"bytes": size}
+    for name, op in ops.items():
+      f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("b"), out_specs=P("b")))
+      f(x).block_until_ready()
+      times = []
+      for _ in range(args.repeats):
+        start = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+      row[name] = statistics.median(times)
+    rows.append(row)
+  print(RESULT_MARKER + json.dumps(rows), flush=True)
+  jax.distributed.shutdown()
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--repeats", type=int, default=15)
+  parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                      help="bytes per process, comma-separated (multiples of 8)")
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+  parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  args.sizes = [int(v) for v in args.sizes.split(",")]
+  if any(v <= 0 or v % 8 for v in args.sizes):
+    parser.error(f"--sizes must be positive multiples of 8, got {args.sizes}")
+  if args.worker:
+    worker(args)
+    return 0
+  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  coordinator = f"127.0.0.1:{free_port()}"
+  commands = [[sys.executable, "-m", "benchmarks.collective_probe", "--worker",
+               "--process-id", str(i), "--coordinator", coordinator,
+               "--repeats", str(args.repeats),
+               "--sizes", ",".join(map(str, args.sizes))] for i in range(2)]
+  outputs = launch.run_processes(commands, timeout=600)
+  for line in outputs[0].stdout:
+    if line.startswith(RESULT_MARKER):
+      rows = json.loads(line[len(RESULT_MARKER):])
+      break
+  else:
+    raise RuntimeError("no result:\n" + outputs[0].tail())
+  print("| bytes per process | psum (ms) | psum of 2x (ms) | all_gather (ms) | all_to_all (ms) |")
+  print("|---:|---:|---:|---:|---:|")
+  for r in rows:
+    print(f"| {r['bytes']:,} | {1e3 * r['psum']:.2f} | {1e3 * r['psum_2x']:.2f} |"
+          f" {1e3 * r['all_gather']:.2f} | {1e3 * r['all_to_all']:.2f} |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
