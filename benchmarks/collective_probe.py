@@ -1,6 +1,12 @@
 """Times psum, all_gather and all_to_all of the same per-process bytes across 2 processes.
 
   python -m benchmarks.collective_probe            # 2 processes on 127.0.0.1 (gloo)
+  python -m benchmarks.collective_probe --hlo      # what XLA combines (one process)
+
+``--hlo`` compiles six independent per-leaf collectives of each kind on 4 CPU devices
+and prints how many remain in the optimized HLO: XLA combines independent all-reduces
+into one, and (XLA:CPU, jax 0.10) not all-gathers or all-to-alls, which is why
+``jaxcomp`` fuses its payloads itself (``collectives.gather_tree``).
 
 Each process contributes ``B`` bytes. Ideal per-process traffic at K = 2: a ring psum
 sends ``B`` (half in its reduce-scatter, half in its all-gather), an all_gather sends
@@ -56,11 +62,32 @@ def worker(args) -> None:
   jax.distributed.shutdown()
 
 
+def combined_counts(leaves: int = 6) -> dict[str, int]:
+  """Collectives left in the compiled HLO of ``leaves`` independent per-leaf ones."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  k = min(4, jax.local_device_count())
+  tree = [jnp.ones((k, k, 64 + i)) for i in range(leaves)]
+  ops = {"all-reduce": lambda x: lax.psum(x, "b"),
+         "all-gather": lambda x: lax.all_gather(x, "b"),
+         "all-to-all": lambda x: lax.all_to_all(x, "b", 0, 0)}
+  counts = {}
+  for name, op in ops.items():
+    f = jax.pmap(lambda t, op=op: [op(x) for x in t], axis_name="b",
+                 devices=jax.local_devices()[:k])
+    hlo = f.lower(tree).compile().as_text()
+    counts[name] = hlo.count(f"{name}(") + hlo.count(f"{name}-start(")
+  return counts
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=15)
   parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                       help="bytes per process, comma-separated (multiples of 8)")
+  parser.add_argument("--hlo", action="store_true",
+                      help="count what XLA combines of 6 per-leaf collectives, and exit")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
@@ -70,6 +97,17 @@ def main(argv=None) -> int:
     parser.error(f"--sizes must be positive multiples of 8, got {args.sizes}")
   if args.worker:
     worker(args)
+    return 0
+  if args.hlo:
+    import jax  # pylint: disable=import-outside-toplevel
+    try:  # 4 CPU devices, unless JAX's backends already run (then they keep theirs)
+      jax.config.update("jax_num_cpu_devices", 4)
+    except RuntimeError:
+      pass
+    print("| collective | per-leaf ops | left after XLA's passes |")
+    print("|---|---:|---:|")
+    for name, n in combined_counts().items():
+      print(f"| {name} | 6 | {n} |")
     return 0
   from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
   coordinator = f"127.0.0.1:{free_port()}"

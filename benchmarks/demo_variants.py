@@ -4,6 +4,7 @@
   python -m benchmarks.demo_variants --variants all --seed 1
   python -m benchmarks.demo_variants --variants mipd_half,mipd_half_drop,mipd_full
   python -m benchmarks.demo_variants --saturation
+  python -m benchmarks.demo_variants --mipd-drops
 
 Each variant trains the demo's CNN (examples/mnist1d, default config, 8 CPU devices)
 with one exchange changed and prints its test accuracy next to a dense run of the same
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 import jax
@@ -134,6 +136,35 @@ def saturation(workdir: str) -> None:
           + " | ".join(f"{x:.3f}" for x in shares) + " |")
 
 
+def mipd_drops(workdir: str) -> None:
+  """MIPD's per-layer drop counts at init (batch 256), per half-update group.
+
+  With ``min_keep=0`` (the paper's cap) and the default ``min_keep=0.1``: eqs. 1, 6, 7
+  with the prediction still 0, so the ESP rate compares each layer's whole gradient.
+  """
+  from jaxcomp._src import mipd  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
+  _, data, model, params = train.setup(config, workdir)
+  grads = jax.grad(lambda p: train.cross_entropy(model, p, data["x"][:256], data["y"][:256]))(
+      params)
+  sel = [(jax.tree_util.keystr(path), g, w) for (path, g), w in zip(
+      jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params))
+         if jc.default_filter(path, g)]
+  sizes = [int(g.size) for _, g, _ in sel]
+  print("\n| group | layer | entries | rate r_i | dropped (min_keep=0) | dropped (min_keep=0.1) |")
+  print("|---:|---|---:|---:|---:|---:|")
+  for gi, half in enumerate(mipd.balanced_halves(sizes)):
+    sz = [sizes[i] for i in half]
+    rates = mipd.drop_rates(jnp.stack([jnp.linalg.norm(sel[i][2]) for i in half]),
+                            jnp.stack([jnp.linalg.norm(sel[i][1]) for i in half]), 0.5)
+    total = round(0.5 * sum(sz))
+    paper = mipd.allocate_drops(rates, sz, total)
+    floor = mipd.allocate_drops(rates, [s - math.ceil(0.1 * s) for s in sz], total)
+    for j, i in enumerate(half):
+      print(f"| {gi + 1} | {sel[i][0]} | {sizes[i]:,} | {float(rates[j]):.3f} |"
+            f" {int(paper[j]):,} | {int(floor[j]):,} |")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--variants", default="dgc_demo",
@@ -142,9 +173,14 @@ def main(argv=None) -> None:
   parser.add_argument("--workdir", default=os.path.join("runs", "mnist1d"))
   parser.add_argument("--saturation", action="store_true",
                       help="print the Wangni saturation shares instead of training")
+  parser.add_argument("--mipd-drops", action="store_true",
+                      help="print MIPD's per-layer drop counts at init instead of training")
   args = parser.parse_args(argv)
   if args.saturation:
     saturation(args.workdir)
+    return
+  if args.mipd_drops:
+    mipd_drops(args.workdir)
     return
   names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
   unknown = [n for n in names if n not in VARIANTS]

@@ -27,6 +27,12 @@ def test_quick_run_writes_results(tmp_path):
     assert len(r["history"]["step"]) == len(r["history"]["test_accuracy"])
     assert r["history"]["step"][-1] == config.num_steps
     assert r["train_time_s"] > 0 and r["compile_time_s"] > 0
+    # ||w_T - w_0|| / ||w_0|| per parameter: every kernel moved; zero-init biases: NaN.
+    change = r["layer_change"]
+    kernels = [p for p in change if p.endswith("['kernel']")]
+    assert kernels and len(change) == len(results["dense"]["layer_change"]), method
+    assert all(math.isfinite(change[p]) and change[p] > 0 for p in kernels), (method, change)
+    assert all(math.isnan(v) for p, v in change.items() if p.endswith("['bias']")), method
 
   # Bytes per device per step: the dense pmean is its own baseline; each codec sends
   # fewer bytes than the one before. Quick model: 16,384 of its 17,274 parameters are

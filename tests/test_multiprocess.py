@@ -149,3 +149,12 @@ def test_collective_probe_runs_across_two_processes(capsys):
   assert "| 65,536 |" in out and "all_gather (ms)" in out
   with pytest.raises(SystemExit):
     collective_probe.main(["--sizes", "12"])
+
+
+def test_xla_combines_all_reduces_not_all_gathers():
+  # Why jaxcomp fuses payloads itself. If a jax release starts combining all-gathers on
+  # CPU too, this fails and the docs' reason for gather_tree should be revisited.
+  from benchmarks import collective_probe  # pylint: disable=import-outside-toplevel
+  counts = collective_probe.combined_counts()
+  assert counts["all-reduce"] == 1
+  assert counts["all-gather"] == 6 and counts["all-to-all"] == 6

@@ -254,13 +254,15 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
 
 
 def layer_change(before, after) -> dict[str, float]:
-  """``||after - before|| / ||before||`` per parameter, keyed by its path."""
+  """``||after - before|| / ||before||`` per parameter, keyed by its path (NaN where
+  ``before`` is all zeros, e.g. biases at init: no relative change is defined)."""
   out = {}
   for (path, b), a in zip(jax.tree_util.tree_flatten_with_path(before)[0],
                           jax.tree_util.tree_leaves(after)):
     b, a = np.asarray(b, np.float64), np.asarray(a, np.float64)
-    out[jax.tree_util.keystr(path)] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b),
-                                                                        1e-30))
+    norm = np.linalg.norm(b)
+    out[jax.tree_util.keystr(path)] = float(np.linalg.norm(a - b) / norm) if norm else (
+        float("nan"))
   return out
 
 

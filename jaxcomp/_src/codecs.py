@@ -528,8 +528,8 @@ class OneBit(Codec):
     if not self.fuses_feedback(g.size, g.dtype):
       return super().encode_feedback(g, residual)
     payload, new_residual = self._kernel_encode(g, residual.astype(_F32))
-    means = (payload.arrays["pos"], payload.arrays["neg"])
-    return payload, new_residual, jnp.all(jnp.isfinite(means[0])) & jnp.all(jnp.isfinite(means[1]))
+    pos, neg = payload.arrays["pos"], payload.arrays["neg"]
+    return payload, new_residual, jnp.all(jnp.isfinite(pos)) & jnp.all(jnp.isfinite(neg))
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     del key

@@ -96,10 +96,12 @@ def compress(
     values are all-reduced with ``lax.psum``; traffic ``2(K-1)/K`` times the values'
     bytes, flat in K, and shared indices never cross the wire.
 
-  All compressed leaves share each collective: their payloads are encoded first, then
+  The compressed leaves share each collective: their payloads are encoded first, then
   moved in one ``all_gather`` (``"allgather"``) or one ``all_to_all`` and one
   ``all_gather`` (``"two_phase"``), so a step pays each collective's latency once, not
-  once per leaf and payload array. The dense leaves' ``pmean``\ s are combined by XLA.
+  once per leaf and payload array. Exceptions: codecs with a fallback exchange each
+  leaf in its own overflow branch (one all-gather per leaf), and ``"psum"`` issues one
+  all-reduce per leaf, which XLA combines like the dense leaves' ``pmean``\ s.
 
   Codecs with a static capacity for a random number of entries
   (:class:`jaxcomp.codecs.UnbiasedSparsifier`) take an unbiased overflow path when it is
