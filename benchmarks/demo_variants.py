@@ -118,11 +118,15 @@ def run(names, seed: int, workdir: str) -> None:
     print(f"| {name} | " + " | ".join(f"{change[p]:.3f}" for p in kernels) + " |")
 
 
+def _init_grads(workdir: str):
+  """(parameters, gradient) of the demo's CNN at init on the first 256 examples."""
+  _, data, model, params = train.setup(default.get_config(), workdir)
+  return params, jax.grad(lambda p: train.cross_entropy(
+      model, p, data["x"][:256], data["y"][:256]))(params)
+
+
 def saturation(workdir: str) -> None:
-  config = default.get_config()
-  _, data, model, params = train.setup(config, workdir)
-  grads = jax.grad(lambda p: train.cross_entropy(model, p, data["x"][:256], data["y"][:256]))(
-      params)
+  _, grads = _init_grads(workdir)
   print("\n| kernel | n | κ = 1% | κ = 5% | κ = 10% |")
   print("|---|---:|---:|---:|---:|")
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
@@ -143,10 +147,7 @@ def mipd_drops(workdir: str) -> None:
   with the prediction still 0, so the ESP rate compares each layer's whole gradient.
   """
   from jaxcomp._src import mipd  # pylint: disable=import-outside-toplevel
-  config = default.get_config()
-  _, data, model, params = train.setup(config, workdir)
-  grads = jax.grad(lambda p: train.cross_entropy(model, p, data["x"][:256], data["y"][:256]))(
-      params)
+  params, grads = _init_grads(workdir)
   sel = [(jax.tree_util.keystr(path), g, w) for (path, g), w in zip(
       jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params))
          if jc.default_filter(path, g)]
