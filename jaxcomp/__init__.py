@@ -8,12 +8,15 @@ from jaxcomp import codecs
 from jaxcomp import elias
 from jaxcomp import kernels
 from jaxcomp import network
+from jaxcomp._src.collectives import pmean_tree
 from jaxcomp._src.collectives import vary
 from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import dgc
 from jaxcomp._src.dgc import dgc_density_schedule
 from jaxcomp._src.mipd import MIPDState
 from jaxcomp._src.mipd import mipd
+from jaxcomp._src.phases import PhaseProfile
+from jaxcomp._src.phases import profile_phases
 from jaxcomp._src.qsvrg import QSVRG
 from jaxcomp._src.qsvrg import QSVRGState
 from jaxcomp._src.qsvrg import QSVRGWireReport
@@ -40,6 +43,7 @@ __all__ = [
     "DGCState",
     "MIPDState",
     "PerDeviceState",
+    "PhaseProfile",
     "QSVRG",
     "QSVRGState",
     "QSVRGWireReport",
@@ -55,6 +59,8 @@ __all__ = [
     "network",
     "onebit_sgd",
     "per_device_state",
+    "pmean_tree",
+    "profile_phases",
     "qsgd",
     "qsvrg",
     "qsvrg_wire_report",

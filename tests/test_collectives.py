@@ -264,6 +264,68 @@ def test_all_to_all_tree_is_one_collective_and_exact_for_mixed_dtypes():
   assert f.lower(tree).compile().as_text().count("all-to-all(") == 1
 
 
+def _all_reduce_operands(hlo: str) -> list[int]:
+  """Operand count of every all-reduce in compiled HLO text (gloo runs one per operand)."""
+  import re  # pylint: disable=import-outside-toplevel
+  return [len(args.split(",")) for args in
+          re.findall(r"all-reduce(?:-start)?\(([^)]*)\)", hlo)]
+
+
+def test_psum_tree_sums_one_buffer_per_dtype_exactly():
+  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.key(3), 5)
+  tree = {"a": jax.random.normal(keys[0], (K, 7, 3)), "b": jax.random.normal(keys[1], (K, 11)),
+          "c": jax.random.normal(keys[2], (K,)),
+          "h": jax.random.normal(keys[3], (K, 5)).astype(jnp.bfloat16),
+          "i": jax.random.bits(keys[4], (K, 4), jnp.uint32).astype(jnp.int32) % 1000}
+  fused = jax.pmap(lambda t: collectives.pmean_tree(t, AXIS), axis_name=AXIS)
+  out = fused(tree)
+  want = jax.pmap(lambda t: lax.pmean(t, AXIS), axis_name=AXIS)(tree)
+  chex.assert_trees_all_equal(out, want)  # same shapes, dtypes and bits
+  # f32 (three leaves), bf16 and int32: three buffers, none of them a per-leaf operand.
+  assert sum(_all_reduce_operands(fused.lower(tree).compile().as_text())) == 3
+
+
+def test_dense_leaves_share_one_all_reduce_operand():
+  shapes = {"w": (64, 64), "b1": (64,), "b2": (32,), "b3": (16,), "s": ()}
+  grads = helpers.per_device_grads(jax.random.key(4), shapes)
+  tx = jc.qsgd(axis_name=AXIS)
+  replicated = {n: jnp.zeros((K, *s)) for n, s in shapes.items()}
+  state = jax.pmap(tx.init, axis_name=AXIS)(replicated)
+  update = jax.pmap(tx.update, axis_name=AXIS)
+  out, _ = update(grads, state)
+  want = jax.pmap(lambda g: lax.pmean(g, AXIS), axis_name=AXIS)(grads)
+  for name in ("b1", "b2", "b3", "s"):
+    np.testing.assert_array_equal(out[name], want[name], err_msg=name)
+  assert _all_reduce_operands(update.lower(grads, state).compile().as_text()) == [1]
+
+
+@pytest.mark.parametrize("codec", [jc.codecs.QSGD(7, 512, "max"), jc.codecs.OneBit()])
+def test_two_devices_send_dense_leaves_with_the_payloads(codec):
+  # K = 2, all-gather: the full-precision leaves ride in the payloads' all-gather (same
+  # bytes as an all-reduce) and average to exactly what lax.pmean gives.
+  shapes = {"w": (64, 64), "b1": (64,), "b2": (32,), "s": ()}
+  grads = helpers.per_device_grads(jax.random.key(5), shapes, k=2)
+  tx = jc.compress(codec, axis_name=AXIS, collective="auto")
+  replicated = {n: jnp.zeros((2, *s)) for n, s in shapes.items()}
+  devices = jax.devices()[:2]
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(replicated)
+  update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+  out, _ = update(grads, state)
+  want = jax.pmap(lambda g: lax.pmean(g, AXIS), axis_name=AXIS, devices=devices)(grads)
+  for name in ("b1", "b2", "s"):
+    np.testing.assert_array_equal(out[name], want[name], err_msg=name)
+  hlo = update.lower(grads, state).compile().as_text()
+  assert _all_reduce_operands(hlo) == []
+  assert hlo.count("all-gather(") + hlo.count("all-gather-start(") == 1
+  report = jc.wire_report(tx, {n: jnp.zeros(s) for n, s in shapes.items()},
+                          axis_name=AXIS, num_devices=2)
+  dense_bytes = 4 * (64 + 32 + 1)
+  payload = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(
+      lambda x: codec.encode(x, key=jax.random.key(0)), jnp.zeros((64, 64)))))
+  assert report.bytes_received == payload + dense_bytes  # as with a separate all-reduce
+
+
 def test_compressed_leaves_share_one_all_gather():
   params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros((32, 128)), "b": jnp.zeros((64,))}
   codec = jc.codecs.QSGD(7, 512, "max")

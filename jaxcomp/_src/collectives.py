@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp._src.codecs import Codec
+from jaxcomp._src.phases import DECODE_SCOPE
+from jaxcomp._src.phases import ENCODE_SCOPE
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -167,6 +169,40 @@ def all_to_all_tree(tree, axis_name):
   return treedef.unflatten(_exchange_words(leaves, a2a, per_device=True))
 
 
+def psum_tree(tree, axis_name):
+  """``lax.psum`` of every array of ``tree``, as one all-reduce of one buffer per dtype.
+
+  XLA combines independent all-reduces into one instruction of many operands, but
+  XLA:CPU's collectives (gloo) still run one all-reduce per operand, each paying the
+  link's latency: a model's dozen bias and small-kernel gradients cost a dozen
+  message rounds. Here the arrays of each dtype are flattened into one buffer, summed
+  once and split again; every element is summed exactly as by its own ``psum``.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  groups: dict = {}
+  for i, x in enumerate(leaves):
+    groups.setdefault(jnp.dtype(x.dtype), []).append(i)
+  out = list(leaves)
+  for idx in groups.values():
+    if len(idx) == 1:
+      out[idx[0]] = lax.psum(leaves[idx[0]], axis_name)
+      continue
+    total = lax.psum(jnp.concatenate([leaves[i].reshape(-1) for i in idx]), axis_name)
+    offset = 0
+    for i in idx:
+      n = leaves[i].size
+      out[i] = total[offset:offset + n].reshape(leaves[i].shape)
+      offset += n
+  return treedef.unflatten(out)
+
+
+def pmean_tree(tree, axis_name):
+  """``lax.pmean`` of every array of ``tree`` through :func:`psum_tree` (one all-reduce
+  per dtype); each leaf is its ``psum`` divided by the axis size, as ``lax.pmean``."""
+  k = axis_size(axis_name)
+  return jax.tree.map(lambda x: x / k, psum_tree(tree, axis_name))
+
+
 class Exchanged(NamedTuple):
   mean: Array         # the averaged tensor, float32, identical on all devices
   sent: Array         # what this device's first-stage payload decodes to (float32)
@@ -176,12 +212,14 @@ class Exchanged(NamedTuple):
 
 def local(codec: Codec, x: Array, key: Array) -> Exchanged:
   """No collective: encode and decode on this device (single-device simulation)."""
-  payload, overflow = codec.encode_with_info(x, key=key)
+  with jax.named_scope(ENCODE_SCOPE):
+    payload, overflow = codec.encode_with_info(x, key=key)
   fallback = codec.fallback
-  if fallback is not None:  # what the receivers would decode, overflow or not
-    sent = fallback.decode(fallback.encode(x, key=key), _F32)
-  else:
-    sent = codec.decode(payload, _F32)
+  with jax.named_scope(DECODE_SCOPE):
+    if fallback is not None:  # what the receivers would decode, overflow or not
+      sent = fallback.decode(fallback.encode(x, key=key), _F32)
+    else:
+      sent = codec.decode(payload, _F32)
   return Exchanged(sent, sent, None, overflow)
 
 
@@ -193,9 +231,33 @@ def payload_means(codec: Codec, payloads, axis_name) -> list[Array]:
   decodings. For codecs without a fallback.
   """
   if axis_name is None:
-    return [codec.decode(p, _F32) for p in payloads]
+    with jax.named_scope(DECODE_SCOPE):
+      return [codec.decode(p, _F32) for p in payloads]
   k = axis_size(axis_name)
-  return [codec.decode_sum(g) / k for g in gather_tree(list(payloads), axis_name)]
+  gathered = gather_tree(list(payloads), axis_name)
+  with jax.named_scope(DECODE_SCOPE):
+    return [codec.decode_sum(g) / k for g in gathered]
+
+
+def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
+  """:func:`payload_means` of ``payloads`` and the exact means of the ``dense`` arrays,
+  all from one ``all_gather``; for axes of at most 2 devices.
+
+  At K = 2 an all-gather moves as many bytes as an all-reduce (``(K-1)·B = 2(K-1)/K·B``)
+  and ``x_0 + x_1`` is the all-reduce's sum bit for bit (one addition, commutative), so
+  the full-precision leaves can share the payloads' collective: one message round per
+  step instead of two. On more devices the all-gather would move ``K/2`` times the
+  bytes: use :func:`payload_means` and :func:`pmean_tree` there.
+  """
+  k = axis_size(axis_name)
+  if k > 2:
+    raise ValueError(f"gather_means needs an axis of at most 2 devices, got {k}")
+  payloads, dense = list(payloads), list(dense)
+  gathered = gather_tree(payloads + dense, axis_name)
+  with jax.named_scope(DECODE_SCOPE):
+    means = [codec.decode_sum(g) / k for g in gathered[:len(payloads)]]
+    dense_means = [(g[0] + g[1] if k == 2 else g[0]) / k for g in gathered[len(payloads):]]
+  return means, dense_means
 
 
 def payload_mean(codec: Codec, payload, axis_name) -> Array:
@@ -214,22 +276,29 @@ def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   and :func:`jaxcomp.wire_report` lists its bytes apart.
   """
   k = axis_size(axis_name)
-  payload, overflow = codec.encode_with_info(x, key=key)
+  with jax.named_scope(ENCODE_SCOPE):
+    payload, overflow = codec.encode_with_info(x, key=key)
   fallback = codec.fallback
   if fallback is None:
-    sent = codec.decode(payload, _F32)
+    with jax.named_scope(ENCODE_SCOPE):
+      sent = codec.decode(payload, _F32)
     return Exchanged(payload_mean(codec, payload, axis_name), sent, None, overflow)
   # The fallback codes the same quantization (same key): decode what was sent from it.
-  fixed = fallback.encode(x, key=key)
-  sent = fallback.decode(fixed, _F32)
+  with jax.named_scope(ENCODE_SCOPE):
+    fixed = fallback.encode(x, key=key)
+    sent = fallback.decode(fixed, _F32)
   any_overflow = lax.pmax(overflow.astype(jnp.int32), axis_name) > 0
 
   def coded(_):
-    return codec.decode_sum(gather_tree(payload, axis_name))
+    gathered = gather_tree(payload, axis_name)
+    with jax.named_scope(DECODE_SCOPE):
+      return codec.decode_sum(gathered)
 
   def fixed_width(_):
     with jax.named_scope("jaxcomp_fallback"):
-      return fallback.decode_sum(gather_tree(fixed, axis_name))
+      gathered = gather_tree(fixed, axis_name)
+      with jax.named_scope(DECODE_SCOPE):
+        return fallback.decode_sum(gathered)
 
   total = lax.cond(any_overflow, fixed_width, coded, None)
   return Exchanged(total / k, sent, None, overflow)
@@ -263,11 +332,13 @@ def psum_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   k = axis_size(axis_name)
   if codec.shared_randomness:
     key = shared_key(key, axis_name)
-  payload, overflow = codec.encode_with_info(x, key=key)
-  sent = codec.decode(payload, _F32)
+  with jax.named_scope(ENCODE_SCOPE):
+    payload, overflow = codec.encode_with_info(x, key=key)
+    sent = codec.decode(payload, _F32)
   arrays = {name: lax.psum(a, axis_name) if name in fields else a
             for name, a in payload.arrays.items()}
-  total = codec.decode(type(payload)(arrays, payload.shape, payload.dtype), _F32)
+  with jax.named_scope(DECODE_SCOPE):
+    total = codec.decode(type(payload)(arrays, payload.shape, payload.dtype), _F32)
   return Exchanged(total / k, sent, None, overflow)
 
 
@@ -303,30 +374,34 @@ def two_phase_means(codec: Codec, xs, keys, axis_name,
   for x, key in zip(xs, keys):
     n = x.size
     c = chunk_length(codec, n, k)
-    chunks = jnp.pad(x.reshape(-1), (0, k * c - n)).reshape(k, c)
-    key1, key2 = jax.random.split(key)
-    payloads, overflow = jax.vmap(lambda v, kk: codec.encode_with_info(v, key=kk))(
-        chunks, jax.random.split(key1, k))
-    sent = jax.vmap(lambda p: codec.decode(p, _F32))(payloads).reshape(-1)[:n]
+    with jax.named_scope(ENCODE_SCOPE):
+      chunks = jnp.pad(x.reshape(-1), (0, k * c - n)).reshape(k, c)
+      key1, key2 = jax.random.split(key)
+      payloads, overflow = jax.vmap(lambda v, kk: codec.encode_with_info(v, key=kk))(
+          chunks, jax.random.split(key1, k))
+      sent = jax.vmap(lambda p: codec.decode(p, _F32))(payloads).reshape(-1)[:n]
     firsts.append((payloads, sent, jnp.any(overflow), key2))
   received = all_to_all_tree([f[0] for f in firsts], axis_name)
   seconds = []
   for (_, _, _, key2), got, chunk_residual in zip(firsts, received, chunk_residuals):
-    avg = codec.decode_sum(got) / k
-    if chunk_residual is not None:
-      avg = avg + chunk_residual
-    mine, overflow2 = codec.encode_with_info(avg, key=key2)
-    new_residual = None
-    if chunk_residual is not None:
-      new_residual = avg - codec.decode(mine, _F32)
-      # A non-finite average must not poison the residual: keep the old one.
-      new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
+    with jax.named_scope(DECODE_SCOPE):
+      avg = codec.decode_sum(got) / k
+      if chunk_residual is not None:
+        avg = avg + chunk_residual
+    with jax.named_scope(ENCODE_SCOPE):
+      mine, overflow2 = codec.encode_with_info(avg, key=key2)
+      new_residual = None
+      if chunk_residual is not None:
+        new_residual = avg - codec.decode(mine, _F32)
+        # A non-finite average must not poison the residual: keep the old one.
+        new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
     seconds.append((mine, new_residual, overflow2))
   gathered = gather_tree([s[0] for s in seconds], axis_name)
   out = []
   for x, (_, sent, overflow, _), (_, new_residual, overflow2), g in zip(
       xs, firsts, seconds, gathered):
-    mean = jax.vmap(lambda p: codec.decode(p, _F32))(g).reshape(-1)[:x.size]
+    with jax.named_scope(DECODE_SCOPE):
+      mean = jax.vmap(lambda p: codec.decode(p, _F32))(g).reshape(-1)[:x.size]
     out.append(Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual,
                          overflow | overflow2))
   return out

@@ -14,6 +14,7 @@ from jax import lax
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
+from jaxcomp._src import phases
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
 
@@ -223,33 +224,34 @@ def dgc(
                     nonfinite_count=jnp.zeros((), jnp.int32))
 
   def dense_leaf(g, u):
-    """Momentum SGD for a leaf the filter leaves out: (mean update, new momentum)."""
+    """Momentum SGD for a leaf the filter leaves out: (local update, new momentum)."""
     u = m * (u + g) if nesterov else m * u + g
-    local = g + u if nesterov else u
-    return (local if axis_name is None else lax.pmean(local, axis_name)), u
+    return (g + u if nesterov else u), u
 
   def sparse_leaves(stage_index, gs, us, vs, keys):
     """One warm-up stage's exchange of the compressed leaves: (outputs, new u, new v)."""
     codec = codecs[stage_index]
     outs, new_u, new_v, payloads = [], [], [], []
-    for g, u, v, key in zip(gs, us, vs, keys):
-      if nesterov:
-        u = m * (u + g)
-        v = v + u + g
-      else:
-        u = m * u + g
-        v = v + u
-      if collective == "chunked" and axis_name is not None:
-        mean, sent_mask = _chunked_exchange(v, codec.density, chunk_size, axis_name)
-        outs.append(mean.reshape(v.shape))
-      else:
-        payload = codec.encode(v, key=key)
-        idx = payload.arrays["indices"].astype(jnp.int32)
-        sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(v.shape)
-        payloads.append(payload)
-        outs.append(v)  # replaced by the mean below
-      new_v.append(jnp.where(sent_mask, 0.0, v))
-      new_u.append(jnp.where(sent_mask, 0.0, u) if momentum_masking else u)
+    with jax.named_scope(phases.ENCODE_SCOPE):  # accumulation, selection, masks
+      for g, u, v, key in zip(gs, us, vs, keys):
+        if nesterov:
+          u = m * (u + g)
+          v = v + u + g
+        else:
+          u = m * u + g
+          v = v + u
+        if collective == "chunked" and axis_name is not None:
+          mean, sent_mask = _chunked_exchange(v, codec.density, chunk_size, axis_name)
+          outs.append(mean.reshape(v.shape))
+        else:
+          payload = codec.encode(v, key=key)
+          idx = payload.arrays["indices"].astype(jnp.int32)
+          sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(
+              v.shape)
+          payloads.append(payload)
+          outs.append(v)  # replaced by the mean below
+        new_v.append(jnp.where(sent_mask, 0.0, v))
+        new_u.append(jnp.where(sent_mask, 0.0, u) if momentum_masking else u)
     if payloads:  # every leaf's indices and values in one all-gather
       means = iter(collectives.payload_means(codec, payloads, axis_name))
       outs = [next(means).reshape(o.shape) for o in outs]
@@ -286,8 +288,12 @@ def dgc(
       scale = jnp.where(norm > thr, thr / jnp.where(norm > 0, norm, 1.0), 1.0)
       gs = [g * scale for g in gs]
     outs, new_u, new_v = [None] * len(gs), list(us), list(vs)
-    for i in (i for i, o in enumerate(on) if not o):
+    off = [i for i, o in enumerate(on) if not o]
+    for i in off:
       outs[i], new_u[i] = dense_leaf(gs[i], us[i])
+    if axis_name is not None and off:  # averaged in full precision, one all-reduce
+      for i, mean in zip(off, collectives.pmean_tree([outs[i] for i in off], axis_name)):
+        outs[i] = mean
     sel = [i for i, o in enumerate(on) if o]
     args = ([gs[i] for i in sel], [us[i] for i in sel], [vs[i] for i in sel],
             [jax.random.fold_in(step_key, i) for i in sel])

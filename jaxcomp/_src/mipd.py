@@ -502,12 +502,16 @@ def mipd(
     new_preds = [jnp.where(finite, n, p) for n, p in zip(new_preds, preds)]
     result, pred_tree = [], list(preds_all)
     pos = {i: j for j, i in enumerate(sel)}
+    off = [g for (_, g), o in zip(leaves, on) if not o]
+    if axis_name is not None and off:  # the leaves MIPD leaves out: one all-reduce
+      off = collectives.pmean_tree(off, axis_name)
+    off = iter(off)
     for i, ((_, g), o) in enumerate(zip(leaves, on)):
       if o:
         result.append(outs[pos[i]].astype(g.dtype))
         pred_tree[i] = new_preds[pos[i]]
       else:
-        result.append(g if axis_name is None else lax.pmean(g, axis_name))
+        result.append(next(off))
     new_state = MIPDState(
         count=state.count + 1, prediction=treedef.unflatten(pred_tree),
         observed=jnp.where(finite, seen, state.observed),

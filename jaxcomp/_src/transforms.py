@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
+from jaxcomp._src import phases
 from jaxcomp._src import wangni
 
 Array = jax.Array
@@ -76,8 +77,11 @@ def compress(
   Inside ``jax.shard_map`` or ``jax.pmap`` with ``axis_name`` bound, ``update`` encodes
   each selected leaf with ``codec``, moves the *payloads* (packed integers and scales)
   through the collective, decodes them and returns the mean over devices, identical on
-  every device. Leaves the filter leaves out go through a plain ``lax.pmean``. With
-  ``axis_name=None`` the leaf is encoded and decoded locally (a one-device simulation).
+  every device. Leaves the filter leaves out are averaged in full precision, all in one
+  all-reduce (``lax.pmean`` of one flat buffer per dtype), or on 2 devices with the
+  all-gather exchange inside the payloads' all-gather (the same bytes, the same sums,
+  one collective per step). With ``axis_name=None`` the leaf is encoded and decoded
+  locally (a one-device simulation).
 
   Collectives:
 
@@ -206,69 +210,85 @@ def compress(
         step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
       check_reduced = collectives.tracks_varying(axis_name)
     out, new_res, new_cres = [], [], []
+    dense = []     # positions in out of the leaves the filter leaves out
     gathered = []  # (position in out, payload): all-gathered together after the loop
     phased = []    # two-phase leaves, exchanged together after the loop
     any_bad = jnp.zeros((), bool)
     any_overflow = jnp.zeros((), bool)
-    for i, ((path, g), e, e2) in enumerate(zip(leaves, residuals, chunk_residuals)):
-      _check_leaf(path, g)
-      if not _selected(filter_fn, path, g):
-        out.append(g if axis_name is None else lax.pmean(g, axis_name))
-        new_res.append(e)
-        new_cres.append(e2)
-        continue
-      if check_reduced and axis_name not in collectives.varying_axes(g):
-        raise ValueError(
-            f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
-            f"axis {axis_name!r}: it was all-reduced before compression. Inside "
-            f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
-            f"gradient over devices (a dense psum); differentiate with respect to "
-            f"jc.vary(params, {axis_name!r}) to get the local gradient.")
-      use_ef = not isinstance(e, optax.MaskedNode)
-      leaf_key = jax.random.fold_in(step_key, i)
-      if (use_ef and mode == "allgather" and codec.fallback is None
-          and codec.fuses_feedback(g.size, g.dtype)):
-        # One kernel reads g and e and writes the payload and e' (same payload as below).
-        payload, new_e, finite = codec.encode_feedback(g, e, key=leaf_key)
+    # Per leaf: error feedback and encoding, in the profile phase "encode" (the
+    # collectives and decodes of the fallback/psum paths inside keep their own).
+    with jax.named_scope(phases.ENCODE_SCOPE):
+      for i, ((path, g), e, e2) in enumerate(zip(leaves, residuals, chunk_residuals)):
+        _check_leaf(path, g)
+        if not _selected(filter_fn, path, g):
+          if axis_name is not None:
+            dense.append(len(out))  # averaged together after the loop: one all-reduce
+          out.append(g)
+          new_res.append(e)
+          new_cres.append(e2)
+          continue
+        if check_reduced and axis_name not in collectives.varying_axes(g):
+          raise ValueError(
+              f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
+              f"axis {axis_name!r}: it was all-reduced before compression. Inside "
+              f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
+              f"gradient over devices (a dense psum); differentiate with respect to "
+              f"jc.vary(params, {axis_name!r}) to get the local gradient.")
+        use_ef = not isinstance(e, optax.MaskedNode)
+        leaf_key = jax.random.fold_in(step_key, i)
+        if (use_ef and mode == "allgather" and codec.fallback is None
+            and codec.fuses_feedback(g.size, g.dtype)):
+          # One kernel reads g and e and writes the payload and e' (same payload as below).
+          payload, new_e, finite = codec.encode_feedback(g, e, key=leaf_key)
+          any_bad = any_bad | ~finite
+          gathered.append((len(out), payload))
+          out.append(g)  # replaced by the mean once every payload is gathered
+          new_res.append(lax.cond(finite, lambda new_e=new_e: new_e, lambda e=e: e))
+          new_cres.append(e2)
+          continue
+        x32 = g.astype(_F32) + e if use_ef else g.astype(_F32)
+        finite = jnp.all(jnp.isfinite(x32))
         any_bad = any_bad | ~finite
-        gathered.append((len(out), payload))
-        out.append(g)  # replaced by the mean once every payload is gathered
-        new_res.append(lax.cond(finite, lambda new_e=new_e: new_e, lambda e=e: e))
-        new_cres.append(e2)
-        continue
-      x32 = g.astype(_F32) + e if use_ef else g.astype(_F32)
-      finite = jnp.all(jnp.isfinite(x32))
-      any_bad = any_bad | ~finite
-      x = x32.astype(g.dtype)  # what is encoded keeps the gradient's dtype
-      ex_cres = None if isinstance(e2, optax.MaskedNode) else e2
-      if axis_name is None:
-        ex = collectives.local(codec, x, leaf_key)
-      elif mode == "two_phase":
-        # Exchanged with the other leaves after the loop: one all_to_all, one all_gather.
-        phased.append((len(out), x, leaf_key, ex_cres, x32, finite if use_ef else None, e))
-        out.append(g)
-        new_res.append(e)
-        new_cres.append(e2)
-        continue
-      elif mode == "psum":
-        ex = collectives.psum_mean(codec, x, leaf_key, axis_name)
-      elif codec.fallback is None:
-        # Gathered with the other leaves' payloads after the loop: one collective.
-        payload, overflow = codec.encode_with_info(x, key=leaf_key)
-        gathered.append((len(out), payload))
-        out.append(g)
-        new_res.append(jnp.where(finite, x32 - codec.decode(payload, _F32).reshape(g.shape),
-                                 e) if use_ef else e)
-        new_cres.append(e2)
-        any_overflow = any_overflow | overflow
-        continue
-      else:
-        ex = collectives.allgather_mean(codec, x, leaf_key, axis_name)
-      out.append(ex.mean.reshape(g.shape).astype(g.dtype))
-      new_res.append(jnp.where(finite, x32 - ex.sent.reshape(g.shape), e) if use_ef else e)
-      new_cres.append(e2 if ex.chunk_residual is None else ex.chunk_residual)
-      any_overflow = any_overflow | ex.overflow
-    means = collectives.payload_means(codec, [p for _, p in gathered], axis_name)
+        x = x32.astype(g.dtype)  # what is encoded keeps the gradient's dtype
+        ex_cres = None if isinstance(e2, optax.MaskedNode) else e2
+        if axis_name is None:
+          ex = collectives.local(codec, x, leaf_key)
+        elif mode == "two_phase":
+          # Exchanged with the other leaves after the loop: one all_to_all, one all_gather.
+          phased.append((len(out), x, leaf_key, ex_cres, x32, finite if use_ef else None, e))
+          out.append(g)
+          new_res.append(e)
+          new_cres.append(e2)
+          continue
+        elif mode == "psum":
+          ex = collectives.psum_mean(codec, x, leaf_key, axis_name)
+        elif codec.fallback is None:
+          # Gathered with the other leaves' payloads after the loop: one collective.
+          payload, overflow = codec.encode_with_info(x, key=leaf_key)
+          gathered.append((len(out), payload))
+          out.append(g)
+          new_res.append(jnp.where(finite, x32 - codec.decode(payload, _F32).reshape(g.shape),
+                                   e) if use_ef else e)
+          new_cres.append(e2)
+          any_overflow = any_overflow | overflow
+          continue
+        else:
+          ex = collectives.allgather_mean(codec, x, leaf_key, axis_name)
+        out.append(ex.mean.reshape(g.shape).astype(g.dtype))
+        new_res.append(jnp.where(finite, x32 - ex.sent.reshape(g.shape), e) if use_ef else e)
+        new_cres.append(e2 if ex.chunk_residual is None else ex.chunk_residual)
+        any_overflow = any_overflow | ex.overflow
+    payloads = [p for _, p in gathered]
+    if dense and gathered and collectives.axis_size(axis_name) <= 2:
+      # One all-gather for the payloads and the full-precision leaves: same bytes as
+      # an all-reduce at K <= 2, and one message round fewer.
+      means, dense_means = collectives.gather_means(
+          codec, payloads, [out[i] for i in dense], axis_name)
+    else:
+      dense_means = collectives.pmean_tree([out[i] for i in dense], axis_name) if dense else []
+      means = collectives.payload_means(codec, payloads, axis_name)
+    for i, mean in zip(dense, dense_means):
+      out[i] = mean
     for (i, _), mean in zip(gathered, means):
       out[i] = mean.reshape(out[i].shape).astype(out[i].dtype)
     if phased:
