@@ -12,7 +12,11 @@ Each process contributes ``B`` bytes. Ideal per-process traffic at K = 2: a ring
 sends ``B`` (half in its reduce-scatter, half in its all-gather), an all_gather sends
 ``B``, an all_to_all ``B/2``. Prints the median time of each, so one can see how the
 CPU collectives (gloo) implement them: if the all_gather took as long as a psum of
-twice the bytes, it would be moving twice what it needs.
+twice the bytes, it would be moving twice what it needs. The last column sums the same
+bytes as 16 separate leaves (``lax.psum`` per leaf, which XLA combines into one
+all-reduce instruction of 16 operands): on XLA:CPU it costs one gloo round per operand,
+which is why ``jaxcomp`` averages the dense leaves as one buffer
+(``collectives.psum_tree``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from benchmarks.network import RESULT_MARKER, free_port
 
 SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
+LEAVES = 16
 
 
 def worker(args) -> None:
@@ -42,6 +47,10 @@ def worker(args) -> None:
       "psum_2x": lambda x: lax.psum(jax.numpy.concatenate([x, x]), "b"),
       "all_gather": lambda x: lax.all_gather(x, "b", tiled=True),
       "all_to_all": lambda x: lax.all_to_all(x.reshape(2, -1), "b", 0, 0).reshape(-1),
+      # The same bytes as 16 leaves: XLA combines the 16 psums into one all-reduce
+      # instruction of 16 operands; gloo then runs one all-reduce per operand.
+      "psum_16_leaves": lambda x: jax.numpy.concatenate(
+          [lax.psum(p, "b") for p in jax.numpy.split(x, LEAVES)]),
   }
   rows = []
   for size in args.sizes:
@@ -85,7 +94,7 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=15)
   parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
-                      help="bytes per process, comma-separated (multiples of 8)")
+                      help=f"bytes per process, comma-separated (multiples of {4 * LEAVES})")
   parser.add_argument("--hlo", action="store_true",
                       help="count what XLA combines of 6 per-leaf collectives, and exit")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -93,8 +102,8 @@ def main(argv=None) -> int:
   parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   args.sizes = [int(v) for v in args.sizes.split(",")]
-  if any(v <= 0 or v % 8 for v in args.sizes):
-    parser.error(f"--sizes must be positive multiples of 8, got {args.sizes}")
+  if any(v <= 0 or v % (4 * LEAVES) for v in args.sizes):
+    parser.error(f"--sizes must be positive multiples of {4 * LEAVES}, got {args.sizes}")
   if args.worker:
     worker(args)
     return 0
@@ -122,11 +131,13 @@ def main(argv=None) -> int:
       break
   else:
     raise RuntimeError("no result:\n" + outputs[0].tail())
-  print("| bytes per process | psum (ms) | psum of 2x (ms) | all_gather (ms) | all_to_all (ms) |")
-  print("|---:|---:|---:|---:|---:|")
+  print("| bytes per process | psum (ms) | psum of 2x (ms) | all_gather (ms) |"
+        f" all_to_all (ms) | psum as {LEAVES} leaves (ms) |")
+  print("|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     print(f"| {r['bytes']:,} | {1e3 * r['psum']:.2f} | {1e3 * r['psum_2x']:.2f} |"
-          f" {1e3 * r['all_gather']:.2f} | {1e3 * r['all_to_all']:.2f} |")
+          f" {1e3 * r['all_gather']:.2f} | {1e3 * r['all_to_all']:.2f} |"
+          f" {1e3 * r['psum_16_leaves']:.2f} |")
   return 0
 
 

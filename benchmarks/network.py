@@ -216,11 +216,11 @@ def free_port() -> int:
 
 
 def train_on_link(config: str, methods: Sequence[str], steps: int | None,
-                  timeout: float, workdir: str) -> dict[str, Any]:
+                  timeout: float, workdir: str, profile: int = 0) -> dict[str, Any]:
   """The 2-process trainer across the namespaces; process 0's result (checked equal)."""
   from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
   args = launch.worker_args(methods, config=config, devices_per_process=1, steps=steps,
-                            workdir=workdir)
+                            workdir=workdir, profile=profile)
   results = launch.launch(args, processes=2, prefix=Link.prefix,
                           coordinator=f"{ADDRESSES[0]}:{free_port()}", timeout=timeout)
   launch.check_identical(results)
@@ -345,11 +345,33 @@ def tables(runs: dict, model: dict) -> str:
         lines.append(f"| {method} | " + " | ".join(
             f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks) + " |")
       lines.append("")
+    lines += phase_tables(config, by_rate)
   lines += ["Fitted links (psum timings, least squares on relative error):", "",
             "| rate | α (µs) | bandwidth (MB/s) |", "|---|---:|---:|"]
   for rate, l in model["links"].items():
     lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
   return "\n".join(lines) + "\n"
+
+
+PHASE_COLUMNS = ("gradient", "encode", "exchange", "decode", "update", "idle")
+
+
+def phase_tables(config: str, by_rate: dict) -> list[str]:
+  """Markdown rows of the measured step split (``--profile``), process 0; or none."""
+  rows = []
+  for rate, run in by_rate.items():
+    for method, r in run["methods"].items():
+      ph = r.get("phases")
+      if ph:
+        rows.append(f"| {rate} | {method} | {ph['step_ms']:.1f} | " + " | ".join(
+            f"{ph[c]:.1f}" for c in PHASE_COLUMNS) + " |")
+  if not rows:
+    return []
+  return [f"Measured step split ({config}, process 0, `--profile`: ms per step from "
+          "jc.profile_phases over the extra profiled steps; exchange includes waiting "
+          "for the other process; idle is the step's wall time not covered by ops):", "",
+          "| rate | method | step | " + " | ".join(PHASE_COLUMNS) + " |",
+          "|---|---|---:|" + "---:|" * len(PHASE_COLUMNS), *rows, ""]
 
 
 def plot(runs: dict, path: str) -> None:
@@ -391,6 +413,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out", default="runs/network")
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
   parser.add_argument("--seconds-per-size", type=float, default=3.0)
+  parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                      help="after each method's run, profile STEPS more steps "
+                      "(jc.profile_phases) and tabulate gradient/encode/exchange/decode")
   parser.add_argument("--analyze", default=None, metavar="RESULTS_JSON",
                       help="only fit the model and write the tables/plot from a "
                            "results.json of an earlier run (no root needed)")
@@ -443,7 +468,7 @@ def main(argv=None) -> int:
         print(f"== link {rate}, {config}: {','.join(methods)}", flush=True)
         start = time.perf_counter()
         runs[config][rate] = train_on_link(config, methods, args.steps, args.timeout,
-                                           os.path.join(args.out, "data"))
+                                           os.path.join(args.out, "data"), args.profile)
         for m, r in runs[config][rate]["methods"].items():
           print(f"   {m:>7}: mean step {1e3 * step_time(r):8.1f} ms, "
                 f"loss {r['final_loss']:.3f}", flush=True)

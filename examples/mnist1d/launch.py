@@ -49,6 +49,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
@@ -73,12 +74,12 @@ Env = Mapping[str, str] | Callable[[int], Mapping[str, str]]
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
-  """``"dense,onebit"`` -> ``("dense", "onebit")``, each one of ``train.METHODS``."""
+  """``"dense,onebit"`` -> ``("dense", "onebit")``, each one of ``train.ALL_METHODS``."""
   methods = tuple(m.strip() for m in text.split(",") if m.strip())
-  unknown = [m for m in methods if m not in train.METHODS]
+  unknown = [m for m in methods if m not in train.ALL_METHODS]
   if unknown or not methods:
     raise ValueError(f"--method: unknown {unknown} in {text!r}; "
-                     f"choose from {','.join(train.METHODS)}")
+                     f"choose from {','.join(train.ALL_METHODS)}")
   if len(set(methods)) != len(methods):
     raise ValueError(f"--method: repeated method in {text!r}")
   return methods
@@ -195,6 +196,18 @@ def _sha256(leaves: Sequence[np.ndarray]) -> str:
   return h.hexdigest()
 
 
+def local_mean(x: jax.Array) -> float:
+  """Mean of this process's shards of a per-device array (host side, no collective)."""
+  return float(np.mean([np.asarray(s.data) for s in x.addressable_shards]))
+
+
+def global_means(local: Sequence[float]) -> list[float]:
+  """Per entry, the mean over processes of every process's ``local`` (all the same
+  length; each process has as many devices): one host all-gather for the whole list."""
+  gathered = multihost_utils.process_allgather(np.asarray(local, np.float32))
+  return [float(v) for v in np.mean(np.reshape(gathered, (-1, len(local))), axis=0)]
+
+
 def local_copies_identical(params) -> bool:
   """Whether every local device holds the same bytes of every replicated leaf."""
   for leaf in jax.tree.leaves(params):
@@ -226,7 +239,7 @@ def overflow_steps(opt_state, mesh) -> int | None:
 
 
 def train_method(method: str, config, *, model, init_params, data, mesh,
-                 evaluate: bool = False) -> dict[str, Any]:
+                 evaluate: bool = False, profile: int = 0) -> dict[str, Any]:
   """Trains ``method`` from ``init_params`` on a mesh that may span processes.
 
   Every process must call it with the same arguments (each jitted call is a collective).
@@ -238,7 +251,9 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
     after the first), ``final_loss``, ``params_sha256``/``params_checksum`` of the
     final parameters, ``local_copies_identical``, ``params_change_l2`` (from init), the
     wire report's bytes (DGC's steady state) and ``test_accuracy`` (None unless
-    ``evaluate``).
+    ``evaluate``), and with ``profile > 0`` the ``phases`` of that many more steps
+    (:func:`jaxcomp.profile_phases`: ms per step in gradient, encode, exchange,
+    decode, update and idle, on this process's devices), run after everything else.
   """
   k = mesh.size
   tx = train.make_tx(method, config)
@@ -263,8 +278,9 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
     start = time.perf_counter()
     batch = tuple(host_to_global(a, per_device) for a in next(batches))
     params, opt_state, loss = step(params, opt_state, batch)
-    losses.append(float(loss.addressable_data(0)))  # waits for the step
+    losses.append(local_mean(loss))  # waits for the step
     step_times.append(time.perf_counter() - start)
+  losses = global_means(losses)  # one collective for all steps, after the timed ones
 
   accuracy = None
   if evaluate:
@@ -279,7 +295,7 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
   report = train.wire_report(
       train.make_tx(method, config, train.make_exchange(method, config, warmup=False)),
       init_params, k)
-  return {
+  record = {
       "method": method,
       "num_steps": config.num_steps,
       "step_times_s": step_times,
@@ -297,11 +313,27 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
       "ratio": None if report is None else report.ratio,
       "wire_report": None if report is None else str(report),
       "test_accuracy": accuracy,
+      "phases": None,
   }
+  if profile:
+    carry = [params, opt_state]
+    batch = tuple(host_to_global(a, per_device) for a in next(batches))
+
+    def run():  # the step donates its state: carry it from call to call
+      carry[0], carry[1], loss = step(carry[0], carry[1], batch)
+      jax.block_until_ready(loss)
+
+    run()
+    prof = jc.profile_phases(run, step, calls=profile)
+    record["phases"] = {"step_ms": 1e3 * prof.step_s, "calls": prof.calls,
+                        **{p: 1e3 * t for p, t in prof.phases.items()},
+                        "top_ops_ms": {p: [[n, 1e3 * t] for n, t in ops]
+                                       for p, ops in prof.top_ops.items()}}
+  return record
 
 
 def train_worker(config, methods: Sequence[str], workdir: str, *,
-                 evaluate: bool = False) -> dict[str, Any]:
+                 evaluate: bool = False, profile: int = 0) -> dict[str, Any]:
   """This process's part of training every method in turn; ``jax.distributed`` is up.
 
   Returns:
@@ -324,7 +356,7 @@ def train_worker(config, methods: Sequence[str], workdir: str, *,
   }
   for method in methods:
     r = train_method(method, config, model=model, init_params=init_params, data=data,
-                     mesh=mesh, evaluate=evaluate)
+                     mesh=mesh, evaluate=evaluate, profile=profile)
     result["methods"][method] = r
     print(f"[process {pid}] {method}: {r['num_steps']} steps, final loss "
           f"{r['final_loss']:.4f}, median step {1e3 * r['median_step_time_s']:.1f} ms, "
@@ -348,7 +380,8 @@ def run_worker(args: argparse.Namespace) -> None:
   methods = parse_methods(args.method)
   init_distributed(args.coordinator, args.num_processes, args.process_id,
                    devices_per_process=args.devices_per_process)
-  result = train_worker(config, methods, args.workdir, evaluate=args.eval)
+  result = train_worker(config, methods, args.workdir, evaluate=args.eval,
+                        profile=args.profile)
   write_result(result, args.workdir)
   jax.distributed.shutdown()  # a barrier: no process leaves while others still run
 
@@ -403,7 +436,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def worker_args(methods: Sequence[str] | str, *, config: str = "default",
                 devices_per_process: int | None = None, steps: int | None = None,
                 seed: int | None = None, batch: int | None = None,
-                workdir: str | None = None, evaluate: bool = False) -> list[str]:
+                workdir: str | None = None, evaluate: bool = False,
+                profile: int = 0) -> list[str]:
   """The flags of the worker command line shared by all processes (for :func:`launch`)."""
   methods = methods if isinstance(methods, str) else ",".join(methods)
   parse_methods(methods)
@@ -413,7 +447,10 @@ def worker_args(methods: Sequence[str] | str, *, config: str = "default",
                       ("--seed", seed), ("--batch", batch), ("--workdir", workdir)):
     if value is not None:
       args += [flag, str(value)]
-  return args + (["--eval"] if evaluate else [])
+  if profile < 0:
+    raise ValueError(f"--profile must be >= 0, got {profile}")
+  return (args + (["--eval"] if evaluate else [])
+          + (["--profile", str(profile)] if profile else []))
 
 
 def worker_command(args: Sequence[str], *, process_id: int, num_processes: int,
@@ -621,7 +658,28 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
     ratio = "n/a" if m["ratio"] is None else f"{m['ratio']:.1f}x"
     lines.append(f"| {method} | {m['final_loss']:.4f} | {acc} | {times} | {recv} | {ratio} |"
                  f" {m['params_sha256'][:16]} | {'yes' if same else 'NO'} |")
-  return "\n".join(lines)
+  return "\n".join(lines) + phase_table(results)
+
+
+PHASE_COLUMNS = ("gradient", "encode", "exchange", "decode", "update", "idle")
+
+
+def phase_table(results: Sequence[dict[str, Any]]) -> str:
+  """Markdown: each profiled method's step split by phase (ms), every process; or ""."""
+  rows = []
+  for method in results[0]["methods"]:
+    for r in results:
+      ph = r["methods"][method].get("phases")
+      if ph:
+        rows.append(f"| {method} | {r['process_id']} | {ph['step_ms']:.1f} | " + " | ".join(
+            f"{ph[c]:.1f}" for c in PHASE_COLUMNS) + " |")
+  if not rows:
+    return ""
+  return "\n".join([
+      "", "", "Where a step's time goes (ms per step, jc.profile_phases over the profiled "
+      "steps; exchange includes waiting for the other processes):", "",
+      "| method | process | step | " + " | ".join(PHASE_COLUMNS) + " |",
+      "|---|---:|---:|" + "---:|" * len(PHASE_COLUMNS), *rows])
 
 
 # ----------------------------------------------------------------------------- main
@@ -634,7 +692,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--devices-per-process", type=int, default=1,
                       help="CPU devices per process (not used on GPU)")
   parser.add_argument("--method", default="dense",
-                      help=f"comma-separated methods of {','.join(train.METHODS)}, "
+                      help=f"comma-separated methods of {','.join(train.ALL_METHODS)}, "
                       "trained in turn")
   parser.add_argument("--config", default="default",
                       help="module in examples/mnist1d/configs: "
@@ -650,6 +708,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="evaluate test accuracy after each method")
   parser.add_argument("--timeout", type=float, default=600.0,
                       help="seconds before all workers are killed")
+  parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                      help="after training, profile STEPS more steps and split their "
+                      "time into gradient/encode/exchange/decode/update")
   parser.add_argument("--coordinator", default=None,
                       help="HOST:PORT of the coordinator (default: 127.0.0.1, free port)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -668,7 +729,7 @@ def run_launcher(args: argparse.Namespace) -> list[dict[str, Any]]:
   forwarded = worker_args(args.method, config=args.config,
                           devices_per_process=args.devices_per_process, steps=args.steps,
                           seed=args.seed, batch=args.batch, workdir=workdir,
-                          evaluate=args.eval)
+                          evaluate=args.eval, profile=args.profile)
   start = time.perf_counter()
   results = launch(forwarded, processes=args.processes, coordinator=args.coordinator,
                    timeout=args.timeout, stream=True)

@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--seed", type=int, default=None,
                       help="override the init/shuffling seed (the data set stays fixed)")
   parser.add_argument("--methods", default=None,
-                      help=f"comma-separated subset of {','.join(train.METHODS)}")
+                      help=f"comma-separated subset of {','.join(train.ALL_METHODS)}")
   return parser.parse_args(argv)
 
 
@@ -67,9 +67,9 @@ def get_config(args: argparse.Namespace):
     overrides["seed"] = args.seed
   if args.methods is not None:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    unknown = [m for m in methods if m not in train.METHODS]
+    unknown = [m for m in methods if m not in train.ALL_METHODS]
     if unknown or not methods:
-      raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(train.METHODS)}")
+      raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(train.ALL_METHODS)}")
     overrides["methods"] = methods
   return dataclasses.replace(config, **overrides)
 

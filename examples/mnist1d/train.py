@@ -29,6 +29,10 @@ from examples.mnist1d import models
 AXIS = "batch"
 
 METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd")
+# Also accepted by --method (launch.py) and --methods, not trained by default: the dense
+# baseline with all leaves in one all-reduce buffer (jc.pmean_tree), for benchmarks.
+EXTRA_METHODS = ("dense_flat",)
+ALL_METHODS = METHODS + EXTRA_METHODS
 
 # Methods whose exchange carries the momentum (DGC's momentum correction): the optimizer
 # after them is plain SGD, and they clip locally instead of clipping the mean gradient.
@@ -39,8 +43,12 @@ MOMENTUM_IN_EXCHANGE = ("dgc",)
 REPLICATED_STATE = ("mipd",)
 
 
-def pmean_gradients(axis_name: str) -> optax.GradientTransformation:
-  """The dense baseline: a float32 ``lax.pmean`` of every gradient leaf, no state."""
+def pmean_gradients(axis_name: str, *, flat: bool = False) -> optax.GradientTransformation:
+  """The dense baseline: a float32 ``lax.pmean`` of every gradient leaf, no state.
+
+  With ``flat``, :func:`jaxcomp.pmean_tree`: the same means from one all-reduce of one
+  buffer, instead of one all-reduce operand per leaf (one gloo round each on CPU).
+  """
 
   def init_fn(params):
     del params
@@ -48,6 +56,8 @@ def pmean_gradients(axis_name: str) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
+    if flat:
+      return jc.pmean_tree(updates, axis_name), state
     return jax.tree.map(lambda g: lax.pmean(g, axis_name), updates), state
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -75,6 +85,8 @@ def make_exchange(method: str, config=None, *, warmup: bool = True
     return jc.mipd(0.5, axis_name=AXIS)
   if method == "dense":
     return pmean_gradients(AXIS)
+  if method == "dense_flat":
+    return pmean_gradients(AXIS, flat=True)
   # "auto": two-phase (traffic flat in K), or the all-gather on 2 devices (same bytes).
   if method == "qsgd4":
     return jc.qsgd(bits=4, axis_name=AXIS, collective="auto")
@@ -82,7 +94,7 @@ def make_exchange(method: str, config=None, *, warmup: bool = True
     return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="auto")
   if method == "onebit":
     return jc.onebit_sgd(axis_name=AXIS)
-  raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+  raise ValueError(f"unknown method {method!r}; expected one of {ALL_METHODS}")
 
 
 def make_optimizer(config, *, momentum: bool = True) -> optax.GradientTransformation:
@@ -140,7 +152,13 @@ def cross_entropy(model, params, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def make_train_step(model, tx, mesh, state_specs):
-  """jit(shard_map(train_step)): params replicated, batch per device, state per specs."""
+  """jit(shard_map(train_step)): params replicated, batch per device, state per specs.
+
+  Returns ``(params, opt_state, losses)`` with each device's loss, shape ``(K,)``: the
+  step runs no collective but the exchange's, and the host averages the losses (on a
+  link with milliseconds of latency per collective, as under gVisor here, a ``pmean``
+  of the loss would cost one more message round per step).
+  """
 
   def train_step(params, opt_state, batch):
     x, y = jax.tree.map(lambda a: a[0], batch)  # this device's (B, ...) slice
@@ -150,11 +168,11 @@ def make_train_step(model, tx, mesh, state_specs):
         model, jc.vary(params, AXIS), x, y)
     updates, opt_state = tx.update(grads, opt_state, params)  # the gradient exchange
     params = optax.apply_updates(params, updates)
-    return params, opt_state, lax.pmean(loss, AXIS)
+    return params, opt_state, loss[None]
 
   return jax.jit(jax.shard_map(
       train_step, mesh=mesh,
-      in_specs=(P(), state_specs, P(AXIS)), out_specs=(P(), state_specs, P())),
+      in_specs=(P(), state_specs, P(AXIS)), out_specs=(P(), state_specs, P(AXIS))),
       donate_argnums=(0, 1))
 
 
@@ -222,7 +240,7 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
       # Wait for the step: one step in flight at a time. (With 8 virtual CPU devices on
       # 2 cores, queueing several multi-device steps has deadlocked XLA's CPU
       # collectives: a rendezvous timed out with only 5 of 8 devices arrived.)
-      losses.append(float(loss))
+      losses.append(float(np.mean(np.asarray(loss))))
       train_time += time.perf_counter() - start
       bar.update()
       if i % config.eval_every == 0 or i == config.num_steps:
