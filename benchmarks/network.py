@@ -168,6 +168,7 @@ def psum_worker(args: argparse.Namespace) -> None:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax import lax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   mesh = jax.make_mesh((jax.device_count(),), ("b",))
@@ -179,9 +180,16 @@ def psum_worker(args: argparse.Namespace) -> None:
     local = np.ones((n,), np.float32)
     x = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P("b")), local)
     f(x).block_until_ready()  # compile, and warm the connection
+    start = time.perf_counter()
+    f(x).block_until_ready()
+    warm = time.perf_counter() - start
+    # How many timed psums fit the budget: process 0's estimate, broadcast, so that
+    # both processes issue the same number of collectives (each deciding from its own
+    # clock, one could start a psum the other never joins, and hang).
+    repeats = int(multihost_utils.broadcast_one_to_all(
+        np.int32(min(15, max(3, int(2 * args.seconds_per_size / warm))))))
     times = []
-    budget = time.perf_counter() + args.seconds_per_size
-    while len(times) < 3 or (len(times) < 15 and time.perf_counter() < budget):
+    for _ in range(repeats):
       start = time.perf_counter()
       f(x).block_until_ready()
       times.append(time.perf_counter() - start)

@@ -34,7 +34,7 @@ def test_two_processes_end_with_identical_params(tmp_path):
   # jax.distributed) is paid once; compiling the four train steps dominates (~1 min).
   workdir = str(tmp_path)
   args = launch.worker_args(METHODS, config="quick", devices_per_process=2, steps=STEPS,
-                            workdir=workdir)
+                            workdir=workdir, profile=2)
   results = launch.launch(args, processes=2, timeout=400, env={"JAX_PLATFORMS": "cpu"})
 
   assert [r["process_id"] for r in results] == [0, 1]
@@ -53,6 +53,17 @@ def test_two_processes_end_with_identical_params(tmp_path):
     assert len(m["losses"]) == len(m["step_times_s"]) == STEPS
     assert all(math.isfinite(loss) for loss in m["losses"]), method
     assert all(t > 0 for t in m["step_times_s"]) and m["median_step_time_s"] > 0
+  # --profile: each process split two more steps by phase (jc.profile_phases).
+  for r in results:
+    for method in METHODS:
+      ph = r["methods"][method]["phases"]
+      assert ph["calls"] == 2 and ph["step_ms"] > 0, method
+      assert ph["gradient"] > 0 and ph["exchange"] > 0, method
+      if method != "dense":
+        assert ph["encode"] > 0 and ph["decode"] > 0, method
+      else:
+        assert ph["encode"] == ph["decode"] == 0
+  assert "Where a step's time goes" in launch.summary(results)
   digests = {results[0]["methods"][m]["params_sha256"] for m in METHODS}
   assert len(digests) == len(METHODS)  # the exchanges really differ
 
@@ -149,6 +160,24 @@ def test_collective_probe_runs_across_two_processes(capsys):
   assert "| 65,536 |" in out and "all_gather (ms)" in out
   with pytest.raises(SystemExit):
     collective_probe.main(["--sizes", "12"])
+
+
+@pytest.mark.slow
+def test_network_psum_worker_agrees_on_its_repeats():
+  # benchmarks.network times psums with a budget; both processes must issue the same
+  # number of psums (process 0 decides and broadcasts), or one would hang.
+  import json  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from benchmarks import network  # pylint: disable=import-outside-toplevel
+  coordinator = f"127.0.0.1:{launch.free_port()}"
+  commands = [[sys.executable, "-m", "benchmarks.network", "--psum-worker", "--process-id",
+               str(i), "--num-processes", "2", "--coordinator", coordinator,
+               "--psum-sizes", "4096,65536", "--seconds-per-size", "0.05"] for i in range(2)]
+  outputs = launch.run_processes(commands, timeout=300, env={"JAX_PLATFORMS": "cpu"})
+  line = next(x for x in outputs[0].stdout if x.startswith(network.RESULT_MARKER))
+  samples = json.loads(line[len(network.RESULT_MARKER):])["psum"]
+  assert [s["bytes"] for s in samples] == [4096, 65536]
+  assert all(3 <= len(s["times_s"]) <= 15 and s["median_s"] > 0 for s in samples)
 
 
 def test_xla_combines_all_reduces_not_all_gathers():
