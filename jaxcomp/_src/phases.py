@@ -237,7 +237,8 @@ def profile_phases(run: Callable[[], Any], hlo, *, calls: int = 5,
           if op is None or _stat(e, "hlo_module") != module:
             continue
           device = _stat(e, "device_ordinal")
-          devices.add((plane.name, device))
+          if device is not None:
+            devices.add((plane.name, device))
           per_line[(plane.name, line.name)].append((e.start_ns, e.duration_ns, op))
   finally:
     if tmp is not None:
