@@ -12,7 +12,10 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 * ``jnp.cumsum`` of a mask and ``jnp.nonzero(mask, size=...)``, at n = 1M;
 * the Wangni sparsifier's λ: the bisection of ``UnbiasedSparsifier(method="exact")``
   against ``jnp.sort`` alone (the paper's Algorithm 2 sorts), and the greedy method, at
-  n = 1M.
+  n = 1M;
+* QSGD's decode of two gathered payloads followed by an optimizer that reads the mean
+  three times, with the decode fused into the readers (XLA's choice) and materialized
+  once (``collectives._decode_means``), at n = 1.77M.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jax import lax
 
 import jaxcomp as jc
 from benchmarks._timing import median_time
+from jaxcomp._src import collectives
 from jaxcomp._src import sparse
 
 
@@ -45,6 +49,28 @@ def _donated_ms(x, *, repeats: int) -> float:
     y.block_until_ready()
     times.append(time.perf_counter() - start)
   return 1e3 * statistics.median(times)
+
+
+def _decode_update(materialize: bool):
+  """QSGD 4-bit decode_sum of 2 gathered payloads of a 128x13824 leaf, then clipping,
+  momentum and an update that all read the mean: fused (XLA's choice) or with the
+  mean materialized by ``collectives._decode_means``' ``lax.cond``."""
+  codec = jc.codecs.QSGD(7, 512, "max")
+  x = jax.random.normal(jax.random.key(3), (128, 13824))
+  payload = codec.encode(x, key=jax.random.key(4))
+  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), payload)
+
+  def step(st, w, m):
+    if materialize:
+      d = collectives._decode_means(codec, [st], 2)[0]  # pylint: disable=protected-access
+    else:
+      d = codec.decode_sum(st) / 2
+    norm = jnp.sqrt(jnp.sum(d * d))
+    g = d * jnp.where(norm < 1.0, 1.0, 1.0 / norm) + 1e-4 * w
+    m = 0.9 * m + g
+    return w - 0.01 * (g + 0.9 * m), m
+
+  return step, (stacked, jnp.ones(x.shape), jnp.ones(x.shape))
 
 
 def main(argv=None) -> None:
@@ -88,6 +114,12 @@ def main(argv=None) -> None:
       # Writing a fresh 64 MB output (every decode does) vs the same loop in place.
       ("x + 1 into a new buffer, n=16M", _ms(lambda a: a + 1.0, s16, repeats=r)),
       ("x + 1 in place (donated), n=16M", _donated_ms(s16, repeats=r)),
+      # A decoded mean that the optimizer reads three times: XLA:CPU fuses the decode
+      # into each reader unless it is materialized (jaxcomp does, on CPU).
+      ("QSGD4 decode of 2 payloads + clip/momentum/update, fused, n=1.77M",
+       _ms(_decode_update(False)[0], *_decode_update(False)[1], repeats=r)),
+      ("the same, decode materialized (lax.cond), n=1.77M",
+       _ms(_decode_update(True)[0], *_decode_update(True)[1], repeats=r)),
       ("UnbiasedSparsifier greedy λ (1%), n=1M", _ms(
           lambda a: jc.codecs.UnbiasedSparsifier(density=0.01).probabilities(a)[1], m1,
           repeats=r)),

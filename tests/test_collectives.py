@@ -383,3 +383,28 @@ def test_auto_collective_is_allgather_on_two_devices_else_two_phase(k, want):
   assert prims == ({"all_gather"} if want == "allgather" else {"all_gather", "all_to_all"})
   # Elias-coded QSGD has a fallback: "auto" is its all-gather at any K.
   jc.compress(jc.codecs.EliasQSGD(7), axis_name=AXIS, collective="auto")
+
+
+def test_cpu_decode_is_materialized_once_and_unchanged():
+  # On XLA:CPU the decoded mean is computed inside a lax.cond (a fusion barrier) so the
+  # optimizer's several readers do not each unpack the payloads again; values identical.
+  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  codec = jc.codecs.QSGD(7, 512, "max")
+  payloads = [codec.encode(jax.random.normal(jax.random.key(i), (64, 96)),
+                           key=jax.random.key(10 + i)) for i in range(2)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *payloads)
+  decode_means = collectives._decode_means  # pylint: disable=protected-access
+  barrier = jax.jit(lambda st: decode_means(codec, [st], 2))
+  plain = jax.jit(lambda st: [codec.decode_sum(st) / 2])
+  np.testing.assert_array_equal(barrier(stacked)[0], plain(stacked)[0])
+  assert "conditional" in barrier.lower(stacked).compile().as_text()
+  assert "conditional" not in plain.lower(stacked).compile().as_text()
+  # The K = 2 exchange of jc.compress goes through it.
+  shapes = {"w": (64, 64), "b": (64,)}
+  grads = helpers.per_device_grads(jax.random.key(6), shapes, k=2)
+  tx = jc.compress(codec, axis_name=AXIS, collective="auto")
+  devices = jax.devices()[:2]
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(
+      {n: jnp.zeros((2, *s)) for n, s in shapes.items()})
+  update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+  assert "conditional" in update.lower(grads, state).compile().as_text()

@@ -223,6 +223,35 @@ def local(codec: Codec, x: Array, key: Array) -> Exchanged:
   return Exchanged(sent, sent, None, overflow)
 
 
+def _decode_means(codec: Codec, gathered, k: int) -> list[Array]:
+  """``decode_sum(g) / K`` of every gathered payload, materialized once on XLA:CPU.
+
+  XLA fuses a cheap elementwise producer into each of its consumers: the optimizer
+  after the exchange reads the mean several times (global-norm clipping, momentum,
+  the update), so XLA:CPU unpacked the payloads again in each consumer's fusion.
+  ``lax.optimization_barrier`` is removed before fusion on CPU; a ``lax.cond`` is not,
+  so on CPU the decode runs inside one whose two branches are the same computation
+  (its predicate, read from the received words, only keeps XLA from folding it): the
+  mean is written once and the consumers read it (QSGD 4-bit's decode of 2 payloads of
+  1.77M values, then clipping, momentum and update: 6.7 -> 5.1 ms on one core,
+  ``python -m benchmarks.xla_cpu_pitfalls``; the same values). Not on GPU, where a
+  conditional's predicate goes to the host and where the Pallas decode-sum kernel
+  already writes the mean once.
+  """
+  def decode():
+    return [codec.decode_sum(g) / k for g in gathered]
+
+  if jax.default_backend() != "cpu" or not gathered:
+    return decode()
+  first = jax.tree.leaves(gathered[0])[0]
+  token = first.reshape(-1)[0]
+  if jnp.issubdtype(token.dtype, jax.dtypes.extended):
+    return decode()
+  token = lax.bitcast_convert_type(token, jnp.dtype(f"uint{8 * token.dtype.itemsize}")) \
+      if token.dtype != jnp.bool_ else token.astype(jnp.uint8)
+  return lax.cond(token != 0x5A, decode, decode)
+
+
 def payload_means(codec: Codec, payloads, axis_name) -> list[Array]:
   """Means over devices of what each device's ``payloads`` decode to (float32), one each.
 
@@ -236,7 +265,7 @@ def payload_means(codec: Codec, payloads, axis_name) -> list[Array]:
   k = axis_size(axis_name)
   gathered = gather_tree(list(payloads), axis_name)
   with jax.named_scope(DECODE_SCOPE):
-    return [codec.decode_sum(g) / k for g in gathered]
+    return _decode_means(codec, gathered, k)
 
 
 def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
@@ -255,7 +284,7 @@ def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
   payloads, dense = list(payloads), list(dense)
   gathered = gather_tree(payloads + dense, axis_name)
   with jax.named_scope(DECODE_SCOPE):
-    means = [codec.decode_sum(g) / k for g in gathered[:len(payloads)]]
+    means = _decode_means(codec, gathered[:len(payloads)], k)
     dense_means = [(g[0] + g[1] if k == 2 else g[0]) / k for g in gathered[len(payloads):]]
   return means, dense_means
 
