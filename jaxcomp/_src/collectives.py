@@ -238,18 +238,23 @@ def _decode_means(codec: Codec, gathered, k: int) -> list[Array]:
   conditional's predicate goes to the host and where the Pallas decode-sum kernel
   already writes the mean once.
   """
-  def decode():
-    return [codec.decode_sum(g) / k for g in gathered]
+  return _materialized(lambda: [codec.decode_sum(g) / k for g in gathered], gathered)
 
-  if jax.default_backend() != "cpu" or not gathered:
-    return decode()
-  first = jax.tree.leaves(gathered[0])[0]
-  token = first.reshape(-1)[0]
-  if jnp.issubdtype(token.dtype, jax.dtypes.extended):
-    return decode()
+
+def _materialized(compute, received):
+  """``compute()``; on XLA:CPU inside a ``lax.cond`` with ``compute`` in both branches,
+  so that its results are written once instead of fused into each reader (see
+  :func:`_decode_means`). The predicate reads one value of ``received`` (a pytree of
+  received arrays, invariant across devices) only so that XLA cannot fold it."""
+  leaves = jax.tree.leaves(received)
+  if jax.default_backend() != "cpu" or not leaves:
+    return compute()
+  token = leaves[0].reshape(-1)[0]
+  if jnp.issubdtype(token.dtype, jax.dtypes.extended) or token.size == 0:
+    return compute()
   token = lax.bitcast_convert_type(token, jnp.dtype(f"uint{8 * token.dtype.itemsize}")) \
       if token.dtype != jnp.bool_ else token.astype(jnp.uint8)
-  return lax.cond(token != 0x5A, decode, decode)
+  return lax.cond(token != 0x5A, compute, compute)
 
 
 def payload_means(codec: Codec, payloads, axis_name) -> list[Array]:
@@ -427,10 +432,15 @@ def two_phase_means(codec: Codec, xs, keys, axis_name,
     seconds.append((mine, new_residual, overflow2))
   gathered = gather_tree([s[0] for s in seconds], axis_name)
   out = []
-  for x, (_, sent, overflow, _), (_, new_residual, overflow2), g in zip(
-      xs, firsts, seconds, gathered):
-    with jax.named_scope(DECODE_SCOPE):
-      mean = jax.vmap(lambda p: codec.decode(p, _F32))(g).reshape(-1)[:x.size]
+
+  def decode_all():
+    return [jax.vmap(lambda p: codec.decode(p, _F32))(g).reshape(-1)[:x.size]
+            for x, g in zip(xs, gathered)]
+
+  with jax.named_scope(DECODE_SCOPE):  # written once on CPU, see _decode_means
+    means = _materialized(decode_all, gathered)
+  for x, (_, sent, overflow, _), (_, new_residual, overflow2), mean in zip(
+      xs, firsts, seconds, means):
     out.append(Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual,
                          overflow | overflow2))
   return out
