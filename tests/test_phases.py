@@ -118,3 +118,18 @@ def test_profile_phases_checks_its_arguments():
   other = jax.jit(lambda a: a * 2.0).lower(jnp.ones(4)).compile()
   with pytest.raises(RuntimeError, match="no op events"):
     jc.profile_phases(run, other, calls=1)  # run() never executes `other`
+
+
+@pytest.mark.parametrize("name", ["onebit", "dgc", "mipd", "sparsify"])
+def test_every_method_scopes_its_encode_and_decode(name):
+  tx = {"onebit": lambda: jc.onebit_sgd(axis_name=AXIS),
+        "dgc": lambda: jc.dgc(0.01, 0.9, axis_name=AXIS),
+        "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),
+        "sparsify": lambda: jc.sparsify(density=0.05, axis_name=AXIS)}[name]()
+  devices = jax.devices()[:2]
+  params = {"w": jnp.ones((2, 64, 96)), "v": jnp.ones((2, 48, 64)), "b": jnp.ones((2, 96))}
+  grads = jax.tree.map(lambda p: p * 0.1, params)
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(params)
+  update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+  found = set(phases.op_phases(update.lower(grads, state, params).compile()).values())
+  assert {"encode", "exchange", "decode"} <= found, found

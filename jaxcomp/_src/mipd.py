@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import collectives
+from jaxcomp._src import phases
 from jaxcomp._src import normal
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
@@ -416,17 +417,19 @@ def mipd(
       flat = jnp.concatenate([g.reshape(-1) for g in g_m])
       mean = received = flat if axis_name is None else lax.pmean(flat, axis_name)
     else:
-      errs = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g - p))) for g, p in zip(g_m, p_m)])
-      rates = drop_rates(jnp.stack([pnorms[j] for j in members]), errs, beta)
-      keep = jnp.asarray(group.sizes, jnp.int32) - allocate_drops(rates, group.caps,
-                                                                  group.drops)
-      flats, masks = group.select(g_m, keep)
-      arrays, overflow = group.encode(flats, masks)
+      with jax.named_scope(phases.ENCODE_SCOPE):  # drop rates, selection, quantization
+        errs = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g - p))) for g, p in zip(g_m, p_m)])
+        rates = drop_rates(jnp.stack([pnorms[j] for j in members]), errs, beta)
+        keep = jnp.asarray(group.sizes, jnp.int32) - allocate_drops(rates, group.caps,
+                                                                    group.drops)
+        flats, masks = group.select(g_m, keep)
+        arrays, overflow = group.encode(flats, masks)
 
       def total_and_count(layout, payload):
-        if axis_name is None:
-          return layout.sum_and_count(jax.tree.map(lambda x: x[None], payload))
-        return layout.sum_and_count(collectives.gather_tree(payload, axis_name))
+        got = (jax.tree.map(lambda x: x[None], payload) if axis_name is None
+               else collectives.gather_tree(payload, axis_name))
+        with jax.named_scope(phases.DECODE_SCOPE):
+          return layout.sum_and_count(got)
 
       if group.quantizer is None:
         total, count = total_and_count(group, arrays)
@@ -441,9 +444,10 @@ def mipd(
         total, count = lax.cond(overflow, exact,
                                 lambda _: total_and_count(group, arrays), None)
       k = 1 if axis_name is None else collectives.axis_size(axis_name)
-      p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
-      received = total / k
-      mean = (total + (k - count) * p_flat) / k if compensate else received
+      with jax.named_scope(phases.DECODE_SCOPE):  # averaging and compensation
+        p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
+        received = total / k
+        mean = (total + (k - count) * p_flat) / k if compensate else received
     means, new_p = [], []
     for pos, j in enumerate(members):
       lo, hi = int(group.offsets[pos]), int(group.offsets[pos + 1])
