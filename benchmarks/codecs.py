@@ -7,6 +7,10 @@ next to a copy (``x + 1``: read and write). Throughput counts the float32 input 
 
   python -m benchmarks.codecs                       # 1M..64M, every codec
   python -m benchmarks.codecs --sizes 22,24 --codecs qsgd4,onebit --repeats 5 --rng
+  python -m benchmarks.codecs --sizes 22 --codecs qsgd4,onebit --ops   # what limits them
+
+``--ops`` also lists, per codec and size, the costliest XLA ops of ``decode(encode(x))``
+(``jc.profile_phases`` over 10 calls): which passes the time goes to.
 
 On XLA:CPU everything runs on the host's cores (2 on the development machine); XLA
 parallelises large fusions across them, so the roof is the machine's, not one core's.
@@ -15,7 +19,6 @@ parallelises large fusions across them, so the roof is the machine's, not one co
 from __future__ import annotations
 
 import argparse
-import math
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +73,19 @@ def time_codec(codec, x: jax.Array, key: jax.Array, repeats: int) -> tuple[float
           median_time(both, x, key, repeats=repeats))
 
 
+def top_ops(codec, x: jax.Array, key: jax.Array) -> tuple[float, list[tuple[str, float]]]:
+  """(median seconds, five costliest ops as (name, seconds)) of decode(encode(x))."""
+  both = jax.jit(lambda a, k: codec.decode(codec.encode(a, key=k))).lower(x, key).compile()
+
+  def run():
+    jax.block_until_ready(both(x, key))
+
+  run()
+  prof = jc.profile_phases(run, both, calls=10)
+  ops = sorted((op for p in prof.top_ops.values() for op in p), key=lambda o: -o[1])
+  return prof.step_s, ops[:5]
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default="20,22,24,26", help="log2 of n, comma-separated")
@@ -77,6 +93,8 @@ def main(argv=None) -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--rng", action="store_true",
                       help="also time the random bits: jax.random (threefry) vs the hash")
+  parser.add_argument("--ops", action="store_true",
+                      help="also list each codec's costliest ops of decode(encode(x))")
   args = parser.parse_args(argv)
   names = args.codecs.split(",")
   unknown = sorted(set(names) - set(CODECS))
@@ -88,6 +106,7 @@ def main(argv=None) -> None:
   print("| n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s) |"
         " % read roof | bits/value |")
   print("|---:|---|---:|---:|---:|---:|---:|---:|")
+  profiled = []
   for p in (int(s) for s in args.sizes.split(",")):
     n = 2**p
     x = jax.random.normal(jax.random.key(p), (n,), jnp.float32)
@@ -111,6 +130,13 @@ def main(argv=None) -> None:
       bits = codec.wire_bits((n,)) / n
       print(f"| 2^{p} | {name} | {gb / enc:.2f} | {gb / dec:.2f} | {gb / both:.2f} |"
             f" {n / both / 1e6:.0f} | {100 * read / both:.0f} | {bits:.3f} |", flush=True)
+      if args.ops:
+        step, ops = top_ops(codec, x, key)
+        profiled.append((p, name, step, read, ops))
+  for p, name, step, read, ops in profiled:
+    print(f"\n2^{p} {name}: decode(encode(x)) {1e3 * step:.2f} ms under the profiler, read "
+          f"roof {1e3 * read:.2f} ms; costliest ops: " + ", ".join(
+              f"{op} {1e3 * t:.2f} ms" for op, t in ops))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import argparse
 import math
 
 import jax
-import jax.numpy as jnp
 
 import jaxcomp as jc
 from benchmarks._timing import median_time

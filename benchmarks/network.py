@@ -165,7 +165,6 @@ def psum_worker(args: argparse.Namespace) -> None:
   launch.init_distributed(args.coordinator, args.num_processes, args.process_id,
                           devices_per_process=1)
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax import lax  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
@@ -361,11 +360,9 @@ def tables(runs: dict, model: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-PHASE_COLUMNS = ("gradient", "encode", "exchange", "decode", "update", "idle")
-
-
 def phase_tables(config: str, by_rate: dict) -> list[str]:
   """Markdown rows of the measured step split (``--profile``), process 0; or none."""
+  from examples.mnist1d.launch import PHASE_COLUMNS  # pylint: disable=import-outside-toplevel
   rows = []
   for rate, run in by_rate.items():
     for method, r in run["methods"].items():

@@ -81,6 +81,8 @@ def main(argv=None) -> None:
   m16 = jnp.abs(jax.random.normal(jax.random.key(1), (2**24,)))
   s16 = jax.random.normal(jax.random.key(2), (2**24,))
   t = jnp.float32(3.2)
+  fused, decode_args = _decode_update(False)
+  materialized, _ = _decode_update(True)
   rows = [
       ("top_k(x, 235)[0][-1], n=1M", _ms(lambda a: lax.top_k(a, 235)[0][-1], m1, repeats=r)),
       ("min(top_k(x, 235)[0]), n=1M", _ms(lambda a: jnp.min(lax.top_k(a, 235)[0]), m1,
@@ -117,9 +119,9 @@ def main(argv=None) -> None:
       # A decoded mean that the optimizer reads three times: XLA:CPU fuses the decode
       # into each reader unless it is materialized (jaxcomp does, on CPU).
       ("QSGD4 decode of 2 payloads + clip/momentum/update, fused, n=1.77M",
-       _ms(_decode_update(False)[0], *_decode_update(False)[1], repeats=r)),
+       _ms(fused, *decode_args, repeats=r)),
       ("the same, decode materialized (lax.cond), n=1.77M",
-       _ms(_decode_update(True)[0], *_decode_update(True)[1], repeats=r)),
+       _ms(materialized, *decode_args, repeats=r)),
       ("UnbiasedSparsifier greedy λ (1%), n=1M", _ms(
           lambda a: jc.codecs.UnbiasedSparsifier(density=0.01).probabilities(a)[1], m1,
           repeats=r)),

@@ -133,3 +133,12 @@ def test_every_method_scopes_its_encode_and_decode(name):
   update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
   found = set(phases.op_phases(update.lower(grads, state, params).compile()).values())
   assert {"encode", "exchange", "decode"} <= found, found
+
+
+def test_codec_benchmark_lists_the_costliest_ops():
+  from benchmarks import codecs as codec_bench  # pylint: disable=import-outside-toplevel
+  x = jax.random.normal(jax.random.key(0), (1 << 14,))
+  step, ops = codec_bench.top_ops(jc.codecs.OneBit(1024), x, jax.random.key(1))
+  assert step > 0 and 0 < len(ops) <= 5
+  assert all(t > 0 for _, t in ops) and [t for _, t in ops] == sorted(
+      (t for _, t in ops), reverse=True)

@@ -661,7 +661,7 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines) + phase_table(results)
 
 
-PHASE_COLUMNS = ("gradient", "encode", "exchange", "decode", "update", "idle")
+PHASE_COLUMNS = (*jc.PhaseProfile.PHASES, "idle")  # the columns of a phase table
 
 
 def phase_table(results: Sequence[dict[str, Any]]) -> str:

@@ -234,7 +234,8 @@ def _decode_means(codec: Codec, gathered, k: int) -> list[Array]:
   (its predicate, read from the received words, only keeps XLA from folding it): the
   mean is written once and the consumers read it (QSGD 4-bit's decode of 2 payloads of
   1.77M values, then clipping, momentum and update: 6.7 -> 5.1 ms on one core,
-  ``python -m benchmarks.xla_cpu_pitfalls``; the same values). Not on GPU, where a
+  ``taskset -c 0 python -m benchmarks.xla_cpu_pitfalls``; the same values; a test
+  checks that the barrier is still dropped on CPU). Not on GPU, where a
   conditional's predicate goes to the host and where the Pallas decode-sum kernel
   already writes the mean once.
   """

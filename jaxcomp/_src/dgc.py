@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 

@@ -71,13 +71,15 @@ class PhaseProfile:
     top_ops: per phase, its five costliest HLO ops as ``(name, seconds per call)``.
     calls: how many calls were profiled.
   """
+  PHASES = PHASES  # the phase names, in table order (``idle`` comes after them)
+
   step_s: float
   phases: Mapping[str, float]
   top_ops: Mapping[str, tuple[tuple[str, float], ...]]
   calls: int
 
   def __str__(self) -> str:
-    parts = [f"{p} {1e3 * self.phases[p]:.1f}" for p in (*PHASES, "idle")]
+    parts = [f"{p} {1e3 * self.phases[p]:.1f}" for p in (*self.PHASES, "idle")]
     return f"step {1e3 * self.step_s:.1f} ms = " + " + ".join(parts) + " (ms)"
 
 
@@ -102,7 +104,7 @@ def op_phases(hlo) -> dict[str, str]:
 
   An instruction's phase comes from its opcode (collectives: ``exchange``) and from the
   ``op_name`` metadata of its own and its called computations' instructions (a fusion
-  is the ops fused into it), by the precedence of the module docstring.
+  is the ops fused into it), by the rules of the module docstring.
   """
   text = _hlo_text(hlo)
   comp_ops: dict[str, list[str]] = collections.defaultdict(list)  # op_names inside

@@ -25,7 +25,6 @@ report is an upper bound there; report the steady state of such a transform with
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
