@@ -314,3 +314,61 @@ def test_default_levels():
   assert [qsvrg_lib.default_levels(n) for n in (1, 2, 32, 100, 2**20)] == [1, 1, 6, 10, 1024]
   assert qsvrg_lib.default_levels(2**20, bucket_size=512) == 23
   assert qsvrg_lib.default_levels(100, bucket_size=512) == 10
+
+
+def _all_collectives(hlo: str) -> dict[str, int]:
+  import re  # pylint: disable=import-outside-toplevel
+  return {name: len(re.findall(rf"\b{name}(?:-start)?\(", hlo))
+          for name in ("all-gather", "all-reduce", "all-to-all")}
+
+
+def test_step_exchanges_all_leaves_together_with_per_leaf_results():
+  """Leaves quantized with different codecs share one all-gather, the filtered leaves one
+  all-reduce (the snapshot too), and every leaf ends exactly where its own exchange
+  (``collectives.allgather_mean`` / ``lax.pmean``, the same keys) puts it."""
+  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  shapes = {"w1": (16, 8), "w2": (100,), "b1": (8,), "b2": (3,)}
+  keys = jax.random.split(jax.random.key(7), len(shapes))
+  params = {n: jax.random.normal(k, s) for (n, s), k in zip(shapes.items(), keys)}
+  loss = lambda p, batch: sum(jnp.sum(jnp.sin(v) * batch) for v in jax.tree.leaves(p))
+  only_w = lambda path, leaf: leaf.ndim == 2 or leaf.size >= 100
+  # Learning rate 1: x - mean, which XLA cannot contract into an FMA in one program and
+  # not the other (that would differ in the last bit while the exchanges agree).
+  # Max-norm QSGD, levels per leaf as the default: an l2 scale's sum of squares may be
+  # added in another order in another program, which moves it by an ulp.
+  codec = lambda leaf: jc.codecs.QSGD(qsvrg_lib.default_levels(leaf.size), None, "max")
+  opt = qsvrg_lib.qsvrg(loss, 1.0, axis_name=AXIS, filter=only_w, codec=codec)
+  batches = jnp.arange(1.0, K + 1.0)
+  state = opt.init(params)
+
+  def snapshot_and_step(p, s, batch):
+    s = opt.snapshot(p, s, batch)
+    return opt.step(p, s, batch), s
+
+  run = jax.pmap(snapshot_and_step, axis_name=AXIS, in_axes=(None, None, 0))
+  (new, _), snap = run(params, state, batches)
+
+  def reference(p, s, batch):  # the same step, leaf by leaf
+    gx = jax.grad(loss)(p, batch)
+    gy = jax.grad(loss)(s.snapshot, batch)
+    _, step_key = jax.random.split(s.key)
+    step_key = jax.random.fold_in(step_key, lax.axis_index(AXIS))
+    out = {}
+    for i, name in enumerate(sorted(p)):  # the flattening order of a dict
+      v = gx[name] - gy[name] + s.full_grad[name]
+      if only_w(None, p[name]):
+        mean = collectives.allgather_mean(
+            codec(v), v, jax.random.fold_in(step_key, i), AXIS).mean.reshape(v.shape)
+      else:
+        mean = lax.pmean(v, AXIS)
+      out[name] = p[name] - mean
+    return out
+
+  snap0 = jax.tree.map(lambda a: a[0], snap)
+  want = jax.pmap(reference, axis_name=AXIS, in_axes=(None, None, 0))(params, snap0, batches)
+  chex.assert_trees_all_equal(new, want)  # every device, every leaf, bit for bit
+  assert qsvrg_lib.default_levels(128) != qsvrg_lib.default_levels(100)  # two codecs
+  hlo = run.lower(params, state, batches).compile().as_text()
+  # The snapshot's all-reduce of every leaf, the step's of b1 and b2, the step's
+  # all-gather of w1's and w2's payloads.
+  assert _all_collectives(hlo) == {"all-gather": 1, "all-reduce": 2, "all-to-all": 0}

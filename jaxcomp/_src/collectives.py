@@ -265,13 +265,27 @@ def payload_means(codec: Codec, payloads, axis_name) -> list[Array]:
   payload (a fused kernel where the codec has one); with ``axis_name=None`` the local
   decodings. For codecs without a fallback.
   """
+  payloads = list(payloads)
+  return mixed_payload_means([codec] * len(payloads), payloads, axis_name)
+
+
+def mixed_payload_means(codecs, payloads, axis_name) -> list[Array]:
+  """:func:`payload_means` with a codec per payload (e.g. QSGD levels chosen per leaf).
+
+  Still one ``all_gather`` for all of them; each gathered payload is decoded and summed
+  by its own codec, and the means are written once on XLA:CPU (see :func:`_decode_means`).
+  """
+  codecs, payloads = list(codecs), list(payloads)
+  if len(codecs) != len(payloads):
+    raise ValueError(f"got {len(codecs)} codecs for {len(payloads)} payloads")
   if axis_name is None:
     with jax.named_scope(DECODE_SCOPE):
-      return [codec.decode(p, _F32) for p in payloads]
+      return [c.decode(p, _F32) for c, p in zip(codecs, payloads)]
   k = axis_size(axis_name)
-  gathered = gather_tree(list(payloads), axis_name)
+  gathered = gather_tree(payloads, axis_name)
   with jax.named_scope(DECODE_SCOPE):
-    return _decode_means(codec, gathered, k)
+    return _materialized(lambda: [c.decode_sum(g) / k for c, g in zip(codecs, gathered)],
+                         gathered)
 
 
 def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:

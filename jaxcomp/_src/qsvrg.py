@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
+from jaxcomp._src import phases
 from jaxcomp._src import transforms
 from jaxcomp._src import wire
 
@@ -121,7 +122,10 @@ def qsvrg(
   :func:`jaxcomp.compress` (``"allgather"``: every device decodes the K payloads, the
   paper's broadcast; or ``"two_phase"``, which quantizes the chunk averages a second
   time with the same codec: not the paper's algorithm). Every device then applies the
-  same mean, so parameters and state stay identical on all devices.
+  same mean, so parameters and state stay identical on all devices. One collective
+  carries every leaf: the payloads of all quantized leaves share one ``all_gather``
+  (each decoded by its own codec) and the leaves ``filter`` leaves out share one
+  all-reduce (:func:`jaxcomp.pmean_tree`), as does the snapshot's dense gradient.
 
   Choices made here: an epoch restarts from its snapshot (``x_1 = y``), and ``y`` is the
   mean of the T points where gradients were taken, ``x_1 .. x_T`` (the paper's
@@ -247,9 +251,6 @@ def qsvrg(
   def local(tree):
     return tree if axis_name is None else collectives.vary(tree, axis_name)
 
-  def mean_over_devices(x):
-    return x if axis_name is None else lax.pmean(x, axis_name)
-
   def lr(count):
     if not callable(learning_rate):
       return jnp.asarray(learning_rate, _F32)
@@ -278,7 +279,9 @@ def qsvrg(
         raise ValueError("snapshot needs this device's full_batch, or its full local "
                          "gradient as grad=...")
       grad = jax.grad(loss_fn)(local(params), full_batch)
-    full = jax.tree.map(lambda g: mean_over_devices(g.astype(_F32)), grad)
+    full = jax.tree.map(lambda g: g.astype(_F32), grad)
+    if axis_name is not None:  # one all-reduce per dtype, not one per leaf
+      full = collectives.pmean_tree(full, axis_name)
     y = jax.tree.map(lambda p, s: jnp.asarray(p, s.dtype), params, state.snapshot)
     return state._replace(snapshot=y, full_grad=full, iterate_sum=zeros32(params),
                           inner_count=jnp.zeros((), jnp.int32))
@@ -297,24 +300,47 @@ def qsvrg(
     gys = treedef.flatten_up_to(gy)
     fulls = treedef.flatten_up_to(state.full_grad)
     sums = treedef.flatten_up_to(state.iterate_sum)
-    new_params, new_sums = [], []
-    for i, ((path, x), a, b, c, acc) in enumerate(zip(leaves, gxs, gys, fulls, sums)):
+    means: list = [None] * len(leaves)
+    dense = []       # leaves the filter leaves out: one all-reduce for all of them
+    gathered = []    # (leaf, codec, payload): one all-gather for all of them
+    phased = []      # (codec, [(leaf, v, key)]): one two-phase exchange per codec
+    for i, ((path, x), a, b, c) in enumerate(zip(leaves, gxs, gys, fulls)):
       _check_leaf(path, x)
       v = a.astype(_F32) - b.astype(_F32) + c
       if not selected(path, x):
-        mean = mean_over_devices(v)
-      else:
-        leaf_key = jax.random.fold_in(step_key, i)
-        cod = leaf_codec(x)
-        if axis_name is None:
-          ex = collectives.local(cod, v, leaf_key)
-        elif collective == "two_phase":
-          ex = collectives.two_phase_mean(cod, v, leaf_key, axis_name)
-        else:
-          ex = collectives.allgather_mean(cod, v, leaf_key, axis_name)
-        mean = ex.mean.reshape(v.shape)
+        means[i] = v
+        dense.append(i)
+        continue
+      leaf_key = jax.random.fold_in(step_key, i)
+      cod = leaf_codec(x)
+      if axis_name is None:
+        means[i] = collectives.local(cod, v, leaf_key).mean
+      elif collective == "two_phase":
+        group = next((g for c, g in phased if c == cod), None)  # codecs may be unhashable
+        if group is None:
+          phased.append((cod, group := []))
+        group.append((i, v, leaf_key))
+      elif cod.fallback is None:
+        with jax.named_scope(phases.ENCODE_SCOPE):
+          gathered.append((i, cod, cod.encode(v, key=leaf_key)))
+      else:  # a variable-length format: its own exchange, with the fallback branch
+        means[i] = collectives.allgather_mean(cod, v, leaf_key, axis_name).mean
+    if axis_name is not None and dense:
+      for i, mean in zip(dense, collectives.pmean_tree([means[i] for i in dense], axis_name)):
+        means[i] = mean
+    if gathered:
+      for (i, _, _), mean in zip(gathered, collectives.mixed_payload_means(
+          [g[1] for g in gathered], [g[2] for g in gathered], axis_name)):
+        means[i] = mean
+    for cod, group in phased:
+      exs = collectives.two_phase_means(cod, [g[1] for g in group], [g[2] for g in group],
+                                        axis_name)
+      for (i, _, _), ex in zip(group, exs):
+        means[i] = ex.mean
+    new_params, new_sums = [], []
+    for (_, x), mean, acc in zip(leaves, means, sums):
       x32 = jnp.asarray(x).astype(_F32)
-      new_params.append((x32 - eta * mean).astype(x.dtype))
+      new_params.append((x32 - eta * mean.reshape(x32.shape)).astype(x.dtype))
       new_sums.append(acc + x32)
     new_state = state._replace(key=key, count=state.count + 1,
                                inner_count=state.inner_count + 1,
