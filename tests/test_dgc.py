@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
+from jaxcomp._src import dgc as dgc_lib
 from jaxcomp._src import sparse
 from tests import helpers
 from tests.helpers import AXIS, K
@@ -208,3 +209,47 @@ def test_bad_arguments():
   tx = jc.dgc(0.01, axis_name=AXIS)
   with pytest.raises(ValueError, match="not bound"):
     tx.update(PARAMS, tx.init(PARAMS))
+
+
+def _collective_counts(hlo: str) -> dict[str, int]:
+  import re  # pylint: disable=import-outside-toplevel
+  return {name: len(re.findall(rf"\b{name}(?:-start)?\(", hlo))
+          for name in ("all-gather", "all-reduce")}
+
+
+def test_warmup_stage_rides_in_the_dense_all_reduce():
+  # Under shard_map the step count is typed varying: the warm-up stage (the branch index)
+  # is made invariant through the dense leaves' all-reduce, not a pmax of its own.
+  tx = jc.per_device_state(jc.dgc(0.01, 0.9, method="exact", axis_name=AXIS,
+                                  warmup_steps=4))
+  m = helpers.mesh()
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  update = helpers.shard_map_update(tx, m, PARAMS)
+  g = helpers.shard(helpers.per_device_grads(jax.random.key(0), SHAPES), m)
+  hlo = update.lower(g, state).compile().as_text()
+  counts = _collective_counts(hlo)
+  assert counts["all-reduce"] == 1, counts  # b and the stage, one buffer
+  # One all-gather per warm-up stage's branch (each its own density), run one at a time.
+  assert counts["all-gather"] == len(dgc_lib.warmup_densities(0.01, 4)), counts
+  for t in range(6):  # the stage still follows the count: the densities of the schedule
+    g = helpers.shard(helpers.per_device_grads(jax.random.key(t), SHAPES), m)
+    out, state = update(g, state)
+    d = float(jc.dgc_density_schedule(0.01, 4)(t))
+    sent = np.count_nonzero(np.asarray(out["w"]))
+    assert sent <= K * int(np.ceil(d * 64 * 48)), (t, sent)
+    assert sent >= int(np.ceil(d * 64 * 48)), (t, sent)
+
+
+def test_two_devices_send_dense_leaves_with_the_payloads():
+  tx = jc.dgc(0.01, 0.9, method="exact", axis_name=AXIS)
+  devices = jax.devices()[:2]
+  replicated = jax.tree.map(lambda p: jnp.broadcast_to(p, (2, *p.shape)), PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(replicated)
+  step = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
+  g = helpers.per_device_grads(jax.random.key(1), SHAPES, k=2)
+  out, _ = step(g, state)
+  # The first step's dense update is the mean gradient, exactly lax.pmean's.
+  want = jax.pmap(lambda x: jax.lax.pmean(x, AXIS), axis_name=AXIS, devices=devices)(g["b"])
+  np.testing.assert_array_equal(out["b"], want)
+  counts = _collective_counts(step.lower(g, state).compile().as_text())
+  assert counts == {"all-gather": 1, "all-reduce": 0}, counts

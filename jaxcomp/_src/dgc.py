@@ -152,7 +152,10 @@ def dgc(
   Leaves the filter leaves out (biases, small tensors) get dense momentum SGD: each
   device keeps its momentum of its local gradients and the mean of ``u`` (or of
   ``g + m u`` with Nesterov) is all-reduced, which by linearity is momentum SGD on the
-  averaged gradient, so the whole model sees the same optimizer.
+  averaged gradient, so the whole model sees the same optimizer. All of them share one
+  all-reduce (:func:`jaxcomp.pmean_tree`); on two devices with the all-gather exchange
+  and no warm-up they ride in the payloads' all-gather instead (the same bytes there),
+  so a step is one collective.
 
   Exchange (``collective``):
 
@@ -227,8 +230,10 @@ def dgc(
     u = m * (u + g) if nesterov else m * u + g
     return (g + u if nesterov else u), u
 
-  def sparse_leaves(stage_index, gs, us, vs, keys):
-    """One warm-up stage's exchange of the compressed leaves: (outputs, new u, new v)."""
+  def sparse_leaves(stage_index, gs, us, vs, keys, dense=()):
+    """One warm-up stage's exchange of the compressed leaves: (outputs, new u, new v,
+    means of ``dense``). ``dense`` (full-precision leaves) is only given at K <= 2,
+    where it rides in the payloads' all-gather (:func:`collectives.gather_means`)."""
     codec = codecs[stage_index]
     outs, new_u, new_v, payloads = [], [], [], []
     with jax.named_scope(phases.ENCODE_SCOPE):  # accumulation, selection, masks
@@ -251,10 +256,16 @@ def dgc(
           outs.append(v)  # replaced by the mean below
         new_v.append(jnp.where(sent_mask, 0.0, v))
         new_u.append(jnp.where(sent_mask, 0.0, u) if momentum_masking else u)
+    dense_means = []
     if payloads:  # every leaf's indices and values in one all-gather
-      means = iter(collectives.payload_means(codec, payloads, axis_name))
+      if dense:
+        means, dense_means = collectives.gather_means(codec, payloads, list(dense),
+                                                      axis_name)
+      else:
+        means = collectives.payload_means(codec, payloads, axis_name)
+      means = iter(means)
       outs = [next(means).reshape(o.shape) for o in outs]
-    return outs, new_u, new_v
+    return outs, new_u, new_v, dense_means
 
   def update_fn(updates, state, params=None):
     del params
@@ -290,24 +301,39 @@ def dgc(
     off = [i for i, o in enumerate(on) if not o]
     for i in off:
       outs[i], new_u[i] = dense_leaf(gs[i], us[i])
-    if axis_name is not None and off:  # averaged in full precision, one all-reduce
-      for i, mean in zip(off, collectives.pmean_tree([outs[i] for i in off], axis_name)):
-        outs[i] = mean
     sel = [i for i, o in enumerate(on) if o]
     args = ([gs[i] for i in sel], [us[i] for i in sel], [vs[i] for i in sel],
             [jax.random.fold_in(step_key, i) for i in sel])
+    dense = [outs[i] for i in off] if axis_name is not None else []
     if len(codecs) == 1:
-      sparse_out = sparse_leaves(0, *args)
+      # At K <= 2 the dense leaves ride in the payloads' all-gather (the same bytes as an
+      # all-reduce there): one message round per step.
+      ride = bool(dense and sel and collective != "chunked"
+                  and collectives.axis_size(axis_name) <= 2)
+      sparse_out = sparse_leaves(0, *args, dense if ride else ())
+      dense_means = sparse_out[3] if ride else (
+          collectives.pmean_tree(dense, axis_name) if dense else [])
     else:
       stage = _stage(state.count, starts)
-      if axis_name is not None and collectives.tracks_varying(axis_name):
-        # The count is the same on every device but held in per-device state: make the
-        # branch index invariant (4 bytes) so every device takes the same collectives.
-        stage = lax.pmax(stage, axis_name)
+      sync = axis_name is not None and collectives.tracks_varying(axis_name)
+      if sync and dense:
+        # The count is the same on every device but held in per-device state: the branch
+        # index must be typed invariant so that every device takes the same collectives.
+        # It rides in the dense leaves' all-reduce (K·stage is exact in float32).
+        *sums, total = collectives.psum_tree(dense + [stage.astype(_F32)], axis_name)
+        dense_means = [x / num for x in sums]
+        stage = jnp.round(total / num).astype(jnp.int32)
+      else:
+        if sync:
+          stage = lax.pmax(stage, axis_name)  # 4 bytes
+        dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
       branches = [functools.partial(sparse_leaves, j) for j in range(len(codecs))]
       sparse_out = lax.switch(stage, branches, *args)
+    if axis_name is not None:
+      for i, mean in zip(off, dense_means):
+        outs[i] = mean
     for pos, i in enumerate(sel):
-      outs[i], new_u[i], new_v[i] = (part[pos] for part in sparse_out)
+      outs[i], new_u[i], new_v[i] = (part[pos] for part in sparse_out[:3])
     new_u = [jnp.where(finite, a, b) for a, b in zip(new_u, us)]
     new_v = [jnp.where(finite, a, b) if o else b for a, b, o in zip(new_v, vs, on)]
     outs = [o.astype(g.dtype) for o, (_, g) in zip(outs, leaves)]
