@@ -479,8 +479,27 @@ def mipd(
               f"jc.vary(params, {axis_name!r}) to get the local gradient.")
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (
         jnp.ones((), bool))
-    if axis_name is not None and gs:  # skip the state update on every device alike
-      finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+    parity = state.count % 2
+    off = [g for (_, g), o in zip(leaves, on) if not o]
+    if axis_name is not None:
+      # One all-reduce for everything the devices must agree on before the exchange:
+      # the leaves MIPD leaves out (averaged in full precision), whether any device's
+      # gradient is non-finite (skip the state update on every device alike), and the
+      # half-update parity (held in per-device state, typed varying under shard_map:
+      # every device must take the same branch). The flags are sums of exact small
+      # integers in float32.
+      sync_parity = bool(half_update and sel and collectives.tracks_varying(axis_name)
+                         and axis_name in collectives.varying_axes(parity))
+      flags = ([(~finite).astype(_F32)] if gs else []) + (
+          [parity.astype(_F32)] if sync_parity else [])
+      summed = collectives.psum_tree(off + flags, axis_name)
+      k = collectives.axis_size(axis_name)
+      off = [x / k for x in summed[:len(off)]]
+      flags = summed[len(off):]
+      if gs:
+        finite = flags.pop(0) == 0
+      if sync_parity:
+        parity = jnp.round(flags.pop(0) / k).astype(jnp.int32)
 
     def step(active):
       means, new_p, overflow = exchange(groups[active], halves[active], gs, preds, pnorms,
@@ -493,10 +512,6 @@ def mipd(
       return outs, preds_out, seen, overflow
 
     if half_update and sel:
-      parity = state.count % 2
-      if axis_name is not None and collectives.tracks_varying(axis_name) and (
-          axis_name in collectives.varying_axes(parity)):
-        parity = lax.pmax(parity, axis_name)  # per-device state: agree on the branch
       outs, new_preds, seen, overflow = lax.cond(parity == 1, lambda: step(1),
                                                  lambda: step(0))
     elif sel:
@@ -506,9 +521,6 @@ def mipd(
     new_preds = [jnp.where(finite, n, p) for n, p in zip(new_preds, preds)]
     result, pred_tree = [], list(preds_all)
     pos = {i: j for j, i in enumerate(sel)}
-    off = [g for (_, g), o in zip(leaves, on) if not o]
-    if axis_name is not None and off:  # the leaves MIPD leaves out: one all-reduce
-      off = collectives.pmean_tree(off, axis_name)
     off = iter(off)
     for i, ((_, g), o) in enumerate(zip(leaves, on)):
       if o:
