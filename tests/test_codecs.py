@@ -675,6 +675,27 @@ def test_onebit_properties(n, bucket, seed, zero_frac, offset):
   assert np.all(out[x64 >= 0] >= 0)
 
 
+@pytest.mark.parametrize("bucket", [32, 64, 1024, None, 96, 100])
+@pytest.mark.parametrize("n", [1000, 2048 + 7, 4096])
+def test_onebit_word_aligned_buckets(bucket, n):
+  # Buckets of whole sign words (32 | bucket) take the two-level sums and count the
+  # negatives by popcount; the others one reduction. Both must give the reference means,
+  # also where one sign dominates a bucket (no cancellation), with a ragged last
+  # bucket, and with -0.0 (not negative) in it.
+  rng = np.random.default_rng(n + (bucket or 0))
+  x = rng.standard_normal(n).astype(np.float32)
+  x[:300] = -np.abs(x[:300]) - 1000.0   # all negative but one tiny positive value
+  x[17] = 1e-6
+  x[300:600] = np.abs(x[300:600])        # all non-negative, with zeros and -0.0
+  x[310:320] = 0.0
+  x[320:330] = -0.0
+  out = np.asarray(_round_trip(C.OneBit(bucket), x), np.float64)
+  pos, neg = _onebit_reference(x, bucket)
+  want = np.where(x < 0, neg, pos)
+  np.testing.assert_allclose(out, want, rtol=2e-6, atol=0)
+  assert out[17] > 0 and np.all(out[320:330] >= 0)
+
+
 def test_onebit_partial_bucket_and_whole_tensor():
   x = _normal(1000, seed=15) + np.float32(0.3)  # 1000 = 7 * 128 + 104
   for bucket in (128, None):
