@@ -13,6 +13,7 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 * the Wangni sparsifier's λ: the bisection of ``UnbiasedSparsifier(method="exact")``
   against ``jnp.sort`` alone (the paper's Algorithm 2 sorts), and the greedy method, at
   n = 1M;
+* OneBit's bucket statistics in one reduction per bucket and in two levels, at n = 4M;
 * QSGD's decode of two gathered payloads followed by an optimizer that reads the mean
   three times, with the decode fused into the readers (XLA's choice) and materialized
   once (``collectives._decode_means``), at n = 1.77M.
@@ -30,6 +31,8 @@ from jax import lax
 
 import jaxcomp as jc
 from benchmarks._timing import median_time
+from jaxcomp._src import bitpack
+from jaxcomp._src import codecs
 from jaxcomp._src import collectives
 from jaxcomp._src import sparse
 
@@ -62,7 +65,7 @@ def _decode_update(materialize: bool):
 
   def step(st, w, m):
     if materialize:
-      d = collectives._decode_means(codec, [st], 2)[0]  # pylint: disable=protected-access
+      d = collectives._decode_means([codec], [st], 2)[0]  # pylint: disable=protected-access
     else:
       d = codec.decode_sum(st) / 2
     norm = jnp.sqrt(jnp.sum(d * d))
@@ -81,6 +84,8 @@ def main(argv=None) -> None:
   m16 = jnp.abs(jax.random.normal(jax.random.key(1), (2**24,)))
   s16 = jax.random.normal(jax.random.key(2), (2**24,))
   t = jnp.float32(3.2)
+  s4 = jax.random.normal(jax.random.key(5), (2**22,))
+  onebit_args = (s4.reshape(-1, 1024), bitpack.pack_bits((s4 < 0).astype(jnp.uint32), 1))
   fused, decode_args = _decode_update(False)
   materialized, _ = _decode_update(True)
   rows = [
@@ -113,6 +118,14 @@ def main(argv=None) -> None:
                                 -jnp.min(a.reshape(-1, 512), axis=1)), s16, repeats=r)),
       ("sum(x*x) per bucket of 512, n=16M", _ms(
           lambda a: jnp.sum(jnp.square(a.reshape(-1, 512)), axis=1), s16, repeats=r)),
+      # OneBit's bucket statistics (buckets of 1024, n=4M, the packed signs given): one
+      # variadic reduction of whole buckets, or two levels (rows of 32, then per bucket).
+      ("OneBit bucket sums, one reduction per bucket of 1024, n=4M", _ms(
+          lambda v, w: codecs._onebit_sums(v, w, two_level=False), *onebit_args,  # pylint: disable=protected-access
+          repeats=r)),
+      ("OneBit bucket sums, rows of 32 then per bucket, n=4M", _ms(
+          lambda v, w: codecs._onebit_sums(v, w, two_level=True), *onebit_args,  # pylint: disable=protected-access
+          repeats=r)),
       # Writing a fresh 64 MB output (every decode does) vs the same loop in place.
       ("x + 1 into a new buffer, n=16M", _ms(lambda a: a + 1.0, s16, repeats=r)),
       ("x + 1 in place (donated), n=16M", _donated_ms(s16, repeats=r)),

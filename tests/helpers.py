@@ -1,4 +1,6 @@
-"""Shared helpers for the tests: an 8-device mesh and shard_map/pmap runners."""
+"""Shared helpers for the tests: an 8-device mesh, shard_map/pmap runners, HLO counts."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -43,3 +45,15 @@ def per_device_grads(key, shapes, k: int = K, dtype=jnp.float32):
   keys = jax.random.split(key, len(shapes))
   return {name: jax.random.normal(kk, (k, *shape), dtype)
           for kk, (name, shape) in zip(keys, sorted(shapes.items()))}
+
+
+def collective_counts(hlo: str) -> dict[str, int]:
+  """How many all-gathers, all-reduces and all-to-alls compiled HLO text holds."""
+  return {name: len(re.findall(rf"\b{name}(?:-start)?\(", hlo))
+          for name in ("all-gather", "all-reduce", "all-to-all")}
+
+
+def all_reduce_operands(hlo: str) -> list[int]:
+  """Operand count of every all-reduce in compiled HLO text (gloo runs one per operand)."""
+  return [len(args.split(",")) for args in
+          re.findall(r"all-reduce(?:-start)?\(([^)]*)\)", hlo)]

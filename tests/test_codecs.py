@@ -696,6 +696,24 @@ def test_onebit_word_aligned_buckets(bucket, n):
   assert out[17] > 0 and np.all(out[320:330] >= 0)
 
 
+def test_onebit_sums_two_levels_match_one_reduction():
+  # The two paths of OneBit's bucket statistics on the same word-aligned buckets: equal
+  # counts, sums equal up to the order of the float32 additions.
+  from jaxcomp._src import bitpack  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src import codecs as codecs_lib  # pylint: disable=import-outside-toplevel
+  x = _normal(64 * 40 - 13, seed=21) + np.float32(0.2)  # a ragged last bucket of 64
+  v = jnp.pad(jnp.asarray(x), (0, 13)).reshape(40, 64)
+  words = bitpack.pack_bits(jnp.asarray(x < 0).astype(jnp.uint32), 1)
+  one = codecs_lib._onebit_sums(v, words, two_level=False)  # pylint: disable=protected-access
+  two = codecs_lib._onebit_sums(v, words, two_level=True)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(one[2], two[2])
+  np.testing.assert_array_equal(two[2], np.pad(x < 0, (0, 13)).reshape(40, 64).sum(1))
+  for a, b in zip(one[:2], two[:2]):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="whole words"):
+    codecs_lib._onebit_sums(v[:, :48], words, two_level=True)  # pylint: disable=protected-access
+
+
 def test_onebit_partial_bucket_and_whole_tensor():
   x = _normal(1000, seed=15) + np.float32(0.3)  # 1000 = 7 * 128 + 104
   for bucket in (128, None):

@@ -264,13 +264,6 @@ def test_all_to_all_tree_is_one_collective_and_exact_for_mixed_dtypes():
   assert f.lower(tree).compile().as_text().count("all-to-all(") == 1
 
 
-def _all_reduce_operands(hlo: str) -> list[int]:
-  """Operand count of every all-reduce in compiled HLO text (gloo runs one per operand)."""
-  import re  # pylint: disable=import-outside-toplevel
-  return [len(args.split(",")) for args in
-          re.findall(r"all-reduce(?:-start)?\(([^)]*)\)", hlo)]
-
-
 def test_psum_tree_sums_one_buffer_per_dtype_exactly():
   from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
   keys = jax.random.split(jax.random.key(3), 5)
@@ -283,7 +276,7 @@ def test_psum_tree_sums_one_buffer_per_dtype_exactly():
   want = jax.pmap(lambda t: lax.pmean(t, AXIS), axis_name=AXIS)(tree)
   chex.assert_trees_all_equal(out, want)  # same shapes, dtypes and bits
   # f32 (three leaves), bf16 and int32: three buffers, none of them a per-leaf operand.
-  assert sum(_all_reduce_operands(fused.lower(tree).compile().as_text())) == 3
+  assert sum(helpers.all_reduce_operands(fused.lower(tree).compile().as_text())) == 3
 
 
 def test_dense_leaves_share_one_all_reduce_operand():
@@ -297,7 +290,7 @@ def test_dense_leaves_share_one_all_reduce_operand():
   want = jax.pmap(lambda g: lax.pmean(g, AXIS), axis_name=AXIS)(grads)
   for name in ("b1", "b2", "b3", "s"):
     np.testing.assert_array_equal(out[name], want[name], err_msg=name)
-  assert _all_reduce_operands(update.lower(grads, state).compile().as_text()) == [1]
+  assert helpers.all_reduce_operands(update.lower(grads, state).compile().as_text()) == [1]
 
 
 @pytest.mark.parametrize("codec", [jc.codecs.QSGD(7, 512, "max"), jc.codecs.OneBit()])
@@ -316,7 +309,7 @@ def test_two_devices_send_dense_leaves_with_the_payloads(codec):
   for name in ("b1", "b2", "s"):
     np.testing.assert_array_equal(out[name], want[name], err_msg=name)
   hlo = update.lower(grads, state).compile().as_text()
-  assert _all_reduce_operands(hlo) == []
+  assert helpers.all_reduce_operands(hlo) == []
   assert hlo.count("all-gather(") + hlo.count("all-gather-start(") == 1
   report = jc.wire_report(tx, {n: jnp.zeros(s) for n, s in shapes.items()},
                           axis_name=AXIS, num_devices=2)
@@ -394,7 +387,7 @@ def test_cpu_decode_is_materialized_once_and_unchanged():
                            key=jax.random.key(10 + i)) for i in range(2)]
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *payloads)
   decode_means = collectives._decode_means  # pylint: disable=protected-access
-  barrier = jax.jit(lambda st: decode_means(codec, [st], 2))
+  barrier = jax.jit(lambda st: decode_means([codec], [st], 2))
   plain = jax.jit(lambda st: [codec.decode_sum(st) / 2])
   np.testing.assert_array_equal(barrier(stacked)[0], plain(stacked)[0])
   assert "conditional" in barrier.lower(stacked).compile().as_text()

@@ -211,12 +211,6 @@ def test_bad_arguments():
     tx.update(PARAMS, tx.init(PARAMS))
 
 
-def _collective_counts(hlo: str) -> dict[str, int]:
-  import re  # pylint: disable=import-outside-toplevel
-  return {name: len(re.findall(rf"\b{name}(?:-start)?\(", hlo))
-          for name in ("all-gather", "all-reduce")}
-
-
 def test_warmup_stage_rides_in_the_dense_all_reduce():
   # Under shard_map the step count is typed varying: the warm-up stage (the branch index)
   # is made invariant through the dense leaves' all-reduce, not a pmax of its own.
@@ -227,7 +221,7 @@ def test_warmup_stage_rides_in_the_dense_all_reduce():
   update = helpers.shard_map_update(tx, m, PARAMS)
   g = helpers.shard(helpers.per_device_grads(jax.random.key(0), SHAPES), m)
   hlo = update.lower(g, state).compile().as_text()
-  counts = _collective_counts(hlo)
+  counts = helpers.collective_counts(hlo)
   assert counts["all-reduce"] == 1, counts  # b and the stage, one buffer
   # One all-gather per warm-up stage's branch (each its own density), run one at a time.
   assert counts["all-gather"] == len(dgc_lib.warmup_densities(0.01, 4)), counts
@@ -251,5 +245,5 @@ def test_two_devices_send_dense_leaves_with_the_payloads():
   # The first step's dense update is the mean gradient, exactly lax.pmean's.
   want = jax.pmap(lambda x: jax.lax.pmean(x, AXIS), axis_name=AXIS, devices=devices)(g["b"])
   np.testing.assert_array_equal(out["b"], want)
-  counts = _collective_counts(step.lower(g, state).compile().as_text())
-  assert counts == {"all-gather": 1, "all-reduce": 0}, counts
+  counts = helpers.collective_counts(step.lower(g, state).compile().as_text())
+  assert counts == {"all-gather": 1, "all-reduce": 0, "all-to-all": 0}, counts

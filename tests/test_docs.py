@@ -11,7 +11,6 @@ from jaxcomp import elias as elias_public
 from jaxcomp.kernels import quantize as quantize_kernel
 from jaxcomp._src import dgc
 from jaxcomp._src import elias
-from jaxcomp._src import elias_codec
 from jaxcomp._src import normal
 from jaxcomp._src import qsvrg
 from jaxcomp._src import sparse

@@ -403,7 +403,6 @@ def test_flags_ride_in_the_dense_all_reduce():
   # bias share one all-reduce; the only other collectives are the group's all-gather
   # (in each half's branch: the coded one, and the exact one of its overflow cond) and the
   # overflow flag's pmax (one per half's branch).
-  import re  # pylint: disable=import-outside-toplevel
   tx = jc.per_device_state(jc.mipd(0.5, axis_name=AXIS))
   m = helpers.mesh()
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
@@ -417,11 +416,11 @@ def test_flags_ride_in_the_dense_all_reduce():
                                  out_specs=(P(AXIS), specs)))
   g = helpers.shard(helpers.per_device_grads(jax.random.key(0), SHAPES), m)
   hlo = update.lower(g, state).compile().as_text()
-  operands = [len(a.split(",")) for a in re.findall(r"all-reduce(?:-start)?\(([^)]*)\)", hlo)]
+  operands = helpers.all_reduce_operands(hlo)
   # The flags and the bias: one all-reduce of one float32 buffer; then one pmax of the
   # overflow flag in each half's branch.
   assert sorted(operands) == [1, 1, 1], operands
-  assert len(re.findall(r"all-gather(?:-start)?\(", hlo)) == 4
+  assert helpers.collective_counts(hlo)["all-gather"] == 4
   outs = []
   for t in range(3):  # the halves still alternate, and every device agrees
     g = helpers.shard(helpers.per_device_grads(jax.random.key(t), SHAPES), m)

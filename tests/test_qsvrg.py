@@ -316,12 +316,6 @@ def test_default_levels():
   assert qsvrg_lib.default_levels(100, bucket_size=512) == 10
 
 
-def _all_collectives(hlo: str) -> dict[str, int]:
-  import re  # pylint: disable=import-outside-toplevel
-  return {name: len(re.findall(rf"\b{name}(?:-start)?\(", hlo))
-          for name in ("all-gather", "all-reduce", "all-to-all")}
-
-
 def test_step_exchanges_all_leaves_together_with_per_leaf_results():
   """Leaves quantized with different codecs share one all-gather, the filtered leaves one
   all-reduce (the snapshot too), and every leaf ends exactly where its own exchange
@@ -371,4 +365,4 @@ def test_step_exchanges_all_leaves_together_with_per_leaf_results():
   hlo = run.lower(params, state, batches).compile().as_text()
   # The snapshot's all-reduce of every leaf, the step's of b1 and b2, the step's
   # all-gather of w1's and w2's payloads.
-  assert _all_collectives(hlo) == {"all-gather": 1, "all-reduce": 2, "all-to-all": 0}
+  assert helpers.collective_counts(hlo) == {"all-gather": 1, "all-reduce": 2, "all-to-all": 0}

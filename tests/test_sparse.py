@@ -2,16 +2,13 @@
 
 import functools
 
-import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src import sparse

@@ -245,6 +245,41 @@ def _row_finite(v: Array) -> Array:
           & jnp.isfinite(jnp.min(v, axis=1)))
 
 
+def _onebit_sums(v: Array, words: Array, *, two_level: bool) -> tuple[Array, Array, Array]:
+  """Per bucket (row of ``v``): the sums of ``max(v, 0)`` and ``min(v, 0)`` and the
+  count of negative values (float32, exact up to 2**24 per bucket; int32 above).
+
+  The sums of each sign, not the total minus one of them: that would cancel
+  catastrophically when one sign dominates a bucket. ``words`` are ``v``'s packed signs
+  (1-bit lanes layout, the padding of the last bucket not included).
+
+  * ``two_level=False``: one variadic reduction of whole buckets computes the three in a
+    single pass over ``v`` (three ``jnp.sum`` calls are three passes on XLA:CPU).
+  * ``two_level=True`` (buckets of whole words, ``32 | bucket``): a variadic reduction
+    over rows of 32 values, then plain reductions of the partial sums per bucket; the
+    count is the popcount of the bucket's sign words (the padding is +0: no bit set).
+    XLA:CPU runs this faster (``python -m benchmarks.xla_cpu_pitfalls``, the OneBit rows).
+  """
+  nb, b = v.shape
+  count_dtype = _F32 if b <= 2**24 else jnp.int32
+  zero = jnp.zeros((), _F32)
+  if not two_level:
+    return lax.reduce((jnp.maximum(v, 0.0), jnp.minimum(v, 0.0), (v < 0).astype(count_dtype)),
+                      (zero, zero, jnp.zeros((), count_dtype)),
+                      lambda x, y: tuple(a + c for a, c in zip(x, y)), (1,))
+  if b % _WORD:
+    raise ValueError(f"two-level sums need buckets of whole words, got {b} values")
+  pos_part, neg_part = lax.reduce(
+      (jnp.maximum(v, 0.0).reshape(-1, _WORD), jnp.minimum(v, 0.0).reshape(-1, _WORD)),
+      (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), (1,))
+  per_bucket = b // _WORD
+  bucket_words = jnp.pad(words, (0, nb * per_bucket - words.shape[0]))
+  neg_count = jnp.sum(lax.population_count(bucket_words).reshape(nb, per_bucket), axis=1,
+                      dtype=jnp.int32)
+  return (jnp.sum(pos_part.reshape(nb, per_bucket), axis=1),
+          jnp.sum(neg_part.reshape(nb, per_bucket), axis=1), neg_count.astype(count_dtype))
+
+
 # ----------------------------------------------------------------------------- codecs
 
 
@@ -540,39 +575,12 @@ class OneBit(Codec):
       return self._kernel_encode(x)[0]
     b, nb = _buckets(n, self.bucket_size)
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
-    neg = v < 0
-    words = bitpack.pack_bits(neg.reshape(-1)[:n].astype(jnp.uint32), 1)
-    # float32 counts are exact up to 2**24 per bucket; larger buckets count in int32.
-    count_dtype = _F32 if b <= 2**24 else jnp.int32
+    words = bitpack.pack_bits((v < 0).reshape(-1)[:n].astype(jnp.uint32), 1)
+    pos_sum, neg_sum, neg_count = _onebit_sums(v, words, two_level=b % _WORD == 0)
     # Padding is +0, counted as non-negative: take it out of the counts.
-    valid = np.full((nb,), b, np.dtype(count_dtype))
+    valid = np.full((nb,), b, np.dtype(neg_count.dtype))
     if nb:
       valid[-1] = n - (nb - 1) * b
-    # Sums of max(v, 0) and min(v, 0), not the total minus one of them: that would
-    # cancel catastrophically when one sign dominates a bucket. The positive count is
-    # the valid count minus the negative one.
-    if b % _WORD == 0:
-      # Two levels: one variadic reduction of rows of 32 values (whole sign words), then
-      # plain reductions of the partial sums per bucket; the negative count is the
-      # popcount of the bucket's sign words (the padding is +0: no bit set). XLA:CPU runs
-      # the short rows about twice as fast as one reduction of whole buckets
-      # (``python -m benchmarks.codecs --sizes 22 --codecs onebit``, docs/benchmarks.md).
-      pos_part, neg_part = lax.reduce(
-          (jnp.maximum(v, 0.0).reshape(-1, _WORD), jnp.minimum(v, 0.0).reshape(-1, _WORD)),
-          (jnp.zeros((), _F32), jnp.zeros((), _F32)),
-          lambda x, y: (x[0] + y[0], x[1] + y[1]), (1,))
-      pos_sum = jnp.sum(pos_part.reshape(nb, b // _WORD), axis=1)
-      neg_sum = jnp.sum(neg_part.reshape(nb, b // _WORD), axis=1)
-      bucket_words = jnp.pad(words, (0, nb * b // _WORD - words.shape[0]))
-      neg_count = jnp.sum(lax.population_count(bucket_words).reshape(nb, b // _WORD),
-                          axis=1, dtype=jnp.int32).astype(count_dtype)
-    else:
-      # One variadic reduction computes the three in a single pass over v (three
-      # jnp.sum calls are three passes on XLA:CPU).
-      pos_sum, neg_sum, neg_count = lax.reduce(
-          (jnp.maximum(v, 0.0), jnp.minimum(v, 0.0), neg.astype(count_dtype)),
-          (jnp.zeros((), _F32), jnp.zeros((), _F32), jnp.zeros((), count_dtype)),
-          lambda x, y: tuple(a + b for a, b in zip(x, y)), (1,))
     pos_count = (jnp.asarray(valid) - neg_count).astype(_F32)
     neg_count = neg_count.astype(_F32)
 

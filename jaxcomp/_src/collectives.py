@@ -223,8 +223,9 @@ def local(codec: Codec, x: Array, key: Array) -> Exchanged:
   return Exchanged(sent, sent, None, overflow)
 
 
-def _decode_means(codec: Codec, gathered, k: int) -> list[Array]:
-  """``decode_sum(g) / K`` of every gathered payload, materialized once on XLA:CPU.
+def _decode_means(codecs, gathered, k: int) -> list[Array]:
+  """``codec.decode_sum(g) / K`` of every gathered payload (one codec each),
+  materialized once on XLA:CPU.
 
   XLA fuses a cheap elementwise producer into each of its consumers: the optimizer
   after the exchange reads the mean several times (global-norm clipping, momentum,
@@ -239,7 +240,8 @@ def _decode_means(codec: Codec, gathered, k: int) -> list[Array]:
   conditional's predicate goes to the host and where the Pallas decode-sum kernel
   already writes the mean once.
   """
-  return _materialized(lambda: [codec.decode_sum(g) / k for g in gathered], gathered)
+  return _materialized(lambda: [c.decode_sum(g) / k for c, g in zip(codecs, gathered)],
+                       gathered)
 
 
 def _materialized(compute, received):
@@ -284,8 +286,7 @@ def mixed_payload_means(codecs, payloads, axis_name) -> list[Array]:
   k = axis_size(axis_name)
   gathered = gather_tree(payloads, axis_name)
   with jax.named_scope(DECODE_SCOPE):
-    return _materialized(lambda: [c.decode_sum(g) / k for c, g in zip(codecs, gathered)],
-                         gathered)
+    return _decode_means(codecs, gathered, k)
 
 
 def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
@@ -304,9 +305,40 @@ def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
   payloads, dense = list(payloads), list(dense)
   gathered = gather_tree(payloads + dense, axis_name)
   with jax.named_scope(DECODE_SCOPE):
-    means = _decode_means(codec, gathered[:len(payloads)], k)
+    means = _decode_means([codec] * len(payloads), gathered[:len(payloads)], k)
     dense_means = [(g[0] + g[1] if k == 2 else g[0]) / k for g in gathered[len(payloads):]]
   return means, dense_means
+
+
+def exchange_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
+  """Means of the ``payloads`` (decoded) and of the full-precision ``dense`` arrays.
+
+  With payloads on at most 2 devices, one ``all_gather`` carries both
+  (:func:`gather_means`); otherwise the payloads take :func:`payload_means` and the
+  dense arrays one all-reduce (:func:`pmean_tree`). The values are the same either way.
+  """
+  payloads, dense = list(payloads), list(dense)
+  if dense and axis_name is None:
+    raise ValueError("dense arrays need an axis to average over")
+  if payloads and dense and axis_size(axis_name) <= 2:
+    return gather_means(codec, payloads, dense, axis_name)
+  means = payload_means(codec, payloads, axis_name) if payloads else []
+  return means, (pmean_tree(dense, axis_name) if dense else [])
+
+
+def pmean_and_count(dense, counts, axis_name) -> tuple[list, list]:
+  """``pmean`` of the ``dense`` arrays and ``psum`` of the integer scalars ``counts``,
+  in one all-reduce (:func:`psum_tree`; the counts travel as float32).
+
+  For what the devices must agree on next to the dense leaves (a non-finite flag, a
+  branch index held in per-device state): one message round, not one per flag. The
+  counts' sums are exact up to 2**24 and come back as int32, typed invariant.
+  """
+  dense, counts = list(dense), list(counts)
+  summed = psum_tree(dense + [c.astype(_F32) for c in counts], axis_name)
+  k = axis_size(axis_name)
+  return ([x / k for x in summed[:len(dense)]],
+          [jnp.round(x).astype(jnp.int32) for x in summed[len(dense):]])
 
 
 def payload_mean(codec: Codec, payload, axis_name) -> Array:

@@ -232,8 +232,8 @@ def dgc(
 
   def sparse_leaves(stage_index, gs, us, vs, keys, dense=()):
     """One warm-up stage's exchange of the compressed leaves: (outputs, new u, new v,
-    means of ``dense``). ``dense`` (full-precision leaves) is only given at K <= 2,
-    where it rides in the payloads' all-gather (:func:`collectives.gather_means`)."""
+    means of the full-precision ``dense`` leaves, which share the exchange:
+    :func:`collectives.exchange_means`)."""
     codec = codecs[stage_index]
     outs, new_u, new_v, payloads = [], [], [], []
     with jax.named_scope(phases.ENCODE_SCOPE):  # accumulation, selection, masks
@@ -256,13 +256,9 @@ def dgc(
           outs.append(v)  # replaced by the mean below
         new_v.append(jnp.where(sent_mask, 0.0, v))
         new_u.append(jnp.where(sent_mask, 0.0, u) if momentum_masking else u)
-    dense_means = []
-    if payloads:  # every leaf's indices and values in one all-gather
-      if dense:
-        means, dense_means = collectives.gather_means(codec, payloads, list(dense),
-                                                      axis_name)
-      else:
-        means = collectives.payload_means(codec, payloads, axis_name)
+    # Every leaf's indices and values in one all-gather (with the dense leaves at K <= 2).
+    means, dense_means = collectives.exchange_means(codec, payloads, dense, axis_name)
+    if payloads:
       means = iter(means)
       outs = [next(means).reshape(o.shape) for o in outs]
     return outs, new_u, new_v, dense_means
@@ -306,26 +302,17 @@ def dgc(
             [jax.random.fold_in(step_key, i) for i in sel])
     dense = [outs[i] for i in off] if axis_name is not None else []
     if len(codecs) == 1:
-      # At K <= 2 the dense leaves ride in the payloads' all-gather (the same bytes as an
-      # all-reduce there): one message round per step.
-      ride = bool(dense and sel and collective != "chunked"
-                  and collectives.axis_size(axis_name) <= 2)
-      sparse_out = sparse_leaves(0, *args, dense if ride else ())
-      dense_means = sparse_out[3] if ride else (
-          collectives.pmean_tree(dense, axis_name) if dense else [])
+      sparse_out = sparse_leaves(0, *args, dense)
+      dense_means = sparse_out[3]
     else:
       stage = _stage(state.count, starts)
-      sync = axis_name is not None and collectives.tracks_varying(axis_name)
-      if sync and dense:
+      if axis_name is not None and collectives.tracks_varying(axis_name):
         # The count is the same on every device but held in per-device state: the branch
         # index must be typed invariant so that every device takes the same collectives.
-        # It rides in the dense leaves' all-reduce (K·stage is exact in float32).
-        *sums, total = collectives.psum_tree(dense + [stage.astype(_F32)], axis_name)
-        dense_means = [x / num for x in sums]
-        stage = jnp.round(total / num).astype(jnp.int32)
+        # It rides in the dense leaves' all-reduce (the sum of K equal stages).
+        dense_means, (total,) = collectives.pmean_and_count(dense, [stage], axis_name)
+        stage = total // num
       else:
-        if sync:
-          stage = lax.pmax(stage, axis_name)  # 4 bytes
         dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
       branches = [functools.partial(sparse_leaves, j) for j in range(len(codecs))]
       sparse_out = lax.switch(stage, branches, *args)

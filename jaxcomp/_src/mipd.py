@@ -486,20 +486,15 @@ def mipd(
       # the leaves MIPD leaves out (averaged in full precision), whether any device's
       # gradient is non-finite (skip the state update on every device alike), and the
       # half-update parity (held in per-device state, typed varying under shard_map:
-      # every device must take the same branch). The flags are sums of exact small
-      # integers in float32.
+      # every device must take the same branch).
       sync_parity = bool(half_update and sel and collectives.tracks_varying(axis_name)
                          and axis_name in collectives.varying_axes(parity))
-      flags = ([(~finite).astype(_F32)] if gs else []) + (
-          [parity.astype(_F32)] if sync_parity else [])
-      summed = collectives.psum_tree(off + flags, axis_name)
-      k = collectives.axis_size(axis_name)
-      off = [x / k for x in summed[:len(off)]]
-      flags = summed[len(off):]
+      flags = ([~finite] if gs else []) + ([parity] if sync_parity else [])
+      off, sums = collectives.pmean_and_count(off, flags, axis_name)
       if gs:
-        finite = flags.pop(0) == 0
+        finite = sums.pop(0) == 0  # no device had a non-finite gradient
       if sync_parity:
-        parity = jnp.round(flags.pop(0) / k).astype(jnp.int32)
+        parity = sums.pop(0) // collectives.axis_size(axis_name)
 
     def step(active):
       means, new_p, overflow = exchange(groups[active], halves[active], gs, preds, pnorms,

@@ -279,14 +279,10 @@ def compress(
         new_cres.append(e2 if ex.chunk_residual is None else ex.chunk_residual)
         any_overflow = any_overflow | ex.overflow
     payloads = [p for _, p in gathered]
-    if dense and gathered and collectives.axis_size(axis_name) <= 2:
-      # One all-gather for the payloads and the full-precision leaves: same bytes as
-      # an all-reduce at K <= 2, and one message round fewer.
-      means, dense_means = collectives.gather_means(
-          codec, payloads, [out[i] for i in dense], axis_name)
-    else:
-      dense_means = collectives.pmean_tree([out[i] for i in dense], axis_name) if dense else []
-      means = collectives.payload_means(codec, payloads, axis_name)
+    # At K <= 2 the full-precision leaves ride in the payloads' all-gather (the same
+    # bytes as an all-reduce there): one message round per step.
+    means, dense_means = collectives.exchange_means(
+        codec, payloads, [out[i] for i in dense], axis_name)
     for i, mean in zip(dense, dense_means):
       out[i] = mean
     for (i, _), mean in zip(gathered, means):
