@@ -13,6 +13,8 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 * the Wangni sparsifier's λ: the bisection of ``UnbiasedSparsifier(method="exact")``
   against ``jnp.sort`` alone (the paper's Algorithm 2 sorts), and the greedy method, at
   n = 1M;
+* QSGD's per-bucket scale and NaN check as three library reductions and as one variadic
+  reduction, at n = 16M;
 * OneBit's bucket statistics in one reduction per bucket and in two levels, at n = 4M;
 * QSGD's decode of two gathered payloads followed by an optimizer that reads the mean
   three times, with the decode fused into the readers (XLA's choice) and materialized
@@ -116,6 +118,14 @@ def main(argv=None) -> None:
       ("max(max x, -min x) per bucket of 512, n=16M", _ms(
           lambda a: jnp.maximum(jnp.max(a.reshape(-1, 512), axis=1),
                                 -jnp.min(a.reshape(-1, 512), axis=1)), s16, repeats=r)),
+      # QSGD's scale and NaN check: max, min and a sum as library reductions (three
+      # passes; the library max skips NaNs, hence the sum), or max and min in one
+      # NaN-propagating variadic reduction (codecs._row_max_min).
+      ("max, min and sum per bucket of 512 (three reductions), n=16M", _ms(
+          lambda a: (jnp.max(a.reshape(-1, 512), axis=1), jnp.min(a.reshape(-1, 512), axis=1),
+                     jnp.sum(a.reshape(-1, 512), axis=1)), s16, repeats=r)),
+      ("max and min per bucket of 512, one variadic reduction, n=16M", _ms(
+          lambda a: codecs._row_max_min(a.reshape(-1, 512)), s16, repeats=r)),  # pylint: disable=protected-access
       ("sum(x*x) per bucket of 512, n=16M", _ms(
           lambda a: jnp.sum(jnp.square(a.reshape(-1, 512)), axis=1), s16, repeats=r)),
       # OneBit's bucket statistics (buckets of 1024, n=4M, the packed signs given): one

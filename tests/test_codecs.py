@@ -862,6 +862,39 @@ def test_non_finite_input_is_never_hidden(codec, bad):
     assert not np.any(np.isfinite(out[bucket][same_group]))
 
 
+@pytest.mark.parametrize("norm", ["max", "l2"])
+@pytest.mark.parametrize("bucket", [37, 128, 512, 1024])
+def test_qsgd_scale_is_nan_for_a_non_finite_value_at_any_position(bucket, norm):
+  """One pass computes both the bucket's max |v| and its finiteness (a NaN-propagating
+  max/min). XLA:CPU's plain row max skips NaNs at some positions, so a NaN is put at
+  every position of a bucket (and an infinity at a few): each must give that bucket, and
+  only it, a NaN scale, and the other buckets their exact float64 scale."""
+  codec = C.QSGD(7, bucket, norm)
+  n = 3 * bucket - 5  # a ragged last bucket
+  x = _normal(n, seed=bucket)
+  cases = [(pos, np.nan) for pos in range(bucket)]
+  cases += [(pos, bad) for pos in (0, bucket // 2, bucket - 1) for bad in (np.inf, -np.inf)]
+  cases += [(2 * bucket + pos, np.nan) for pos in (0, bucket - 6)]  # the ragged bucket
+  xs = np.repeat(x[None], len(cases), axis=0)
+  for row, (pos, bad) in enumerate(cases):
+    xs[row, pos] = bad
+  v = jnp.asarray(xs)
+
+  @jax.jit
+  def all_scales(v):
+    return jax.vmap(lambda row: codec.encode(row, key=jax.random.key(0)).arrays["scales"])(v)
+
+  scales = np.asarray(all_scales(v))
+  clean = np.pad(x.astype(np.float64), (0, 3 * bucket - n)).reshape(3, bucket)
+  want = (np.max(np.abs(clean), axis=1) if norm == "max"
+          else np.sqrt(np.sum(clean * clean, axis=1)))
+  for row, (pos, _) in enumerate(cases):
+    hit = pos // bucket
+    assert np.isnan(scales[row, hit]), (pos, scales[row])
+    others = [b for b in range(3) if b != hit]
+    np.testing.assert_allclose(scales[row, others], want[others], rtol=2e-6)
+
+
 # ----------------------------------------------------------------------------- regressions
 # Bugs found while writing this file: finite inputs that decoded to NaN or to zeros, and
 # level counts that float32 cannot represent.

@@ -223,26 +223,29 @@ def _to_buckets(flat: Array, b: int, nb: int) -> Array:
   return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(nb, b)
 
 
-def _row_absmax(v: Array) -> Array:
-  """``max |v|`` along axis 1, as ``max(max v, -min v)`` (NaNs may be skipped).
+def _row_max_min(v: Array) -> tuple[Array, Array]:
+  """``(max, min)`` along axis 1 of ``v`` in one variadic reduction (one pass over ``v``).
 
-  Two plain reductions of ``v``: XLA:CPU runs those as fast library reductions, while
-  a reduction of ``abs(v)`` goes through its generic loop emitter, about 8x slower
-  (4.2 ms vs 33.5 ms per 16M values; ``python -m benchmarks.xla_cpu_pitfalls``).
+  The reducer is ``jnp.maximum`` / ``jnp.minimum``, which propagate NaN (HLO's
+  ``maximum``), so a row holding a NaN gets NaN in both results and a row holding an
+  infinity an infinite one: the same pass tells :func:`_row_absmax_finite` whether the
+  row is finite. ``jnp.max`` / ``jnp.min`` would not do: XLA:CPU hands a plain max of
+  an input to a library kernel that skips NaNs, and as two reductions it reads ``v``
+  twice (``python -m benchmarks.xla_cpu_pitfalls``, the per-bucket rows).
   """
-  return jnp.maximum(jnp.max(v, axis=1), -jnp.min(v, axis=1))
+  f = v.dtype.type
+  return lax.reduce((v, v), (f(-jnp.inf), f(jnp.inf)),
+                    lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])), (1,))
 
 
-def _row_finite(v: Array) -> Array:
-  """Whether each row of ``v`` is all finite (plain reductions only, see above).
+def _row_absmax_finite(v: Array) -> tuple[Array, Array]:
+  """Per row of ``v``: ``max |v|`` and whether the row is all finite, in one pass.
 
-  A NaN makes the row's sum NaN, an infinity its max or min infinite. (Only finite
-  values above ~1e35 could make a false alarm, their sum overflowing to +inf and -inf
-  in different partial sums.)
+  ``max |v| = max(max v, -min v)``: a reduction of ``abs(v)`` would go through XLA:CPU's
+  generic loop emitter, several times slower (``benchmarks.xla_cpu_pitfalls``).
   """
-  total = jnp.sum(v, axis=1)
-  return (~jnp.isnan(total) & jnp.isfinite(jnp.max(v, axis=1))
-          & jnp.isfinite(jnp.min(v, axis=1)))
+  hi, lo = _row_max_min(v)
+  return jnp.maximum(hi, -lo), jnp.isfinite(hi) & jnp.isfinite(lo)
 
 
 def _onebit_sums(v: Array, words: Array, *, two_level: bool) -> tuple[Array, Array, Array]:
@@ -406,8 +409,12 @@ class QSGD(Codec):
 
 
   def scales(self, v: Array) -> Array:
-    """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array (finite inputs)."""
-    amax = _row_absmax(v)
+    """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array; NaN for a bucket
+    that holds a NaN or an infinity."""
+    amax, finite = _row_absmax_finite(v)
+    return jnp.where(finite, self._scale_from_absmax(v, amax), jnp.nan)
+
+  def _scale_from_absmax(self, v: Array, amax: Array) -> Array:
     if self.norm == "max":
       return amax
     # ||v|| = amax * ||v / amax||: no float32 overflow above 1.8e19, no underflow below 1e-19.
@@ -432,8 +439,8 @@ class QSGD(Codec):
     b, nb = _buckets(n, self.bucket_size)
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
     # A bucket holding NaN/Inf gets a NaN scale, so it decodes to NaN: never hidden
-    # (XLA's max may skip NaNs, and the codes of a non-finite value are meaningless).
-    scale = jnp.where(_row_finite(v), self.scales(v), jnp.nan)
+    # (the codes of a non-finite value are meaningless).
+    scale = self.scales(v)
     s = jnp.float32(self.levels)
     # |v| / scale * s (not |v| * (s / scale)): the bucket's max maps to exactly s.
     safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
