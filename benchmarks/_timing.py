@@ -1,3 +1,43 @@
-"""Shared timing helper of the benchmark scripts (the kernels' own, re-exported)."""
+"""Shared helpers of the benchmark scripts: timing (the kernels' own, re-exported), and
+running under a malloc that reuses large buffers."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
 
 from jaxcomp.kernels._common import median_time  # noqa: F401
+
+#: glibc malloc settings under which XLA:CPU's large buffers are reused from call to
+#: call. By default glibc serves an allocation above its mmap threshold (at most 32 MiB)
+#: with a fresh ``mmap`` and unmaps it when freed, so every call that writes a new
+#: 64 MiB output (a decode of 2^24 values) takes one page fault per 4 KiB page.
+#: ``mmap_max=0`` keeps large blocks on the heap, ``arena_max=1`` puts XLA's worker
+#: threads on the main heap (their own arenas' 64 MiB heaps cannot hold such a block),
+#: and ``trim_threshold`` stops freed memory from being returned to the system.
+#: Tunables are read when the process starts: set ``GLIBC_TUNABLES`` before Python.
+REUSE_MALLOC = ("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
+                ":glibc.malloc.arena_max=1")
+
+
+def malloc_label() -> str:
+  """How this process allocates: ``"glibc default"``, ``"glibc reuse"`` or the libc."""
+  libc = platform.libc_ver()[0] or "unknown libc"
+  if libc != "glibc":
+    return libc
+  return "glibc reuse" if os.environ.get("GLIBC_TUNABLES") == REUSE_MALLOC else (
+      "glibc " + (os.environ.get("GLIBC_TUNABLES") or "default"))
+
+
+def reexec_with_reused_malloc() -> None:
+  """Restarts this command with :data:`REUSE_MALLOC` as ``GLIBC_TUNABLES`` (no-op when
+  it is already set; an error off glibc, where the tunables mean nothing)."""
+  if os.environ.get("GLIBC_TUNABLES") == REUSE_MALLOC:
+    return
+  if platform.libc_ver()[0] != "glibc":
+    raise SystemExit("--reuse-malloc needs glibc (GLIBC_TUNABLES); this is "
+                     f"{platform.libc_ver()[0] or 'an unknown libc'}")
+  env = dict(os.environ, GLIBC_TUNABLES=REUSE_MALLOC)
+  sys.stdout.flush()
+  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

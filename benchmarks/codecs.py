@@ -3,14 +3,21 @@ r"""Throughput of every codec's encode, decode and encode+decode on this machine
 Each row is timed next to this machine's *read roof*, ``jnp.sum(x)`` over the same
 float32 array in the same run (the least a codec can do is read its input once), and
 next to a copy (``x + 1``: read and write). Throughput counts the float32 input bytes
-(``4n``) per second; "% roof" is encode+decode time of the roof over the codec's.
+(``4n``) per second; "% roof" is encode+decode time of the roof over the codec's (for
+the reference rows, the roof's time over theirs).
 
   python -m benchmarks.codecs                       # 1M..64M, every codec
   python -m benchmarks.codecs --sizes 22,24 --codecs qsgd4,onebit --repeats 5 --rng
   python -m benchmarks.codecs --sizes 22 --codecs qsgd4,onebit --ops   # what limits them
+  python -m benchmarks.codecs --reuse-malloc   # glibc keeps large buffers (see below)
 
 ``--ops`` also lists, per codec and size, the costliest XLA ops of ``decode(encode(x))``
 (``jc.profile_phases`` over 10 calls): which passes the time goes to.
+
+``--reuse-malloc`` restarts the command with ``GLIBC_TUNABLES`` set so that glibc reuses
+freed large blocks (``benchmarks._timing.REUSE_MALLOC``): by default every output above
+32 MiB (a decode or a copy of 2^24 values or more) is a fresh ``mmap``, paid for with a
+page fault per 4 KiB, and that, not the codec, dominates the decode at those sizes.
 
 On XLA:CPU everything runs on the host's cores (2 on the development machine); XLA
 parallelises large fusions across them, so the roof is the machine's, not one core's.
@@ -25,6 +32,7 @@ import jax.numpy as jnp
 
 import jaxcomp as jc
 from jaxcomp._src import rng
+from benchmarks import _timing
 from benchmarks._timing import median_time
 
 C = jc.codecs
@@ -47,12 +55,17 @@ CODECS = {
 }
 
 
-def rng_times(n: int, repeats: int) -> tuple[float, float]:
-  """Seconds to draw and sum n uniforms: threefry (jax.random) vs jaxcomp's hash."""
+def rng_times(n: int, repeats: int) -> tuple[float, float, float, float]:
+  """Seconds to draw n random values, threefry (jax.random) vs jaxcomp's hash: summed
+  as uniforms (a reduction with a prologue: XLA:CPU's slow path), then written as one
+  byte each (an elementwise pass, which is what the hash costs inside QSGD's encode)."""
   key = jax.random.key(0)
   threefry = jax.jit(lambda k: jnp.sum(jax.random.uniform(k, (n,), jnp.float32)))
   hashed = jax.jit(lambda k: jnp.sum(rng.uniform(k, (n,))))
-  return median_time(threefry, key, repeats=repeats), median_time(hashed, key, repeats=repeats)
+  threefry8 = jax.jit(lambda k: jax.random.bits(k, (n,), jnp.uint32).astype(jnp.uint8))
+  hashed8 = jax.jit(lambda k: rng.bits24(k, (n,)).astype(jnp.uint8))
+  return tuple(median_time(f, key, repeats=repeats)
+               for f in (threefry, hashed, threefry8, hashed8))
 
 
 def roofs(x: jax.Array, repeats: int) -> tuple[float, float]:
@@ -95,14 +108,19 @@ def main(argv=None) -> None:
                       help="also time the random bits: jax.random (threefry) vs the hash")
   parser.add_argument("--ops", action="store_true",
                       help="also list each codec's costliest ops of decode(encode(x))")
+  parser.add_argument("--reuse-malloc", action="store_true",
+                      help="restart with GLIBC_TUNABLES set so that large buffers are reused")
   args = parser.parse_args(argv)
+  if args.reuse_malloc:
+    _timing.reexec_with_reused_malloc()
   names = args.codecs.split(",")
   unknown = sorted(set(names) - set(CODECS))
   if unknown:
     parser.error(f"unknown codecs {unknown}; expected a subset of {list(CODECS)}")
 
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, "
-        f"{jax.local_device_count()} device(s) visible; median of {args.repeats}")
+        f"{jax.local_device_count()} device(s) visible, malloc: {_timing.malloc_label()}; "
+        f"median of {args.repeats}")
   print("| n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s) |"
         " % read roof | bits/value |")
   print("|---:|---|---:|---:|---:|---:|---:|---:|")
@@ -118,10 +136,14 @@ def main(argv=None) -> None:
     print(f"| 2^{p} | *copy: x + 1* | {gb / copy:.2f} | | | {n / copy / 1e6:.0f} |"
           f" {100 * read / copy:.0f} | |")
     if args.rng:
-      threefry, hashed = rng_times(n, args.repeats)
+      threefry, hashed, threefry8, hashed8 = rng_times(n, args.repeats)
       print(f"| 2^{p} | *sum of uniforms: threefry* | | | | {n / threefry / 1e6:.0f} | | |")
       print(f"| 2^{p} | *sum of uniforms: jaxcomp hash* | | | | {n / hashed / 1e6:.0f} |"
             f" | |")
+      print(f"| 2^{p} | *random bits to uint8: threefry* | | | | {n / threefry8 / 1e6:.0f} |"
+            f" {100 * read / threefry8:.0f} | |")
+      print(f"| 2^{p} | *random bits to uint8: jaxcomp hash* | | | |"
+            f" {n / hashed8 / 1e6:.0f} | {100 * read / hashed8:.0f} | |")
     for name in names:
       codec, max_p = CODECS[name]
       if p > max_p:

@@ -16,6 +16,8 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 * QSGD's per-bucket scale and NaN check as three library reductions and as one variadic
   reduction, at n = 16M;
 * OneBit's bucket statistics in one reduction per bucket and in two levels, at n = 4M;
+* ``x + 1`` into a new buffer, in place, and into a new buffer under glibc tunables that
+  reuse large blocks (``benchmarks._timing.REUSE_MALLOC``, in a child process), n = 16M;
 * QSGD's decode of two gathered payloads followed by an optimizer that reads the mean
   three times, with the decode fused into the readers (XLA's choice) and materialized
   once (``collectives._decode_means``), at n = 1.77M.
@@ -24,7 +26,11 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -32,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import jaxcomp as jc
+from benchmarks import _timing
 from benchmarks._timing import median_time
 from jaxcomp._src import bitpack
 from jaxcomp._src import codecs
@@ -54,6 +61,24 @@ def _donated_ms(x, *, repeats: int) -> float:
     y.block_until_ready()
     times.append(time.perf_counter() - start)
   return 1e3 * statistics.median(times)
+
+
+_NEW_BUFFER = """
+import jax, jax.numpy as jnp
+from benchmarks._timing import median_time
+x = jax.random.normal(jax.random.key(2), (2**24,))
+print(1e3 * median_time(jax.jit(lambda a: a + 1.0), x, repeats={repeats}))
+"""
+
+
+def _new_buffer_reused_malloc_ms(*, repeats: int) -> float:
+  """``x + 1`` into a new 64 MB buffer in a child process run with ``REUSE_MALLOC``."""
+  if platform.libc_ver()[0] != "glibc":
+    return float("nan")
+  env = dict(os.environ, GLIBC_TUNABLES=_timing.REUSE_MALLOC, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _NEW_BUFFER.format(repeats=repeats)], env=env,
+                       check=True, capture_output=True, text=True).stdout
+  return float(out.split()[-1])
 
 
 def _decode_update(materialize: bool):
@@ -139,6 +164,10 @@ def main(argv=None) -> None:
       # Writing a fresh 64 MB output (every decode does) vs the same loop in place.
       ("x + 1 into a new buffer, n=16M", _ms(lambda a: a + 1.0, s16, repeats=r)),
       ("x + 1 in place (donated), n=16M", _donated_ms(s16, repeats=r)),
+      # The new buffer's cost is glibc's: a block above its mmap threshold is mmapped per
+      # call and unmapped when freed. With REUSE_MALLOC (a child process) it is reused.
+      ("x + 1 into a new buffer, GLIBC_TUNABLES=REUSE_MALLOC, n=16M",
+       _new_buffer_reused_malloc_ms(repeats=r)),
       # A decoded mean that the optimizer reads three times: XLA:CPU fuses the decode
       # into each reader unless it is materialized (jaxcomp does, on CPU).
       ("QSGD4 decode of 2 payloads + clip/momentum/update, fused, n=1.77M",
@@ -149,7 +178,8 @@ def main(argv=None) -> None:
           lambda a: jc.codecs.UnbiasedSparsifier(density=0.01).probabilities(a)[1], m1,
           repeats=r)),
   ]
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, median of {r}\n")
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, malloc: "
+        f"{_timing.malloc_label()}, median of {r}\n")
   print("| operation | ms |")
   print("|---|---:|")
   for name, ms in rows:

@@ -1,0 +1,45 @@
+"""Smoke tests of benchmark-script options that change how the process runs."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import _timing
+
+ROOT = Path(__file__).resolve().parents[1]
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="needs glibc")
+
+
+def _codecs(*flags: str) -> str:
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run(
+      [sys.executable, "-m", "benchmarks.codecs", "--sizes", "10", "--codecs", "qsgd4",
+       "--repeats", "1", *flags], cwd=ROOT, env=env, check=True, capture_output=True,
+      text=True, timeout=300).stdout
+
+
+@glibc_only
+def test_reuse_malloc_restarts_the_benchmark_with_the_tunables():
+  default = _codecs("--rng")
+  assert "malloc: glibc default" in default
+  assert "| 2^10 | qsgd4 |" in default and "random bits to uint8: jaxcomp hash" in default
+  reused = _codecs("--reuse-malloc")
+  assert "malloc: glibc reuse" in reused, reused
+  assert "| 2^10 | qsgd4 |" in reused
+  # the restart happens once: one header line, one table
+  assert reused.count("malloc:") == 1
+
+
+@glibc_only
+def test_malloc_label_names_the_tunables(monkeypatch):
+  monkeypatch.setenv("GLIBC_TUNABLES", _timing.REUSE_MALLOC)
+  assert _timing.malloc_label() == "glibc reuse"
+  monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+  assert _timing.malloc_label() == "glibc glibc.malloc.arena_max=2"
+  monkeypatch.delenv("GLIBC_TUNABLES")
+  assert _timing.malloc_label() == "glibc default"
