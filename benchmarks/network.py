@@ -20,7 +20,9 @@ its peers through the address the host name resolves to: ``ip netns exec`` bind-
 namespace's own veth address.
 
 Writes ``--out`` (default ``runs/network``): ``results.json``, ``results.md`` and
-``step_time_vs_bandwidth.png``.
+``step_time_vs_bandwidth.png``. The workers inherit this environment: prefix the command
+with ``GLIBC_TUNABLES=...`` (``benchmarks._timing.REUSE_MALLOC``) to run them with a
+malloc that reuses large buffers; the results record which.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import subprocess
 import sys
 import time
 from typing import Any, Sequence
+
+from benchmarks import _timing
 
 NAMESPACES = ("jcnet0", "jcnet1")
 VETHS = ("jcveth0", "jcveth1")
@@ -444,7 +448,7 @@ def main(argv=None) -> int:
   if args.analyze:
     with open(args.analyze) as f:
       saved = json.load(f)
-    report(saved["runs"], saved["psums"], args.out)
+    report(saved["runs"], saved["psums"], args.out, saved.get("malloc"))
     return 0
   missing = missing_requirements()
   if missing:
@@ -462,6 +466,7 @@ def main(argv=None) -> int:
   signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
   runs: dict[str, dict[str, Any]] = {c: {} for c in configs}
   psums: dict[str, list] = {}
+  malloc = _timing.malloc_label()  # the workers inherit this environment
   with Link() as link:
     for rate in rates:
       link.set_rate(rate)
@@ -479,18 +484,22 @@ def main(argv=None) -> int:
                 f"loss {r['final_loss']:.3f}", flush=True)
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:  # partial results
-          json.dump({"runs": runs, "psums": psums}, f, indent=2)
-  report(runs, psums, args.out)
+          json.dump({"runs": runs, "psums": psums, "malloc": malloc}, f, indent=2)
+  report(runs, psums, args.out, malloc)
   return 0
 
 
-def report(runs: dict, psums: dict, out: str) -> None:
-  """Fits the model; writes results.json (with it), results.md and the plot."""
+def report(runs: dict, psums: dict, out: str, malloc: str | None = None) -> None:
+  """Fits the model; writes results.json (with it), results.md and the plot.
+
+  ``malloc`` says how the workers allocated (they inherit ``GLIBC_TUNABLES``; see
+  ``benchmarks._timing.REUSE_MALLOC``), ``None`` for results saved before it was kept.
+  """
   os.makedirs(out, exist_ok=True)
   model = fit_and_predict(runs, psums)
   with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"runs": runs, "psums": psums, "model": model}, f, indent=2)
-  text = tables(runs, model)
+    json.dump({"runs": runs, "psums": psums, "model": model, "malloc": malloc}, f, indent=2)
+  text = f"malloc: {malloc or 'not recorded'}\n\n" + tables(runs, model)
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(text)
   print(text)
