@@ -51,6 +51,8 @@ CONFIGS = ("params2m", "params20m")
 METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd")
 PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes per device
 RESULT_MARKER = "JAXCOMP_PSUM_RESULT "
+BURST_MS = 1.0  # tbf bucket: this many ms of traffic at the rate...
+MIN_BURST = 64 * 1024  # ...and at least this many bytes
 
 
 # ----------------------------------------------------------------------------- the link
@@ -80,6 +82,17 @@ def rate_bytes_per_s(rate: str) -> float | None:
     if rate.endswith(unit):
       return float(rate[:-len(unit)]) * scale / 8
   raise ValueError(f"rate must look like 100mbit, 1gbit or none; got {rate!r}")
+
+
+def tbf_burst(rate: str, burst_ms: float = BURST_MS) -> int | None:
+  """The tbf bucket for ``rate`` in bytes: ``burst_ms`` of traffic, at least 64 KiB
+  (``None`` for ``"none"``). See :meth:`Link.set_rate`."""
+  bps = rate_bytes_per_s(rate)
+  if bps is None:
+    return None
+  if not burst_ms > 0:
+    raise ValueError(f"burst_ms must be positive, got {burst_ms}")
+  return max(int(bps * burst_ms / 1e3), MIN_BURST)
 
 
 class Link(contextlib.AbstractContextManager):
@@ -129,17 +142,25 @@ class Link(contextlib.AbstractContextManager):
   def exec(self, ns: str, cmd: Sequence[str], check: bool = True):
     return _run(["ip", "netns", "exec", ns, *cmd], check=check)
 
-  def set_rate(self, rate: str) -> None:
-    """Throttles both ends' egress to ``rate`` (tc tbf), or removes the throttle."""
+  def set_rate(self, rate: str, burst_ms: float = BURST_MS) -> int | None:
+    """Throttles both ends' egress to ``rate`` (tc tbf), or removes the throttle.
+
+    Returns the bucket size in bytes (``None`` unthrottled): ``burst_ms`` of traffic at
+    the rate, at least 64 KiB. The bucket is credit that a message spends at the
+    sender's speed: with 10 ms' worth (1.25 MB at 1 Gbit/s, this benchmark's first
+    setting) a 1 MB payload crossed a 1 Gbit/s link in about 2 ms, four times the rate,
+    and only a message larger than the bucket saw the rate. The kernel's tbf uses
+    high-resolution timers, so 64 KiB still sustains 100 Mbit/s and 1 Gbit/s.
+    """
     bps = rate_bytes_per_s(rate)
+    burst = tbf_burst(rate, burst_ms)
     for ns, veth in zip(NAMESPACES, VETHS):
       self.exec(ns, ["tc", "qdisc", "del", "dev", veth, "root"], check=False)
       if bps is None:
         continue
-      # tbf's bucket must hold at least one timer tick of traffic: 10 ms' worth here.
-      burst = max(int(bps / 100), 64 * 1024)
       self.exec(ns, ["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate,
                      "burst", str(burst), "latency", "100ms"])
+    return burst
 
   def teardown(self) -> None:
     for ns in self.created_netns:  # deleting a namespace deletes its veth end (and pair)
@@ -422,6 +443,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out", default="runs/network")
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
   parser.add_argument("--seconds-per-size", type=float, default=3.0)
+  parser.add_argument("--burst-ms", type=float, default=BURST_MS,
+                      help="tbf bucket in ms of traffic at the rate (at least 64 KiB)")
   parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                       help="after each method's run, profile STEPS more steps "
                       "(jc.profile_phases) and tabulate gradient/encode/exchange/decode")
@@ -448,7 +471,7 @@ def main(argv=None) -> int:
   if args.analyze:
     with open(args.analyze) as f:
       saved = json.load(f)
-    report(saved["runs"], saved["psums"], args.out, saved.get("malloc"))
+    report(saved["runs"], saved["psums"], args.out, saved.get("malloc"), saved.get("bursts"))
     return 0
   missing = missing_requirements()
   if missing:
@@ -467,9 +490,10 @@ def main(argv=None) -> int:
   runs: dict[str, dict[str, Any]] = {c: {} for c in configs}
   psums: dict[str, list] = {}
   malloc = _timing.malloc_label()  # the workers inherit this environment
+  bursts: dict[str, int | None] = {}
   with Link() as link:
     for rate in rates:
-      link.set_rate(rate)
+      bursts[rate] = link.set_rate(rate, args.burst_ms)
       print(f"== link {rate}: timing psums", flush=True)
       psums[rate] = time_psums(args.sizes, args.seconds_per_size, args.timeout)
       for s in psums[rate]:
@@ -484,22 +508,29 @@ def main(argv=None) -> int:
                 f"loss {r['final_loss']:.3f}", flush=True)
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:  # partial results
-          json.dump({"runs": runs, "psums": psums, "malloc": malloc}, f, indent=2)
-  report(runs, psums, args.out, malloc)
+          json.dump({"runs": runs, "psums": psums, "malloc": malloc, "bursts": bursts},
+                    f, indent=2)
+  report(runs, psums, args.out, malloc, bursts)
   return 0
 
 
-def report(runs: dict, psums: dict, out: str, malloc: str | None = None) -> None:
+def report(runs: dict, psums: dict, out: str, malloc: str | None = None,
+           bursts: dict | None = None) -> None:
   """Fits the model; writes results.json (with it), results.md and the plot.
 
   ``malloc`` says how the workers allocated (they inherit ``GLIBC_TUNABLES``; see
-  ``benchmarks._timing.REUSE_MALLOC``), ``None`` for results saved before it was kept.
+  ``benchmarks._timing.REUSE_MALLOC``) and ``bursts`` the tbf bucket per rate (bytes);
+  ``None`` for results saved before they were kept.
   """
   os.makedirs(out, exist_ok=True)
   model = fit_and_predict(runs, psums)
   with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"runs": runs, "psums": psums, "model": model, "malloc": malloc}, f, indent=2)
-  text = f"malloc: {malloc or 'not recorded'}\n\n" + tables(runs, model)
+    json.dump({"runs": runs, "psums": psums, "model": model, "malloc": malloc,
+               "bursts": bursts}, f, indent=2)
+  burst_text = ("not recorded (10 ms of traffic at the rate, before 2026-11-22)" if bursts is None
+                else ", ".join(f"{r} {b:,} B" for r, b in bursts.items() if b is not None))
+  text = (f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n"
+          + tables(runs, model))
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(text)
   print(text)

@@ -43,3 +43,15 @@ def test_malloc_label_names_the_tunables(monkeypatch):
   assert _timing.malloc_label() == "glibc glibc.malloc.arena_max=2"
   monkeypatch.delenv("GLIBC_TUNABLES")
   assert _timing.malloc_label() == "glibc default"
+
+
+def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
+  from benchmarks import network  # pylint: disable=import-outside-toplevel
+  # 1 ms at the rate: at 1 Gbit/s a 1 MB payload no longer fits in the bucket's credit
+  assert network.tbf_burst("1gbit") == 125_000
+  assert network.tbf_burst("10gbit") == 1_250_000
+  assert network.tbf_burst("100mbit") == 64 * 1024  # the floor
+  assert network.tbf_burst("1gbit", burst_ms=10) == 1_250_000  # the first setting
+  assert network.tbf_burst("none") is None
+  with pytest.raises(ValueError, match="burst_ms"):
+    network.tbf_burst("1gbit", burst_ms=0)
