@@ -2,6 +2,11 @@
 
   python -m benchmarks.collective_probe            # 2 processes on 127.0.0.1 (gloo)
   python -m benchmarks.collective_probe --hlo      # what XLA combines (one process)
+  sudo python -m benchmarks.collective_probe --rate 100mbit   # across the throttled link
+
+``--rate R`` runs the two processes in :mod:`benchmarks.network`'s namespaces, the link
+throttled to ``R`` (tbf, the same bucket as that benchmark), so the bytes each
+collective really moves show in its time: at 100 Mbit/s a megabyte takes 80 ms.
 
 ``--hlo`` compiles six independent per-leaf collectives of each kind on 4 CPU devices
 and prints how many remain in the optimized HLO: XLA combines independent all-reduces
@@ -10,7 +15,7 @@ into one, and (XLA:CPU, jax 0.10) not all-gathers or all-to-alls, which is why
 
 Each process contributes ``B`` bytes. Ideal per-process traffic at K = 2: a ring psum
 sends ``B`` (half in its reduce-scatter, half in its all-gather), an all_gather sends
-``B``, an all_to_all ``B/2``. Prints the median time of each, so one can see how the
+``B``, an all_to_all ``B/2``, a ppermute (each sends its buffer to the other) ``B``. Prints the median time of each, so one can see how the
 CPU collectives (gloo) implement them: if the all_gather took as long as a psum of
 twice the bytes, it would be moving twice what it needs. The last column sums the same
 bytes as 16 separate leaves (``lax.psum`` per leaf, which XLA combines into one
@@ -27,6 +32,7 @@ import statistics
 import sys
 import time
 
+from benchmarks import network
 from benchmarks.network import RESULT_MARKER, free_port
 
 SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
@@ -47,6 +53,8 @@ def worker(args) -> None:
       "psum_2x": lambda x: lax.psum(jax.numpy.concatenate([x, x]), "b"),
       "all_gather": lambda x: lax.all_gather(x, "b", tiled=True),
       "all_to_all": lambda x: lax.all_to_all(x.reshape(2, -1), "b", 0, 0).reshape(-1),
+      # Each process sends its B bytes to the other: what an all-gather of 2 must move.
+      "ppermute": lambda x: lax.ppermute(x, "b", perm=[(0, 1), (1, 0)]),
       # The same bytes as 16 leaves: XLA combines the 16 psums into one all-reduce
       # instruction of 16 operands; gloo then runs one all-reduce per operand.
       "psum_16_leaves": lambda x: jax.numpy.concatenate(
@@ -97,6 +105,9 @@ def main(argv=None) -> int:
                       help=f"bytes per process, comma-separated (multiples of {4 * LEAVES})")
   parser.add_argument("--hlo", action="store_true",
                       help="count what XLA combines of 6 per-leaf collectives, and exit")
+  parser.add_argument("--rate", default=None,
+                      help="run across benchmarks.network's namespaces throttled to this "
+                           "rate (e.g. 100mbit; needs root)")
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
@@ -119,12 +130,27 @@ def main(argv=None) -> int:
       print(f"| {name} | 6 | {n} |")
     return 0
   from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
-  coordinator = f"127.0.0.1:{free_port()}"
-  commands = [[sys.executable, "-m", "benchmarks.collective_probe", "--worker",
-               "--process-id", str(i), "--coordinator", coordinator,
-               "--repeats", str(args.repeats),
-               "--sizes", ",".join(map(str, args.sizes))] for i in range(2)]
-  outputs = launch.run_processes(commands, timeout=600)
+
+  def commands(host: str, prefix=lambda i: []) -> list[list[str]]:
+    coordinator = f"{host}:{free_port()}"
+    return [[*prefix(i), sys.executable, "-m", "benchmarks.collective_probe", "--worker",
+             "--process-id", str(i), "--coordinator", coordinator,
+             "--repeats", str(args.repeats),
+             "--sizes", ",".join(map(str, args.sizes))] for i in range(2)]
+
+  if args.rate is None:
+    outputs = launch.run_processes(commands("127.0.0.1"), timeout=600)
+  else:
+    network.rate_bytes_per_s(args.rate)  # validate before building anything
+    missing = network.missing_requirements()
+    if missing:
+      print("--rate needs " + "; ".join(missing) + ".", file=sys.stderr)
+      return 2
+    with network.Link() as link:
+      bucket = link.set_rate(args.rate)
+      print(f"link {args.rate}, tbf bucket {bucket:,} B" if bucket else "link unthrottled")
+      outputs = launch.run_processes(commands(network.ADDRESSES[0], network.Link.prefix),
+                                     timeout=600)
   for line in outputs[0].stdout:
     if line.startswith(RESULT_MARKER):
       rows = json.loads(line[len(RESULT_MARKER):])
@@ -132,12 +158,12 @@ def main(argv=None) -> int:
   else:
     raise RuntimeError("no result:\n" + outputs[0].tail())
   print("| bytes per process | psum (ms) | psum of 2x (ms) | all_gather (ms) |"
-        f" all_to_all (ms) | psum as {LEAVES} leaves (ms) |")
-  print("|---:|---:|---:|---:|---:|---:|")
+        f" all_to_all (ms) | ppermute (ms) | psum as {LEAVES} leaves (ms) |")
+  print("|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
     print(f"| {r['bytes']:,} | {1e3 * r['psum']:.2f} | {1e3 * r['psum_2x']:.2f} |"
           f" {1e3 * r['all_gather']:.2f} | {1e3 * r['all_to_all']:.2f} |"
-          f" {1e3 * r['psum_16_leaves']:.2f} |")
+          f" {1e3 * r['ppermute']:.2f} | {1e3 * r['psum_16_leaves']:.2f} |")
   return 0
 
 
