@@ -4,9 +4,10 @@ Creates two network namespaces joined by a veth pair, throttles both ends with
 ``tc qdisc ... tbf rate R``, and runs the 2-process MNIST-1D trainer
 (``examples/mnist1d/launch.py``, one CPU device per process, each pinned to its own
 core) across the link for every rate, model and method; gloo's collectives then really
-cross the link. It also times single ``psum``\ s of several sizes on each link and fits
-:mod:`jaxcomp.network`'s α-β model to them, then predicts every method's step time
-from its compute time (measured on the unthrottled veth) and its
+cross the link. It also times single ``psum``\ s and ``all_gather``\ s of several
+sizes on each link and fits :mod:`jaxcomp.network`'s α-β model to them (a link for
+each: gloo's all-gather moves more than its ideal traffic), then predicts every
+method's step time from its compute time (measured on the unthrottled veth) and its
 ``jc.wire_report``, and reports the prediction error against the measured steps.
 
   sudo python -m benchmarks.network                         # everything (~30 min)
@@ -185,7 +186,12 @@ class Link(contextlib.AbstractContextManager):
 
 
 def psum_worker(args: argparse.Namespace) -> None:
-  """Worker mode: times ``psum`` of each size across the two processes."""
+  """Worker mode: times ``psum`` and ``all_gather`` of each size across the processes.
+
+  Each process contributes ``size`` bytes to both. gloo's all-gather moves more than
+  its ideal traffic (``benchmarks.collective_probe --rate``), so the model fits it a
+  link of its own.
+  """
   from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
   launch.init_distributed(args.coordinator, args.num_processes, args.process_id,
                           devices_per_process=1)
@@ -196,35 +202,39 @@ def psum_worker(args: argparse.Namespace) -> None:
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   mesh = jax.make_mesh((jax.device_count(),), ("b",))
-  f = jax.jit(jax.shard_map(lambda x: lax.psum(x, "b"), mesh=mesh, in_specs=P("b"),
-                            out_specs=P("b")))
-  samples = []
-  for size in args.sizes:
-    n = size // 4
-    local = np.ones((n,), np.float32)
-    x = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P("b")), local)
-    f(x).block_until_ready()  # compile, and warm the connection
-    start = time.perf_counter()
-    f(x).block_until_ready()
-    warm = time.perf_counter() - start
-    # How many timed psums fit the budget: process 0's estimate, broadcast, so that
-    # both processes issue the same number of collectives (each deciding from its own
-    # clock, one could start a psum the other never joins, and hang).
-    repeats = int(multihost_utils.broadcast_one_to_all(
-        np.int32(min(15, max(3, int(2 * args.seconds_per_size / warm))))))
-    times = []
-    for _ in range(repeats):
+  ops = {"psum": lambda x: lax.psum(x, "b"),
+         "all_gather": lambda x: lax.all_gather(x, "b", tiled=True)}
+  result: dict[str, Any] = {"process_id": args.process_id}
+  for name, op in ops.items():
+    f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("b"), out_specs=P("b")))
+    samples = []
+    for size in args.sizes:
+      n = size // 4
+      local = np.ones((n,), np.float32)
+      x = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P("b")), local)
+      f(x).block_until_ready()  # compile, and warm the connection
       start = time.perf_counter()
       f(x).block_until_ready()
-      times.append(time.perf_counter() - start)
-    samples.append({"bytes": size, "times_s": times, "median_s": statistics.median(times)})
-  print(RESULT_MARKER + json.dumps({"process_id": args.process_id, "psum": samples}),
-        flush=True)
+      warm = time.perf_counter() - start
+      # How many timed collectives fit the budget: process 0's estimate, broadcast, so
+      # that both processes issue the same number (each deciding from its own clock,
+      # one could start a collective the other never joins, and hang).
+      repeats = int(multihost_utils.broadcast_one_to_all(
+          np.int32(min(15, max(3, int(2 * args.seconds_per_size / warm))))))
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+      samples.append({"bytes": size, "times_s": times, "median_s": statistics.median(times)})
+    result[name] = samples
+  print(RESULT_MARKER + json.dumps(result), flush=True)
   jax.distributed.shutdown()
 
 
-def time_psums(sizes: Sequence[int], seconds_per_size: float, timeout: float) -> list[dict]:
-  """Runs :func:`psum_worker` in the two namespaces; process 0's timings."""
+def time_psums(sizes: Sequence[int], seconds_per_size: float, timeout: float) -> dict:
+  """Runs :func:`psum_worker` in the two namespaces; process 0's timings, by collective
+  (``"psum"``, ``"all_gather"``)."""
   from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
   coordinator = f"{ADDRESSES[0]}:{free_port()}"
   commands = [[*Link.prefix(i), sys.executable, "-m", "benchmarks.network", "--psum-worker",
@@ -234,7 +244,8 @@ def time_psums(sizes: Sequence[int], seconds_per_size: float, timeout: float) ->
   outputs = launch.run_processes(commands, timeout=timeout)
   for line in outputs[0].stdout:
     if line.startswith(RESULT_MARKER):
-      return json.loads(line[len(RESULT_MARKER):])["psum"]
+      result = json.loads(line[len(RESULT_MARKER):])
+      return {"psum": result["psum"], "all_gather": result["all_gather"]}
   raise RuntimeError("the psum worker gave no result:\n" + outputs[0].tail())
 
 
@@ -272,8 +283,13 @@ def step_time(record: dict) -> float:
   return statistics.fmean(times[1:] or times)
 
 
-def fit_and_predict(runs: dict, psums: dict) -> dict:
-  """Fits α-β per rate; predicts each method's step time; the errors vs measured."""
+def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dict:
+  """Fits α-β per rate; predicts each method's step time; the errors vs measured.
+
+  ``links`` is fitted to the psums; ``gather_links`` (when ``gathers`` holds timed
+  all-gathers of the rate) prices the all-gathers, which gloo runs slower than their
+  traffic at the psum's bandwidth would take.
+  """
   import jax  # pylint: disable=import-outside-toplevel
   import jaxcomp as jc  # pylint: disable=import-outside-toplevel
   from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
@@ -282,8 +298,17 @@ def fit_and_predict(runs: dict, psums: dict) -> dict:
 
   links = {rate: jc.network.fit_link([("psum", s["bytes"], 2, s["median_s"]) for s in ps])
            for rate, ps in psums.items()}
-  out: dict[str, Any] = {"links": {r: {"latency_s": l.latency_s, "bandwidth_Bps": l.bandwidth}
-                                   for r, l in links.items()},
+  gather_links = {rate: jc.network.fit_link([("all_gather", s["bytes"], 2, s["median_s"])
+                                              for s in gs])
+                  for rate, gs in (gathers or {}).items()}
+
+  def per_primitive(rate: str) -> dict | None:
+    return {"all_gather": gather_links[rate]} if rate in gather_links else None
+
+  def as_json(ls):
+    return {r: {"latency_s": l.latency_s, "bandwidth_Bps": l.bandwidth} for r, l in ls.items()}
+
+  out: dict[str, Any] = {"links": as_json(links), "gather_links": as_json(gather_links),
                          "predictions": {}, "scaling": {}}
   for config_name, by_rate in runs.items():
     config = launch.load_config(config_name)
@@ -299,12 +324,13 @@ def fit_and_predict(runs: dict, psums: dict) -> dict:
       tx = train.make_tx(method, config, train.make_exchange(method, config, warmup=False))
       report2 = jc.wire_report(tx, params, axis_name=train.AXIS, num_devices=2)
       compute = jc.network.compute_time(step_time(base["methods"][method]),
-                                        report2, links["none"])
+                                        report2, links["none"], links=per_primitive("none"))
       preds[method] = {"compute_s": compute}
       for rate, run in by_rate.items():
         if rate == "none" or method not in run["methods"]:
           continue
-        predicted = jc.network.predict_step_time(compute, report2, links[rate])
+        predicted = jc.network.predict_step_time(compute, report2, links[rate],
+                                                 links=per_primitive(rate))
         measured = step_time(run["methods"][method])
         preds[method][rate] = {"predicted_s": predicted, "measured_s": measured,
                                "error": predicted / measured - 1}
@@ -315,7 +341,8 @@ def fit_and_predict(runs: dict, psums: dict) -> dict:
         for k in (2, 8, 64, 256, 1024):
           report = jc.wire_report(tx, params, axis_name=train.AXIS, num_devices=k)
           scaling[method][k] = {"bytes": report.bytes_received,
-                                "step_s": jc.network.predict_step_time(compute, report, ref)}
+                                "step_s": jc.network.predict_step_time(
+                                    compute, report, ref, links=per_primitive("1gbit"))}
     out["predictions"][config_name] = preds
     out["scaling"][config_name] = scaling
   return out
@@ -378,10 +405,17 @@ def tables(runs: dict, model: dict) -> str:
             f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks) + " |")
       lines.append("")
     lines += phase_tables(config, by_rate)
-  lines += ["Fitted links (psum timings, least squares on relative error):", "",
-            "| rate | α (µs) | bandwidth (MB/s) |", "|---|---:|---:|"]
+  gl = model.get("gather_links") or {}
+  lines += ["Fitted links (least squares on relative error): psum timings; all-gathers, "
+            "which price the all-gathers when timed (else the psum link does):", "",
+            "| rate | psum α (µs) | psum bandwidth (MB/s) | all_gather α (µs) |"
+            " all_gather bandwidth (MB/s) |", "|---|---:|---:|---:|---:|"]
   for rate, l in model["links"].items():
-    lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
+    g = gl.get(rate)
+    gtext = (f"{1e6 * g['latency_s']:.0f} | {g['bandwidth_Bps'] / 1e6:.1f}" if g
+             else "not timed | not timed")
+    lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |"
+                 f" {gtext} |")
   return "\n".join(lines) + "\n"
 
 
@@ -471,7 +505,8 @@ def main(argv=None) -> int:
   if args.analyze:
     with open(args.analyze) as f:
       saved = json.load(f)
-    report(saved["runs"], saved["psums"], args.out, saved.get("malloc"), saved.get("bursts"))
+    report(saved["runs"], saved["psums"], args.out, saved.get("malloc"), saved.get("bursts"),
+           saved.get("gathers"))
     return 0
   missing = missing_requirements()
   if missing:
@@ -489,15 +524,18 @@ def main(argv=None) -> int:
   signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
   runs: dict[str, dict[str, Any]] = {c: {} for c in configs}
   psums: dict[str, list] = {}
+  gathers: dict[str, list] = {}
   malloc = _timing.malloc_label()  # the workers inherit this environment
   bursts: dict[str, int | None] = {}
   with Link() as link:
     for rate in rates:
       bursts[rate] = link.set_rate(rate, args.burst_ms)
-      print(f"== link {rate}: timing psums", flush=True)
-      psums[rate] = time_psums(args.sizes, args.seconds_per_size, args.timeout)
-      for s in psums[rate]:
-        print(f"   psum {s['bytes']:>10,} B: {1e3 * s['median_s']:9.2f} ms", flush=True)
+      print(f"== link {rate}: timing psums and all-gathers", flush=True)
+      timed = time_psums(args.sizes, args.seconds_per_size, args.timeout)
+      psums[rate], gathers[rate] = timed["psum"], timed["all_gather"]
+      for s, g in zip(psums[rate], gathers[rate]):
+        print(f"   {s['bytes']:>10,} B: psum {1e3 * s['median_s']:9.2f} ms, all_gather "
+              f"{1e3 * g['median_s']:9.2f} ms", flush=True)
       for config in configs:
         print(f"== link {rate}, {config}: {','.join(methods)}", flush=True)
         start = time.perf_counter()
@@ -508,25 +546,26 @@ def main(argv=None) -> int:
                 f"loss {r['final_loss']:.3f}", flush=True)
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:  # partial results
-          json.dump({"runs": runs, "psums": psums, "malloc": malloc, "bursts": bursts},
-                    f, indent=2)
-  report(runs, psums, args.out, malloc, bursts)
+          json.dump({"runs": runs, "psums": psums, "gathers": gathers, "malloc": malloc,
+                     "bursts": bursts}, f, indent=2)
+  report(runs, psums, args.out, malloc, bursts, gathers)
   return 0
 
 
 def report(runs: dict, psums: dict, out: str, malloc: str | None = None,
-           bursts: dict | None = None) -> None:
+           bursts: dict | None = None, gathers: dict | None = None) -> None:
   """Fits the model; writes results.json (with it), results.md and the plot.
 
   ``malloc`` says how the workers allocated (they inherit ``GLIBC_TUNABLES``; see
-  ``benchmarks._timing.REUSE_MALLOC``) and ``bursts`` the tbf bucket per rate (bytes);
-  ``None`` for results saved before they were kept.
+  ``benchmarks._timing.REUSE_MALLOC``), ``bursts`` the tbf bucket per rate (bytes) and
+  ``gathers`` the timed all-gathers per rate; ``None`` for results saved before they
+  were kept (the model then prices all-gathers with the psums' link).
   """
   os.makedirs(out, exist_ok=True)
-  model = fit_and_predict(runs, psums)
+  model = fit_and_predict(runs, psums, gathers)
   with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"runs": runs, "psums": psums, "model": model, "malloc": malloc,
-               "bursts": bursts}, f, indent=2)
+    json.dump({"runs": runs, "psums": psums, "gathers": gathers, "model": model,
+               "malloc": malloc, "bursts": bursts}, f, indent=2)
   burst_text = ("not recorded (10 ms of traffic at the rate, before 2026-11-22)" if bursts is None
                 else ", ".join(f"{r} {b:,} B" for r, b in bursts.items() if b is not None))
   text = (f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n"

@@ -95,3 +95,27 @@ def test_exchange_time_fallback_ops_are_apart():
   assert regular == pytest.approx(report.bytes_received / 1e9)
   assert net.exchange_time(report, link, fallback=True) == pytest.approx(
       (report.bytes_received + report.fallback_bytes) / 1e9)
+
+
+def test_links_per_primitive_price_only_their_collectives():
+  params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+            "b": jax.ShapeDtypeStruct((16,), jnp.float32)}
+  # two_phase at K=8: all_to_all and all_gather of the payloads, a psum of the bias
+  tx = jc.qsgd(bits=4, axis_name="b", collective="two_phase")
+  report = jc.wire_report(tx, params, axis_name="b", num_devices=8)
+  primitives = {op.primitive for op in report.ops if not op.fallback}
+  gathers = {"all_gather", "all_gather_invariant"}  # jax names it either way
+  assert primitives & gathers and primitives - gathers
+  link, slow = net.Link(1e-5, 1e9), net.Link(3e-5, 2e8)
+  want = sum(op.count * (slow if op.primitive in gathers else link).collective_time(
+      op.primitive, op.operand_bytes, 8) for op in report.ops if not op.fallback)
+  got = net.exchange_time(report, link, links={"all_gather": slow})
+  assert got == pytest.approx(want) and got > net.exchange_time(report, link)
+  assert net.exchange_time(report, link, links={}) == net.exchange_time(report, link)
+  step = net.predict_step_time(0.1, report, link, links={"all_gather": slow})
+  assert step == pytest.approx(0.1 + want)
+  assert net.compute_time(step, report, link, links={"all_gather": slow}) == pytest.approx(0.1)
+  with pytest.raises(ValueError, match="unknown collective"):
+    net.exchange_time(report, link, links={"allgather": slow})
+  with pytest.raises(TypeError, match="Link"):
+    net.exchange_time(report, link, links={"all_gather": (1e-5, 1e9)})

@@ -36,7 +36,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -105,31 +105,63 @@ class Link:
             + traffic(primitive, operand_bytes, k) / self.bandwidth)
 
 
-def exchange_time(report: wire.WireReport, link: Link, *, fallback: bool = False) -> float:
+#: Names jax gives the same collective (by version and by ``check_vma``): a link fitted
+#: for the plain name prices them too.
+_SAME_AS = {"all_gather_invariant": "all_gather", "psum_invariant": "psum", "psum2": "psum",
+            "reduce_scatter": "psum_scatter"}
+
+
+def _link_for(primitive: str, link: Link, links: Mapping[str, Link] | None) -> Link:
+  if not links:
+    return link
+  return links.get(primitive, links.get(_SAME_AS.get(primitive, primitive), link))
+
+
+def _check_links(links: Mapping[str, Link] | None) -> None:
+  for primitive, l in (links or {}).items():
+    _check_primitive(primitive)
+    if not isinstance(l, Link):
+      raise TypeError(f"links[{primitive!r}] must be a jc.network.Link, got {type(l).__name__}")
+
+
+def exchange_time(report: wire.WireReport, link: Link, *, fallback: bool = False,
+                  links: Mapping[str, Link] | None = None) -> float:
   """Seconds per step of the collectives in ``report`` (``jc.wire_report``) on ``link``.
 
   Args:
     report: the wire report of a transform at ``report.num_devices`` devices.
     link: the link's α and β.
     fallback: also count the rare overflow path's collectives (a step that takes it).
+    links: links fitted for particular collectives, by primitive name (e.g.
+      ``{"all_gather": fit_link(timed_all_gathers)}``; ``"all_gather"`` also prices
+      ``all_gather_invariant``, ``"psum"`` ``psum_invariant``), used for those instead of
+      ``link``: a runtime whose all-gather moves more than its ideal traffic (gloo's,
+      ``docs/benchmarks.md``) shows it as a lower fitted bandwidth.
   """
+  _check_links(links)
   k = report.num_devices
-  return float(sum(op.count * link.collective_time(op.primitive, op.operand_bytes, k)
-                   for op in report.ops if fallback or not op.fallback))
+  return float(sum(
+      op.count * _link_for(op.primitive, link, links).collective_time(
+          op.primitive, op.operand_bytes, k)
+      for op in report.ops if fallback or not op.fallback))
 
 
-def predict_step_time(compute_s: float, report: wire.WireReport, link: Link) -> float:
-  """``compute_s`` plus the exchange time of ``report`` on ``link`` (no overlap)."""
-  return float(compute_s) + exchange_time(report, link)
+def predict_step_time(compute_s: float, report: wire.WireReport, link: Link, *,
+                      links: Mapping[str, Link] | None = None) -> float:
+  """``compute_s`` plus the exchange time of ``report`` on ``link`` (no overlap);
+  ``links`` as in :func:`exchange_time`."""
+  return float(compute_s) + exchange_time(report, link, links=links)
 
 
-def compute_time(step_s: float, report: wire.WireReport, link: Link) -> float:
+def compute_time(step_s: float, report: wire.WireReport, link: Link, *,
+                 links: Mapping[str, Link] | None = None) -> float:
   """The compute part of a step timed on ``link``: ``step_s`` minus its exchange time.
 
   Time a method on a fast link, where the exchange is a small part of the step, and
-  this gives its compute time for :func:`predict_step_time` on slower links.
+  this gives its compute time for :func:`predict_step_time` on slower links. ``links``
+  as in :func:`exchange_time`.
   """
-  return max(float(step_s) - exchange_time(report, link), 0.0)
+  return max(float(step_s) - exchange_time(report, link, links=links), 0.0)
 
 
 def fit_link(samples: Iterable[tuple[str, float, int, float]]) -> Link:
