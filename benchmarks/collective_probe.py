@@ -142,9 +142,7 @@ def main(argv=None) -> int:
     outputs = launch.run_processes(commands("127.0.0.1"), timeout=600)
   else:
     network.rate_bytes_per_s(args.rate)  # validate before building anything
-    missing = network.missing_requirements()
-    if missing:
-      print("--rate needs " + "; ".join(missing) + ".", file=sys.stderr)
+    if network.cannot_run("benchmarks/collective_probe.py --rate"):
       return 2
     with network.Link() as link:
       bucket = link.set_rate(args.rate)

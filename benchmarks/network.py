@@ -75,6 +75,14 @@ def missing_requirements() -> list[str]:
   return missing
 
 
+def cannot_run(what: str) -> bool:
+  """Says on stderr why ``what`` cannot build the link here, if it cannot (then True)."""
+  missing = missing_requirements()
+  if missing:
+    print(f"{what} cannot run here; it needs " + "; ".join(missing) + ".", file=sys.stderr)
+  return bool(missing)
+
+
 def rate_bytes_per_s(rate: str) -> float | None:
   """``"100mbit"`` -> 12.5e6 bytes/s; ``"none"`` -> None (no throttle)."""
   if rate == "none":
@@ -150,9 +158,9 @@ class Link(contextlib.AbstractContextManager):
     Returns the bucket size in bytes (``None`` unthrottled): ``burst_ms`` of traffic at
     the rate, at least 64 KiB. The bucket is credit that a message spends at the
     sender's speed: with 10 ms' worth (1.25 MB at 1 Gbit/s, this benchmark's first
-    setting) a 1 MB payload crossed a 1 Gbit/s link in about 2 ms, four times the rate,
-    and only a message larger than the bucket saw the rate. The kernel's tbf uses
-    high-resolution timers, so 64 KiB still sustains 100 Mbit/s and 1 Gbit/s.
+    setting) 1 MiB crossed a 1 Gbit/s link at three times the rate, and only a message
+    larger than the bucket saw the rate. With 1 ms' worth (64 KiB at 100 Mbit/s) the
+    link runs at 86-96% of the rate for 1-10 MiB (``python -m benchmarks.tbf_probe``).
     """
     bps = rate_bytes_per_s(rate)
     burst = tbf_burst(rate, burst_ms)
@@ -233,7 +241,7 @@ def psum_worker(args: argparse.Namespace) -> None:
   jax.distributed.shutdown()
 
 
-def time_psums(sizes: Sequence[int], seconds_per_size: float, timeout: float) -> dict:
+def time_collectives(sizes: Sequence[int], seconds_per_size: float, timeout: float) -> dict:
   """Runs :func:`psum_worker` in the two namespaces; process 0's timings, by collective
   (``"psum"``, ``"all_gather"``)."""
   from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
@@ -532,10 +540,7 @@ def main(argv=None) -> int:
     report(saved["runs"], saved["psums"], args.out, saved.get("malloc"), saved.get("bursts"),
            saved.get("gathers"))
     return 0
-  missing = missing_requirements()
-  if missing:
-    print("benchmarks/network.py cannot run here; it needs " + "; ".join(missing) + ".",
-          file=sys.stderr)
+  if cannot_run("benchmarks/network.py"):
     return 2
   rates = ["none"] + [r for r in args.rates.split(",") if r != "none"]
   for r in rates:
@@ -555,7 +560,7 @@ def main(argv=None) -> int:
     for rate in rates:
       bursts[rate] = link.set_rate(rate, args.burst_ms)
       print(f"== link {rate}: timing psums and all-gathers", flush=True)
-      timed = time_psums(args.sizes, args.seconds_per_size, args.timeout)
+      timed = time_collectives(args.sizes, args.seconds_per_size, args.timeout)
       psums[rate], gathers[rate] = timed["psum"], timed["all_gather"]
       for s, g in zip(psums[rate], gathers[rate]):
         print(f"   {s['bytes']:>10,} B: psum {1e3 * s['median_s']:9.2f} ms, all_gather "

@@ -99,10 +99,7 @@ def main(argv=None) -> int:
     role, me, other, nbytes = args.peer
     peer(role, me, other, int(nbytes))
     return 0
-  missing = network.missing_requirements()
-  if missing:
-    print("benchmarks/tbf_probe.py cannot run here; it needs " + "; ".join(missing) + ".",
-          file=sys.stderr)
+  if network.cannot_run("benchmarks/tbf_probe.py"):
     return 2
   print("| rate | bucket (bytes) | bytes each way | ms (each run, both sides) | MB/s (median) "
         "| line rate (MB/s) | drops |")

@@ -17,7 +17,8 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
   reduction, at n = 16M;
 * OneBit's bucket statistics in one reduction per bucket and in two levels, at n = 4M;
 * ``x + 1`` into a new buffer, in place, and into a new buffer under glibc tunables that
-  reuse large blocks (``benchmarks._timing.REUSE_MALLOC``, in a child process), n = 16M;
+  reuse large blocks (``benchmarks._timing.REUSE_MALLOC``, in a child process), n = 16M,
+  and the minor page faults per call in child processes with and without the tunables;
 * QSGD's decode of two gathered payloads followed by an optimizer that reads the mean
   three times, with the decode fused into the readers (XLA's choice) and materialized
   once (``collectives._decode_means``), at n = 1.77M.
@@ -64,21 +65,36 @@ def _donated_ms(x, *, repeats: int) -> float:
 
 
 _NEW_BUFFER = """
-import jax, jax.numpy as jnp
-from benchmarks._timing import median_time
+import resource, statistics, time, jax, jax.numpy as jnp
 x = jax.random.normal(jax.random.key(2), (2**24,))
-print(1e3 * median_time(jax.jit(lambda a: a + 1.0), x, repeats={repeats}))
+f = jax.jit(lambda a: a + 1.0)
+for _ in range(3):  # compile, and let the heap settle
+  f(x).block_until_ready()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+times = []
+for _ in range({repeats}):
+  start = time.perf_counter()
+  f(x).block_until_ready()
+  times.append(time.perf_counter() - start)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+print(1e3 * statistics.median(times), faults / {repeats})
 """
 
 
-def _new_buffer_reused_malloc_ms(*, repeats: int) -> float:
-  """``x + 1`` into a new 64 MB buffer in a child process run with ``REUSE_MALLOC``."""
+def _new_buffer_child(*, repeats: int, reuse: bool) -> tuple[float, float]:
+  """``x + 1`` into a new 64 MB buffer in a child process, with glibc's default malloc
+  or with ``REUSE_MALLOC``: (median ms, minor page faults per call, over the same
+  ``max(repeats, 10)`` calls); NaNs off glibc."""
   if platform.libc_ver()[0] != "glibc":
-    return float("nan")
-  env = dict(os.environ, GLIBC_TUNABLES=_timing.REUSE_MALLOC, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", _NEW_BUFFER.format(repeats=repeats)], env=env,
+    return float("nan"), float("nan")
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  env["JAX_PLATFORMS"] = "cpu"
+  if reuse:
+    env["GLIBC_TUNABLES"] = _timing.REUSE_MALLOC
+  out = subprocess.run([sys.executable, "-c", _NEW_BUFFER.format(repeats=max(repeats, 10))], env=env,
                        check=True, capture_output=True, text=True).stdout
-  return float(out.split()[-1])
+  ms, faults = out.split()[-2:]
+  return float(ms), float(faults)
 
 
 def _decode_update(materialize: bool):
@@ -113,6 +129,7 @@ def main(argv=None) -> None:
   t = jnp.float32(3.2)
   s4 = jax.random.normal(jax.random.key(5), (2**22,))
   onebit_args = (s4.reshape(-1, 1024), bitpack.pack_bits((s4 < 0).astype(jnp.uint32), 1))
+  default, reuse = (_new_buffer_child(repeats=r, reuse=b) for b in (False, True))
   fused, decode_args = _decode_update(False)
   materialized, _ = _decode_update(True)
   rows = [
@@ -166,8 +183,7 @@ def main(argv=None) -> None:
       ("x + 1 in place (donated), n=16M", _donated_ms(s16, repeats=r)),
       # The new buffer's cost is glibc's: a block above its mmap threshold is mmapped per
       # call and unmapped when freed. With REUSE_MALLOC (a child process) it is reused.
-      ("x + 1 into a new buffer, GLIBC_TUNABLES=REUSE_MALLOC, n=16M",
-       _new_buffer_reused_malloc_ms(repeats=r)),
+      ("x + 1 into a new buffer, GLIBC_TUNABLES=REUSE_MALLOC, n=16M", reuse[0]),
       # A decoded mean that the optimizer reads three times: XLA:CPU fuses the decode
       # into each reader unless it is materialized (jaxcomp does, on CPU).
       ("QSGD4 decode of 2 payloads + clip/momentum/update, fused, n=1.77M",
@@ -184,6 +200,9 @@ def main(argv=None) -> None:
   print("|---|---:|")
   for name, ms in rows:
     print(f"| {name} | {ms:.1f} |")
+  print(f"\nMinor page faults per call of x + 1 into a new 64 MB buffer (child processes; "
+        f"16,384 pages of 4 KiB): glibc default {default[1]:,.0f} ({default[0]:.1f} ms), "
+        f"GLIBC_TUNABLES=REUSE_MALLOC {reuse[1]:,.0f} ({reuse[0]:.1f} ms).")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ net = jc.network
     ("psum", 2, 2, 1000.0), ("psum", 8, 14, 1750.0),
     ("all_gather", 8, 7, 7000.0), ("all_to_all", 8, 7, 875.0),
     ("psum_scatter", 4, 3, 750.0), ("ppermute", 16, 1, 1000.0), ("pmax", 2, 2, 1000.0),
+    # names jax also gives the same collectives (wire.canonical)
+    ("psum_invariant", 8, 14, 1750.0), ("psum2", 2, 2, 1000.0),
+    ("all_gather_invariant", 8, 7, 7000.0), ("reduce_scatter", 4, 3, 750.0),
 ])
 def test_steps_and_traffic(primitive, k, want_steps, want_traffic):
   assert net.steps(primitive, k) == want_steps

@@ -42,24 +42,21 @@ import numpy as np
 
 from jaxcomp._src import wire
 
-_STEPS = {
+_STEPS = {  # by canonical name (wire.canonical)
     "all_gather": lambda k: k - 1,
-    "all_gather_invariant": lambda k: k - 1,
     "all_to_all": lambda k: k - 1,
     "psum": lambda k: 2 * (k - 1),
-    "psum_invariant": lambda k: 2 * (k - 1),
-    "psum2": lambda k: 2 * (k - 1),
     "pmax": lambda k: 2 * (k - 1),
     "pmin": lambda k: 2 * (k - 1),
-    "reduce_scatter": lambda k: k - 1,
     "psum_scatter": lambda k: k - 1,
     "ppermute": lambda k: 1,
 }
 
 
 def _check_primitive(primitive: str) -> None:
-  if primitive not in _STEPS:
-    raise ValueError(f"unknown collective {primitive!r}; expected one of {sorted(_STEPS)}")
+  if wire.canonical(primitive) not in _STEPS:
+    raise ValueError(f"unknown collective {primitive!r}; expected one of {sorted(_STEPS)} "
+                     f"(or {sorted(wire._SAME_AS)})")  # pylint: disable=protected-access
 
 
 def _check_k(k: int) -> None:
@@ -71,14 +68,14 @@ def steps(primitive: str, k: int) -> int:
   """Sequential message rounds of ``primitive`` over ``k`` devices (ring algorithms)."""
   _check_primitive(primitive)
   _check_k(k)
-  return _STEPS[primitive](k)
+  return _STEPS[wire.canonical(primitive)](k)
 
 
 def traffic(primitive: str, operand_bytes: float, k: int) -> float:
   """Bytes through each device's link for one ``primitive`` of ``operand_bytes``."""
   _check_primitive(primitive)
   _check_k(k)
-  return wire._TRAFFIC[primitive](operand_bytes, k)  # pylint: disable=protected-access
+  return wire._TRAFFIC[wire.canonical(primitive)](operand_bytes, k)  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,23 +102,15 @@ class Link:
             + traffic(primitive, operand_bytes, k) / self.bandwidth)
 
 
-#: Names jax gives the same collective (by version and by ``check_vma``): a link fitted
-#: for the plain name prices them too.
-_SAME_AS = {"all_gather_invariant": "all_gather", "psum_invariant": "psum", "psum2": "psum",
-            "reduce_scatter": "psum_scatter"}
-
-
-def _link_for(primitive: str, link: Link, links: Mapping[str, Link] | None) -> Link:
-  if not links:
-    return link
-  return links.get(primitive, links.get(_SAME_AS.get(primitive, primitive), link))
-
-
-def _check_links(links: Mapping[str, Link] | None) -> None:
+def _per_primitive(links: Mapping[str, Link] | None) -> dict[str, Link]:
+  """``links`` checked, keyed by canonical primitive name."""
+  out = {}
   for primitive, l in (links or {}).items():
     _check_primitive(primitive)
     if not isinstance(l, Link):
       raise TypeError(f"links[{primitive!r}] must be a jc.network.Link, got {type(l).__name__}")
+    out[wire.canonical(primitive)] = l
+  return out
 
 
 def exchange_time(report: wire.WireReport, link: Link, *, fallback: bool = False,
@@ -138,10 +127,10 @@ def exchange_time(report: wire.WireReport, link: Link, *, fallback: bool = False
       ``link``: a runtime whose all-gather moves more than its ideal traffic (gloo's,
       ``docs/benchmarks.md``) shows it as a lower fitted bandwidth.
   """
-  _check_links(links)
+  by_primitive = _per_primitive(links)
   k = report.num_devices
   return float(sum(
-      op.count * _link_for(op.primitive, link, links).collective_time(
+      op.count * by_primitive.get(wire.canonical(op.primitive), link).collective_time(
           op.primitive, op.operand_bytes, k)
       for op in report.ops if fallback or not op.fallback))
 

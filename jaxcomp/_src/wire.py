@@ -38,16 +38,23 @@ try:  # jax >= 0.4.36
 except ImportError:  # pragma: no cover
   from jax import core as _core
 
-_TRAFFIC = {
+#: Primitive names jax gives the same collective (by version, and by ``check_vma``).
+_SAME_AS = {"all_gather_invariant": "all_gather", "psum_invariant": "psum", "psum2": "psum",
+            "reduce_scatter": "psum_scatter"}
+
+
+def canonical(primitive: str) -> str:
+  """The one name of a collective that jax spells several ways (``psum_invariant`` ->
+  ``psum``); other names unchanged."""
+  return _SAME_AS.get(primitive, primitive)
+
+
+_TRAFFIC = {  # by canonical name
     "all_gather": lambda b, k: (k - 1) * b,
-    "all_gather_invariant": lambda b, k: (k - 1) * b,
     "all_to_all": lambda b, k: (k - 1) * b / k,
     "psum": lambda b, k: 2 * (k - 1) * b / k,
-    "psum_invariant": lambda b, k: 2 * (k - 1) * b / k,
-    "psum2": lambda b, k: 2 * (k - 1) * b / k,
     "pmax": lambda b, k: 2 * (k - 1) * b / k,
     "pmin": lambda b, k: 2 * (k - 1) * b / k,
-    "reduce_scatter": lambda b, k: (k - 1) * b / k,
     "psum_scatter": lambda b, k: (k - 1) * b / k,
     "ppermute": lambda b, k: b,
 }
@@ -121,10 +128,10 @@ def _regular_bytes(ops) -> float:
 def _walk(jaxpr, k: int, mult: int, out: list) -> None:
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name in _TRAFFIC:
+    if canonical(name) in _TRAFFIC:
       b = sum(_nbytes(v.aval) for v in eqn.invars)
       fallback = _FALLBACK_SCOPE in str(eqn.source_info.name_stack)
-      out.append((name, b, mult, mult * _TRAFFIC[name](b, k), fallback))
+      out.append((name, b, mult, mult * _TRAFFIC[canonical(name)](b, k), fallback))
     if name == "cond":
       # One branch runs per step: count the branch that moves the most bytes (an upper
       # bound; e.g. the first warm-up stage of jc.dgc). Collectives under the
