@@ -102,7 +102,7 @@ def top_ops(codec, x: jax.Array, key: jax.Array) -> tuple[float, list[tuple[str,
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default="20,22,24,26", help="log2 of n, comma-separated")
-  parser.add_argument("--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS))
+  parser.add_argument("--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS).replace("%", "%%"))
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--rng", action="store_true",
                       help="also time the random bits: jax.random (threefry) vs the hash")

@@ -55,3 +55,41 @@ def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
   assert network.tbf_burst("none") is None
   with pytest.raises(ValueError, match="burst_ms"):
     network.tbf_burst("1gbit", burst_ms=0)
+
+
+COMMANDS = (
+    "benchmarks.codecs", "benchmarks.collective_probe", "benchmarks.compile_time",
+    "benchmarks.demo_variants", "benchmarks.dgc_warmup_compile", "benchmarks.elias_bits",
+    "benchmarks.elias_device", "benchmarks.network", "benchmarks.qsvrg",
+    "benchmarks.tbf_probe", "benchmarks.topk", "benchmarks.xla_cpu_pitfalls",
+    "kernels.bench", "examples.mnist1d.launch", "examples.mnist1d.main")
+
+_HELP_ALL = """
+import contextlib, io, runpy, sys
+for module in sys.argv[1:]:
+  sys.argv = [module, "--help"]
+  out = io.StringIO()
+  try:
+    with contextlib.redirect_stdout(out):
+      runpy.run_module(module, run_name="__main__", alter_sys=True)
+  except SystemExit as e:
+    code = e.code
+  else:
+    code = "no exit"
+  print(module, code, "usage:" in out.getvalue(), sep="\\t")
+"""
+
+
+def test_every_command_line_prints_its_help():
+  # argparse formats help strings with %: a literal % in one (a codec called 'topk0.1%')
+  # crashed `--help` of benchmarks.codecs
+  assert {m.split(".")[0] for m in COMMANDS} == {"benchmarks", "kernels", "examples"}
+  scripts = {f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py")
+             if "argparse" in p.read_text()}
+  assert scripts <= set(COMMANDS), scripts - set(COMMANDS)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _HELP_ALL, *COMMANDS], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [line.split("\t") for line in out.stdout.splitlines() if "\t" in line]
+  assert rows == [[m, "0", "True"] for m in COMMANDS], (rows, out.stderr[-3000:])
