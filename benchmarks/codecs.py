@@ -8,6 +8,7 @@ the reference rows, the roof's time over theirs).
 
   python -m benchmarks.codecs                       # 1M..64M, every codec
   python -m benchmarks.codecs --sizes 22,24 --codecs qsgd4,onebit --repeats 5 --rng
+  python -m benchmarks.codecs --codecs identity,qsgd4,qsgd4_xla,onebit,onebit_xla
   python -m benchmarks.codecs --sizes 22 --codecs qsgd4,onebit --ops   # what limits them
   python -m benchmarks.codecs --reuse-malloc   # glibc keeps large buffers (see below)
 
@@ -18,6 +19,11 @@ the reference rows, the roof's time over theirs).
 freed large blocks (``benchmarks._timing.REUSE_MALLOC``): by default every output above
 32 MiB (a decode or a copy of 2^24 values or more) is a fresh ``mmap``, paid for with a
 page fault per 4 KiB, and that, not the codec, dominates the decode at those sizes.
+
+Rows named ``*_xla`` pin the XLA path (``implementation="xla"``); the others are what a
+codec runs by default, which on a CPU is the native kernels of
+:mod:`jaxcomp.kernels.cpu` for QSGD (max norm) and OneBit (the header says whether they
+built here).
 
 On XLA:CPU everything runs on the host's cores (2 on the development machine); XLA
 parallelises large fusions across them, so the roof is the machine's, not one core's.
@@ -32,6 +38,7 @@ import jax.numpy as jnp
 
 import jaxcomp as jc
 from jaxcomp._src import rng
+from jaxcomp.kernels import cpu as cpu_kernels
 from benchmarks import _timing
 from benchmarks._timing import median_time
 
@@ -43,10 +50,14 @@ CODECS = {
     "bf16": (C.Cast(jnp.bfloat16), 26),
     "fp16": (C.Cast(jnp.float16), 26),
     "qsgd8": (C.QSGD(127, 512, "max"), 26),
+    "qsgd8_xla": (C.QSGD(127, 512, "max", implementation="xla"), 26),
     "qsgd4": (C.QSGD(7, 512, "max"), 26),
+    "qsgd4_xla": (C.QSGD(7, 512, "max", implementation="xla"), 26),
     "qsgd2": (C.QSGD(1, 128, "max"), 26),
+    "qsgd2_xla": (C.QSGD(1, 128, "max", implementation="xla"), 26),
     "qsgd4_l2": (C.QSGD(7, 512, "l2"), 26),
     "onebit": (C.OneBit(1024), 26),
+    "onebit_xla": (C.OneBit(1024, implementation="xla"), 26),
     "normal8": (C.NormalQuantizer(256), 24),
     "topk0.1%": (C.TopK(0.001), 24),
     "randomk1%": (C.RandomK(0.01), 24),
@@ -118,9 +129,10 @@ def main(argv=None) -> None:
   if unknown:
     parser.error(f"unknown codecs {unknown}; expected a subset of {list(CODECS)}")
 
+  native = "on" if cpu_kernels.use_by_default() else "off"
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, "
-        f"{jax.local_device_count()} device(s) visible, malloc: {_timing.malloc_label()}; "
-        f"median of {args.repeats}")
+        f"{jax.local_device_count()} device(s) visible, malloc: {_timing.malloc_label()}, "
+        f"native CPU kernels: {native}; median of {args.repeats}")
   print("| n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s) |"
         " % read roof | bits/value |")
   print("|---:|---|---:|---:|---:|---:|---:|---:|")

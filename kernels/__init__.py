@@ -12,17 +12,21 @@ One module per kernel, each with the kernel body, a jitted wrapper around
 * :mod:`~jaxcomp.kernels.sign_pack`: 1-bit SGD's signs and bucket means (with optional
   fused error feedback) and the K-payload decode-sum.
 
+* :mod:`~jaxcomp.kernels.cpu`: the same four for the CPU, in C++ (``cpu_codecs.cc``)
+  behind XLA's FFI, built on first use with the system compiler.
+
 The codecs (:class:`jaxcomp.codecs.QSGD`, :class:`jaxcomp.codecs.OneBit`) dispatch to
-them with ``implementation=None | "xla" | "pallas"`` and fall back to XLA for shapes the
-kernels do not handle. The backend (Pallas on Triton) and why: :mod:`._common`.
+them with ``implementation=None | "xla" | "pallas" | "native"`` and fall back to XLA for
+shapes the kernels do not handle. The backend (Pallas on Triton) and why: :mod:`._common`.
 
 Run ``python -m jaxcomp.kernels.bench`` for GB/s of every kernel against the XLA path.
 """
 
+from . import cpu
 from . import dequantize
 from . import quantize
 from . import sign_pack
 from ._common import cuda_available
 from ._common import LaunchConfig
 
-__all__ = ["LaunchConfig", "cuda_available", "dequantize", "quantize", "sign_pack"]
+__all__ = ["LaunchConfig", "cpu", "cuda_available", "dequantize", "quantize", "sign_pack"]

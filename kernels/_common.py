@@ -38,11 +38,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
 #: What ``implementation=`` may be on a codec.
-IMPLEMENTATIONS = (None, "xla", "pallas")
+IMPLEMENTATIONS = (None, "xla", "pallas", "native")
 
 
 @functools.cache
@@ -70,19 +71,33 @@ def resolve_interpret(interpret: bool | None) -> bool:
 def check_implementation(implementation) -> None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
-        f"implementation must be None, 'xla' or 'pallas', got {implementation!r}")
+        f"implementation must be None, 'xla', 'pallas' or 'native', got {implementation!r}")
 
 
 def use_pallas(implementation: str | None) -> bool:
   """Whether a codec's ``implementation`` asks for the kernels.
 
-  ``None`` picks them on a CUDA GPU and XLA elsewhere; ``"pallas"`` always (interpret
-  mode off GPU, slow but exact: what the CPU tests run); ``"xla"`` never.
+  ``None`` picks them on a CUDA GPU (and the native CPU kernels, or XLA, elsewhere:
+  :func:`jaxcomp.kernels.cpu.use_by_default`); ``"pallas"`` always (interpret mode off
+  GPU, slow but exact: what the CPU tests run); ``"xla"`` and ``"native"`` never.
   """
   check_implementation(implementation)
   if implementation is None:
     return cuda_available()
   return implementation == "pallas"
+
+
+def level_step(scale: Array, levels: int) -> Array:
+  """QSGD's decode step ``scale / s``, computed as ``scale * fl(1 / s)``.
+
+  XLA's algebraic simplifier rewrites a division by a constant into a multiplication by
+  its float32 reciprocal, so that is what the XLA path computes whatever the source
+  says (``scale / 7`` and ``scale * fl(1/7)`` differ in the last bit for some scales).
+  Every path (XLA, Pallas, the native CPU kernels) spells out the multiplication, so
+  they agree bit for bit without depending on that rewrite.
+  """
+  inverse = np.float32(1) / np.float32(levels)  # IEEE float32 division: correctly rounded
+  return scale * inverse
 
 
 def is_power_of_two(v: int) -> bool:

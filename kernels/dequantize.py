@@ -38,6 +38,7 @@ DequantizeConfig = _common.LaunchConfig
 
 def _decode_block(words, scale, *, rows, bucket, levels, exact_asm):
   """float32 ``(rows, bucket)`` values of one payload's block (words ``(W,)``)."""
+  del exact_asm  # no division left: the step is a multiplication (_common.level_step)
   mbits = int(levels).bit_length()
   bits = mbits + 1
   per_word = 32 // bits
@@ -45,7 +46,7 @@ def _decode_block(words, scale, *, rows, bucket, levels, exact_asm):
   codes = ((words[:, None] >> shifts) & jnp.uint32((1 << bits) - 1)).reshape(rows, bucket)
   mag = (codes & jnp.uint32((1 << mbits) - 1)).astype(_F32)
   q = jnp.where((codes >> mbits) != 0, -mag, mag)
-  step = _common.div(scale, jnp.float32(levels), exact_asm=exact_asm)
+  step = _common.level_step(scale, levels)
   return q * step[:, None]
 
 

@@ -52,7 +52,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
@@ -132,7 +131,7 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
   scales_ref[...] = scale
 
   if has_residual:
-    step = _common.div(scale, s, exact_asm=exact_asm)
+    step = _common.level_step(scale, levels)
     sent = jnp.where(neg, -magf, magf) * step[:, None]
     new_e_ref[...] = (x32 - sent).reshape(length)
 

@@ -25,6 +25,7 @@ from jax import lax
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
 from jaxcomp.kernels import _common as kernel_common
+from jaxcomp.kernels import cpu as cpu_kernels
 from jaxcomp.kernels import dequantize as dequantize_kernel
 from jaxcomp.kernels import quantize as quantize_kernel
 from jaxcomp.kernels import sign_pack as sign_pack_kernel
@@ -248,6 +249,28 @@ def _row_absmax_finite(v: Array) -> tuple[Array, Array]:
   return jnp.maximum(hi, -lo), jnp.isfinite(hi) & jnp.isfinite(lo)
 
 
+def _kernel_backend(implementation: str | None) -> str | None:
+  """Which kernels a codec's ``implementation`` picks for a shape they handle.
+
+  ``None``: the Pallas kernels on a CUDA GPU, the native CPU kernels on a CPU backend
+  (when they build here, :func:`jaxcomp.kernels.cpu.available`), else XLA.
+  """
+  if kernel_common.use_pallas(implementation):
+    return "pallas"
+  if implementation == "native":
+    cpu_kernels.require()  # a clear error (the compiler's) when they cannot be built
+    return "native"
+  if implementation is None and cpu_kernels.use_by_default():
+    return "native"
+  return None
+
+
+def _fuses_feedback(backend: str | None, dtype: Any) -> bool:
+  """The Pallas kernels fuse error feedback for every input dtype, the native ones for
+  float32 (``fl_dtype(x + e)`` of a narrower dtype is left to the unfused path)."""
+  return backend == "pallas" or (backend == "native" and jnp.dtype(dtype) == jnp.float32)
+
+
 def _onebit_sums(v: Array, words: Array, *, two_level: bool) -> tuple[Array, Array, Array]:
   """Per bucket (row of ``v``): the sums of ``max(v, 0)`` and ``min(v, 0)`` and the
   count of negative values (float32, exact up to 2**24 per bucket; int32 above).
@@ -373,9 +396,12 @@ class QSGD(Codec):
     bucket_size: values per bucket, or ``None`` for one bucket per tensor.
     norm: ``"l2"`` or ``"max"``.
     implementation: ``None`` (the Pallas kernels of :mod:`jaxcomp.kernels` on a CUDA
-      GPU, XLA elsewhere), ``"xla"``, or ``"pallas"`` (interpret mode off GPU). A shape
-      the kernels do not handle (see ``jaxcomp.kernels.quantize.unsupported``) falls
-      back to XLA; both give bit-identical payloads for the same key.
+      GPU, the native CPU kernels of :mod:`jaxcomp.kernels.cpu` on a CPU backend where
+      they build and ``norm="max"``, XLA elsewhere), ``"xla"``, ``"pallas"`` (interpret
+      mode off GPU) or ``"native"``. A shape the kernels do not handle (see
+      ``jaxcomp.kernels.quantize.unsupported``) falls back to XLA. All give bit-identical
+      payloads for the same key with ``norm="max"``; with ``"l2"`` the kernels sum a
+      bucket's squares in another order, so a scale may differ in its last bits.
 
   References:
     Alistarh, Grubic, Li, Tomioka, Vojnovic. *QSGD: Communication-Efficient SGD via
@@ -450,15 +476,30 @@ class QSGD(Codec):
     # A zero code carries no sign (the paper's string has no bit for it): +0, not -0.
     return scale, mag, (v < 0) & (mag > 0)
 
+  def kernel_backend(self, n: int, dtype: Any = jnp.float32) -> str | None:
+    """``"pallas"``, ``"native"`` or ``None`` (the XLA path) for ``n`` values of ``dtype``."""
+    if quantize_kernel.unsupported(n, levels=self.levels, bucket_size=self.bucket_size,
+                                   dtype=dtype) is not None:
+      return None
+    backend = _kernel_backend(self.implementation)
+    if backend == "native" and self.norm == "l2" and self.implementation is None:
+      # The kernel sums a bucket's squares in another order than XLA: by default the
+      # l2 scale stays on the XLA path, so every QSGD(norm="l2") on a CPU (and the
+      # quantize() of EliasQSGD, which is XLA) agrees bit for bit.
+      return None
+    return backend
+
   def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
-    return (kernel_common.use_pallas(self.implementation)
-            and quantize_kernel.unsupported(n, levels=self.levels, bucket_size=self.bucket_size,
-                                            dtype=dtype) is None)
+    return self.kernel_backend(n, dtype) is not None
+
+  def fuses_feedback(self, n: int, dtype: Any) -> bool:
+    return _fuses_feedback(self.kernel_backend(n, dtype), dtype)
 
   def _kernel_encode(self, x: Array, key: Array | None,
                      residual: Array | None = None) -> tuple[Payload, ...]:
     """The quantize kernel's payload (and new residual, when ``residual`` is given)."""
-    words, scales, *new_residual = quantize_kernel.quantize(
+    module = cpu_kernels if self.kernel_backend(x.size, x.dtype) == "native" else quantize_kernel
+    words, scales, *new_residual = module.quantize(
         x, self._require_key(key), residual, levels=self.levels,
         bucket_size=self.bucket_size, norm=self.norm)
     payload = Payload({"words": words, "scales": scales}, tuple(x.shape), jnp.dtype(x.dtype))
@@ -494,7 +535,8 @@ class QSGD(Codec):
     return self.dequantize(codes, payload.arrays["scales"], n)
 
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
-    return dequantize_kernel.dequantize_sum(
+    module = cpu_kernels if self.kernel_backend(n) == "native" else dequantize_kernel
+    return module.dequantize_sum(
         arrays["words"], arrays["scales"], n=n, levels=self.levels,
         bucket_size=self.bucket_size)
 
@@ -505,7 +547,7 @@ class QSGD(Codec):
     mag = (codes & mask).astype(_F32)
     neg = (codes >> self.magnitude_bits) != 0
     q = _to_buckets(jnp.where(neg, -mag, mag), b, nb)
-    step = scales / jnp.float32(self.levels)
+    step = kernel_common.level_step(scales, self.levels)
     return (q * step[:, None]).reshape(-1)[:n]
 
 
@@ -529,10 +571,11 @@ class OneBit(Codec):
 
   Args:
     bucket_size: values per bucket, or ``None`` for one bucket per tensor.
-    implementation: ``None`` (the Pallas kernels on a CUDA GPU, XLA elsewhere),
-      ``"xla"``, or ``"pallas"`` (interpret mode off GPU); shapes the kernels do not
-      handle fall back to XLA. The sign words are bit-identical between the two; the
-      means agree to float32 rounding (their sums are taken in different orders).
+    implementation: ``None`` (the Pallas kernels on a CUDA GPU, the native CPU kernels
+      on a CPU backend where they build, XLA elsewhere), ``"xla"``, ``"pallas"``
+      (interpret mode off GPU) or ``"native"``; shapes the kernels do not handle fall
+      back to XLA. The sign words are bit-identical between all of them; the means
+      agree to float32 rounding (their sums are taken in different orders).
 
   References:
     Seide, Fu, Droppo, Li, Yu. *1-Bit Stochastic Gradient Descent and its Application
@@ -546,14 +589,22 @@ class OneBit(Codec):
     _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
     kernel_common.check_implementation(self.implementation)
 
+  def kernel_backend(self, n: int, dtype: Any = jnp.float32) -> str | None:
+    """``"pallas"``, ``"native"`` or ``None`` (the XLA path) for ``n`` values of ``dtype``."""
+    if sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size, dtype=dtype) is not None:
+      return None
+    return _kernel_backend(self.implementation)
+
   def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
-    return (kernel_common.use_pallas(self.implementation)
-            and sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size,
-                                             dtype=dtype) is None)
+    return self.kernel_backend(n, dtype) is not None
+
+  def fuses_feedback(self, n: int, dtype: Any) -> bool:
+    return _fuses_feedback(self.kernel_backend(n, dtype), dtype)
 
   def _kernel_encode(self, x: Array, residual: Array | None = None) -> tuple[Payload, ...]:
     """The sign_pack kernel's payload (and new residual, when ``residual`` is given)."""
-    words, pos, neg, *new_residual = sign_pack_kernel.sign_pack(
+    module = cpu_kernels if self.kernel_backend(x.size, x.dtype) == "native" else sign_pack_kernel
+    words, pos, neg, *new_residual = module.sign_pack(
         x, residual, bucket_size=self.bucket_size)
     payload = Payload({"words": words, "pos": pos, "neg": neg}, tuple(x.shape),
                       jnp.dtype(x.dtype))
@@ -599,7 +650,8 @@ class OneBit(Codec):
     return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
 
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
-    return sign_pack_kernel.sign_unpack_sum(
+    module = cpu_kernels if self.kernel_backend(n) == "native" else sign_pack_kernel
+    return module.sign_unpack_sum(
         arrays["words"], arrays["pos"], arrays["neg"], n=n, bucket_size=self.bucket_size)
 
   def _decode_f32(self, payload: Payload) -> Array:

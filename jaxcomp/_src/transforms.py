@@ -347,7 +347,8 @@ def qsgd(
     norm: ``"max"`` or ``"l2"``.
     axis_name, collective, error_feedback, seed, filter: as in :func:`compress`.
       ``collective="two_phase"`` keeps per-device traffic flat in the device count.
-    implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, else XLA).
+    implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, the native
+      kernels on a CPU backend, else XLA; ``"xla"``, ``"pallas"`` or ``"native"``).
 
   References:
     Alistarh et al. *QSGD: Communication-Efficient SGD via Gradient Quantization and
@@ -387,7 +388,8 @@ def onebit_sgd(
   Args:
     bucket_size: values per reconstruction bucket (the paper: one matrix column).
     axis_name, collective, seed, filter: as in :func:`compress`.
-    implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, else XLA).
+    implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, the native
+      kernels on a CPU backend, else XLA; ``"xla"``, ``"pallas"`` or ``"native"``).
 
   References:
     Seide, Fu, Droppo, Li, Yu. *1-Bit Stochastic Gradient Descent and its Application
