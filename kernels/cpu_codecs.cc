@@ -294,12 +294,20 @@ void QsgdBucket(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
     for (int64_t j = 0; j < bucket; j += kLanes) {
       const VF a = LoadF(v + j);
       // |v| / scale * s, the division first (as XLA does it): the max maps to exactly s.
+#ifndef JAXCOMP_ABLATE_DIVISION
       const VF r = reinterpret_cast<VF>(reinterpret_cast<VI>(a) & 0x7FFFFFFF) / scale_v * s_v;
+#else  // benchmarks/cpu_kernel_loop.py only: what the division costs (wrong payloads)
+      const VF r = reinterpret_cast<VF>(reinterpret_cast<VI>(a) & 0x7FFFFFFF) * s_v;
+#endif
       // floor(r) for 0 <= r <= s < 2**31: truncation toward zero is exact.
       const VF low = __builtin_convertvector(__builtin_convertvector(r, VI), VF);
       // The counter hash of the flat index; u24 < 2**24 converts to float exactly.
       const VU idx = SplatU(base + static_cast<uint32_t>(j)) + lane;
+#ifndef JAXCOMP_ABLATE_HASH
       const VI u24 = reinterpret_cast<VI>(Mix32(Mix32(idx ^ k0) ^ k1) >> 8);
+#else  // benchmarks/cpu_kernel_loop.py only: what the hash costs (wrong payloads)
+      const VI u24 = reinterpret_cast<VI>((idx ^ k0) >> 8);
+#endif
       const VF up = __builtin_convertvector(u24, VF) < (r - low) * 16777216.0f ? one : zero;
       VF magf = low + up;
       magf = magf < s_v ? magf : s_v;

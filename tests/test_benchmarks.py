@@ -58,7 +58,7 @@ def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
 
 
 COMMANDS = (
-    "benchmarks.codecs", "benchmarks.collective_probe", "benchmarks.compile_time",
+    "benchmarks.codecs", "benchmarks.collective_probe", "benchmarks.cpu_kernel_loop", "benchmarks.compile_time",
     "benchmarks.demo_variants", "benchmarks.dgc_warmup_compile", "benchmarks.elias_bits",
     "benchmarks.elias_device", "benchmarks.network", "benchmarks.qsvrg",
     "benchmarks.tbf_probe", "benchmarks.topk", "benchmarks.xla_cpu_pitfalls",
@@ -93,3 +93,17 @@ def test_every_command_line_prints_its_help():
   assert out.returncode == 0, out.stderr[-3000:]
   rows = [line.split("\t") for line in out.stdout.splitlines() if "\t" in line]
   assert rows == [[m, "0", "True"] for m in COMMANDS], (rows, out.stderr[-3000:])
+
+
+@pytest.mark.slow
+def test_cpu_kernel_loop_builds_and_prices_the_hash():
+  from jaxcomp.kernels import cpu  # pylint: disable=import-outside-toplevel
+  if not cpu.available():
+    pytest.skip("no C++ compiler here")
+  out = subprocess.run([sys.executable, "-m", "benchmarks.cpu_kernel_loop", "--log2n", "16",
+                        "--repeats", "3"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, check=True).stdout
+  rows = {line.split("|")[1].strip(): line for line in out.splitlines()
+          if line.startswith("| ") and "---" not in line and "build" not in line}
+  assert set(rows) == {"as shipped", "without the hash", "without the division"}, out
+  assert rows["as shipped"].rstrip().endswith("| 1.00 |")

@@ -1,0 +1,100 @@
+r"""What QSGD's native CPU encode spends its time on: the bucket loop, with parts removed.
+
+Compiles a small C++ harness around ``kernels/cpu_codecs.cc`` (the system compiler and
+the kernels' flags) three times: as shipped, without the counter hash
+(``-DJAXCOMP_ABLATE_HASH``: the index stands in for the random bits) and without the
+division (``-DJAXCOMP_ABLATE_DIVISION``: ``|v| * s`` for ``|v| / scale * s``). The two
+ablated builds write wrong payloads; they exist to price what they remove. Each build
+times ``QsgdBucket`` over n values on one thread, from one bucket held in L1 (the
+memory traffic left out), and prints ms and the ratio to the shipped build, measured in
+the same run:
+
+  python -m benchmarks.cpu_kernel_loop                 # 4-bit codes, bucket 512, 2^24
+  python -m benchmarks.cpu_kernel_loop --bits 8 --log2n 22 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+
+from jaxcomp.kernels import cpu
+
+HARNESS = r"""
+#include "cpu_codecs.cc"
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+int main(int argc, char** argv) {
+  const int64_t n = int64_t{1} << std::atoi(argv[1]);
+  const int64_t bucket = std::atoi(argv[2]);
+  const int repeats = std::atoi(argv[3]);
+  const int64_t nb = n / bucket;
+  std::vector<float> v(bucket);
+  for (int64_t i = 0; i < bucket; ++i) v[i] = std::sin(0.37f * i) * 3.0f;
+  std::vector<uint32_t> codes(bucket), words(n * HARNESS_BITS / 32);
+  std::vector<float> scales(nb);
+  const QsgdParams p{n, bucket, (1 << (HARNESS_BITS - 1)) - 1, false, 123u, 456u};
+  uint64_t check = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t b = 0; b < nb; ++b)
+      QsgdBucket<HARNESS_BITS>(p, b, v.data(), bucket, words.data(), scales.data(), nullptr,
+                       codes.data());
+    const auto t1 = std::chrono::steady_clock::now();
+    for (uint32_t w : words) check += w;  // the results are used
+    std::printf("%.4f\n", std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  std::fprintf(stderr, "%llu\n", static_cast<unsigned long long>(check));
+}
+"""
+
+VARIANTS = {"as shipped": [], "without the hash": ["-DJAXCOMP_ABLATE_HASH"],
+            "without the division": ["-DJAXCOMP_ABLATE_DIVISION"]}
+
+
+def build(tmp: Path, bits: int, defines: list[str], name: str) -> Path:
+  main = tmp / "harness.cc"
+  main.write_text(HARNESS)
+  exe = tmp / name
+  flags = [f for f in cpu.FLAGS if f not in ("-shared", "-fPIC")]
+  cmd = [*cpu._compiler(), *flags, f"-DHARNESS_BITS={bits}", *defines, "-I", str(cpu.SOURCE.parent),
+         "-I", jax.ffi.include_dir(), str(main), "-o", str(exe)]
+  done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    sys.exit(f"build failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+  return exe
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--bits", type=int, default=4, choices=(2, 4, 8, 16))
+  parser.add_argument("--bucket", type=int, default=512)
+  parser.add_argument("--log2n", type=int, default=24)
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  n = 2**args.log2n
+  with tempfile.TemporaryDirectory() as tmp:
+    exes = {name: build(Path(tmp), args.bits, d, f"v{i}")
+            for i, (name, d) in enumerate(VARIANTS.items())}
+    times = {}
+    for name, exe in exes.items():
+      out = subprocess.run([str(exe), str(args.log2n), str(args.bucket), str(args.repeats)],
+                           capture_output=True, text=True, check=True).stdout
+      times[name] = statistics.median(float(t) for t in out.split())
+  print(f"QsgdBucket<{args.bits}>, bucket {args.bucket}, n = 2^{args.log2n}, one thread, "
+        f"median of {args.repeats}")
+  print("| build | ms | ns/value | vs shipped |")
+  print("|---|---:|---:|---:|")
+  for name, ms in times.items():
+    print(f"| {name} | {ms:.2f} | {1e6 * ms / n:.3f} | {ms / times['as shipped']:.2f} |")
+
+
+if __name__ == "__main__":
+  main()
