@@ -204,29 +204,8 @@ def test_the_kernel_checks_payload_shapes():
                          ids=["qsgd", "onebit"])
 def test_compress_native_under_pmap_and_shard_map(make):
   """8 devices, fused error feedback + fused decode-sum vs the XLA path, two steps."""
-  params = {"w": jnp.zeros((40, 50)), "b": jnp.zeros((64,))}
-  grads = helpers.per_device_grads(jax.random.key(0), {"w": (40, 50), "b": (64,)})
-
-  def run(impl):
-    tx = jc.compress(make(impl), axis_name=helpers.AXIS, error_feedback=True,
-                     filter=lambda path, leaf: True)
-    state = jax.pmap(lambda _: tx.init(params), axis_name=helpers.AXIS)(jnp.arange(8))
-    step = jax.pmap(tx.update, axis_name=helpers.AXIS)
-    out, state = step(grads, state)
-    out, state = step(grads, state)
-    return out, state.residual, state.nonfinite_count
-
-  (out_n, res_n, bad_n), (out_x, res_x, bad_x) = run("native"), run("xla")
-  for leaf in jax.tree.leaves(out_n):  # identical on every device
-    chex.assert_trees_all_equal(leaf[0], leaf[7])
-  if isinstance(make("xla"), jc.codecs.QSGD):
-    # payloads and decode-sums bit for bit; the residual e' = x - decode(payload) within
-    # an ulp: XLA contracts it into an FMA in some fusions and not in others
-    chex.assert_trees_all_equal(out_n, out_x)
-  tol = 8 * EPS * float(max(jnp.max(jnp.abs(g)) for g in jax.tree.leaves(grads)))
-  chex.assert_trees_all_close(out_n, out_x, rtol=0, atol=tol)
-  chex.assert_trees_all_close(res_n, res_x, rtol=0, atol=4 * tol)
-  chex.assert_trees_all_equal(bad_n, bad_x)
+  params, grads, _, _ = helpers.kernel_vs_xla_under_pmap(
+      make, "native", bitwise_outputs=isinstance(make("xla"), jc.codecs.QSGD))
 
   # shard_map (check_vma on): the same first step
   m = helpers.mesh()

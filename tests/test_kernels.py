@@ -251,27 +251,8 @@ def test_codec_payloads_identical_across_implementations():
                          ids=["qsgd", "onebit"])
 def test_compress_with_kernels_under_pmap(make):
   """8 devices, fused error feedback + fused decode-sum vs the XLA path, two steps."""
-  params = {"w": jnp.zeros((40, 50)), "b": jnp.zeros((64,))}
-  grads = helpers.per_device_grads(jax.random.key(0), {"w": (40, 50), "b": (64,)})
-
-  def run(impl):
-    tx = jc.compress(make(impl), axis_name=helpers.AXIS, error_feedback=True,
-                     filter=lambda path, leaf: True)
-    state = jax.pmap(lambda _: tx.init(params), axis_name=helpers.AXIS)(jnp.arange(8))
-    step = jax.pmap(tx.update, axis_name=helpers.AXIS)
-    out, state = step(grads, state)
-    out, state = step(grads, state)
-    return out, state.residual, state.nonfinite_count
-
-  (out_p, res_p, bad_p), (out_x, res_x, bad_x) = run("pallas"), run("xla")
-  for leaf in jax.tree.leaves(out_p):  # identical on every device
-    chex.assert_trees_all_equal(leaf[0], leaf[7])
-  if isinstance(make("xla"), jc.codecs.QSGD):
-    chex.assert_trees_all_equal(out_p, out_x)  # payloads and decode-sums bit-identical
-  tol = 8 * EPS * float(max(jnp.max(jnp.abs(g)) for g in jax.tree.leaves(grads)))
-  chex.assert_trees_all_close(out_p, out_x, rtol=0, atol=tol)
-  chex.assert_trees_all_close(res_p, res_x, rtol=0, atol=4 * tol)
-  chex.assert_trees_all_equal(bad_p, bad_x)
+  helpers.kernel_vs_xla_under_pmap(make, "pallas",
+                                   bitwise_outputs=isinstance(make("xla"), jc.codecs.QSGD))
 
 
 def test_compress_with_kernels_keeps_residual_on_nonfinite():
