@@ -71,8 +71,8 @@ _F32 = jnp.float32
 _U32 = jnp.uint32
 
 SOURCE = Path(__file__).with_name("cpu_codecs.cc")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC",
-         "-pthread")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17",
+         "-shared", "-fPIC", "-pthread")
 _TARGETS = {
     "jaxcomp_cpu_qsgd_encode": "JaxcompQsgdEncode",
     "jaxcomp_cpu_qsgd_decode_sum": "JaxcompQsgdDecodeSum",
@@ -116,8 +116,8 @@ def library_path() -> Path:
   version = subprocess.run([*cxx, "--version"], capture_output=True, text=True,
                            check=False).stdout
   digest = hashlib.sha256("\0".join([
-      SOURCE.read_text(), " ".join(cxx), " ".join(FLAGS), version, jaxlib.__version__, platform.machine(),
-      _cpu_id(),
+      SOURCE.read_text(), " ".join(cxx), " ".join(FLAGS), version, jaxlib.__version__,
+      platform.machine(), _cpu_id(),
   ]).encode()).hexdigest()[:20]
   path = cache_dir() / f"cpu_codecs-{digest}.so"
   if path.exists():
@@ -178,17 +178,6 @@ def use_by_default() -> bool:
           and not _common.cuda_available() and available())
 
 
-def unsupported_quantize(n: int, *, levels: int, bucket_size: int | None, dtype) -> str | None:
-  """Why :func:`quantize` cannot take this tensor (``None`` when it can): the Pallas
-  kernel's domain (:func:`jaxcomp.kernels.quantize.unsupported`)."""
-  return _quantize.unsupported(n, levels=levels, bucket_size=bucket_size, dtype=dtype)
-
-
-def unsupported_sign_pack(n: int, *, bucket_size: int | None, dtype=jnp.float32) -> str | None:
-  """Why :func:`sign_pack` cannot take this tensor (``None`` when it can)."""
-  return _sign_pack.unsupported(n, bucket_size=bucket_size, dtype=dtype)
-
-
 def _flat32(x: Array) -> Array:
   return x.reshape(-1).astype(_F32)
 
@@ -227,7 +216,7 @@ def quantize(x: Array, key: Array, residual: Array | None = None, *, levels: int
   if norm not in ("max", "l2"):
     raise ValueError(f"norm must be 'max' or 'l2', got {norm!r}")
   n = x.size
-  why = unsupported_quantize(n, levels=levels, bucket_size=bucket_size, dtype=x.dtype)
+  why = _quantize.unsupported(n, levels=levels, bucket_size=bucket_size, dtype=x.dtype)
   if why is not None:
     raise ValueError(f"the native quantize kernel does not handle this input: {why}")
   e = _residual_arg(x, residual)
@@ -247,7 +236,7 @@ def dequantize_sum(words: Array, scales: Array, *, n: int, levels: int,
                    bucket_size: int) -> Array:
   """Flat float32 sum of K QSGD payloads (``words (K, W)``, ``scales (K, buckets)``),
   decoded in rank order: :func:`jaxcomp.kernels.dequantize.dequantize_sum`'s contract."""
-  why = unsupported_quantize(n, levels=levels, bucket_size=bucket_size, dtype=_F32)
+  why = _quantize.unsupported(n, levels=levels, bucket_size=bucket_size, dtype=_F32)
   if why is not None:
     raise ValueError(f"the native dequantize kernel does not handle this payload: {why}")
   return _call("jaxcomp_cpu_qsgd_decode_sum", jax.ShapeDtypeStruct((n,), _F32),
@@ -258,7 +247,7 @@ def sign_pack(x: Array, residual: Array | None = None, *, bucket_size: int) -> t
   """OneBit's ``(words, pos, neg)`` of ``x`` (plus the new residual when ``residual`` is
   given): :func:`jaxcomp.kernels.sign_pack.sign_pack`'s contract, on the CPU."""
   n = x.size
-  why = unsupported_sign_pack(n, bucket_size=bucket_size, dtype=x.dtype)
+  why = _sign_pack.unsupported(n, bucket_size=bucket_size, dtype=x.dtype)
   if why is not None:
     raise ValueError(f"the native sign_pack kernel does not handle this input: {why}")
   e = _residual_arg(x, residual)
@@ -276,7 +265,7 @@ def sign_unpack_sum(words: Array, pos: Array, neg: Array, *, n: int,
                     bucket_size: int) -> Array:
   """Flat float32 sum of K OneBit payloads, decoded in rank order:
   :func:`jaxcomp.kernels.sign_pack.sign_unpack_sum`'s contract."""
-  why = unsupported_sign_pack(n, bucket_size=bucket_size)
+  why = _sign_pack.unsupported(n, bucket_size=bucket_size)
   if why is not None:
     raise ValueError(f"the native sign_unpack_sum kernel does not handle this payload: {why}")
   return _call("jaxcomp_cpu_onebit_decode_sum", jax.ShapeDtypeStruct((n,), _F32),

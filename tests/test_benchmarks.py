@@ -58,10 +58,11 @@ def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
 
 
 COMMANDS = (
-    "benchmarks.codecs", "benchmarks.collective_probe", "benchmarks.cpu_kernel_loop", "benchmarks.compile_time",
-    "benchmarks.demo_variants", "benchmarks.dgc_warmup_compile", "benchmarks.elias_bits",
-    "benchmarks.elias_device", "benchmarks.network", "benchmarks.qsvrg",
-    "benchmarks.tbf_probe", "benchmarks.topk", "benchmarks.xla_cpu_pitfalls",
+    "benchmarks.codecs", "benchmarks.collective_probe", "benchmarks.cpu_kernel_loop",
+    "benchmarks.compile_time", "benchmarks.demo_variants", "benchmarks.dgc_warmup_compile",
+    "benchmarks.elias_bits", "benchmarks.elias_device", "benchmarks.native_vs_xla",
+    "benchmarks.network", "benchmarks.qsvrg", "benchmarks.tbf_probe", "benchmarks.topk",
+    "benchmarks.xla_cpu_pitfalls",
     "kernels.bench", "examples.mnist1d.launch", "examples.mnist1d.main")
 
 _HELP_ALL = """

@@ -167,13 +167,15 @@ def test_codecs_pick_the_native_kernels_on_cpu():
     native = codec_cls(**kw, implementation="native")
     assert native.fuses_feedback(1024, jnp.float32)
     assert not native.fuses_feedback(1024, jnp.bfloat16)  # fl_bf16(x + e): the unfused path
-  # Shapes the kernels cannot handle fall back to XLA (and still encode correctly).
-  for codec in (jc.codecs.QSGD(3, 64, "max", implementation="native"),   # 3-bit codes
-                jc.codecs.QSGD(7, 100, "max", implementation="native"),  # bucket not 2**k
-                jc.codecs.OneBit(None, implementation="native")):
+  # Shapes the kernels cannot handle fall back to XLA: the XLA path's payload and decode.
+  for make in (lambda impl: jc.codecs.QSGD(3, 64, "max", implementation=impl),   # 3-bit
+               lambda impl: jc.codecs.QSGD(7, 100, "max", implementation=impl),  # bucket
+               lambda impl: jc.codecs.OneBit(None, implementation=impl)):        # one bucket
+    codec, xla = make("native"), make("xla")
     assert not _has_native_call(lambda x: codec.encode(x, key=key), x)
-    np.testing.assert_array_equal(jax.jit(lambda x: codec.decode(codec.encode(x, key=key)))(x),
-                                  codec.decode(codec.encode(x, key=key)))
+    payload = codec.encode(x, key=key)
+    chex.assert_trees_all_equal(payload, xla.encode(x, key=key))
+    chex.assert_trees_all_equal(codec.decode(payload), xla.decode(payload))
   p = jc.codecs.QSGD(7, 128, "max", implementation="native").encode(_x(1500, jnp.bfloat16),
                                                                   key=key)
   chex.assert_trees_all_equal(p, jc.codecs.QSGD(7, 128, "max", implementation="xla").encode(
@@ -247,7 +249,7 @@ def test_a_failed_build_falls_back_to_xla_and_native_says_why(tmp_path):
   assert "BuildError: no C++ compiler: no-such-compiler-jaxcomp not found" in done.stdout
 
 
-def test_turned_off_by_environment(tmp_path):
+def test_turned_off_by_environment():
   env = dict(os.environ, JAXCOMP_NATIVE="0", JAX_PLATFORMS="cpu")
   done = subprocess.run(
       [sys.executable, "-c", "from jaxcomp.kernels import cpu\n"

@@ -143,14 +143,28 @@ class Codec:
   def _decode_f32(self, payload: Payload) -> Array:
     raise NotImplementedError
 
-  def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
-    """Whether encoding ``n`` values of ``dtype`` (and decoding them) runs Pallas kernels."""
+  def _kernel_unsupported(self, n: int, dtype: Any) -> str | None:
+    """Why this codec's kernels cannot take ``n`` values of ``dtype`` (``None``: they can)."""
     del n, dtype
-    return False
+    return "no kernels"
+
+  def kernel_backend(self, n: int, dtype: Any = jnp.float32) -> str | None:
+    """``"pallas"``, ``"native"`` or ``None`` (the XLA path) for ``n`` values of ``dtype``:
+    what ``implementation`` picks (:func:`_kernel_backend`) where the kernels handle it."""
+    if self._kernel_unsupported(n, dtype) is not None:
+      return None
+    return _kernel_backend(self.implementation)
+
+  def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
+    """Whether encoding ``n`` values of ``dtype`` (and decoding them) runs kernels."""
+    return self.kernel_backend(n, dtype) is not None
 
   def fuses_feedback(self, n: int, dtype: Any) -> bool:
-    """Whether :meth:`encode_feedback` runs as one fused kernel for this tensor."""
-    return self.uses_kernel(n, dtype)
+    """Whether :meth:`encode_feedback` runs as one fused kernel for this tensor: the
+    Pallas kernels for every input dtype, the native ones for float32 (``fl_dtype(x + e)``
+    of a narrower dtype is left to the unfused path)."""
+    backend = self.kernel_backend(n, dtype)
+    return backend == "pallas" or (backend == "native" and jnp.dtype(dtype) == jnp.float32)
 
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
     """The flat float32 sum of stacked payload arrays by a kernel (when uses_kernel)."""
@@ -263,12 +277,6 @@ def _kernel_backend(implementation: str | None) -> str | None:
   if implementation is None and cpu_kernels.use_by_default():
     return "native"
   return None
-
-
-def _fuses_feedback(backend: str | None, dtype: Any) -> bool:
-  """The Pallas kernels fuse error feedback for every input dtype, the native ones for
-  float32 (``fl_dtype(x + e)`` of a narrower dtype is left to the unfused path)."""
-  return backend == "pallas" or (backend == "native" and jnp.dtype(dtype) == jnp.float32)
 
 
 def _onebit_sums(v: Array, words: Array, *, two_level: bool) -> tuple[Array, Array, Array]:
@@ -476,24 +484,18 @@ class QSGD(Codec):
     # A zero code carries no sign (the paper's string has no bit for it): +0, not -0.
     return scale, mag, (v < 0) & (mag > 0)
 
+  def _kernel_unsupported(self, n: int, dtype: Any) -> str | None:
+    return quantize_kernel.unsupported(n, levels=self.levels, bucket_size=self.bucket_size,
+                                       dtype=dtype)
+
   def kernel_backend(self, n: int, dtype: Any = jnp.float32) -> str | None:
-    """``"pallas"``, ``"native"`` or ``None`` (the XLA path) for ``n`` values of ``dtype``."""
-    if quantize_kernel.unsupported(n, levels=self.levels, bucket_size=self.bucket_size,
-                                   dtype=dtype) is not None:
-      return None
-    backend = _kernel_backend(self.implementation)
+    backend = super().kernel_backend(n, dtype)
     if backend == "native" and self.norm == "l2" and self.implementation is None:
       # The kernel sums a bucket's squares in another order than XLA: by default the
       # l2 scale stays on the XLA path, so every QSGD(norm="l2") on a CPU (and the
       # quantize() of EliasQSGD, which is XLA) agrees bit for bit.
       return None
     return backend
-
-  def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
-    return self.kernel_backend(n, dtype) is not None
-
-  def fuses_feedback(self, n: int, dtype: Any) -> bool:
-    return _fuses_feedback(self.kernel_backend(n, dtype), dtype)
 
   def _kernel_encode(self, x: Array, key: Array | None,
                      residual: Array | None = None) -> tuple[Payload, ...]:
@@ -589,17 +591,8 @@ class OneBit(Codec):
     _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
     kernel_common.check_implementation(self.implementation)
 
-  def kernel_backend(self, n: int, dtype: Any = jnp.float32) -> str | None:
-    """``"pallas"``, ``"native"`` or ``None`` (the XLA path) for ``n`` values of ``dtype``."""
-    if sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size, dtype=dtype) is not None:
-      return None
-    return _kernel_backend(self.implementation)
-
-  def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
-    return self.kernel_backend(n, dtype) is not None
-
-  def fuses_feedback(self, n: int, dtype: Any) -> bool:
-    return _fuses_feedback(self.kernel_backend(n, dtype), dtype)
+  def _kernel_unsupported(self, n: int, dtype: Any) -> str | None:
+    return sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size, dtype=dtype)
 
   def _kernel_encode(self, x: Array, residual: Array | None = None) -> tuple[Payload, ...]:
     """The sign_pack kernel's payload (and new residual, when ``residual`` is given)."""

@@ -116,8 +116,9 @@ def compress(
   ``e' = g + e - Q^{-1}(Q(g + e))``, so no part of the gradient is ever dropped, only
   delayed. In the two-phase exchange the owner of each chunk keeps a second residual for
   its re-quantization in the same way. Residuals are float32 whatever the gradient dtype.
-  With the all-gather exchange and a codec whose Pallas kernel runs
-  (:meth:`~jaxcomp.codecs.Codec.fuses_feedback`: QSGD and OneBit on a GPU), the sum
+  With the all-gather exchange and a codec whose kernel fuses it
+  (:meth:`~jaxcomp.codecs.Codec.fuses_feedback`: QSGD and OneBit on a GPU, and on a CPU
+  with the native kernels for float32 gradients), the sum
   ``g + e``, the encoding and ``e'`` are one kernel pass, and receivers decode the K
   payloads straight into their sum.
 

@@ -1,0 +1,94 @@
+r"""The demo's train step with QSGD on the native CPU kernels against the XLA path.
+
+Builds the MNIST-1D demo's jitted train step (8 CPU devices, ``examples/mnist1d``) twice,
+with ``jc.qsgd(..., implementation="native")`` and ``implementation="xla"``, trains
+both from the same parameters on the same batches, and compares the parameters every
+``--every`` steps: the first step at which they differ, and in how many values. It also
+counts how XLA compiled the encode's ``|v| / scale`` inside the whole step (the
+``jaxcomp_encode/div`` ops over arrays of more than one bucket value: ``divide``, or a
+``multiply`` by a reciprocal that XLA computed elsewhere). Where XLA multiplies, an ulp
+of ``r = |v| / scale * s`` can flip a stochastic rounding (about 2^-21 per value).
+
+  python -m benchmarks.native_vs_xla                  # QSGD 4-bit, 400 steps
+  python -m benchmarks.native_vs_xla --bits 2 --bucket 128 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # pylint: disable=wrong-import-position
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # pylint: disable=wrong-import-position
+from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
+
+import jaxcomp as jc  # pylint: disable=wrong-import-position
+from examples.mnist1d import input_pipeline, train  # pylint: disable=wrong-import-position
+from examples.mnist1d.configs import default  # pylint: disable=wrong-import-position
+from jaxcomp.kernels import cpu  # pylint: disable=wrong-import-position
+
+
+def run(impl: str, args, config, mesh, data, model, init_params):
+  """(parameters after each checked step, the compiled step's HLO text)."""
+  k = mesh.size
+  exchange = jc.qsgd(bits=args.bits, bucket_size=args.bucket, axis_name=train.AXIS,
+                     collective="auto", implementation=impl)
+  tx = train.make_tx("qsgd4", config, exchange)
+  specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
+  params = jax.device_put(init_params, jax.NamedSharding(mesh, P()))
+  opt = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  step = train.compile_train_step(model, tx, mesh, specs, params, opt, config, data)
+  batches = input_pipeline.train_batches(data["x"], data["y"], num_devices=k,
+                                         per_device_batch_size=config.per_device_batch_size,
+                                         seed=config.seed)
+  checked = {}
+  for i in range(1, args.steps + 1):
+    batch = jax.device_put(next(batches), jax.NamedSharding(mesh, P(train.AXIS)))
+    params, opt, _ = step(params, opt, batch)
+    if i % args.every == 0 or i == args.steps:
+      checked[i] = [np.asarray(a) for a in jax.tree.leaves(jax.device_get(params))]
+  return checked, step.as_text()
+
+
+def encode_divisions(hlo: str) -> collections.Counter:
+  """How the encode's ``|v| / scale`` over (buckets, bucket) arrays was compiled."""
+  ops = re.findall(r"= f32\[(\d+),(\d+)\]\{[0-9,]*\} (divide|multiply)\(.*"
+                   r"jaxcomp_encode/div", hlo)
+  return collections.Counter(op for _, _, op in ops)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--bits", type=int, default=4)
+  parser.add_argument("--bucket", type=int, default=512)
+  parser.add_argument("--steps", type=int, default=400)
+  parser.add_argument("--every", type=int, default=10)
+  parser.add_argument("--workdir", default="/tmp/jaxcomp_native_vs_xla")
+  args = parser.parse_args(argv)
+  cpu.require()
+  config = default.get_config()
+  mesh, data, model, init_params = train.setup(config, args.workdir)
+  native, _ = run("native", args, config, mesh, data, model, init_params)
+  xla, hlo = run("xla", args, config, mesh, data, model, init_params)
+  print(f"XLA's compiled step: jaxcomp_encode/div over (buckets, bucket) arrays: "
+        f"{dict(encode_divisions(hlo))}")
+  total = sum(a.size for a in next(iter(native.values())))
+  for i in sorted(native):
+    differ = sum(int(np.sum(a != b)) for a, b in zip(native[i], xla[i]))
+    if differ:
+      print(f"first difference at a checked step: step {i}, {differ} of {total} values "
+            f"(identical at step {i - args.every})" if i > args.every else
+            f"first difference at step {i}: {differ} of {total} values")
+      return
+  print(f"identical through step {args.steps} ({total} values)")
+
+
+if __name__ == "__main__":
+  main()
