@@ -11,6 +11,13 @@ the reference rows, the roof's time over theirs).
   python -m benchmarks.codecs --codecs identity,qsgd4,qsgd4_xla,onebit,onebit_xla
   python -m benchmarks.codecs --sizes 22 --codecs qsgd4,onebit --ops   # what limits them
   python -m benchmarks.codecs --reuse-malloc   # glibc keeps large buffers (see below)
+  python -m benchmarks.codecs --codecs identity,qsgd4,onebit --rounds 7 --reuse-malloc
+
+``--rounds R`` times each codec's share of the read roof R times, the roof re-timed
+right before the codec's encode+decode in each round (the first round uses the roof at
+the top of the size), and prints the median share with its range: on a shared host
+whose speed changes from second to second, a share from one pair of timings moves by
+several points.
 
 ``--ops`` also lists, per codec and size, the costliest XLA ops of ``decode(encode(x))``
 (``jc.profile_phases`` over 10 calls): which passes the time goes to.
@@ -32,6 +39,7 @@ parallelises large fusions across them, so the roof is the machine's, not one co
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -79,22 +87,40 @@ def rng_times(n: int, repeats: int) -> tuple[float, float, float, float]:
                for f in (threefry, hashed, threefry8, hashed8))
 
 
+READ = jax.jit(jnp.sum)
+
+
 def roofs(x: jax.Array, repeats: int) -> tuple[float, float]:
   """(read time, copy time) of ``x`` in seconds."""
-  read = jax.jit(jnp.sum)
   copy = jax.jit(lambda a: a + 1.0)
-  return median_time(read, x, repeats=repeats), median_time(copy, x, repeats=repeats)
+  return median_time(READ, x, repeats=repeats), median_time(copy, x, repeats=repeats)
 
 
-def time_codec(codec, x: jax.Array, key: jax.Array, repeats: int) -> tuple[float, float, float]:
-  """Median seconds of (encode, decode, encode+decode), each jitted on its own."""
+def time_codec(codec, x: jax.Array, key: jax.Array, repeats: int,
+               rounds: int = 1) -> tuple[float, float, float, list[float]]:
+  """Median seconds of (encode, decode, encode+decode), each jitted on its own, and
+  ``rounds`` shares of the read roof: read time over encode+decode time, the two timed
+  back to back in each round (so that a slow spell of a shared host hits both)."""
   encode = jax.jit(lambda a, k: codec.encode(a, key=k))
   decode = jax.jit(codec.decode)
   both = jax.jit(lambda a, k: codec.decode(codec.encode(a, key=k)))
   payload = encode(x, key)
-  return (median_time(encode, x, key, repeats=repeats),
-          median_time(decode, payload, repeats=repeats),
-          median_time(both, x, key, repeats=repeats))
+  times = (median_time(encode, x, key, repeats=repeats),
+           median_time(decode, payload, repeats=repeats),
+           median_time(both, x, key, repeats=repeats))
+  shares = []
+  for _ in range(rounds - 1):
+    read = median_time(READ, x, repeats=repeats)
+    shares.append(read / median_time(both, x, key, repeats=repeats))
+  return (*times, shares)
+
+
+def share_cell(shares: list[float]) -> str:
+  """The "% read roof" cell: one share, or the median and range of several."""
+  pct = sorted(100 * s for s in shares)
+  if len(pct) == 1:
+    return f"{pct[0]:.0f}"
+  return f"{statistics.median(pct):.0f} ({pct[0]:.0f}–{pct[-1]:.0f})"
 
 
 def top_ops(codec, x: jax.Array, key: jax.Array) -> tuple[float, list[tuple[str, float]]]:
@@ -115,6 +141,10 @@ def main(argv=None) -> None:
   parser.add_argument("--sizes", default="20,22,24,26", help="log2 of n, comma-separated")
   parser.add_argument("--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS).replace("%", "%%"))
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="time each codec's share of the read roof this many times, "
+                           "the roof re-timed next to it each time; the table shows "
+                           "the median share and its range")
   parser.add_argument("--rng", action="store_true",
                       help="also time the random bits: jax.random (threefry) vs the hash")
   parser.add_argument("--ops", action="store_true",
@@ -122,6 +152,8 @@ def main(argv=None) -> None:
   parser.add_argument("--reuse-malloc", action="store_true",
                       help="restart with GLIBC_TUNABLES set so that large buffers are reused")
   args = parser.parse_args(argv)
+  if args.repeats < 1 or args.rounds < 1:
+    parser.error("--repeats and --rounds must be at least 1")
   if args.reuse_malloc:
     _timing.reexec_with_reused_malloc()
   names = args.codecs.split(",")
@@ -132,7 +164,9 @@ def main(argv=None) -> None:
   native = "on" if cpu_kernels.use_by_default() else "off"
   print(f"jax {jax.__version__}, {jax.devices()[0].platform}, "
         f"{jax.local_device_count()} device(s) visible, malloc: {_timing.malloc_label()}, "
-        f"native CPU kernels: {native}; median of {args.repeats}")
+        f"native CPU kernels: {native}; median of {args.repeats}" + (
+            f"; % read roof: median (range) of {args.rounds} rounds"
+            if args.rounds > 1 else ""))
   print("| n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s) |"
         " % read roof | bits/value |")
   print("|---:|---|---:|---:|---:|---:|---:|---:|")
@@ -160,10 +194,11 @@ def main(argv=None) -> None:
       codec, max_p = CODECS[name]
       if p > max_p:
         continue
-      enc, dec, both = time_codec(codec, x, key, args.repeats)
+      enc, dec, both, shares = time_codec(codec, x, key, args.repeats, args.rounds)
       bits = codec.wire_bits((n,)) / n
       print(f"| 2^{p} | {name} | {gb / enc:.2f} | {gb / dec:.2f} | {gb / both:.2f} |"
-            f" {n / both / 1e6:.0f} | {100 * read / both:.0f} | {bits:.3f} |", flush=True)
+            f" {n / both / 1e6:.0f} | {share_cell([read / both, *shares])} | {bits:.3f} |",
+            flush=True)
       if args.ops:
         step, ops = top_ops(codec, x, key)
         profiled.append((p, name, step, read, ops))

@@ -26,7 +26,10 @@ Exact arithmetic: Triton lowers ``x / y`` on float32 to PTX ``div.full.f32`` (an
 approximation within 2 ulp), while XLA divides with correct rounding. A payload must
 be bit-identical to the XLA path's, so compiled kernels divide and take square roots
 with inline ``div.rn.f32`` / ``sqrt.rn.f32`` (:func:`div`, :func:`sqrt`); interpret
-mode uses jnp's, which are already exact.
+mode uses jnp's, which are already exact. The only divisions left are per bucket
+(:func:`inverse_scale`) and per codec (:func:`level_step`): every path, XLA's included,
+multiplies the values by those reciprocals, which is what XLA's algebraic simplifier
+makes of a division by a broadcast anyway.
 """
 
 from __future__ import annotations
@@ -98,6 +101,40 @@ def level_step(scale: Array, levels: int) -> Array:
   """
   inverse = np.float32(1) / np.float32(levels)  # IEEE float32 division: correctly rounded
   return scale * inverse
+
+
+#: Bucket scales from here up have a subnormal float32 reciprocal, which XLA:CPU (it
+#: runs with denormals flushed to zero) would turn into 0, and so the bucket into zeros.
+BIG_SCALE = np.float32(2.0**126)
+
+
+def inverse_scale(safe: Array, *, exact_asm: bool = False) -> tuple[Array, Array]:
+  """``(inv, k)`` for dividing a bucket by its (positive, finite) scale ``safe``.
+
+  ``k`` is 1, or 1/4 where ``safe >= 2**126``; ``inv = fl(1 / (safe * k))``, correctly
+  rounded and never subnormal. A bucket's ratio ``|v| / scale`` is then computed as
+  ``fl(|v| * inv)``, which is ``|v| / scale`` times ``1/k`` (see :func:`level_ratio`).
+
+  Why not a division: XLA's algebraic simplifier rewrites ``A / broadcast(B)`` into
+  ``A * broadcast(1 / B)``, so that multiplication (not a correctly rounded division)
+  is what the XLA path computes whatever the source says; every path (XLA, Pallas,
+  the native CPU kernels) spells it out, so they agree bit for bit without depending on
+  that rewrite. Why ``k``: without it, a bucket whose max is >= 2**126 would get a
+  subnormal reciprocal, flushed to zero on XLA:CPU, and be sent as all zeros.
+  """
+  k = jnp.where(safe >= BIG_SCALE, jnp.float32(0.25), jnp.float32(1.0))
+  inv = div(jnp.ones_like(safe), safe * k, exact_asm=exact_asm)
+  return inv, k
+
+
+def level_ratio(a: Array, inv: Array, k: Array, levels: int) -> Array:
+  """QSGD's ``r = a / scale * s`` (``a = |v| <= scale``) as every path computes it:
+  ``fl(fl(a * inv) * fl(s * k))`` with :func:`inverse_scale`'s ``inv, k`` broadcast
+  against ``a`` (``s * k`` is exact: ``k`` is a power of two). ``r <= s``: for every
+  float32 ``m``, ``m * fl(1 / m) <= 1`` (it is ``1 - 2**-24`` for about 15% of the
+  mantissas, never above 1), so the bucket's max maps to ``s`` or just below it, where
+  it rounds down with probability at most ``s * 2**-23``."""
+  return a * inv * (jnp.float32(levels) * k)
 
 
 def is_power_of_two(v: int) -> bool:

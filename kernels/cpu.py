@@ -15,7 +15,9 @@ functions and arguments as the Pallas modules:
 
 What they write is the XLA path's payload, bit for bit: the same counter hash
 (:mod:`jaxcomp._src.rng`), the same float32 operations in the same order (compiled with
-``-ffp-contract=off``: no fused multiply-adds), the same lanes layout. Two sums are taken
+``-ffp-contract=off``: no fused multiply-adds; ``|v| / scale`` as ``|v| * fl(1 / scale)``,
+:func:`jaxcomp.kernels._common.inverse_scale`; denormals flushed to zero, as XLA:CPU
+does), the same lanes layout. Two sums are taken
 in another order than XLA's, as in the Pallas kernels, and agree to float32 rounding:
 OneBit's bucket means and QSGD's ``norm="l2"`` scales. ``tests/test_cpu_kernels.py``
 checks all of it against the XLA path.

@@ -49,6 +49,21 @@ inline int64_t CodeBits(int64_t levels) {
   return m + 1;
 }
 
+// XLA:CPU computes with denormals flushed to zero (FTZ and DAZ in MXCSR, on the threads
+// that run these kernels too); the kernels set both themselves, so that their bits are
+// the XLA path's whatever state a calling thread is in. (Elsewhere than x86 they run in
+// the thread's mode.)
+class FlushDenormals {
+ public:
+#if defined(__SSE__)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
 // Runs fn(first_bucket, end_bucket) over [0, buckets) in contiguous chunks on XLA's
 // intra-op thread pool, the calling thread included. Deadlock-free when the caller is a
 // pool thread itself: chunks are claimed from a shared counter, and the caller waits only
@@ -60,6 +75,7 @@ void ParallelBuckets(ffi::ThreadPool& pool, int64_t buckets, int64_t bucket, Fn 
   const int64_t chunks = std::max<int64_t>(
       1, std::min({threads, buckets, buckets * bucket / kMinValuesPerThread}));
   if (chunks == 1) {
+    FlushDenormals mode;
     fn(0, buckets);
     return;
   }
@@ -71,6 +87,7 @@ void ParallelBuckets(ffi::ThreadPool& pool, int64_t buckets, int64_t bucket, Fn 
   };
   auto state = std::make_shared<State>();
   auto work = [state, chunks, buckets, fnp = &fn]() {
+    FlushDenormals mode;
     for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
       (*fnp)(buckets * c / chunks, buckets * (c + 1) / chunks);
       if (state->done.fetch_add(1) + 1 == chunks) {
@@ -158,33 +175,36 @@ inline VF MulAdd(VF a, VF b, VF c) {
 #endif
 }
 
-// Wellons' lowbias32 on every lane (jaxcomp._src.rng.mix32).
-inline VU Mix32(VU x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// max |v| over a bucket and whether all its values are finite.
+// max |v| over a bucket and whether all its values are finite. On the bit patterns with
+// the sign cleared, integer order is float order, and Inf and NaN are exactly the
+// patterns >= 0x7F800000; so one integer max (four independent ones: the loop's
+// dependency is one cycle each) gives both. Buckets hold >= 32 values: whole pairs of
+// vectors.
 inline float AbsMaxFinite(const float* v, int64_t bucket, bool* finite) {
-  VF m = SplatF(0.0f);
-  VI bad = VI{};
-  for (int64_t j = 0; j < bucket; j += kLanes) {
-    const VI bits = reinterpret_cast<VI>(LoadF(v + j)) & 0x7FFFFFFF;
-    bad |= bits >= 0x7F800000;  // Inf or NaN
-    const VF a = reinterpret_cast<VF>(bits);
-    m = a > m ? a : m;
+  VI m0 = VI{}, m1 = VI{};
+  int64_t j = 0;
+  for (; j + 4 * kLanes <= bucket; j += 4 * kLanes) {
+    const VI b0 = reinterpret_cast<VI>(LoadF(v + j)) & 0x7FFFFFFF;
+    const VI b1 = reinterpret_cast<VI>(LoadF(v + j + kLanes)) & 0x7FFFFFFF;
+    const VI b2 = reinterpret_cast<VI>(LoadF(v + j + 2 * kLanes)) & 0x7FFFFFFF;
+    const VI b3 = reinterpret_cast<VI>(LoadF(v + j + 3 * kLanes)) & 0x7FFFFFFF;
+    m0 = m0 > b0 ? m0 : b0;
+    m1 = m1 > b1 ? m1 : b1;
+    m0 = m0 > b2 ? m0 : b2;
+    m1 = m1 > b3 ? m1 : b3;
   }
-  float amax = 0.0f;
-  int32_t any_bad = 0;
-  for (int l = 0; l < kLanes; ++l) {
-    amax = m[l] > amax ? m[l] : amax;
-    any_bad |= bad[l];
+  for (; j < bucket; j += 2 * kLanes) {
+    const VI b0 = reinterpret_cast<VI>(LoadF(v + j)) & 0x7FFFFFFF;
+    const VI b1 = reinterpret_cast<VI>(LoadF(v + j + kLanes)) & 0x7FFFFFFF;
+    m0 = m0 > b0 ? m0 : b0;
+    m1 = m1 > b1 ? m1 : b1;
   }
-  *finite = any_bad == 0;
+  m0 = m0 > m1 ? m0 : m1;
+  int32_t bits = 0;
+  for (int l = 0; l < kLanes; ++l) bits = std::max(bits, m0[l]);
+  *finite = bits < 0x7F800000;
+  float amax;
+  std::memcpy(&amax, &bits, sizeof(amax));
   return amax;
 }
 
@@ -249,12 +269,123 @@ struct QsgdParams {
   uint32_t k0, k1;
 };
 
+// kernels/_common.inverse_scale: k = 1/4 for a scale >= 2**126, else 1, and
+// inv = fl(1 / (scale * k)), a normal float; |v| / scale is computed as |v| * inv
+// (times 1/k), which is what XLA compiles a division by a broadcast scale into.
+struct InverseScale {
+  float k, inv;
+  explicit InverseScale(float scale)
+      : k(scale >= 0x1p126f ? 0.25f : 1.0f), inv(1.0f / (scale * k)) {}
+};
+
+// Vectors per iteration of QSGD's encode loop (QsgdVectors); buckets hold >= 2 vectors.
+constexpr int kInterleave = 2;
+
+// The codes (and residuals, when HAS_E) of one bucket with a positive scale,
+// kInterleave vectors at a time. Every step is written as a loop over those vectors,
+// so the compiled code runs independent dependency chains side by side (what the
+// CPU's out-of-order window did not find by itself across iterations). WHOLE: every
+// value and word of the bucket is in range, so the stores need no tail checks (and the
+// loop no calls: with them GCC spilled the vectors to the stack).
+template <int BITS, bool WHOLE, bool HAS_E>
+inline void QsgdVectors(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
+                        int64_t bucket_words, float inv, float s_k, VF step,
+                        uint32_t* out_words, float* out_e, uint32_t* codes,
+                        const float* ahead_x, const float* ahead_e) {
+  constexpr int kMbits = BITS - 1;
+  constexpr int kPerWord = 32 / BITS;
+  constexpr int U = kInterleave;
+  const int64_t bucket = p.bucket;
+  const VU lane = Iota();
+  const uint32_t base = static_cast<uint32_t>(b * bucket);
+  const VF inv_v = SplatF(inv), s_k_v = SplatF(s_k);
+  const VF one = SplatF(1.0f), zero = SplatF(0.0f);
+  const VU k0 = SplatU(p.k0), k1 = SplatU(p.k1);
+  // Whole vectors of words are written in place; the last bucket's short tail via
+  // tail_words (2-bit codes go through `codes`, for PackLanes).
+  uint32_t tail_words[kLanes * BITS / 32 > 0 ? kLanes * BITS / 32 : 1];
+  for (int64_t j0 = 0; j0 < bucket; j0 += U * kLanes) {
+    VF a[U], r[U], low[U], magf[U];
+    VU h[U];
+    VI neg[U];
+#define JAXCOMP_EACH _Pragma("GCC unroll 8") for (int u = 0; u < U; ++u)
+    JAXCOMP_EACH a[u] = LoadF(v + j0 + u * kLanes);
+    // The next bucket's lines (one per vector), spread over this bucket's arithmetic.
+    if (ahead_x != nullptr) JAXCOMP_EACH __builtin_prefetch(ahead_x + j0 + u * kLanes);
+    if (ahead_e != nullptr) JAXCOMP_EACH __builtin_prefetch(ahead_e + j0 + u * kLanes);
+    // r = |v| / scale * s as fl(fl(|v| * inv) * fl(s * k)) (kernels/_common.level_ratio).
+    JAXCOMP_EACH r[u] = reinterpret_cast<VF>(reinterpret_cast<VI>(a[u]) & 0x7FFFFFFF) * inv_v * s_k_v;
+    // The counter hash of the flat index, mix32(mix32(i ^ k0) ^ k1), step by step:
+    // Wellons' lowbias32 (jaxcomp._src.rng.mix32).
+    JAXCOMP_EACH h[u] = (SplatU(base + static_cast<uint32_t>(j0 + u * kLanes)) + lane) ^ k0;
+#ifndef JAXCOMP_ABLATE_HASH
+    for (int round = 0; round < 2; ++round) {
+      JAXCOMP_EACH h[u] ^= h[u] >> 16;
+      JAXCOMP_EACH h[u] *= 0x7FEB352Du;
+      JAXCOMP_EACH h[u] ^= h[u] >> 15;
+      JAXCOMP_EACH h[u] *= 0x846CA68Bu;
+      JAXCOMP_EACH h[u] ^= h[u] >> 16;
+      if (round == 0) JAXCOMP_EACH h[u] ^= k1;
+    }
+#endif  // else benchmarks/cpu_kernel_loop.py only: what the hash costs (wrong payloads)
+    // floor(r) for 0 <= r <= s < 2**31: truncation toward zero is exact.
+    JAXCOMP_EACH low[u] = __builtin_convertvector(__builtin_convertvector(r[u], VI), VF);
+    // Round up when u24 < frac * 2**24 (u24 < 2**24 converts to float exactly). No clamp
+    // to s (the XLA path's jnp.minimum never acts): m * fl(1 / m) <= 1 for every float32
+    // m (tests/test_codecs.py checks every mantissa), so |v| * inv <= 1 / k and r <= s;
+    // at r == s the fraction is 0.
+    JAXCOMP_EACH {
+      const VF u24 = __builtin_convertvector(reinterpret_cast<VI>(h[u] >> 8), VF);
+      magf[u] = u24 < (r[u] - low[u]) * 16777216.0f ? low[u] + one : low[u];
+    }
+    JAXCOMP_EACH {
+      const int64_t j = j0 + u * kLanes;
+      const VI mag = __builtin_convertvector(magf[u], VI);
+      neg[u] = (a[u] < zero) & (mag > 0);  // a zero code carries no sign
+      const VU code = reinterpret_cast<VU>(mag | (neg[u] & (1 << kMbits)));
+      if constexpr (BITS >= 4) {
+        // Lanes 2m and 2m+1 as one uint64: c0 | c1 << BITS, then narrowed to 2*BITS bits
+        // per pair (little-endian: the lanes layout's words, in order).
+        typedef uint64_t V64 __attribute__((vector_size(4 * kLanes)));
+        typedef std::conditional_t<BITS == 4, uint8_t,
+                                   std::conditional_t<BITS == 8, uint16_t, uint32_t>> Half;
+        typedef Half VH __attribute__((vector_size(sizeof(Half) * kLanes / 2)));
+        const V64 pair = reinterpret_cast<V64>(code);
+        const VH packed = __builtin_convertvector(pair | (pair >> (32 - BITS)), VH);
+        const int64_t w = j / kPerWord;
+        if (WHOLE || w + static_cast<int64_t>(sizeof(VH) / 4) <= bucket_words) {
+          std::memcpy(out_words + w, &packed, sizeof(VH));
+        } else if (w < bucket_words) {
+          std::memcpy(tail_words, &packed, sizeof(VH));
+          std::memcpy(out_words + w, tail_words, (bucket_words - w) * sizeof(uint32_t));
+        }
+      } else {
+        Store(codes + j, code);
+      }
+    }
+    if constexpr (HAS_E) {
+      JAXCOMP_EACH {
+        const int64_t j = j0 + u * kLanes;
+        const VF e = a[u] - (neg[u] != 0 ? -magf[u] : magf[u]) * step;
+        if (WHOLE || j + kLanes <= valid) {
+          Store(out_e + j, e);
+        } else if (j < valid) {
+          float tail[kLanes];
+          Store(tail, e);
+          std::memcpy(out_e + j, tail, (valid - j) * sizeof(float));
+        }
+      }
+    }
+#undef JAXCOMP_EACH
+  }
+}
+
 // One bucket of BITS-bit codes: its scale, its words, and (when new_e) the new residual
 // v - Q(v). Mirrors QSGD.quantize / encode / dequantize of jaxcomp/_src/codecs.py.
 template <int BITS>
 void QsgdBucket(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
-                uint32_t* words, float* scales, float* new_e, uint32_t* codes) {
-  constexpr int kMbits = BITS - 1;
+                uint32_t* words, float* scales, float* new_e, uint32_t* codes,
+                const float* ahead_x = nullptr, const float* ahead_e = nullptr) {
   constexpr int kPerWord = 32 / BITS;
   const int64_t bucket = p.bucket;
   const float s = static_cast<float>(p.levels);
@@ -262,13 +393,14 @@ void QsgdBucket(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
   const float amax = AbsMaxFinite(v, bucket, &finite);
   float scale = amax;
   if (p.l2) {  // amax * sqrt(sum((v / amax)^2)): no overflow or underflow of the squares
-    const VF safe = SplatF(amax > 0.0f ? amax : 1.0f);
+    const InverseScale is(amax > 0.0f ? amax : 1.0f);
+    const VF inv = SplatF(is.inv);
     VF acc = SplatF(0.0f);
     for (int64_t j = 0; j < bucket; j += kLanes) {
-      const VF w = LoadF(v + j) / safe;
+      const VF w = LoadF(v + j) * inv;
       acc += w * w;
     }
-    scale = amax * std::sqrt(SumLanes(acc));
+    scale = amax * is.k * std::sqrt(SumLanes(acc));
   }
   if (!finite) scale = std::numeric_limits<float>::quiet_NaN();  // decodes to NaN
   scales[b] = scale;
@@ -280,69 +412,22 @@ void QsgdBucket(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
   if (!(scale > 0.0f)) {  // a zero or NaN scale: zero codes
     std::memset(out_words, 0, bucket_words * sizeof(uint32_t));
   }
-  // Whole vectors of words are written in place; the last bucket's short tail via
-  // `codes` (which also serves PackLanes for 2-bit codes).
-  uint32_t tail_words[kLanes * BITS / 32 > 0 ? kLanes * BITS / 32 : 1];
   const VF step = SplatF(scale * (1.0f / s));  // kernels/_common.level_step
   float* out_e = new_e != nullptr ? new_e + b * bucket : nullptr;
   if (scale > 0.0f) {
-    const VU lane = Iota();
-    const uint32_t base = static_cast<uint32_t>(b * bucket);
-    const VF scale_v = SplatF(scale), s_v = SplatF(s), one = SplatF(1.0f), zero = SplatF(0.0f);
-    const VU k0 = SplatU(p.k0), k1 = SplatU(p.k1);
-#pragma GCC unroll 2
-    for (int64_t j = 0; j < bucket; j += kLanes) {
-      const VF a = LoadF(v + j);
-      // |v| / scale * s, the division first (as XLA does it): the max maps to exactly s.
-#ifndef JAXCOMP_ABLATE_DIVISION
-      const VF r = reinterpret_cast<VF>(reinterpret_cast<VI>(a) & 0x7FFFFFFF) / scale_v * s_v;
-#else  // benchmarks/cpu_kernel_loop.py only: what the division costs (wrong payloads)
-      const VF r = reinterpret_cast<VF>(reinterpret_cast<VI>(a) & 0x7FFFFFFF) * s_v;
-#endif
-      // floor(r) for 0 <= r <= s < 2**31: truncation toward zero is exact.
-      const VF low = __builtin_convertvector(__builtin_convertvector(r, VI), VF);
-      // The counter hash of the flat index; u24 < 2**24 converts to float exactly.
-      const VU idx = SplatU(base + static_cast<uint32_t>(j)) + lane;
-#ifndef JAXCOMP_ABLATE_HASH
-      const VI u24 = reinterpret_cast<VI>(Mix32(Mix32(idx ^ k0) ^ k1) >> 8);
-#else  // benchmarks/cpu_kernel_loop.py only: what the hash costs (wrong payloads)
-      const VI u24 = reinterpret_cast<VI>((idx ^ k0) >> 8);
-#endif
-      const VF up = __builtin_convertvector(u24, VF) < (r - low) * 16777216.0f ? one : zero;
-      VF magf = low + up;
-      magf = magf < s_v ? magf : s_v;
-      const VI mag = __builtin_convertvector(magf, VI);
-      const VI neg = (a < zero) & (mag > 0);  // a zero code carries no sign
-      const VU code = reinterpret_cast<VU>(mag | (neg & (1 << kMbits)));
-      if constexpr (BITS >= 4) {
-        // Lanes 2m and 2m+1 as one uint64: c0 | c1 << BITS, then narrowed to 2*BITS bits
-        // per pair (little-endian: the lanes layout's words, in order).
-        typedef uint64_t V64 __attribute__((vector_size(4 * kLanes)));
-        typedef std::conditional_t<BITS == 4, uint8_t,
-                                   std::conditional_t<BITS == 8, uint16_t, uint32_t>> Half;
-        typedef Half VH __attribute__((vector_size(sizeof(Half) * kLanes / 2)));
-        const V64 pair = reinterpret_cast<V64>(code);
-        const VH packed = __builtin_convertvector(pair | (pair >> (32 - BITS)), VH);
-        const int64_t w = j / kPerWord;
-        if (w + static_cast<int64_t>(sizeof(VH) / 4) <= bucket_words) {
-          std::memcpy(out_words + w, &packed, sizeof(VH));
-        } else if (w < bucket_words) {
-          std::memcpy(tail_words, &packed, sizeof(VH));
-          std::memcpy(out_words + w, tail_words, (bucket_words - w) * sizeof(uint32_t));
-        }
-      } else {
-        Store(codes + j, code);
-      }
-      if (out_e != nullptr) {
-        const VF e = a - (neg != 0 ? -magf : magf) * step;
-        if (j + kLanes <= valid) {
-          Store(out_e + j, e);
-        } else if (j < valid) {
-          float tail[kLanes];
-          Store(tail, e);
-          std::memcpy(out_e + j, tail, (valid - j) * sizeof(float));
-        }
-      }
+    const InverseScale is(scale);
+    const bool whole = valid == bucket && bucket_words == bucket / kPerWord;
+    const auto run = [&](auto whole_tag, auto has_e_tag) {
+      QsgdVectors<BITS, decltype(whole_tag)::value, decltype(has_e_tag)::value>(
+          p, b, v, valid, bucket_words, is.inv, s * is.k, step, out_words, out_e, codes,
+          ahead_x, ahead_e);
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (whole) {
+      out_e != nullptr ? run(Yes{}, Yes{}) : run(Yes{}, No{});
+    } else {
+      out_e != nullptr ? run(No{}, Yes{}) : run(No{}, No{});
     }
     if constexpr (BITS < 4) PackLanes<BITS>(codes, bucket_words, out_words);
   } else if (out_e != nullptr) {  // v - 0 * NaN (or * 0): NaN for a NaN scale, else v
@@ -383,7 +468,12 @@ ffi::Error QsgdEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       for (int64_t b = first; b < end; ++b) {
         int64_t valid;
         const float* v = LoadBucket(xd, ed, n, bucket, b, scratch.data(), &valid);
-        QsgdBucket<BITS>(p, b, v, valid, wd, sd, nd, codes.data());
+        // Software prefetch of the next (whole) bucket: without it the encode waited on
+        // memory in AbsMaxFinite (28% of its time in `perf`, a quarter of that from L3).
+        const bool ahead = (b + 2) * bucket <= n;
+        QsgdBucket<BITS>(p, b, v, valid, wd, sd, nd, codes.data(),
+                         ahead ? xd + (b + 1) * bucket : nullptr,
+                         ahead && ed != nullptr ? ed + (b + 1) * bucket : nullptr);
       }
     });
   });

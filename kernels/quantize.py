@@ -107,15 +107,17 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
     scale = amax
   else:
     safe = jnp.where(amax > 0, amax, 1.0)
-    w = _common.div(v, safe[:, None], exact_asm=exact_asm)
-    scale = amax * _common.sqrt(jnp.sum(w * w, axis=1), exact_asm=exact_asm)
+    inv, k = _common.inverse_scale(safe, exact_asm=exact_asm)
+    w = v * inv[:, None]
+    scale = amax * k * _common.sqrt(jnp.sum(w * w, axis=1), exact_asm=exact_asm)
   scale = jnp.where(finite, scale, jnp.nan)
 
   # Stochastic rounding with the counter hash of the flat (padded) index.
   positive = scale > 0
   safe = jnp.where(positive, scale, 1.0)
+  inv, k = _common.inverse_scale(safe, exact_asm=exact_asm)
   r = jnp.where(positive[:, None],
-                _common.div(jnp.abs(v), safe[:, None], exact_asm=exact_asm) * s, 0.0)
+                _common.level_ratio(jnp.abs(v), inv[:, None], k[:, None], levels), 0.0)
   low = jnp.floor(r)
   u24 = rng.hash_bits(idx.astype(_U32), kw_ref[0], kw_ref[1]) >> 8
   up = u24.astype(_F32) < (r - low) * jnp.float32(2.0**24)

@@ -35,6 +35,34 @@ def test_reuse_malloc_restarts_the_benchmark_with_the_tunables():
   assert reused.count("malloc:") == 1
 
 
+def test_rounds_print_the_median_share_of_the_roof_and_its_range():
+  from benchmarks import codecs  # pylint: disable=import-outside-toplevel
+  assert codecs.share_cell([0.254]) == "25"
+  assert codecs.share_cell([0.30, 0.21, 0.26]) == "26 (21–30)"
+  out = _codecs("--rounds", "3")
+  assert "% read roof: median (range) of 3 rounds" in out, out
+  row = next(line for line in out.splitlines() if line.startswith("| 2^10 | qsgd4 |"))
+  share = row.split("|")[7].strip()
+  median, low, high = (int(v) for v in share.replace("(", " ").replace(")", "")
+                       .replace("–", " ").split())
+  assert low <= median <= high, row
+  bad = subprocess.run([sys.executable, "-m", "benchmarks.codecs", "--rounds", "0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and "--rounds must be at least 1" in bad.stderr
+
+
+def test_native_vs_xla_counts_divisions_over_bucket_values_only():
+  from benchmarks import native_vs_xla  # pylint: disable=import-outside-toplevel
+  hlo = "\n".join([
+      'a = f32[64,512]{1,0} divide(x, y), metadata={op_name="jit(s)/jaxcomp_encode/div"}',
+      'b = f32[8,4,512]{2,1,0} divide(x, y), metadata={op_name="s/jaxcomp_encode/div"}',
+      'c = f32[8,4]{1,0} divide(x, y), metadata={op_name="s/jaxcomp_encode/div"}',  # 1/scale
+      'd = f32[64,512]{1,0} multiply(x, y), metadata={op_name="s/jaxcomp_encode/mul"}',
+      'e = f32[64,512]{1,0} divide(x, y), metadata={op_name="s/loss/div"}'])
+  assert native_vs_xla.encode_divisions(hlo, 512) == 2
+  assert native_vs_xla.encode_divisions(hlo, 128) == 0
+
+
 @glibc_only
 def test_malloc_label_names_the_tunables(monkeypatch):
   monkeypatch.setenv("GLIBC_TUNABLES", _timing.REUSE_MALLOC)
@@ -102,9 +130,10 @@ def test_cpu_kernel_loop_builds_and_prices_the_hash():
   if not cpu.available():
     pytest.skip("no C++ compiler here")
   out = subprocess.run([sys.executable, "-m", "benchmarks.cpu_kernel_loop", "--log2n", "16",
-                        "--repeats", "3"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, check=True).stdout
+                        "--repeats", "3", "--stream"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, check=True).stdout
+  assert "from a fresh array" in out, out
   rows = {line.split("|")[1].strip(): line for line in out.splitlines()
           if line.startswith("| ") and "---" not in line and "build" not in line}
-  assert set(rows) == {"as shipped", "without the hash", "without the division"}, out
+  assert set(rows) == {"as shipped", "without the hash", "without the prefetch"}, out
   assert rows["as shipped"].rstrip().endswith("| 1.00 |")

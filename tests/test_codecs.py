@@ -938,8 +938,44 @@ def test_qsgd_largest_levels_round_trip():
   assert np.all(np.sign(out) == np.sign(x))
 
 
+def test_reciprocal_times_value_never_exceeds_one():
+  """m · fl(1/m) <= 1 for every float32 mantissa (all of [1, 2); powers of two scale
+  out): QSGD's r = |v|·fl(1/max)·s never exceeds s, so no path needs its clamp to s.
+  It is 1 − 2^-24 for about 15% of them: there the max rounds down with probability
+  at most s·2^-23 (kernels/_common.level_ratio)."""
+  m = (np.arange(2**23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
+  p = m * (np.float32(1) / m)
+  assert p.dtype == np.float32 and p.max() == 1.0
+  assert p.min() == np.float32(1) - np.float32(2.0**-24)
+  assert 0.1 < np.mean(p < 1) < 0.2
+
+
+@pytest.mark.parametrize("norm", ["max", "l2"])
+def test_qsgd_huge_bucket_is_not_sent_as_zeros(norm):
+  """A bucket whose scale is >= 2**126 has a subnormal reciprocal; XLA:CPU flushes it to
+  zero, and the bucket went out as all zeros. kernels/_common.inverse_scale scales it."""
+  if norm == "max":
+    big = np.float32(np.finfo(np.float32).max)
+    x = np.array([big, -big / 2, big / 3, 1e38, -2.0**126, 1.0, 0.0, -1e37], np.float32)
+  else:  # an l2 norm that float32 holds: 2**126 * 1.17
+    x = np.array([2.0**126, -2.0**125, 2.0**124, 3e37, -2.0**120, 1.0, 0.0, 2.0**125],
+                 np.float32)
+  x64 = x.astype(np.float64)
+  codec = C.QSGD(7, norm=norm)
+  payload = codec.encode(jnp.asarray(x), key=jax.random.key(3))
+  scale = float(payload.arrays["scales"][0])
+  want = np.abs(x64).max() if norm == "max" else np.linalg.norm(x64)
+  np.testing.assert_allclose(scale, want, rtol=1e-6)
+  assert scale >= 2.0**126
+  out = np.asarray(codec.decode(payload), np.float64)
+  assert np.all(np.abs(out - x64) <= scale / 7 * (1 + 1e-6)), out
+  assert np.count_nonzero(out[:5]) >= 3, out  # not all zeros (the large values survive)
+  assert np.all(out * x64 >= 0)
+
+
 def test_qsgd_max_entry_never_rounds_down():
-  """|v|/max·s is exactly s at the bucket max (the product form s/max·|v| can fall below)."""
+  """|v|/max·s is exactly s at the bucket max here (the product form s/max·|v| can fall
+  below); with r = |v|·fl(1/max)·s that holds for about 85% of the mantissas."""
   x = jnp.array([0.38036475, 0.19018237], jnp.float32)
   out = C.QSGD(7, norm="max").decode(C.QSGD(7, norm="max").encode(x, key=jax.random.key(5991920)))
   np.testing.assert_allclose(np.asarray(out)[0], 0.38036475, rtol=3e-7)

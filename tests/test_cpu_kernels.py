@@ -69,13 +69,35 @@ def test_quantize_l2_norm_matches_up_to_sum_order():
   assert np.mean(mine != ref) <= 1e-3  # a flip needs u within ~1e-6 of the threshold
 
 
-@pytest.mark.parametrize("n,bucket,levels", [(2000, 64, 7), (BIG, 1024, 127), (300, 32, 1)])
+@pytest.mark.parametrize("n,bucket,levels", [(2000, 64, 7), (BIG, 1024, 127), (300, 32, 1),
+                                             (4096, 512, 7)])  # whole buckets only
 def test_quantize_fused_error_feedback_is_bit_identical(n, bucket, levels):
   x, key = _x(n), jax.random.key(5)
   e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32)
   out = cpu.quantize(x, key, e, levels=levels, bucket_size=bucket)
   ref = kernels.quantize.quantize_reference(x, key, e, levels=levels, bucket_size=bucket)
   chex.assert_trees_all_equal(out, ref)  # words, scales and e' = (x + e) - decode
+
+
+@pytest.mark.parametrize("levels", [1, 7, 127])
+def test_quantize_extreme_values_are_bit_identical(levels):
+  # Buckets of 64: all +-max (r == s exactly, where the XLA path's clamp to s would act
+  # if r ever exceeded s; the kernel has no clamp), subnormals next to a normal max,
+  # -0.0, the largest finite float, and values a hair below the max.
+  tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
+  big = np.float32(np.finfo(np.float32).max)
+  below = np.nextafter(np.float32(2.5), np.float32(0))
+  buckets = [np.where(np.arange(64) % 3 == 0, -2.5, 2.5),
+             np.concatenate([[1.0], tiny * np.arange(1, 64)]),
+             np.concatenate([[-0.0, 0.0, 1e-38], np.full(61, -1e-40)]),
+             np.concatenate([[big, -big], np.linspace(-1, 1, 62) * big]),
+             np.concatenate([[2.5], np.full(63, below)])]
+  x = jnp.asarray(np.concatenate(buckets).astype(np.float32))
+  e = jnp.zeros_like(x)
+  for key in (jax.random.key(0), jax.random.key(1)):
+    out = cpu.quantize(x, key, e, levels=levels, bucket_size=64)
+    ref = kernels.quantize.quantize_reference(x, key, e, levels=levels, bucket_size=64)
+    chex.assert_trees_all_equal(out, ref)
 
 
 def test_quantize_nonfinite_bucket_is_marked_not_hidden():

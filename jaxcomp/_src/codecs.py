@@ -452,8 +452,11 @@ class QSGD(Codec):
     if self.norm == "max":
       return amax
     # ||v|| = amax * ||v / amax||: no float32 overflow above 1.8e19, no underflow below 1e-19.
+    # v / amax as v * fl(1 / (amax * k)) (kernels/_common.inverse_scale), so the norm is
+    # (amax * k) * ||v * inv|| (amax * k is exact: k is a power of two).
     safe = jnp.where(amax > 0, amax, jnp.ones_like(amax))
-    return amax * jnp.sqrt(jnp.sum(jnp.square(v / safe[:, None]), axis=1))
+    inv, k = kernel_common.inverse_scale(safe)
+    return amax * k * jnp.sqrt(jnp.sum(jnp.square(v * inv[:, None]), axis=1))
 
   def quantize(self, x: Array, *, key: Array | None = None) -> tuple[Array, Array, Array]:
     """The quantization before packing: ``(scales, magnitudes, negative)``.
@@ -476,10 +479,16 @@ class QSGD(Codec):
     # (the codes of a non-finite value are meaningless).
     scale = self.scales(v)
     s = jnp.float32(self.levels)
-    # |v| / scale * s (not |v| * (s / scale)): the bucket's max maps to exactly s.
+    # r = |v| / scale * s as fl(fl(|v| * inv) * fl(s * k)) (kernels/_common.level_ratio):
+    # what XLA compiles a division by the broadcast scale into anyway, spelled out so
+    # that the Pallas and native kernels compute the same bits.
     safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-    r = jnp.where((scale > 0)[:, None], jnp.abs(v) / safe[:, None] * s, 0.0)
-    # r is finite (0 in a non-finite bucket, whose NaN scale marks it), so mag <= s.
+    inv, k = kernel_common.inverse_scale(safe)
+    r = jnp.where((scale > 0)[:, None],
+                  kernel_common.level_ratio(jnp.abs(v), inv[:, None], k[:, None], self.levels),
+                  0.0)
+    # r is finite (0 in a non-finite bucket, whose NaN scale marks it) and <= s (|v| *
+    # fl(1 / max) <= 1, tests/test_codecs.py checks every mantissa): the clamp is a guard.
     mag = jnp.minimum(rng.bernoulli_round(r, key), s).astype(jnp.uint32)
     # A zero code carries no sign (the paper's string has no bit for it): +0, not -0.
     return scale, mag, (v < 0) & (mag > 0)
