@@ -177,23 +177,11 @@ inline VF MulAdd(VF a, VF b, VF c) {
 
 // max |v| over a bucket and whether all its values are finite. On the bit patterns with
 // the sign cleared, integer order is float order, and Inf and NaN are exactly the
-// patterns >= 0x7F800000; so one integer max (four independent ones: the loop's
-// dependency is one cycle each) gives both. Buckets hold >= 32 values: whole pairs of
-// vectors.
+// patterns >= 0x7F800000; so one integer max gives both. Buckets hold >= 32 values:
+// whole pairs of vectors, one accumulator each.
 inline float AbsMaxFinite(const float* v, int64_t bucket, bool* finite) {
   VI m0 = VI{}, m1 = VI{};
-  int64_t j = 0;
-  for (; j + 4 * kLanes <= bucket; j += 4 * kLanes) {
-    const VI b0 = reinterpret_cast<VI>(LoadF(v + j)) & 0x7FFFFFFF;
-    const VI b1 = reinterpret_cast<VI>(LoadF(v + j + kLanes)) & 0x7FFFFFFF;
-    const VI b2 = reinterpret_cast<VI>(LoadF(v + j + 2 * kLanes)) & 0x7FFFFFFF;
-    const VI b3 = reinterpret_cast<VI>(LoadF(v + j + 3 * kLanes)) & 0x7FFFFFFF;
-    m0 = m0 > b0 ? m0 : b0;
-    m1 = m1 > b1 ? m1 : b1;
-    m0 = m0 > b2 ? m0 : b2;
-    m1 = m1 > b3 ? m1 : b3;
-  }
-  for (; j < bucket; j += 2 * kLanes) {
+  for (int64_t j = 0; j < bucket; j += 2 * kLanes) {
     const VI b0 = reinterpret_cast<VI>(LoadF(v + j)) & 0x7FFFFFFF;
     const VI b1 = reinterpret_cast<VI>(LoadF(v + j + kLanes)) & 0x7FFFFFFF;
     m0 = m0 > b0 ? m0 : b0;

@@ -100,6 +100,21 @@ def test_quantize_extreme_values_are_bit_identical(levels):
     chex.assert_trees_all_equal(out, ref)
 
 
+def test_denormals_are_flushed_as_on_xla_cpu():
+  # XLA:CPU computes with FTZ and DAZ (a subnormal input reads as 0, a subnormal result
+  # becomes 0); the kernels set both modes themselves so their bits stay the XLA path's.
+  mul = jax.jit(lambda a, b: a * b)
+  assert mul(jnp.float32(1e-40), jnp.float32(1e10)) == 0  # DAZ
+  assert mul(jnp.float32(1e-30), jnp.float32(1e-15)) == 0  # FTZ
+  # A normal max next to subnormals: the XLA path's residual of a subnormal is 0.
+  x = jnp.asarray(np.concatenate([[1e-30], np.full(63, -1e-40)]).astype(np.float32))
+  e = jnp.zeros_like(x)
+  out = cpu.quantize(x, jax.random.key(0), e, levels=7, bucket_size=64)
+  ref = kernels.quantize.quantize_reference(x, jax.random.key(0), e, levels=7, bucket_size=64)
+  chex.assert_trees_all_equal(out, ref)
+  assert np.all(np.asarray(out[2])[1:] == 0)
+
+
 def test_quantize_nonfinite_bucket_is_marked_not_hidden():
   x = _x(300).at[70].set(jnp.nan).at[200].set(-jnp.inf)
   e = jnp.zeros((300,), jnp.float32)
