@@ -137,6 +137,36 @@ def level_ratio(a: Array, inv: Array, k: Array, levels: int) -> Array:
   return a * inv * (jnp.float32(levels) * k)
 
 
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def sum_shift(count: int) -> int:
+  """``c`` with ``2**c >= 2 * count``: ``count`` float32 values scaled by ``2**-c`` sum
+  to at most ``FLT_MAX / 2`` (margin for rounding), so the sum cannot overflow."""
+  return (max(int(count), 1) - 1).bit_length() + 1
+
+
+def side_mean(total: Array, scaled_total: Array, count: Array, shift: int, *,
+              exact_asm: bool = False) -> Array:
+  """OneBit's mean of one sign's values in a bucket, ``total / count`` (0 when empty).
+
+  ``total`` is their float32 sum, which overflows to ``±inf`` once it passes
+  ``FLT_MAX`` although every value is finite (512 values of 1e36 do). Where it did,
+  the mean comes from ``scaled_total``, the same values summed after scaling by
+  ``2**-shift`` (:func:`sum_shift`: it cannot overflow), as
+  ``fl(scaled_total / count) * 2**shift`` clipped to ``±FLT_MAX`` (the mean of finite
+  values is finite). Where ``scaled_total`` is not finite either, an input was: the
+  mean stays non-finite and the bucket is flagged, never hidden. Power-of-two scaling
+  is exact, so this changes nothing where ``total`` is finite.
+  """
+  safe = jnp.maximum(count, 1.0)
+  plain = div(total, safe, exact_asm=exact_asm)
+  rescued = jnp.clip(div(scaled_total, safe, exact_asm=exact_asm) * np.float32(2.0**shift),
+                     -FLT_MAX, FLT_MAX)
+  mean = jnp.where(jnp.isinf(total) & jnp.isfinite(scaled_total), rescued, plain)
+  return jnp.where(count > 0, mean, 0.0)
+
+
 def is_power_of_two(v: int) -> bool:
   return v > 0 and v & (v - 1) == 0
 

@@ -523,6 +523,26 @@ ffi::Error QsgdDecodeSum(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> words, ffi:
 
 // --------------------------------------------------------------------------- 1-bit SGD
 
+// jaxcomp.kernels._common.sum_shift: c with 2^c >= 2 * count.
+inline int SumShift(int64_t count) {
+  int c = 0;
+  while ((int64_t{1} << c) < count) ++c;
+  return c + 1;
+}
+
+// jaxcomp.kernels._common.side_mean: total / count (0 when empty); where the float32 sum
+// overflowed to +-inf although the values are finite, fl(scaled / count) * 2^shift
+// clipped to +-FLT_MAX, from the sum of the values scaled by 2^-shift.
+inline float SideMean(float total, float scaled, float count, float up) {
+  if (!(count > 0.0f)) return 0.0f;
+  const float safe = std::max(count, 1.0f);
+  if (std::isinf(total) && std::isfinite(scaled)) {
+    constexpr float kMax = std::numeric_limits<float>::max();
+    return std::min(std::max(scaled / safe * up, -kMax), kMax);
+  }
+  return total / safe;
+}
+
 // Bit c of the result is [v[c] < 0] for 32 values (not set for -0.0 or a NaN).
 inline uint32_t SignWord(const float* v) {
   uint32_t word = 0;
@@ -568,6 +588,8 @@ ffi::Error OneBitEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   float* pd = pos->typed_data();
   float* ngd = neg->typed_data();
   float* nd = has_e ? new_residual->typed_data() : nullptr;
+  const int shift = SumShift(bucket);
+  const float sum_down = std::ldexp(1.0f, -shift), sum_up = std::ldexp(1.0f, shift);
   ParallelBuckets(pool, nb, bucket, [&](int64_t first, int64_t end) {
     std::vector<float> scratch(bucket);
     for (int64_t b = first; b < end; ++b) {
@@ -585,8 +607,20 @@ ffi::Error OneBitEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       const float neg_count = SumLanes(cnt);
       const float pos_count = static_cast<float>(valid) - neg_count;
       const float psum = SumLanes(ps), nsum = SumLanes(ns);
-      const float pm = pos_count > 0.0f ? psum / std::max(pos_count, 1.0f) : 0.0f;
-      const float nm = neg_count > 0.0f ? nsum / std::max(neg_count, 1.0f) : 0.0f;
+      float ps_scaled = 0.0f, ns_scaled = 0.0f;
+      if (std::isinf(psum) || std::isinf(nsum)) {  // rare: sum again, scaled (SideMean)
+        const VF down = SplatF(sum_down);
+        VF ps2 = zero, ns2 = zero;
+        for (int64_t j = 0; j < bucket; j += kLanes) {
+          const VF a = LoadF(v + j) * down;
+          ps2 += a < zero ? zero : a;
+          ns2 += a > zero ? zero : a;
+        }
+        ps_scaled = SumLanes(ps2);
+        ns_scaled = SumLanes(ns2);
+      }
+      const float pm = SideMean(psum, ps_scaled, pos_count, sum_up);
+      const float nm = SideMean(nsum, ns_scaled, neg_count, sum_up);
       pd[b] = pm;
       ngd[b] = nm;
       const int64_t w0 = b * bucket / 32;

@@ -98,11 +98,14 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
 
   _, idx, v, x32 = _common.load_buckets(x_ref, e_ref, n=n, rows=rows, bucket=bucket)
 
-  # Scale: max |v| as max(max v, -min v); NaN when the bucket is not all finite.
+  # Scale: max |v| as max(max v, -min v); NaN when the bucket is not all finite. NaNs are
+  # counted (a max may skip them); not summed: finite values of both signs can sum to
+  # inf - inf = NaN, which flagged buckets of large finite values (near 1e38) as NaN.
   vmax = jnp.max(v, axis=1)
   vmin = jnp.min(v, axis=1)
   amax = jnp.maximum(vmax, -vmin)
-  finite = ~jnp.isnan(jnp.sum(v, axis=1)) & jnp.isfinite(vmax) & jnp.isfinite(vmin)
+  nans = jnp.sum(jnp.isnan(v).astype(_F32), axis=1)
+  finite = (nans == 0) & jnp.isfinite(vmax) & jnp.isfinite(vmin)
   if norm == "max":
     scale = amax
   else:

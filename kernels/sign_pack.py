@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _common
@@ -61,14 +62,17 @@ def _sign_pack_kernel(x_ref, *refs, n, bucket, rows, exact_asm, has_residual):
   count = jnp.clip(n - first, 0, bucket).astype(_F32)
   neg_count = jnp.sum(neg.astype(_F32), axis=1)
   pos_count = count - neg_count
-  pos_sum = jnp.sum(jnp.maximum(v, 0.0), axis=1)
-  neg_sum = jnp.sum(jnp.minimum(v, 0.0), axis=1)
+  pos_part, neg_part = jnp.maximum(v, 0.0), jnp.minimum(v, 0.0)
+  # The scaled sums too (cheap next to the loads): used where a plain sum overflowed.
+  shift = _common.sum_shift(bucket)
+  down = np.float32(2.0**-shift)
 
-  def mean(total, c):
-    return jnp.where(c > 0, _common.div(total, jnp.maximum(c, 1.0), exact_asm=exact_asm), 0.0)
+  def mean(part, c):
+    return _common.side_mean(jnp.sum(part, axis=1), jnp.sum(part * down, axis=1), c, shift,
+                             exact_asm=exact_asm)
 
-  pos = mean(pos_sum, pos_count)
-  negm = mean(neg_sum, neg_count)
+  pos = mean(pos_part, pos_count)
+  negm = mean(neg_part, neg_count)
   lanes = neg.astype(_U32).reshape(length // 32, 32)
   shifts = lax.broadcasted_iota(_U32, lanes.shape, 1)
   words_ref[...] = jnp.sum(lanes << shifts, axis=1, dtype=_U32)

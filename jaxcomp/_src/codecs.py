@@ -578,6 +578,10 @@ class OneBit(Codec):
   It is deterministic and biased; use it with error feedback
   (:func:`jaxcomp.onebit_sgd`), which carries ``v - Q(v)`` into the next step.
 
+  The means of finite values are finite: a bucket whose float32 sum of one sign
+  overflows (values from about ``FLT_MAX / bucket_size``) is summed again scaled by a
+  power of two (:func:`jaxcomp.kernels._common.side_mean`), on every path.
+
   Wire format: signs packed 32 per uint32, plus two float32 per bucket.
 
   Args:
@@ -617,7 +621,8 @@ class OneBit(Codec):
     """See :meth:`Codec.encode_feedback`; fused into the sign_pack kernel when it runs.
 
     ``finite`` is then read off the means (a non-finite value makes its bucket's mean
-    non-finite; so does a bucket sum beyond float32's range, ~3e38).
+    non-finite; a bucket sum beyond float32's range does not: the kernels sum such a
+    bucket again, scaled, as :func:`jaxcomp.kernels._common.side_mean` describes).
     """
     del key
     _check_float(g)
@@ -636,7 +641,8 @@ class OneBit(Codec):
     b, nb = _buckets(n, self.bucket_size)
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
     words = bitpack.pack_bits((v < 0).reshape(-1)[:n].astype(jnp.uint32), 1)
-    pos_sum, neg_sum, neg_count = _onebit_sums(v, words, two_level=b % _WORD == 0)
+    two_level = b % _WORD == 0
+    pos_sum, neg_sum, neg_count = _onebit_sums(v, words, two_level=two_level)
     # Padding is +0, counted as non-negative: take it out of the counts.
     valid = np.full((nb,), b, np.dtype(neg_count.dtype))
     if nb:
@@ -644,11 +650,22 @@ class OneBit(Codec):
     pos_count = (jnp.asarray(valid) - neg_count).astype(_F32)
     neg_count = neg_count.astype(_F32)
 
-    def mean(total, count):
-      return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0)
+    # A sum past FLT_MAX (finite values, ~1e36 and up): sum again scaled by 2**-shift,
+    # only when some bucket overflowed (kernel_common.side_mean).
+    shift = kernel_common.sum_shift(b)
 
-    arrays = {"words": words, "pos": mean(pos_sum, pos_count),
-              "neg": mean(neg_sum, neg_count)}
+    def rescaled():
+      down = np.float32(2.0**-shift)
+      return _onebit_sums(v * down, words, two_level=two_level)[:2]
+
+    def untouched():
+      return jnp.zeros_like(pos_sum), jnp.zeros_like(neg_sum)
+
+    overflow = jnp.any(jnp.isinf(pos_sum)) | jnp.any(jnp.isinf(neg_sum))
+    pos_scaled, neg_scaled = lax.cond(overflow, rescaled, untouched)
+    arrays = {"words": words,
+              "pos": kernel_common.side_mean(pos_sum, pos_scaled, pos_count, shift),
+              "neg": kernel_common.side_mean(neg_sum, neg_scaled, neg_count, shift)}
     return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
 
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:

@@ -36,6 +36,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import sparse
@@ -43,9 +44,11 @@ from jaxcomp._src.codecs import Codec
 from jaxcomp._src.codecs import Payload
 from jaxcomp._src.codecs import _check_float
 from jaxcomp._src.codecs import _check_positive_int
+from jaxcomp.kernels import _common as kernel_common
 
 Array = jax.Array
 _F32 = jnp.float32
+_FLT_MAX = float(np.finfo(np.float32).max)
 _PAPER_SHARES = (0.68, 0.28, 0.04)  # the 3σ rule's shares of the intervals, per 1σ band
 
 
@@ -117,11 +120,36 @@ def _check_sigmas(sigmas) -> None:
     raise ValueError(f"sigmas must be a number in (0, 8], got {sigmas!r}")
 
 
+def _exponent(m: Array) -> Array:
+  """``floor(log2 m)`` of positive float32 ``m`` (int32) from its exponent bits, clipped
+  to ``[-126, 126]`` so that ``2**e`` and ``2**-e`` are both normal floats."""
+  bits = lax.bitcast_convert_type(m.astype(_F32), jnp.int32)
+  return jnp.clip(((bits >> 23) & 0xFF) - 127, -126, 126)
+
+
+def _pow2(e: Array) -> Array:
+  """``2**e`` as float32 for int32 ``e`` in ``[-126, 127]`` (exact: exponent bits)."""
+  return lax.bitcast_convert_type((e + 127) << 23, _F32)
+
+
 def moments(x: Array) -> tuple[Array, Array]:
-  """(μ, σ) of the flat float32 ``x``, population standard deviation."""
+  """(μ, σ) of the flat float32 ``x``, population standard deviation.
+
+  Computed on ``x · 2**-e`` (``2**e`` the power of two of ``max|x|``) and scaled back:
+  power-of-two scaling is exact, so the result is the plain formula's bit for bit
+  wherever that one neither overflows nor underflows, and it stays finite for every
+  finite ``x`` (unscaled, ``(x - μ)**2`` overflows float32 once ``|x - μ| > 1.8e19``).
+  ``|μ|`` and ``σ`` are clipped to ``max|x|``, which bounds both, so rounding cannot
+  push them past ``FLT_MAX`` either.
+  """
   count = jnp.float32(max(x.shape[0], 1))
-  mu = jnp.sum(x) / count
-  return mu, jnp.sqrt(jnp.sum(jnp.square(x - mu)) / count)
+  amax = jnp.max(jnp.abs(x), initial=0.0)
+  e = _exponent(amax)
+  down, up = _pow2(-e), _pow2(e)
+  xs, bound = x * down, amax * down
+  mu = jnp.clip(jnp.sum(xs) / count, -bound, bound)
+  sigma = jnp.minimum(jnp.sqrt(jnp.sum(jnp.square(xs - mu)) / count), bound)
+  return mu * up, sigma * up
 
 
 def interval_codes(x: Array, mu: Array, sigma: Array, intervals: int, sigmas: float
@@ -135,7 +163,11 @@ def interval_codes(x: Array, mu: Array, sigma: Array, intervals: int, sigmas: fl
   counts, _, _ = intervals_table(intervals, sigmas)
   half = intervals // 2
   safe = jnp.where(sigma > 0, sigma, 1.0)
-  z = (x - mu) / safe
+  # z = (x - μ) / σ as XLA compiles a division by a broadcast scalar, a multiply by the
+  # reciprocal; inverse_scale keeps that reciprocal normal for σ >= 2**126 (a flushed
+  # one would put every value in the innermost interval on XLA:CPU).
+  inv, k = kernel_common.inverse_scale(safe)
+  z = (x - mu) * inv * k
   a = jnp.abs(z)
   idx = jnp.zeros(x.shape, _F32)
   offset = 0
@@ -153,10 +185,23 @@ def interval_codes(x: Array, mu: Array, sigma: Array, intervals: int, sigmas: fl
 
 def proxy_values(codes: Array, mu: Array, sigma: Array, intervals: int, sigmas: float
                  ) -> Array:
-  """Decoded values ``μ ± σ p_j`` of interval codes (float32)."""
+  """Decoded values ``μ ± σ p_j`` of interval codes (float32).
+
+  Computed as ``(μ·2**-e + (σ·2**-e)·p_j)·2**e`` with ``2**e`` the power of two of
+  ``max(|μ|, σ)``: the plain formula's bits wherever it stays in range, and no
+  intermediate overflow where ``σ p_j`` alone would exceed ``FLT_MAX`` (an interval
+  reaching past float32's range). A result beyond ``±FLT_MAX`` is clipped to it: the
+  value it stands for is finite and lies in the same interval, so the clip only moves
+  the proxy towards it. Non-finite ``(μ, σ)`` (a flagged tensor) stay non-finite.
+  """
   _, _, proxies = intervals_table(intervals, sigmas)
   table = jnp.asarray(np.concatenate([proxies, -proxies]), _F32)
-  return mu + sigma * table[jnp.minimum(codes, intervals - 1).astype(jnp.int32)]
+  p = table[jnp.minimum(codes, intervals - 1).astype(jnp.int32)]
+  e = _exponent(jnp.maximum(jnp.abs(mu), sigma))
+  down, up = _pow2(-e), _pow2(e)
+  out = (mu * down + (sigma * down) * p) * up
+  big = jnp.where(jnp.isfinite(mu) & jnp.isfinite(sigma), _FLT_MAX, jnp.inf)
+  return jnp.clip(out, -big, big)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,187 @@
+"""Finite in, finite out: codecs at magnitudes up to FLT_MAX, on every implementation.
+
+Large gradients are rare but real (a loss spike, an unnormalised layer). A finite input
+must decode to a finite value close to it wherever float32 can hold the result; where
+it cannot (an l2 norm or an unbiased estimate beyond FLT_MAX) the payload is flagged
+non-finite, never silently wrong. Each case here failed before the fix named in its
+docstring.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp as jc
+from jaxcomp._src import normal
+from jaxcomp.kernels import _common
+
+C = jc.codecs
+FLT_MAX = float(np.finfo(np.float32).max)
+MAGNITUDES = [1e19, 1e30, 1e36, 1e37, 1e38, FLT_MAX]
+IMPLS = ["xla", "native", "pallas"]
+
+
+def _data(mag: float, n: int = 2048, seed: int = 0) -> np.ndarray:
+  """Mixed signs, the largest |value| exactly ``mag`` (every bucket near it)."""
+  x = np.random.default_rng(seed).standard_normal(n)
+  x = x / np.abs(x).max() * mag
+  x[::512] = mag  # each bucket of 512 reaches the magnitude
+  return np.clip(x, -FLT_MAX, FLT_MAX).astype(np.float32)
+
+
+def _f64(a) -> np.ndarray:
+  return np.asarray(a, np.float64)
+
+
+@pytest.mark.parametrize("mag", MAGNITUDES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_onebit_means_of_large_values(impl, mag):
+  """The bucket sums of each sign overflowed from ~1e36 (512 values), and the means came
+  out ±inf (and inf - inf = NaN in a Pallas residual). kernels/_common.side_mean sums
+  such buckets again, scaled by a power of two."""
+  x = _data(mag)
+  codec = C.OneBit(bucket_size=512, implementation=impl)
+  payload = codec.encode(jnp.asarray(x))
+  buckets = _f64(x).reshape(-1, 512)
+  neg = buckets < 0
+  want_pos = np.where(~neg, buckets, 0).sum(1) / (~neg).sum(1)
+  want_neg = np.where(neg, buckets, 0).sum(1) / neg.sum(1)
+  np.testing.assert_allclose(_f64(payload.arrays["pos"]), want_pos, rtol=1e-5)
+  np.testing.assert_allclose(_f64(payload.arrays["neg"]), want_neg, rtol=1e-5)
+  assert np.all(np.isfinite(np.asarray(codec.decode(payload))))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_onebit_rescue_leaves_other_buckets_bit_identical(impl):
+  """One bucket overflows, the other does not: the second's means are the plain
+  ``sum / count`` bits (the rescue is per bucket, and power-of-two scaling is exact)."""
+  small = np.random.default_rng(1).standard_normal(512).astype(np.float32)
+  x = np.concatenate([_data(1e37, 512), small])
+  codec = C.OneBit(bucket_size=512, implementation=impl)
+  both = codec.encode(jnp.asarray(x))
+  alone = codec.encode(jnp.asarray(small))
+  for side in ("pos", "neg"):
+    assert np.isfinite(np.asarray(both.arrays[side])[0])
+    assert np.asarray(both.arrays[side])[1] == np.asarray(alone.arrays[side])[0]
+
+
+def test_onebit_side_mean_clips_and_flags():
+  """side_mean: a rescued mean never rounds past FLT_MAX; a non-finite input stays
+  non-finite (flagged); an empty side is 0."""
+  shift = _common.sum_shift(4)
+  big = np.float32(FLT_MAX)
+  vals = np.full(4, big, np.float32)
+  scaled = jnp.sum(jnp.asarray(vals) * np.float32(2.0**-shift))
+  total = jnp.sum(jnp.asarray(vals))
+  assert np.isinf(total)
+  out = _common.side_mean(total, scaled, jnp.float32(4), shift)
+  assert float(out) == FLT_MAX
+  out = _common.side_mean(jnp.float32(np.inf), jnp.float32(np.inf), jnp.float32(4), shift)
+  assert np.isinf(float(out))
+  out = _common.side_mean(jnp.float32(np.nan), jnp.float32(np.nan), jnp.float32(4), shift)
+  assert np.isnan(float(out))
+  assert float(_common.side_mean(jnp.float32(0), jnp.float32(0), jnp.float32(0), shift)) == 0
+
+
+@pytest.mark.parametrize("impl", ["native", "pallas"])
+def test_onebit_fused_feedback_with_large_values(impl):
+  """The fused error-feedback kernels: finite means and residuals, equal to the XLA path's
+  up to float32 rounding (the sums run in different orders)."""
+  x = jnp.asarray(_data(1e37))
+  e = jnp.asarray(_data(1e36, seed=3))
+  ref_payload, ref_res, ref_ok = C.OneBit(512, implementation="xla").encode_feedback(x, e)
+  payload, res, ok = C.OneBit(512, implementation=impl).encode_feedback(x, e)
+  assert bool(ok) and bool(ref_ok)
+  np.testing.assert_array_equal(payload.arrays["words"], ref_payload.arrays["words"])
+  for side in ("pos", "neg"):
+    np.testing.assert_allclose(_f64(payload.arrays[side]), _f64(ref_payload.arrays[side]),
+                               rtol=1e-6)
+  assert np.all(np.isfinite(np.asarray(res)))
+  np.testing.assert_allclose(_f64(res), _f64(ref_res), rtol=1e-5, atol=1e31)
+
+
+@pytest.mark.parametrize("mag", MAGNITUDES)
+def test_qsgd_max_norm_payloads_agree_at_large_values(mag):
+  """Max-norm QSGD holds every float32: the payload is bit-identical on all paths and the
+  decode is within a level of the input. The Pallas kernel flagged a bucket as NaN when
+  its plain sum overflowed to inf - inf (values of both signs, near 1e38)."""
+  x = _data(mag)
+  key = jax.random.key(7)
+  payloads = {impl: C.QSGD(7, bucket_size=512, norm="max", implementation=impl)
+                    .encode(jnp.asarray(x), key=key) for impl in IMPLS}
+  for impl in ("native", "pallas"):
+    for name in ("words", "scales"):
+      np.testing.assert_array_equal(payloads[impl].arrays[name], payloads["xla"].arrays[name],
+                                    err_msg=f"{impl} {name}")
+  codec = C.QSGD(7, bucket_size=512, norm="max", implementation="xla")
+  out = _f64(codec.decode(payloads["xla"]))
+  scale = np.repeat(_f64(payloads["xla"].arrays["scales"]), 512)
+  assert np.all(np.isfinite(out))
+  assert np.all(np.abs(out - _f64(x)) <= scale / 7 * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("mag", [1e-30, 1e-20, 1.0, 1e19, 1e30, 1e38, FLT_MAX])
+def test_normal_quantizer_at_any_magnitude(mag):
+  """(x - μ)**2 overflowed once |x| passed ~1.8e19, making σ = inf and every value
+  decode to ±inf; below ~1e-19 it underflowed to σ = 0. Moments are now taken on
+  ``x · 2**-e``; σ >= 2**126 also gets a normal reciprocal (inverse_scale). The
+  decode stays within eq. (10)'s bound of every inlier at every magnitude."""
+  x = _data(mag, n=4096)
+  q = C.NormalQuantizer(intervals=256)
+  payload, overflow = q.encode_with_info(jnp.asarray(x))
+  assert not bool(overflow)
+  mu, sigma = (float(v) for v in payload.arrays["stats"])
+  np.testing.assert_allclose(mu, _f64(x).mean(), rtol=1e-4, atol=1e-6 * mag)
+  np.testing.assert_allclose(sigma, _f64(x).std(), rtol=1e-5)
+  out = _f64(q.decode(payload))
+  assert np.all(np.isfinite(out))
+  inlier = np.abs(_f64(x) - mu) <= 3 * sigma
+  assert np.all(np.abs(out - _f64(x))[inlier] <= q.max_error * sigma * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 37.0, 1e5, 1e12])
+def test_normal_moments_match_the_plain_formula_bit_for_bit(scale):
+  """Where the plain formula neither overflows nor underflows, the scaled moments and
+  proxies are its bits (power-of-two scaling is exact)."""
+  x = jnp.asarray((np.random.default_rng(2).standard_t(3, 5000) * scale).astype(np.float32))
+  count = jnp.float32(x.shape[0])
+  mu_plain = jnp.sum(x) / count
+  sigma_plain = jnp.sqrt(jnp.sum(jnp.square(x - mu_plain)) / count)
+  mu, sigma = normal.moments(x)
+  assert (float(mu), float(sigma)) == (float(mu_plain), float(sigma_plain))
+  codes = jnp.arange(256, dtype=jnp.uint32)
+  _, _, proxies = normal.intervals_table(256, 3.0)
+  table = jnp.asarray(np.concatenate([proxies, -proxies]), jnp.float32)
+  np.testing.assert_array_equal(normal.proxy_values(codes, mu, sigma, 256, 3.0),
+                                mu + sigma * table)
+
+
+def test_normal_proxies_clip_to_the_float32_range():
+  """An interval reaching past FLT_MAX: its proxy (μ + σ p) is clipped to ±FLT_MAX, not
+  inf, while non-finite stats (a flagged tensor) stay non-finite."""
+  codes = jnp.arange(16, dtype=jnp.uint32)
+  out = normal.proxy_values(codes, jnp.float32(FLT_MAX / 2), jnp.float32(FLT_MAX / 2), 16, 3.0)
+  assert np.all(np.isfinite(np.asarray(out))) and float(jnp.max(out)) == FLT_MAX
+  out = normal.proxy_values(codes, jnp.float32(np.inf), jnp.float32(1.0), 16, 3.0)
+  assert np.all(np.isinf(np.asarray(out)))
+
+
+@pytest.mark.parametrize("make", [lambda: C.TopK(0.1), lambda: C.UnbiasedSparsifier(density=0.1)],
+                         ids=["topk", "wangni"])
+def test_sparsifiers_at_large_values(make):
+  x = _data(FLT_MAX)
+  codec = make()
+  out = np.asarray(codec.decode(codec.encode(jnp.asarray(x), key=jax.random.key(0))))
+  assert np.all(np.isfinite(out))
+
+
+def test_beyond_float32_is_flagged_not_hidden():
+  """Where the true result exceeds FLT_MAX (an l2 norm; RandomK's unbiased n/k scaling),
+  the decode is non-finite (NaN or inf), which jc.compress reports as not finite."""
+  x = jnp.asarray(_data(1e38))
+  l2 = C.QSGD(7, bucket_size=512, norm="l2")
+  assert np.all(np.isnan(np.asarray(l2.decode(l2.encode(x, key=jax.random.key(0))))))
+  rk = C.RandomK(0.1)
+  out = np.asarray(rk.decode(rk.encode(x, key=jax.random.key(0))))
+  assert not np.all(np.isfinite(out))
