@@ -639,7 +639,8 @@ class OneBit(Codec):
     if self.uses_kernel(n, x.dtype):
       return self._kernel_encode(x)[0]
     b, nb = _buckets(n, self.bucket_size)
-    v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
+    flat = x.reshape(-1).astype(_F32)
+    v = _to_buckets(flat, b, nb)
     words = bitpack.pack_bits((v < 0).reshape(-1)[:n].astype(jnp.uint32), 1)
     two_level = b % _WORD == 0
     pos_sum, neg_sum, neg_count = _onebit_sums(v, words, two_level=two_level)
@@ -650,22 +651,25 @@ class OneBit(Codec):
     pos_count = (jnp.asarray(valid) - neg_count).astype(_F32)
     neg_count = neg_count.astype(_F32)
 
-    # A sum past FLT_MAX (finite values, ~1e36 and up): sum again scaled by 2**-shift,
-    # only when some bucket overflowed (kernel_common.side_mean).
+    # A sum past FLT_MAX (finite values from ~FLT_MAX / b): sum again scaled by
+    # 2**-shift, only when some bucket overflowed (kernel_common.side_mean). The means
+    # are the cond's outputs, so a decode fused after them reads two small arrays; fused
+    # into the decode, side_mean's arithmetic would be redone per value (1.7x the time).
     shift = kernel_common.sum_shift(b)
 
-    def rescaled():
-      down = np.float32(2.0**-shift)
-      return _onebit_sums(v * down, words, two_level=two_level)[:2]
+    def rescued():  # from `flat`, not `v`: a branch operand is materialised, and `v` is
+      down = np.float32(2.0**-shift)  # otherwise fused into the reductions
+      scaled = _onebit_sums(_to_buckets(flat * down, b, nb), words, two_level=two_level)
+      return (kernel_common.side_mean(pos_sum, scaled[0], pos_count, shift),
+              kernel_common.side_mean(neg_sum, scaled[1], neg_count, shift))
 
-    def untouched():
-      return jnp.zeros_like(pos_sum), jnp.zeros_like(neg_sum)
+    def plain():
+      return (jnp.where(pos_count > 0, pos_sum / jnp.maximum(pos_count, 1.0), 0.0),
+              jnp.where(neg_count > 0, neg_sum / jnp.maximum(neg_count, 1.0), 0.0))
 
     overflow = jnp.any(jnp.isinf(pos_sum)) | jnp.any(jnp.isinf(neg_sum))
-    pos_scaled, neg_scaled = lax.cond(overflow, rescaled, untouched)
-    arrays = {"words": words,
-              "pos": kernel_common.side_mean(pos_sum, pos_scaled, pos_count, shift),
-              "neg": kernel_common.side_mean(neg_sum, neg_scaled, neg_count, shift)}
+    pos, neg = lax.cond(overflow, rescued, plain)
+    arrays = {"words": words, "pos": pos, "neg": neg}
     return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
 
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
