@@ -25,7 +25,8 @@ checks all of it against the XLA path.
 Build: on first use, with the system C++ compiler (``$CXX``, else ``c++``) and jaxlib's
 FFI headers (``jax.ffi.include_dir()``), ``-O3 -march=native``; the library is cached
 in ``$JAXCOMP_CACHE_DIR`` (default ``~/.cache/jaxcomp``) under a hash of the source, the
-flags, the compiler, jaxlib's version and the CPU, and compiled again when any changes.
+flags, the compiler, jaxlib's version and the CPU, and compiled again when any changes;
+a new build removes the cached libraries nobody loaded for a week (:func:`prune`).
 A codec with ``implementation=None`` uses these kernels on a CPU backend when the build
 succeeds (:func:`available`) and the XLA path otherwise; ``implementation="native"``
 asks for them and raises with the compiler's message when they cannot be built.
@@ -55,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -123,6 +125,10 @@ def library_path() -> Path:
   ]).encode()).hexdigest()[:20]
   path = cache_dir() / f"cpu_codecs-{digest}.so"
   if path.exists():
+    try:
+      os.utime(path)  # its mtime is its last use: prune() keeps what is in use
+    except OSError:
+      pass
     return path
   path.parent.mkdir(parents=True, exist_ok=True)
   # Build under a unique name, then rename: concurrent builds (pytest-xdist workers,
@@ -140,7 +146,34 @@ def library_path() -> Path:
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
+  prune(keep=path)
   return path
+
+
+#: Cached libraries unused for this long are removed when a new one is built.
+PRUNE_AGE_S = 7 * 86400
+
+
+def prune(keep: Path, max_age_s: float = PRUNE_AGE_S) -> list[Path]:
+  """Removes the cache's other libraries (older sources, compilers, jaxlibs) and stray
+  temporary builds that were not used for ``max_age_s`` seconds; returns them.
+
+  A library's mtime is its last use (:func:`library_path` touches it), so a version
+  that another checkout still loads stays. Removing a library a running process has
+  loaded is safe on Linux: the mapping outlives the name.
+  """
+  removed = []
+  now = time.time()
+  for f in keep.parent.glob("*.so"):
+    if f == keep or not (f.name.startswith("cpu_codecs-") or f.name.startswith("tmp")):
+      continue
+    try:
+      if now - f.stat().st_mtime > max_age_s:
+        f.unlink()
+        removed.append(f)
+    except OSError:
+      pass  # gone already, or not ours to remove
+  return removed
 
 
 @functools.cache

@@ -9,6 +9,7 @@ build that fails (no compiler): the default falls back to XLA, ``"native"`` says
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import chex
@@ -304,3 +305,25 @@ def test_library_is_cached_by_content(tmp_path, monkeypatch):
   monkeypatch.setenv("CXX", "c++ -DJAXCOMP_UNUSED_MACRO")  # another compiler command
   other = cpu.library_path()
   assert other != path and sorted(tmp_path.iterdir()) == sorted([path, other])
+  # A library's mtime is its last use: finding it again touches it (prune keeps it).
+  old = time.time() - 30 * 86400
+  os.utime(path, (old, old))
+  monkeypatch.setenv("CXX", "c++")
+  assert cpu.library_path() == path and time.time() - path.stat().st_mtime < 3600
+
+
+def test_prune_removes_only_stale_libraries(tmp_path):
+  keep = tmp_path / "cpu_codecs-current.so"
+  names = ["cpu_codecs-stale.so", "cpu_codecs-recent.so", "tmpabc123.so", "tmpfresh.so",
+           "unrelated.so", "cpu_codecs-stale.txt"]
+  for f in [keep, *(tmp_path / n for n in names)]:
+    f.write_bytes(b"x")
+  old = time.time() - cpu.PRUNE_AGE_S - 60
+  for n in ("cpu_codecs-stale.so", "tmpabc123.so", "unrelated.so", "cpu_codecs-stale.txt"):
+    os.utime(tmp_path / n, (old, old))
+  os.utime(keep, (old, old))  # the current one stays, however old
+  removed = cpu.prune(keep)
+  assert sorted(f.name for f in removed) == ["cpu_codecs-stale.so", "tmpabc123.so"]
+  assert sorted(f.name for f in tmp_path.iterdir()) == sorted(
+      ["cpu_codecs-current.so", "cpu_codecs-recent.so", "tmpfresh.so", "unrelated.so",
+       "cpu_codecs-stale.txt"])
