@@ -140,21 +140,31 @@ def test_normal_quantizer_at_any_magnitude(mag):
   assert np.all(np.abs(out - _f64(x))[inlier] <= q.max_error * sigma * (1 + 1e-5))
 
 
-@pytest.mark.parametrize("scale", [1e-3, 1.0, 37.0, 1e5, 1e12])
-def test_normal_moments_match_the_plain_formula_bit_for_bit(scale):
-  """Where the plain formula neither overflows nor underflows, the scaled moments and
-  proxies are its bits (power-of-two scaling is exact)."""
-  x = jnp.asarray((np.random.default_rng(2).standard_t(3, 5000) * scale).astype(np.float32))
+@jax.jit
+def _plain_normal(x, codes):
+  """The formulas without scaling, as XLA compiles them (``μ + σ p`` becomes an FMA)."""
   count = jnp.float32(x.shape[0])
-  mu_plain = jnp.sum(x) / count
-  sigma_plain = jnp.sqrt(jnp.sum(jnp.square(x - mu_plain)) / count)
-  mu, sigma = normal.moments(x)
-  assert (float(mu), float(sigma)) == (float(mu_plain), float(sigma_plain))
-  codes = jnp.arange(256, dtype=jnp.uint32)
+  mu = jnp.sum(x) / count
+  sigma = jnp.sqrt(jnp.sum(jnp.square(x - mu)) / count)
   _, _, proxies = normal.intervals_table(256, 3.0)
   table = jnp.asarray(np.concatenate([proxies, -proxies]), jnp.float32)
-  np.testing.assert_array_equal(normal.proxy_values(codes, mu, sigma, 256, 3.0),
-                                mu + sigma * table)
+  return mu, sigma, mu + sigma * table[codes.astype(jnp.int32)]
+
+
+@jax.jit
+def _scaled_normal(x, codes):
+  mu, sigma = normal.moments(x)
+  return mu, sigma, normal.proxy_values(codes, mu, sigma, 256, 3.0)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 37.0, 1e5, 1e12])
+def test_normal_moments_match_the_plain_formula_bit_for_bit(scale):
+  """Where the plain formulas neither overflow nor underflow, the scaled moments and
+  proxies are their bits (power-of-two scaling is exact, and commutes with the FMA)."""
+  x = jnp.asarray((np.random.default_rng(2).standard_t(3, 5000) * scale).astype(np.float32))
+  codes = jnp.arange(256, dtype=jnp.uint32)
+  for got, want in zip(_scaled_normal(x, codes), _plain_normal(x, codes)):
+    np.testing.assert_array_equal(got, want)
 
 
 def test_normal_proxies_clip_to_the_float32_range():

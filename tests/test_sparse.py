@@ -133,6 +133,46 @@ def test_compact_is_nonzero_with_padding(size):
   np.testing.assert_array_equal(sparse.compact(mask, size), want)
 
 
+_compact = jax.jit(sparse.compact, static_argnums=1)
+
+
+def _nonzero(mask: np.ndarray, size: int) -> np.ndarray:
+  pos = np.flatnonzero(mask)[:size]
+  return np.concatenate([pos, np.full(size - pos.size, mask.size)]).astype(np.int32)
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(n=st.integers(1, 700), density=st.sampled_from([0.0, 0.02, 0.3, 0.9, 1.0]),
+                  size_frac=st.sampled_from([0.01, 0.1, 0.125, 0.5, 1.0, 1.5]),
+                  seed=st.integers(0, 2**16))
+def test_compact_search_and_scatter_branches(n, density, size_frac, seed):
+  """Both branches (binary search for size <= n/8, scatter above) against np.flatnonzero:
+  ragged last words, masks with no or every bit set, outputs longer than the count."""
+  mask = np.random.default_rng(seed).random(n) < density
+  size = max(1, int(size_frac * n))
+  np.testing.assert_array_equal(_compact(jnp.asarray(mask), size), _nonzero(mask, size))
+
+
+@pytest.mark.parametrize("size", [3000, 2**19])
+def test_compact_above_the_cumsum_limit(size):
+  """2**20 values: 2**15 words, above _CUMSUM_MAX, so the word sums take the
+  associative scan; every 32-bit word pattern edge (bit 0, bit 31) is present."""
+  n = 2**20
+  assert n // 32 > sparse._CUMSUM_MAX
+  mask = np.random.default_rng(5).random(n) < 0.01
+  mask[[0, 31, 32, 63, n - 1]] = True
+  np.testing.assert_array_equal(_compact(jnp.asarray(mask), size), _nonzero(mask, size))
+
+
+def test_select_bit_every_rank():
+  words = np.array([0xFFFFFFFF, 0x80000001, 0x12345678, 1, 0x80000000], np.uint32)
+  for w in words:
+    bits = [i for i in range(32) if (int(w) >> i) & 1]
+    got = sparse.select_bit(jnp.full(len(bits), w, jnp.uint32),
+                            jnp.arange(1, len(bits) + 1, dtype=jnp.int32))
+    np.testing.assert_array_equal(got, bits)
+
+
 @pytest.mark.parametrize("n,dtype", [(200, np.uint8), (255, np.uint8), (256, np.uint16),
                                      (65535, np.uint16), (65536, np.int32)])
 def test_index_dtype_is_the_narrowest_that_holds_n(n, dtype):

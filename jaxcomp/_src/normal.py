@@ -196,12 +196,23 @@ def proxy_values(codes: Array, mu: Array, sigma: Array, intervals: int, sigmas: 
   """
   _, _, proxies = intervals_table(intervals, sigmas)
   table = jnp.asarray(np.concatenate([proxies, -proxies]), _F32)
-  p = table[jnp.minimum(codes, intervals - 1).astype(jnp.int32)]
-  e = _exponent(jnp.maximum(jnp.abs(mu), sigma))
-  down, up = _pow2(-e), _pow2(e)
-  out = (mu * down + (sigma * down) * p) * up
-  big = jnp.where(jnp.isfinite(mu) & jnp.isfinite(sigma), _FLT_MAX, jnp.inf)
-  return jnp.clip(out, -big, big)
+  index = jnp.minimum(codes, intervals - 1).astype(jnp.int32)
+
+  def scaled(p):
+    e = _exponent(jnp.maximum(jnp.abs(mu), sigma))
+    down, up = _pow2(-e), _pow2(e)
+    return jnp.clip((mu * down + (sigma * down) * p) * up, -_FLT_MAX, _FLT_MAX)
+
+  def plain(p):  # non-finite (μ, σ): the values stay non-finite, as the formula gives
+    return mu + sigma * p
+
+  finite = jnp.isfinite(mu) & jnp.isfinite(sigma)
+  if jnp.ndim(mu) == 0 and jnp.ndim(sigma) == 0:
+    # One tensor's (μ, σ): its `intervals` values, then a gather. As a cond's output the
+    # small table is computed once; fused into the gather XLA:CPU redid it per value.
+    return lax.cond(finite, scaled, plain, table)[index]
+  p = table[index]
+  return jnp.where(finite, scaled(p), plain(p))
 
 
 @dataclasses.dataclass(frozen=True)
