@@ -78,6 +78,31 @@ def test_top_mask_exact_count_and_largest(k, ties):
     assert np.min(np.abs(x[m])) >= np.max(np.abs(x[~m]))
 
 
+_top_mask = jax.jit(mipd_lib.top_mask)
+
+
+@given(st.integers(0, 400), st.sampled_from(["normal", "ties", "wide", "nan"]),
+       st.integers(0, 2**16))
+def test_top_mask_is_the_stable_top_k(k, kind, seed):
+  """Exactly the k largest |x|, ties taken by position (the first ones), NaN above
+  every number: the 4-way search and first_trues against a stable sort."""
+  rng = np.random.default_rng(seed)
+  n = 400
+  x = rng.standard_normal(n).astype(np.float32)
+  if kind == "ties":
+    x = np.round(x * 2) / 2
+  elif kind == "wide":  # magnitudes over 68 decades, and zeros
+    x = (x * 10.0 ** rng.integers(-30, 38, n)).astype(np.float32)
+    x[rng.random(n) < 0.1] = 0.0
+  elif kind == "nan":
+    x[rng.integers(0, n, 5)] = np.nan
+  key = np.where(np.isnan(x), np.inf, np.abs(x).astype(np.float64))
+  order = np.lexsort((np.arange(n), -key))  # by |x| descending, then position
+  want = np.zeros(n, bool)
+  want[order[:k]] = True
+  np.testing.assert_array_equal(np.asarray(_top_mask(jnp.asarray(x), jnp.int32(k))), want)
+
+
 def test_balanced_halves():
   assert mipd_lib.balanced_halves([100, 10, 60, 50]) == ((0, 1), (2, 3))  # 110 each
   g0, g1 = mipd_lib.balanced_halves([5, 5, 5, 5])

@@ -164,6 +164,19 @@ def test_compact_above_the_cumsum_limit(size):
   np.testing.assert_array_equal(_compact(jnp.asarray(mask), size), _nonzero(mask, size))
 
 
+_first_trues = jax.jit(sparse.first_trues)
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(n=st.sampled_from([1, 31, 32, 33, 100, 700]),
+                  density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+                  count=st.integers(-2, 702), seed=st.integers(0, 2**16))
+def test_first_trues_is_the_cumsum_cut(n, density, count, seed):
+  mask = np.random.default_rng(seed).random(n) < density
+  want = mask & (np.cumsum(mask) <= count)
+  np.testing.assert_array_equal(_first_trues(jnp.asarray(mask), count), want)
+
+
 def test_select_bit_every_rank():
   words = np.array([0xFFFFFFFF, 0x80000001, 0x12345678, 1, 0x80000000], np.uint32)
   for w in words:

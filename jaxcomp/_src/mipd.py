@@ -98,29 +98,47 @@ def allocate_drops(rates: Array, sizes: Sequence[int], total: int) -> Array:
 # ----------------------------------------------------------------------------- selection
 
 
+#: Thresholds counted per pass of :func:`top_mask`'s search (a 4-way search: 16 passes).
+_SEARCH_WAYS = 4
+
+
 def top_mask(x: Array, k: Array) -> Array:
   """Mask of exactly ``k`` (dynamic) entries of flat ``x`` with the largest ``|x|``.
 
-  The ``k``-th largest magnitude is found by bisection on the float32 bit patterns
-  (monotone for non-negative floats; 31 counting passes, no sort); ties at the
-  threshold are broken by position. NaNs count as larger than any number.
+  The ``k``-th largest magnitude is found by a 4-way search on the float32 bit patterns
+  (monotone for non-negative floats; no sort): each pass counts the values at or above
+  3 thresholds in one variadic reduction, one read of ``x``, and keeps the quarter of
+  the range where the count crosses ``k``; 16 passes cover the 31 bits. XLA:CPU runs
+  that about 3x faster than 31 passes of a bisection (separate ``jnp.sum`` calls are
+  separate passes there). Ties at the threshold are broken by position
+  (:func:`jaxcomp._src.sparse.first_trues`). NaNs count as larger than any number.
   """
   bits = lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.int32)
+  ways = _SEARCH_WAYS
+  j = jnp.arange(1, ways, dtype=jnp.int32)
 
   def body(_, carry):
+    # Invariant: count(bits >= lo) >= k > count(bits >= hi).
     lo, hi = carry
-    mid = lo + (hi - lo) // 2
-    ok = jnp.sum((bits >= mid).astype(jnp.int32)) >= k
-    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+    span = hi - lo
+    t = lo + (span // ways) * j + jnp.minimum(j, span % ways)  # non-decreasing in j
+    counts = lax.reduce(tuple((bits >= t[i]).astype(jnp.int32) for i in range(ways - 1)),
+                        (jnp.int32(0),) * (ways - 1),
+                        lambda a, b: tuple(u + v for u, v in zip(a, b)), (0,))
+    m = sum((c >= k).astype(jnp.int32) for c in counts)  # a prefix of the thresholds
+    new_lo = jnp.where(m > 0, t[jnp.maximum(m - 1, 0)], lo)
+    new_hi = jnp.where(m < ways - 1, t[jnp.minimum(m, ways - 2)], hi)
+    return new_lo, new_hi
 
   # The bounds derive from the data and k so they carry their sharding type (varying
-  # under shard_map's check_vma).
+  # under shard_map's check_vma). Each pass leaves at most ceil(span / ways) of the span.
   zero = jnp.sum(bits[:1]) * 0 + jnp.asarray(k, jnp.int32) * 0
-  lo, _ = lax.fori_loop(0, 31, body, (zero, zero + jnp.int32(2**31 - 1)))
+  passes = math.ceil(31 / math.log2(ways))
+  lo, _ = lax.fori_loop(0, passes, body, (zero, zero + jnp.int32(2**31 - 1)))
   above = bits > lo
   tie = bits == lo
   need = k - jnp.sum(above.astype(jnp.int32))
-  return above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= need))
+  return above | sparse.first_trues(tie, need)  # ties by position
 
 
 def balanced_halves(sizes: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -126,6 +126,28 @@ def compact(mask: Array, size: int) -> Array:
   return out.at[dest.reshape(-1)].set(jnp.arange(nw * 32, dtype=jnp.int32), mode="drop")
 
 
+def first_trues(mask: Array, count: Array) -> Array:
+  """``mask & (cumsum(mask) <= count)``: the first ``count`` (dynamic; none when ``<= 0``)
+  True entries of a flat ``mask``, without the cumsum over ``n`` values.
+
+  The ``count``-th True is located as in :func:`compact` (one binary search of the
+  words' popcount sums, then :func:`select_bit`), and the mask is cut after it.
+  """
+  n = mask.shape[0]
+  if n == 0:
+    return mask
+  count = jnp.asarray(count, jnp.int32)
+  words = bitpack.pack_bits(mask.astype(jnp.uint32), 1)
+  nw = words.shape[0]
+  counts = lax.population_count(words).astype(jnp.int32)
+  ends = _inclusive_sum(counts)
+  w = jnp.searchsorted(ends, count, side="left").astype(jnp.int32)  # nw: fewer than count
+  safe = jnp.minimum(w, nw - 1)
+  bit = select_bit(words[safe], count - (ends[safe] - counts[safe]))
+  last = jnp.where(count <= 0, -1, jnp.where(w < nw, safe * 32 + bit, n))
+  return mask & (jnp.arange(n, dtype=jnp.int32) <= last)
+
+
 class SparseCodec(Codec):
   """Base of the sparse codecs: subclasses implement ``entries(payload)``."""
 
