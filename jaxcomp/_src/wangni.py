@@ -28,6 +28,7 @@ from jaxcomp._src.sparse import index_dtype
 
 _F32 = jnp.float32
 _TINY = float(np.finfo(np.float32).tiny)
+_ROW = 16  # values per row of the greedy rounds' sums (one AVX-512 vector)
 
 #: The capacity rule ``ceil(m + _SIGMAS·sqrt(m) + _SLACK)`` (see UnbiasedSparsifier).
 _SIGMAS = 6.0
@@ -290,11 +291,18 @@ class UnbiasedSparsifier(SparseCodec):
     target = jnp.float32(float(self.density) * n)
     s1 = jnp.sum(a)
     lam = jnp.where(s1 > 0, target / jnp.maximum(s1, _TINY), 0.0)
+    # Rows of 16 (zero padded: zeros add nothing to either sum): each round's two sums
+    # are one variadic reduction of the rows, then sums of the row sums. XLA:CPU runs
+    # the four rounds ~3x faster so (scratch timing at 2**22: 7-8 ms against 21 ms).
+    rows = jnp.pad(a, (0, -n % _ROW)).reshape(-1, _ROW)
     for _ in range(self.rounds):
       # Saturated: a·λ >= 1, i.e. floor(min(a·λ, 1)) = 1 (a float sum, fast on XLA:CPU).
-      sat = jnp.floor(jnp.minimum(a * lam, 1.0))
-      n_sat = jnp.sum(sat)
-      rest = jnp.sum(a - sat * a)  # Σ|x| over the unsaturated entries (no cancellation)
+      sat = jnp.floor(jnp.minimum(rows * lam, 1.0))
+      # Σ|x| over the unsaturated entries as a - sat·a (no cancellation).
+      sat_rows, rest_rows = lax.reduce(
+          (sat, rows - sat * rows), (jnp.float32(0), jnp.float32(0)),
+          lambda u, v: (u[0] + v[0], u[1] + v[1]), (1,))
+      n_sat, rest = jnp.sum(sat_rows), jnp.sum(rest_rows)
       ok = (target - n_sat > 0) & (rest > 0)
       new = (target - n_sat) / jnp.where(ok, rest, 1.0)
       # λ only grows (mathematically; max() guards float rounding).
