@@ -9,10 +9,16 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 * counting ``a >= t`` by summing the boolean against summing ``floor(min(a/t, 1))`` in
   float32 (``jaxcomp._src.sparse.passes``) and the same with a lower clip at 0 (which
   loses the vectorised reduction), at n = 16M;
-* ``jnp.cumsum`` of a mask and ``jnp.nonzero(mask, size=...)``, at n = 1M;
+* ``jnp.cumsum`` of a mask and ``jnp.nonzero(mask, size=...)``, at n = 1M, against
+  ``sparse.compact`` (popcounts of the packed mask and a binary search; no cumsum over
+  n) and ``sparse.first_trues`` (the cumsum cut ``mask & (cumsum(mask) <= c)``);
+* MIPD's ``top_mask`` (k = 1% of n = 1M): a bisection of 31 counting passes with ties
+  cut by a cumsum (the earlier code, kept here) against the 4-way search of
+  ``mipd.top_mask`` (3 thresholds per variadic reduction, 16 passes);
 * the Wangni sparsifier's λ: the bisection of ``UnbiasedSparsifier(method="exact")``
   against ``jnp.sort`` alone (the paper's Algorithm 2 sorts), and the greedy method, at
-  n = 1M;
+  n = 1M, with its rounds' two sums as ``jnp.sum`` calls over all values (the earlier
+  code, kept here) and as one variadic reduction over rows of 16 (the library's);
 * QSGD's per-bucket scale and NaN check as three library reductions and as one variadic
   reduction, at n = 16M;
 * OneBit's bucket statistics in one reduction per bucket and in two levels, at n = 4M;
@@ -44,6 +50,7 @@ from benchmarks._timing import median_time
 from jaxcomp._src import bitpack
 from jaxcomp._src import codecs
 from jaxcomp._src import collectives
+from jaxcomp._src import mipd
 from jaxcomp._src import sparse
 
 
@@ -119,6 +126,34 @@ def _decode_update(materialize: bool):
   return step, (stacked, jnp.ones(x.shape), jnp.ones(x.shape))
 
 
+def _bisection_top_mask(x, k):
+  """MIPD's top_mask as it was: 31 bisection passes, ties cut by a cumsum over n."""
+  bits = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+
+  def body(_, carry):
+    lo, hi = carry
+    mid = lo + (hi - lo) // 2
+    ok = jnp.sum((bits >= mid).astype(jnp.int32)) >= k
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo, _ = lax.fori_loop(0, 31, body, (jnp.int32(0), jnp.int32(2**31 - 1)))
+  above, tie = bits > lo, bits == lo
+  need = k - jnp.sum(above.astype(jnp.int32))
+  return above | (tie & (jnp.cumsum(tie.astype(jnp.int32)) <= need))
+
+
+def _greedy_lambda_two_sums(a, density=0.01, rounds=4):
+  """The greedy λ as it was: each round's two sums as jnp.sum calls over all of a."""
+  target = jnp.float32(density * a.shape[0])
+  lam = target / jnp.sum(a)
+  for _ in range(rounds):
+    sat = jnp.floor(jnp.minimum(a * lam, 1.0))
+    n_sat, rest = jnp.sum(sat), jnp.sum(a - sat * a)
+    ok = (target - n_sat > 0) & (rest > 0)
+    lam = jnp.where(ok, jnp.maximum((target - n_sat) / jnp.where(ok, rest, 1.0), lam), lam)
+  return lam
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=5)
@@ -146,6 +181,19 @@ def main(argv=None) -> None:
                                    repeats=r)),
       ("nonzero(a >= t, size=2k), n=1M", _ms(
           lambda a, t: jnp.nonzero(a >= t, size=2098, fill_value=a.size)[0], m1, t, repeats=r)),
+      ("sparse.compact(a >= t, 2k) (popcounts, binary search), n=1M", _ms(
+          lambda a, t: sparse.compact(a >= t, 2098), m1, t, repeats=r)),
+      ("sparse.compact(a >= 0.5, n/2) (popcounts, scatter of the set bits), n=1M", _ms(
+          lambda a: sparse.compact(a >= 0.5, 2**19), m1, repeats=r)),
+      ("a >= t & (cumsum(a >= t) <= 1000), n=1M", _ms(
+          lambda a, t: (a >= t) & (jnp.cumsum(a >= t, dtype=jnp.int32) <= 1000), m1, t,
+          repeats=r)),
+      ("sparse.first_trues(a >= t, 1000), n=1M", _ms(
+          lambda a, t: sparse.first_trues(a >= t, 1000), m1, t, repeats=r)),
+      ("MIPD top_mask k=1%, bisection + cumsum ties (before), n=1M", _ms(
+          lambda a: _bisection_top_mask(a, jnp.int32(10486)), m1, repeats=r)),
+      ("MIPD top_mask k=1%, 4-way search + first_trues, n=1M", _ms(
+          lambda a: mipd.top_mask(a, jnp.int32(10486)), m1, repeats=r)),
       ("jnp.sort, n=1M", _ms(jnp.sort, m1, repeats=r)),
       ("UnbiasedSparsifier exact λ (eps=1), n=1M", _ms(
           lambda a: jc.codecs.UnbiasedSparsifier(epsilon=1.0, method="exact").probabilities(a)[1],
@@ -193,6 +241,11 @@ def main(argv=None) -> None:
       ("UnbiasedSparsifier greedy λ (1%), n=1M", _ms(
           lambda a: jc.codecs.UnbiasedSparsifier(density=0.01).probabilities(a)[1], m1,
           repeats=r)),
+      ("greedy λ rounds alone (1%), one variadic reduction of rows of 16, n=1M", _ms(
+          lambda a: jc.codecs.UnbiasedSparsifier(density=0.01)._lambda_normalized(  # pylint: disable=protected-access
+              a / jnp.max(a)), m1, repeats=r)),
+      ("greedy λ rounds alone (1%), two jnp.sum per round (before), n=1M", _ms(
+          lambda a: _greedy_lambda_two_sums(a / jnp.max(a)), m1, repeats=r)),
   ]
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, malloc: "
         f"{_timing.malloc_label()}, median of {r}\n")
