@@ -167,6 +167,25 @@ def test_normal_moments_match_the_plain_formula_bit_for_bit(scale):
     np.testing.assert_array_equal(got, want)
 
 
+def test_normal_proxies_per_entry_match_the_plain_formula_bit_for_bit():
+  """MIPD decodes with per-entry (μ, σ) (its layers' stats gathered per position): the
+  plain ``μ + σ p`` bits, as compiled, wherever they are finite."""
+  rng = np.random.default_rng(4)
+  n = 20000
+  codes = jnp.asarray(rng.integers(0, 256, n).astype(np.uint32))
+  mu = jnp.asarray((rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)).astype(np.float32))
+  sigma = jnp.asarray((np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-6, 6, n))
+                      .astype(np.float32))
+  _, _, proxies = normal.intervals_table(256, 3.0)
+  table = jnp.asarray(np.concatenate([proxies, -proxies]), jnp.float32)
+  plain = jax.jit(lambda c, m, s: m + s * table[c.astype(jnp.int32)])(codes, mu, sigma)
+  got = jax.jit(lambda c, m, s: normal.proxy_values(c, m, s, 256, 3.0))(codes, mu, sigma)
+  np.testing.assert_array_equal(got, plain)
+  big = jnp.full((16,), FLT_MAX / 2, jnp.float32)
+  out = normal.proxy_values(jnp.arange(16, dtype=jnp.uint32), big, big, 16, 3.0)
+  assert np.all(np.isfinite(np.asarray(out))) and float(jnp.max(out)) == FLT_MAX
+
+
 def test_normal_proxies_clip_to_the_float32_range():
   """An interval reaching past FLT_MAX: its proxy (μ + σ p) is clipped to ±FLT_MAX, not
   inf, while non-finite stats (a flagged tensor) stay non-finite."""

@@ -187,32 +187,30 @@ def proxy_values(codes: Array, mu: Array, sigma: Array, intervals: int, sigmas: 
                  ) -> Array:
   """Decoded values ``μ ± σ p_j`` of interval codes (float32).
 
-  Computed as ``(μ·2**-e + (σ·2**-e)·p_j)·2**e`` with ``2**e`` the power of two of
-  ``max(|μ|, σ)``: the plain formula's bits wherever it stays in range, and no
-  intermediate overflow where ``σ p_j`` alone would exceed ``FLT_MAX`` (an interval
-  reaching past float32's range). A result beyond ``±FLT_MAX`` is clipped to it: the
-  value it stands for is finite and lies in the same interval, so the clip only moves
-  the proxy towards it. Non-finite ``(μ, σ)`` (a flagged tensor) stay non-finite.
+  ``μ + σ p_j`` as written, except where that overflows although ``(μ, σ)`` are finite
+  (an interval reaching past float32's range, or ``σ p_j`` alone past ``FLT_MAX``):
+  there it is computed as ``(μ·2**-e + (σ·2**-e)·p_j)·2**e``, ``2**e`` the power of two
+  of ``max(|μ|, σ)``, and clipped to ``±FLT_MAX``. The value it stands for is finite and
+  lies in the same interval, so the clip only moves the proxy towards it. Non-finite
+  ``(μ, σ)`` (a flagged tensor) stay non-finite.
   """
   _, _, proxies = intervals_table(intervals, sigmas)
   table = jnp.asarray(np.concatenate([proxies, -proxies]), _F32)
   index = jnp.minimum(codes, intervals - 1).astype(jnp.int32)
+  finite = jnp.isfinite(mu) & jnp.isfinite(sigma)
 
-  def scaled(p):
+  def proxy(p):
+    plain = mu + sigma * p
     e = _exponent(jnp.maximum(jnp.abs(mu), sigma))
     down, up = _pow2(-e), _pow2(e)
-    return jnp.clip((mu * down + (sigma * down) * p) * up, -_FLT_MAX, _FLT_MAX)
+    scaled = jnp.clip((mu * down + (sigma * down) * p) * up, -_FLT_MAX, _FLT_MAX)
+    return jnp.where(jnp.isfinite(plain) | ~finite, plain, scaled)
 
-  def plain(p):  # non-finite (μ, σ): the values stay non-finite, as the formula gives
-    return mu + sigma * p
-
-  finite = jnp.isfinite(mu) & jnp.isfinite(sigma)
   if jnp.ndim(mu) == 0 and jnp.ndim(sigma) == 0:
     # One tensor's (μ, σ): its `intervals` values, then a gather. As a cond's output the
     # small table is computed once; fused into the gather XLA:CPU redid it per value.
-    return lax.cond(finite, scaled, plain, table)[index]
-  p = table[index]
-  return jnp.where(finite, scaled(p), plain(p))
+    return lax.cond(finite, proxy, lambda p: mu + sigma * p, table)[index]
+  return proxy(table[index])
 
 
 @dataclasses.dataclass(frozen=True)
