@@ -135,12 +135,15 @@ def _pow2(e: Array) -> Array:
 def moments(x: Array) -> tuple[Array, Array]:
   """(μ, σ) of the flat float32 ``x``, population standard deviation.
 
-  Computed on ``x · 2**-e`` (``2**e`` the power of two of ``max|x|``) and scaled back:
-  power-of-two scaling is exact, so the result is the plain formula's bit for bit
-  wherever that one neither overflows nor underflows, and it stays finite for every
-  finite ``x`` (unscaled, ``(x - μ)**2`` overflows float32 once ``|x - μ| > 1.8e19``).
-  ``|μ|`` and ``σ`` are clipped to ``max|x|``, which bounds both, so rounding cannot
-  push them past ``FLT_MAX`` either.
+  Computed on ``x · 2**-e`` (``2**e`` the power of two of ``max|x|``) and scaled back,
+  so it stays finite and non-zero for every finite ``x`` (unscaled, ``(x - μ)**2``
+  overflows float32 once ``|x - μ| > 1.8e19`` and flushes to zero below ~1e-19).
+  Power-of-two scaling is exact: where the plain formulas neither overflow nor
+  underflow this is the same arithmetic up to the order XLA sums in. Compiled alone,
+  both give the same bits (``tests/test_extremes.py``); inside a larger program
+  XLA:CPU may sum the scaled operand in another order than it summed ``x`` (a
+  last-bit difference, seen in MIPD's 8-device step). ``|μ|`` and ``σ`` are clipped to
+  ``max|x|``, which bounds both, so rounding cannot push them past ``FLT_MAX`` either.
   """
   count = jnp.float32(max(x.shape[0], 1))
   amax = jnp.max(jnp.abs(x), initial=0.0)
