@@ -177,6 +177,7 @@ def main(argv=None) -> None:
                                              repeats=r)),
       ("sum(floor(clip(a/t, 0, 1))), n=16M", _ms(
           lambda a, t: jnp.sum(jnp.floor(jnp.clip(a * (1.0 / t), 0.0, 1.0))), m16, t, repeats=r)),
+      ("sum(a) (a read, for scale), n=1M", _ms(jnp.sum, m1, repeats=r)),
       ("cumsum(a >= t), n=1M", _ms(lambda a, t: jnp.cumsum(a >= t, dtype=jnp.int32), m1, t,
                                    repeats=r)),
       ("nonzero(a >= t, size=2k), n=1M", _ms(

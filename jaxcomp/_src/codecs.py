@@ -654,7 +654,7 @@ class OneBit(Codec):
     # A sum past FLT_MAX (finite values from ~FLT_MAX / b): sum again scaled by
     # 2**-shift, only when some bucket overflowed (kernel_common.side_mean). The means
     # are the cond's outputs, so a decode fused after them reads two small arrays; fused
-    # into the decode, side_mean's arithmetic would be redone per value (1.7x the time).
+    # into the decode, side_mean's arithmetic would be redone per value.
     shift = kernel_common.sum_shift(b)
 
     def rescued():  # from `flat`, not `v`: a branch operand is materialised, and `v` is

@@ -108,9 +108,9 @@ def top_mask(x: Array, k: Array) -> Array:
   The ``k``-th largest magnitude is found by a 4-way search on the float32 bit patterns
   (monotone for non-negative floats; no sort): each pass counts the values at or above
   3 thresholds in one variadic reduction, one read of ``x``, and keeps the quarter of
-  the range where the count crosses ``k``; 16 passes cover the 31 bits. XLA:CPU runs
-  that about 3x faster than 31 passes of a bisection (separate ``jnp.sum`` calls are
-  separate passes there). Ties at the threshold are broken by position
+  the range where the count crosses ``k``; 16 passes cover the 31 bits, where a
+  bisection takes 31 (separate ``jnp.sum`` calls are separate passes on XLA:CPU;
+  ``python -m benchmarks.xla_cpu_pitfalls`` times both). Ties at the threshold are broken by position
   (:func:`jaxcomp._src.sparse.first_trues`). NaNs count as larger than any number.
   """
   bits = lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.int32)

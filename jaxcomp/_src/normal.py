@@ -120,16 +120,14 @@ def _check_sigmas(sigmas) -> None:
     raise ValueError(f"sigmas must be a number in (0, 8], got {sigmas!r}")
 
 
-def _exponent(m: Array) -> Array:
-  """``floor(log2 m)`` of positive float32 ``m`` (int32) from its exponent bits, clipped
-  to ``[-126, 126]`` so that ``2**e`` and ``2**-e`` are both normal floats."""
-  bits = lax.bitcast_convert_type(m.astype(_F32), jnp.int32)
-  return jnp.clip(((bits >> 23) & 0xFF) - 127, -126, 126)
-
-
-def _pow2(e: Array) -> Array:
-  """``2**e`` as float32 for int32 ``e`` in ``[-126, 127]`` (exact: exponent bits)."""
-  return lax.bitcast_convert_type((e + 127) << 23, _F32)
+def _pow2_scales(m: Array) -> tuple[Array, Array]:
+  """``(2**-e, 2**e)`` for the power of two ``2**e <= m`` of positive float32 ``m``
+  (``jnp.frexp``, as ``Cast`` scales fp16), ``e`` clipped to ``[-126, 126]`` so that
+  both are normal floats: multiplying by either is exact."""
+  _, f = jnp.frexp(m.astype(_F32))  # m = r * 2**f, 0.5 <= r < 1
+  e = jnp.clip(f - 1, -126, 126)
+  one = jnp.ones_like(m, _F32)
+  return jnp.ldexp(one, -e), jnp.ldexp(one, e)
 
 
 def moments(x: Array) -> tuple[Array, Array]:
@@ -147,8 +145,7 @@ def moments(x: Array) -> tuple[Array, Array]:
   """
   count = jnp.float32(max(x.shape[0], 1))
   amax = jnp.max(jnp.abs(x), initial=0.0)
-  e = _exponent(amax)
-  down, up = _pow2(-e), _pow2(e)
+  down, up = _pow2_scales(amax)
   xs, bound = x * down, amax * down
   mu = jnp.clip(jnp.sum(xs) / count, -bound, bound)
   sigma = jnp.minimum(jnp.sqrt(jnp.sum(jnp.square(xs - mu)) / count), bound)
@@ -204,8 +201,7 @@ def proxy_values(codes: Array, mu: Array, sigma: Array, intervals: int, sigmas: 
 
   def proxy(p):
     plain = mu + sigma * p
-    e = _exponent(jnp.maximum(jnp.abs(mu), sigma))
-    down, up = _pow2(-e), _pow2(e)
+    down, up = _pow2_scales(jnp.maximum(jnp.abs(mu), sigma))
     scaled = jnp.clip((mu * down + (sigma * down) * p) * up, -_FLT_MAX, _FLT_MAX)
     return jnp.where(jnp.isfinite(plain) | ~finite, plain, scaled)
 

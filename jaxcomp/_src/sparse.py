@@ -66,8 +66,9 @@ def scatter(n: int, indices: Array, values: Array) -> Array:
       values.reshape(-1).astype(_F32), mode="drop")
 
 
-#: Word counts up to this use jnp.cumsum (XLA:CPU's reduce-window: cheap here, quick to
-#: compile); above it a lax.associative_scan (at 2**17 words, 3-7x faster).
+#: Word counts up to this use jnp.cumsum (XLA:CPU's reduce-window: cheap at this size,
+#: and quicker to compile); above it a lax.associative_scan, which XLA:CPU runs in a
+#: few passes instead of a reduce-window over all of them.
 _CUMSUM_MAX = 2**14
 
 
@@ -90,61 +91,63 @@ def select_bit(word: Array, rank: Array) -> Array:
   return pos
 
 
+def _packed_ranks(mask: Array) -> tuple[Array, Array, Array]:
+  """``(words, counts, ends)`` of a flat bool ``mask``: packed 32 per uint32 word (bit
+  ``i`` of word ``w`` is entry ``32w + i``), each word's popcount, and their inclusive
+  sum (the number of True entries up to the end of each word)."""
+  words = bitpack.pack_bits(mask.astype(jnp.uint32), 1)
+  counts = lax.population_count(words).astype(jnp.int32)
+  return words, counts, _inclusive_sum(counts)
+
+
+def _kth_true(words: Array, counts: Array, ends: Array, k: Array) -> tuple[Array, Array]:
+  """Position of the ``k``-th True entry (1-based, ``k`` any shape), and whether there
+  is one (``1 <= k <= total``): a binary search of ``ends`` for its word, then
+  :func:`select_bit` within the word."""
+  nw = words.shape[0]
+  w = jnp.searchsorted(ends, k, side="left").astype(jnp.int32)  # nw: fewer than k
+  safe = jnp.minimum(w, nw - 1)
+  bit = select_bit(words[safe], k - (ends[safe] - counts[safe]))
+  return safe * 32 + bit, (w < nw) & (k >= 1)
+
+
 def compact(mask: Array, size: int) -> Array:
   """Positions of the first ``size`` True entries of a flat ``mask``, padded with n (int32).
 
   What ``jnp.nonzero(mask, size=size, fill_value=n)`` returns, without a cumsum over
-  ``n`` values (XLA:CPU runs that as a reduce-window, 40x the time of a read) or a
-  scatter of ``n`` updates, where the output is small. The mask is packed 32 bits per
-  word; ``ends`` is the inclusive sum of the words' popcounts. For ``size <= n/8`` the
-  ``k``-th True is found by a binary search of ``ends`` for ``k`` (its word), then of the
-  word's bits (:func:`select_bit`): ``O(size log n)``. For larger outputs each True is
-  scattered to ``ends[w] - popcount(w) + popcount(bits of w below it)``.
-  ``python -m benchmarks.codecs --codecs normal8,wangni5%`` uses it; at ``n = 2**22`` it
-  took 3-16 ms against 70-110 ms for the cumsum and scatter of ``n`` values (scratch
-  timings, 2026-11-23).
+  ``n`` values (XLA:CPU runs that as a reduce-window) or a scatter of ``n`` updates,
+  where the output is small. For ``size <= n/8`` each output is found by
+  :func:`_kth_true`: ``O(size log n)`` after one pass over the mask. For larger outputs
+  each True is scattered to its rank, ``ends[w] - popcount(w) + popcount(bits of w
+  below it)``. ``python -m benchmarks.xla_cpu_pitfalls`` has both next to
+  ``jnp.nonzero`` and ``jnp.cumsum``.
   """
   n = mask.shape[0]
   if size == 0 or n == 0:
     return jnp.full((size,), n, jnp.int32)
-  words = bitpack.pack_bits(mask.astype(jnp.uint32), 1)
-  nw = words.shape[0]
-  counts = lax.population_count(words).astype(jnp.int32)
-  ends = _inclusive_sum(counts)
-  starts = ends - counts
+  words, counts, ends = _packed_ranks(mask)
   if 8 * size <= n:
-    k = jnp.arange(1, size + 1, dtype=jnp.int32)
-    w = jnp.searchsorted(ends, k, side="left").astype(jnp.int32)  # nw: fewer than k
-    safe = jnp.minimum(w, nw - 1)
-    bit = select_bit(words[safe], k - starts[safe])
-    return jnp.where(w < nw, safe * 32 + bit, n)
+    pos, found = _kth_true(words, counts, ends, jnp.arange(1, size + 1, dtype=jnp.int32))
+    return jnp.where(found, pos, n)
+  nw = words.shape[0]
   lanes = jnp.arange(32, dtype=jnp.uint32)
   set_bits = (words[:, None] >> lanes) & 1
   below = lax.population_count(words[:, None] & ((jnp.uint32(1) << lanes) - 1))
-  dest = jnp.where(set_bits != 0, starts[:, None] + below.astype(jnp.int32), size)
+  dest = jnp.where(set_bits != 0, (ends - counts)[:, None] + below.astype(jnp.int32), size)
   out = jnp.full((size,), n, jnp.int32)
   return out.at[dest.reshape(-1)].set(jnp.arange(nw * 32, dtype=jnp.int32), mode="drop")
 
 
 def first_trues(mask: Array, count: Array) -> Array:
   """``mask & (cumsum(mask) <= count)``: the first ``count`` (dynamic; none when ``<= 0``)
-  True entries of a flat ``mask``, without the cumsum over ``n`` values.
-
-  The ``count``-th True is located as in :func:`compact` (one binary search of the
-  words' popcount sums, then :func:`select_bit`), and the mask is cut after it.
-  """
+  True entries of a flat ``mask``, without the cumsum over ``n`` values: the mask is
+  cut after its ``count``-th True (:func:`_kth_true`)."""
   n = mask.shape[0]
   if n == 0:
     return mask
   count = jnp.asarray(count, jnp.int32)
-  words = bitpack.pack_bits(mask.astype(jnp.uint32), 1)
-  nw = words.shape[0]
-  counts = lax.population_count(words).astype(jnp.int32)
-  ends = _inclusive_sum(counts)
-  w = jnp.searchsorted(ends, count, side="left").astype(jnp.int32)  # nw: fewer than count
-  safe = jnp.minimum(w, nw - 1)
-  bit = select_bit(words[safe], count - (ends[safe] - counts[safe]))
-  last = jnp.where(count <= 0, -1, jnp.where(w < nw, safe * 32 + bit, n))
+  pos, found = _kth_true(*_packed_ranks(mask), count)
+  last = jnp.where(found, pos, jnp.where(count <= 0, -1, n))
   return mask & (jnp.arange(n, dtype=jnp.int32) <= last)
 
 

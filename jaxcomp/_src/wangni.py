@@ -293,7 +293,7 @@ class UnbiasedSparsifier(SparseCodec):
     lam = jnp.where(s1 > 0, target / jnp.maximum(s1, _TINY), 0.0)
     # Rows of 16 (zero padded: zeros add nothing to either sum): each round's two sums
     # are one variadic reduction of the rows, then sums of the row sums. XLA:CPU runs
-    # the four rounds ~3x faster so (scratch timing at 2**22: 7-8 ms against 21 ms).
+    # the rounds faster so (``python -m benchmarks.xla_cpu_pitfalls``, the λ rows).
     rows = jnp.pad(a, (0, -n % _ROW)).reshape(-1, _ROW)
     for _ in range(self.rounds):
       # Saturated: a·λ >= 1, i.e. floor(min(a·λ, 1)) = 1 (a float sum, fast on XLA:CPU).
