@@ -15,6 +15,11 @@ prefetch of the next bucket:
   python -m benchmarks.cpu_kernel_loop                 # 4-bit codes, bucket 512, 2^24
   python -m benchmarks.cpu_kernel_loop --stream
   python -m benchmarks.cpu_kernel_loop --bits 8 --log2n 22 --repeats 7
+
+``--against FILE`` adds a build of another ``cpu_codecs.cc`` (an older commit's, from
+``git show COMMIT:kernels/cpu_codecs.cc > FILE``), so that a change to the kernel is
+timed against its baseline in the same run. The builds take turns, ``--rounds`` times
+(this VM's speed drifts within seconds); each row is the median over all its timings.
 """
 
 from __future__ import annotations
@@ -67,12 +72,16 @@ int main(int argc, char** argv) {
 VARIANTS = {"as shipped": [], "without the hash": ["-DJAXCOMP_ABLATE_HASH"]}
 
 
-def build(tmp: Path, bits: int, defines: list[str], name: str) -> Path:
-  main = tmp / "harness.cc"
+def build(tmp: Path, bits: int, defines: list[str], name: str,
+          source: Path = cpu.SOURCE) -> Path:
+  src = tmp / f"{name}_src"
+  src.mkdir()
+  (src / "cpu_codecs.cc").write_text(Path(source).read_text())
+  main = src / "harness.cc"
   main.write_text(HARNESS)
   exe = tmp / name
   flags = [f for f in cpu.FLAGS if f not in ("-shared", "-fPIC")]
-  cmd = [*cpu._compiler(), *flags, f"-DHARNESS_BITS={bits}", *defines, "-I", str(cpu.SOURCE.parent),
+  cmd = [*cpu._compiler(), *flags, f"-DHARNESS_BITS={bits}", *defines, "-I", str(src),
          "-I", jax.ffi.include_dir(), str(main), "-o", str(exe)]
   done = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if done.returncode != 0:
@@ -88,23 +97,34 @@ def main(argv=None) -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--stream", action="store_true",
                       help="read a fresh n-value array (not one L1-resident bucket)")
+  parser.add_argument("--against", type=Path, metavar="FILE",
+                      help="also time the shipped loop built from this cpu_codecs.cc")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="turns the builds take, each running --repeats timings")
   args = parser.parse_args(argv)
+  if args.against is not None and not args.against.is_file():
+    sys.exit(f"--against: no such file: {args.against}")
   n = 2**args.log2n
   with tempfile.TemporaryDirectory() as tmp:
     exes = {name: build(Path(tmp), args.bits, d, f"v{i}")
             for i, (name, d) in enumerate(VARIANTS.items())}
     runs = [(name, exe, True) for name, exe in exes.items()]
+    if args.against is not None:
+      runs.insert(1, (f"baseline: {args.against.name}",
+                      build(Path(tmp), args.bits, [], "baseline", args.against), True))
     if args.stream:
       runs.append(("without the prefetch", exes["as shipped"], False))
-    times = {}
-    for name, exe, prefetch in runs:
-      out = subprocess.run([str(exe), str(args.log2n), str(args.bucket), str(args.repeats),
-                            str(int(args.stream)), str(int(prefetch))],
-                           capture_output=True, text=True, check=True).stdout
-      times[name] = statistics.median(float(t) for t in out.split())
+    samples = {name: [] for name, _, _ in runs}
+    for _ in range(args.rounds):
+      for name, exe, prefetch in runs:
+        out = subprocess.run([str(exe), str(args.log2n), str(args.bucket), str(args.repeats),
+                              str(int(args.stream)), str(int(prefetch))],
+                             capture_output=True, text=True, check=True).stdout
+        samples[name] += [float(t) for t in out.split()]
+    times = {name: statistics.median(ts) for name, ts in samples.items()}
   source = "a fresh array" if args.stream else "one L1-resident bucket"
   print(f"QsgdBucket<{args.bits}>, bucket {args.bucket}, n = 2^{args.log2n} from {source}, "
-        f"one thread, median of {args.repeats}")
+        f"one thread, median of {args.rounds} x {args.repeats}")
   print("| build | ms | ns/value | vs shipped |")
   print("|---|---:|---:|---:|")
   for name, ms in times.items():

@@ -175,6 +175,19 @@ inline VF MulAdd(VF a, VF b, VF c) {
 #endif
 }
 
+// ceil(x) as int32, for 0 <= x < 2**31 (one conversion with AVX-512's embedded
+// rounding; truncation and a compare elsewhere: x >= 2**24 is an integer already).
+inline VI CeilToInt(VF x) {
+#if defined(__AVX512F__)
+  static_assert(kLanes == 16);
+  return reinterpret_cast<VI>(_mm512_cvt_roundps_epi32(reinterpret_cast<__m512>(x),
+                                                      _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
+#else
+  const VI t = __builtin_convertvector(x, VI);
+  return t - (__builtin_convertvector(t, VF) < x);  // a true compare is -1
+#endif
+}
+
 // max |v| over a bucket and whether all its values are finite. On the bit patterns with
 // the sign cleared, integer order is float order, and Inf and NaN are exactly the
 // patterns >= 0x7F800000; so one integer max gives both. Buckets hold >= 32 values:
@@ -275,7 +288,7 @@ constexpr int kInterleave = 2;
 // CPU's out-of-order window did not find by itself across iterations). WHOLE: every
 // value and word of the bucket is in range, so the stores need no tail checks (and the
 // loop no calls: with them GCC spilled the vectors to the stack).
-template <int BITS, bool WHOLE, bool HAS_E>
+template <int BITS, bool WHOLE, bool HAS_E, bool INT_ROUND>
 inline void QsgdVectors(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
                         int64_t bucket_words, float inv, float s_k, VF step,
                         uint32_t* out_words, float* out_e, uint32_t* codes,
@@ -287,25 +300,30 @@ inline void QsgdVectors(const QsgdParams& p, int64_t b, const float* v, int64_t 
   const VU lane = Iota();
   const uint32_t base = static_cast<uint32_t>(b * bucket);
   const VF inv_v = SplatF(inv), s_k_v = SplatF(s_k);
+  const VF s_k24_v = SplatF(s_k * 16777216.0f);  // exact: a power of two times s * k
   const VF one = SplatF(1.0f), zero = SplatF(0.0f);
   const VU k0 = SplatU(p.k0), k1 = SplatU(p.k1);
   // Whole vectors of words are written in place; the last bucket's short tail via
   // tail_words (2-bit codes go through `codes`, for PackLanes).
   uint32_t tail_words[kLanes * BITS / 32 > 0 ? kLanes * BITS / 32 : 1];
+  VU index[U];  // the values' flat indices, advanced by U * kLanes per iteration
+  for (int u = 0; u < U; ++u) index[u] = SplatU(base + static_cast<uint32_t>(u * kLanes)) + lane;
   for (int64_t j0 = 0; j0 < bucket; j0 += U * kLanes) {
-    VF a[U], r[U], low[U], magf[U];
+    VF a[U], x[U], magf[U];
     VU h[U];
-    VI neg[U];
+    VI mag[U], neg[U];
 #define JAXCOMP_EACH _Pragma("GCC unroll 8") for (int u = 0; u < U; ++u)
     JAXCOMP_EACH a[u] = LoadF(v + j0 + u * kLanes);
     // The next bucket's lines (one per vector), spread over this bucket's arithmetic.
     if (ahead_x != nullptr) JAXCOMP_EACH __builtin_prefetch(ahead_x + j0 + u * kLanes);
     if (ahead_e != nullptr) JAXCOMP_EACH __builtin_prefetch(ahead_e + j0 + u * kLanes);
-    // r = |v| / scale * s as fl(fl(|v| * inv) * fl(s * k)) (kernels/_common.level_ratio).
-    JAXCOMP_EACH r[u] = reinterpret_cast<VF>(reinterpret_cast<VI>(a[u]) & 0x7FFFFFFF) * inv_v * s_k_v;
+    // r = |v| / scale * s as fl(fl(|v| * inv) * fl(s * k)) (kernels/_common.level_ratio);
+    // x = fl(|v| * inv) here.
+    JAXCOMP_EACH x[u] = reinterpret_cast<VF>(reinterpret_cast<VI>(a[u]) & 0x7FFFFFFF) * inv_v;
     // The counter hash of the flat index, mix32(mix32(i ^ k0) ^ k1), step by step:
     // Wellons' lowbias32 (jaxcomp._src.rng.mix32).
-    JAXCOMP_EACH h[u] = (SplatU(base + static_cast<uint32_t>(j0 + u * kLanes)) + lane) ^ k0;
+    JAXCOMP_EACH h[u] = index[u] ^ k0;
+    JAXCOMP_EACH index[u] += static_cast<uint32_t>(U * kLanes);
 #ifndef JAXCOMP_ABLATE_HASH
     for (int round = 0; round < 2; ++round) {
       JAXCOMP_EACH h[u] ^= h[u] >> 16;
@@ -316,21 +334,38 @@ inline void QsgdVectors(const QsgdParams& p, int64_t b, const float* v, int64_t 
       if (round == 0) JAXCOMP_EACH h[u] ^= k1;
     }
 #endif  // else benchmarks/cpu_kernel_loop.py only: what the hash costs (wrong payloads)
-    // floor(r) for 0 <= r <= s < 2**31: truncation toward zero is exact.
-    JAXCOMP_EACH low[u] = __builtin_convertvector(__builtin_convertvector(r[u], VI), VF);
-    // Round up when u24 < frac * 2**24 (u24 < 2**24 converts to float exactly). No clamp
-    // to s (the XLA path's jnp.minimum never acts): m * fl(1 / m) <= 1 for every float32
-    // m (tests/test_codecs.py checks every mantissa), so |v| * inv <= 1 / k and r <= s;
-    // at r == s the fraction is 0.
-    JAXCOMP_EACH {
-      const VF u24 = __builtin_convertvector(reinterpret_cast<VI>(h[u] >> 8), VF);
-      magf[u] = u24 < (r[u] - low[u]) * 16777216.0f ? low[u] + one : low[u];
+    // The XLA path's rule: with u24 = h >> 8, round r up when u24 < frac(r) * 2**24
+    // (u24 < 2**24 converts to float exactly). No clamp to s (the XLA path's jnp.minimum
+    // never acts): m * fl(1 / m) <= 1 for every float32 m (tests/test_codecs.py checks
+    // every mantissa), so |v| * inv <= 1 / k and r <= s; at r == s the fraction is 0.
+    if constexpr (INT_ROUND) {
+      // The same decision in integers. F = r * 2**24 is exact (a power of two, r normal
+      // or 0), and with L = floor(r) * 2**24, frac(r) * 2**24 = F - L. For an integer
+      // u24: u24 < F - L  <=>  u24 < ceil(F) - L  <=>  ceil(F) + (2**24 - 1 - u24) >=
+      // L + 2**24; so the code is (ceil(F) + (~h >> 8)) >> 24. One multiply gives F:
+      // fl(x * fl(s * k * 2**24)) = fl(x * fl(s * k)) * 2**24 while both are normal, and
+      // INT_ROUND requires s * k >= 1 (x is normal or 0). ceil(F) + 2**24 - 1 < 2**31
+      // needs s < 128: codes of at most 8 bits.
+      static_assert(BITS <= 8);
+      JAXCOMP_EACH {
+        const VU c = reinterpret_cast<VU>(CeilToInt(x[u] * s_k24_v));
+        mag[u] = reinterpret_cast<VI>((c + (~h[u] >> 8)) >> 24);
+      }
+      if constexpr (HAS_E) JAXCOMP_EACH magf[u] = __builtin_convertvector(mag[u], VF);
+    } else {
+      JAXCOMP_EACH {
+        const VF r = x[u] * s_k_v;
+        // floor(r) for 0 <= r <= s < 2**31: truncation toward zero is exact.
+        const VF low = __builtin_convertvector(__builtin_convertvector(r, VI), VF);
+        const VF u24 = __builtin_convertvector(reinterpret_cast<VI>(h[u] >> 8), VF);
+        magf[u] = u24 < (r - low) * 16777216.0f ? low + one : low;
+        mag[u] = __builtin_convertvector(magf[u], VI);
+      }
     }
     JAXCOMP_EACH {
       const int64_t j = j0 + u * kLanes;
-      const VI mag = __builtin_convertvector(magf[u], VI);
-      neg[u] = (a[u] < zero) & (mag > 0);  // a zero code carries no sign
-      const VU code = reinterpret_cast<VU>(mag | (neg[u] & (1 << kMbits)));
+      neg[u] = (a[u] < zero) & (mag[u] > 0);  // a zero code carries no sign
+      const VU code = reinterpret_cast<VU>(mag[u] | (neg[u] & (1 << kMbits)));
       if constexpr (BITS >= 4) {
         // Lanes 2m and 2m+1 as one uint64: c0 | c1 << BITS, then narrowed to 2*BITS bits
         // per pair (little-endian: the lanes layout's words, in order).
@@ -405,13 +440,24 @@ void QsgdBucket(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
   if (scale > 0.0f) {
     const InverseScale is(scale);
     const bool whole = valid == bucket && bucket_words == bucket / kPerWord;
-    const auto run = [&](auto whole_tag, auto has_e_tag) {
-      QsgdVectors<BITS, decltype(whole_tag)::value, decltype(has_e_tag)::value>(
-          p, b, v, valid, bucket_words, is.inv, s * is.k, step, out_words, out_e, codes,
-          ahead_x, ahead_e);
-    };
     using Yes = std::true_type;
     using No = std::false_type;
+    const auto run = [&](auto whole_tag, auto has_e_tag) {
+      constexpr bool kWhole = decltype(whole_tag)::value, kHasE = decltype(has_e_tag)::value;
+      // The integer rounding (QsgdVectors) where it is exact; a 2-bit bucket with a scale
+      // >= 2**126 (s * k = 1/4) takes the float one.
+      if constexpr (BITS <= 8) {
+        if (s * is.k >= 1.0f) {
+          QsgdVectors<BITS, kWhole, kHasE, true>(p, b, v, valid, bucket_words, is.inv,
+                                                 s * is.k, step, out_words, out_e, codes,
+                                                 ahead_x, ahead_e);
+          return;
+        }
+      }
+      QsgdVectors<BITS, kWhole, kHasE, false>(p, b, v, valid, bucket_words, is.inv,
+                                              s * is.k, step, out_words, out_e, codes,
+                                              ahead_x, ahead_e);
+    };
     if (whole) {
       out_e != nullptr ? run(Yes{}, Yes{}) : run(Yes{}, No{});
     } else {

@@ -21,6 +21,7 @@ import pytest
 import jaxcomp as jc
 from jaxcomp import kernels
 from jaxcomp._src import bitpack
+from jaxcomp._src import rng as jax_rng
 from jaxcomp.kernels import cpu
 from tests import helpers
 
@@ -99,6 +100,24 @@ def test_quantize_extreme_values_are_bit_identical(levels):
     out = cpu.quantize(x, key, e, levels=levels, bucket_size=64)
     ref = kernels.quantize.quantize_reference(x, key, e, levels=levels, bucket_size=64)
     chex.assert_trees_all_equal(out, ref)
+
+
+def test_two_bit_huge_bucket_takes_the_float_rounding():
+  # The kernel decides QSGD's rounding in integers, from ceil(fl(x * s * k * 2**24)),
+  # which equals fl(x * s * k) * 2**24 only while x * s * k is normal. With 2-bit codes
+  # (s = 1) and a scale >= 2**126 (k = 1/4) it is not: here x = fl(1.0 * inv) is about
+  # 1.3 * 2**-126, x / 4 flushes to 0 on XLA:CPU (code 0), but the integer rule would
+  # send code 1 where u24 = 0. Seed 105 draws u24 = 0 at index 2613 (checked below).
+  key, at = jax.random.key(105), 2613
+  assert int(jax_rng.bits24(key, (at + 1,))[at]) == 0
+  x = np.zeros(2624, np.float32)
+  x[2592] = 1.5 * 2.0**127  # the bucket's max: scale >= 2**126
+  x[at] = 1.0
+  x = jnp.asarray(x)
+  out = cpu.quantize(x, key, levels=1, bucket_size=32)
+  ref = kernels.quantize.quantize_reference(x, key, levels=1, bucket_size=32)
+  chex.assert_trees_all_equal(out, ref)
+  assert _codes(out[0], 1, x.size)[at] == 0
 
 
 def test_denormals_are_flushed_as_on_xla_cpu():
