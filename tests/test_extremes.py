@@ -216,3 +216,23 @@ def test_beyond_float32_is_flagged_not_hidden():
   rk = C.RandomK(0.1)
   out = np.asarray(rk.decode(rk.encode(x, key=jax.random.key(0))))
   assert not np.all(np.isfinite(out))
+
+
+def test_qsgd_top_level_of_a_flt_max_bucket_is_finite_for_every_level_count():
+  """Max-norm QSGD decodes code ``q <= s`` as ``q * fl(scale * fl(1/s))``
+  (:func:`_common.level_step`). For a bucket whose max is FLT_MAX that is finite only
+  if ``fl(s * fl(FLT_MAX * fl(1/s))) <= FLT_MAX``: checked in IEEE float32 for every
+  level count a code of at most 16 bits holds (s = 1..32767), and through the codec
+  for the code widths 2, 4, 8 and 16."""
+  s = np.arange(1, 2**15, dtype=np.float32)
+  step = np.float32(FLT_MAX) * (np.float32(1) / s)
+  with np.errstate(over="ignore"):
+    top = s * step
+  assert np.all(np.isfinite(top)), s[~np.isfinite(top)][:10]
+  x = np.full(64, FLT_MAX, np.float32)
+  x[1::2] = -FLT_MAX
+  for levels in (1, 7, 127, 32767):
+    codec = C.QSGD(levels, bucket_size=64, norm="max", implementation="xla")
+    out = np.asarray(codec.decode(codec.encode(jnp.asarray(x), key=jax.random.key(0))))
+    assert np.all(np.isfinite(out)), levels
+    np.testing.assert_allclose(_f64(out), _f64(x), rtol=1e-6)
