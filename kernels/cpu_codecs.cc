@@ -442,21 +442,19 @@ void QsgdBucket(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
     const bool whole = valid == bucket && bucket_words == bucket / kPerWord;
     using Yes = std::true_type;
     using No = std::false_type;
+    const auto vectors = [&](auto whole_tag, auto has_e_tag, auto int_round_tag) {
+      QsgdVectors<BITS, decltype(whole_tag)::value, decltype(has_e_tag)::value,
+                  decltype(int_round_tag)::value>(p, b, v, valid, bucket_words, is.inv,
+                                                  s * is.k, step, out_words, out_e, codes,
+                                                  ahead_x, ahead_e);
+    };
     const auto run = [&](auto whole_tag, auto has_e_tag) {
-      constexpr bool kWhole = decltype(whole_tag)::value, kHasE = decltype(has_e_tag)::value;
       // The integer rounding (QsgdVectors) where it is exact; a 2-bit bucket with a scale
       // >= 2**126 (s * k = 1/4) takes the float one.
       if constexpr (BITS <= 8) {
-        if (s * is.k >= 1.0f) {
-          QsgdVectors<BITS, kWhole, kHasE, true>(p, b, v, valid, bucket_words, is.inv,
-                                                 s * is.k, step, out_words, out_e, codes,
-                                                 ahead_x, ahead_e);
-          return;
-        }
+        if (s * is.k >= 1.0f) return vectors(whole_tag, has_e_tag, Yes{});
       }
-      QsgdVectors<BITS, kWhole, kHasE, false>(p, b, v, valid, bucket_words, is.inv,
-                                              s * is.k, step, out_words, out_e, codes,
-                                              ahead_x, ahead_e);
+      vectors(whole_tag, has_e_tag, No{});
     };
     if (whole) {
       out_e != nullptr ? run(Yes{}, Yes{}) : run(Yes{}, No{});
