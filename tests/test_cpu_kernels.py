@@ -7,6 +7,7 @@ build that fails (no compiler): the default falls back to XLA, ``"native"`` says
 """
 
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import pytest
 import jaxcomp as jc
 from jaxcomp import kernels
 from jaxcomp._src import bitpack
-from jaxcomp._src import rng as jax_rng
+from jaxcomp._src import rng
 from jaxcomp.kernels import cpu
 from tests import helpers
 
@@ -109,7 +110,7 @@ def test_two_bit_huge_bucket_takes_the_float_rounding():
   # 1.3 * 2**-126, x / 4 flushes to 0 on XLA:CPU (code 0), but the integer rule would
   # send code 1 where u24 = 0. Seed 105 draws u24 = 0 at index 2613 (checked below).
   key, at = jax.random.key(105), 2613
-  assert int(jax_rng.bits24(key, (at + 1,))[at]) == 0
+  assert int(rng.bits24(key, (at + 1,))[at]) == 0
   x = np.zeros(2624, np.float32)
   x[2592] = 1.5 * 2.0**127  # the bucket's max: scale >= 2**126
   x[at] = 1.0
@@ -118,6 +119,80 @@ def test_two_bit_huge_bucket_takes_the_float_rounding():
   ref = kernels.quantize.quantize_reference(x, key, levels=1, bucket_size=32)
   chex.assert_trees_all_equal(out, ref)
   assert _codes(out[0], 1, x.size)[at] == 0
+
+
+_ENCODE_HARNESS = r"""
+#include "cpu_codecs.cc"
+#include <cstdio>
+#include <cstdlib>
+// argv: input.bin output.bin n bucket levels k0 k1. Writes the words, then the scales.
+int main(int argc, char** argv) {
+  const int64_t n = std::atoll(argv[3]), bucket = std::atoll(argv[4]), levels = std::atoll(argv[5]);
+  const QsgdParams p{n, bucket, levels, false, static_cast<uint32_t>(std::strtoul(argv[6], nullptr, 10)),
+                     static_cast<uint32_t>(std::strtoul(argv[7], nullptr, 10))};
+  std::vector<float> x(n), scratch(bucket);
+  FILE* in = std::fopen(argv[1], "rb");
+  if (std::fread(x.data(), sizeof(float), n, in) != static_cast<size_t>(n)) return 1;
+  std::fclose(in);
+  const int64_t bits = CodeBits(levels), nb = (n + bucket - 1) / bucket;
+  std::vector<uint32_t> words((n * bits + 31) / 32), codes(bucket);
+  std::vector<float> scales(nb);
+  FlushDenormals mode;
+  DispatchBits(bits, [&](auto tag) {
+    constexpr int B = decltype(tag)::value;
+    for (int64_t b = 0; b < nb; ++b) {
+      int64_t valid;
+      const float* v = LoadBucket(x.data(), nullptr, n, bucket, b, scratch.data(), &valid);
+      QsgdBucket<B>(p, b, v, valid, words.data(), scales.data(), nullptr, codes.data());
+    }
+  });
+  FILE* out = std::fopen(argv[2], "wb");
+  std::fwrite(words.data(), sizeof(uint32_t), words.size(), out);
+  std::fwrite(scales.data(), sizeof(float), scales.size(), out);
+  std::fclose(out);
+}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
+def test_encode_without_avx512_matches_the_xla_path(tmp_path):
+  # -march=native takes the AVX-512 forms where the CPU has them (the encode's CeilToInt
+  # among them); the portable fallbacks run only on other CPUs. Both builds of the
+  # encode must write the XLA path's payload. The 2-bit data put r = |v| at
+  # (u24 + 1/2) * 2**-24, where u24 is the value's own random draw: the code is then 1
+  # only if ceil(r * 2**24) is exact (a truncation would send 0).
+  key = jax.random.key(11)
+  k0, k1 = (int(w) for w in rng.key_words(key))
+  n, bucket = 4096, 64
+  u24 = np.asarray(rng.bits24(key, (n,))).astype(np.float64)
+  signs = np.where(np.arange(n) % 3 == 0, -1.0, 1.0)
+  crafted = np.where(u24 < 2**23, (u24 + 0.5) * 2.0**-24, 0.25) * signs
+  crafted[::bucket] = 1.0  # each bucket's max: scale 1, so r = |v| exactly
+  cases = [(crafted.astype(np.float32), 1), (np.asarray(_x(n)), 7), (np.asarray(_x(n)), 127)]
+  src = tmp_path / "harness.cc"
+  src.write_text(_ENCODE_HARNESS)
+  flags = [f for f in cpu.FLAGS if f not in ("-shared", "-fPIC")]
+  for name, extra in (("native", []), ("portable", ["-mno-avx512f"])):
+    exe = tmp_path / name
+    subprocess.run([*cpu._compiler(), *flags, *extra, "-I", str(cpu.SOURCE.parent),  # pylint: disable=protected-access
+                    "-I", jax.ffi.include_dir(), str(src), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=300)
+    for x, levels in cases:
+      (tmp_path / "x.bin").write_bytes(x.tobytes())
+      subprocess.run([str(exe), str(tmp_path / "x.bin"), str(tmp_path / "out.bin"), str(n),
+                      str(bucket), str(levels), str(k0), str(k1)], check=True, timeout=60)
+      words, scales = kernels.quantize.quantize_reference(
+          jnp.asarray(x), key, levels=levels, bucket_size=bucket)
+      got = np.fromfile(tmp_path / "out.bin", np.uint32)
+      np.testing.assert_array_equal(got[:words.size], np.asarray(words), err_msg=f"{name} {levels}")
+      np.testing.assert_array_equal(got[words.size:].view(np.float32), np.asarray(scales))
+  # The crafted values all round up to magnitude 1 (the data test what they claim to).
+  ref = kernels.quantize.quantize_reference(jnp.asarray(cases[0][0]), key, levels=1,
+                                            bucket_size=bucket)
+  crafted_at = (u24 < 2**23) & (np.arange(n) % bucket != 0)
+  assert crafted_at.sum() > n // 3
+  assert np.all((_codes(ref[0], 1, n) & 1)[crafted_at] == 1)
 
 
 def test_denormals_are_flushed_as_on_xla_cpu():
