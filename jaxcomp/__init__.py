@@ -8,6 +8,9 @@ from jaxcomp import codecs
 from jaxcomp import elias
 from jaxcomp import kernels
 from jaxcomp import network
+from jaxcomp._src.checkpoint import restore_target
+from jaxcomp._src.checkpoint import unwrap_keys
+from jaxcomp._src.checkpoint import wrap_keys
 from jaxcomp._src.collectives import pmean_tree
 from jaxcomp._src.collectives import vary
 from jaxcomp._src.dgc import DGCState
@@ -64,8 +67,11 @@ __all__ = [
     "qsgd",
     "qsvrg",
     "qsvrg_wire_report",
+    "restore_target",
     "sparsify",
     "state_specs",
+    "unwrap_keys",
     "vary",
     "wire_report",
+    "wrap_keys",
 ]
