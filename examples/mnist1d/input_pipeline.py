@@ -43,23 +43,31 @@ def load_dataset(config, workdir: str) -> dict[str, np.ndarray]:
 
 
 def train_batches(x: np.ndarray, y: np.ndarray, *, num_devices: int,
-                  per_device_batch_size: int, seed: int
+                  per_device_batch_size: int, seed: int, start_step: int = 0
                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """Yields ``(x, y)`` batches of shape ``(K, per_device_batch_size, ...)`` forever.
 
   Each epoch is a fresh permutation drawn from ``np.random.default_rng(seed)``, so the
   same seed gives the same batches in the same order (every method sees identical
   data). The tail of an epoch that does not fill a global batch is dropped.
+  ``start_step`` skips that many batches (a run resumed from a checkpoint sees the
+  batches the uninterrupted run would have): the permutations of the skipped epochs
+  are still drawn, so the generator is where it would have been.
   """
   rng = np.random.default_rng(seed)
   global_batch = num_devices * per_device_batch_size
   if global_batch > len(x):
     raise ValueError(f"global batch {global_batch} exceeds the {len(x)} training examples")
+  per_epoch = len(x) // global_batch
+  skip_epochs, skip = divmod(start_step, per_epoch)
+  for _ in range(skip_epochs):
+    rng.permutation(len(x))
   while True:
     perm = rng.permutation(len(x))
-    for start in range(0, len(x) - global_batch + 1, global_batch):
+    for start in range(skip * global_batch, per_epoch * global_batch, global_batch):
       idx = perm[start:start + global_batch].reshape(num_devices, per_device_batch_size)
       yield x[idx], y[idx]
+    skip = 0
 
 
 def eval_shards(x: np.ndarray, y: np.ndarray, num_devices: int

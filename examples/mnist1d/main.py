@@ -5,6 +5,7 @@ From the repository root::
   python -m examples.mnist1d.main                      # default config, all methods
   python -m examples.mnist1d.main --quick              # seconds, for a smoke check
   python -m examples.mnist1d.main --methods dense,onebit --steps 500
+  python -m examples.mnist1d.main --checkpoint-every 100  # resumes if interrupted
 
 On a CPU-only machine JAX is given 8 CPU devices, so the data-parallel exchange runs
 for real between 8 devices.
@@ -47,6 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="override the init/shuffling seed (the data set stays fixed)")
   parser.add_argument("--methods", default=None,
                       help=f"comma-separated subset of {','.join(train.ALL_METHODS)}")
+  parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                      help="save each method's params and optimizer state every N steps in"
+                      " WORKDIR/checkpoints/METHOD and resume from there (0: off, the"
+                      " default)")
   return parser.parse_args(argv)
 
 
@@ -65,6 +70,10 @@ def get_config(args: argparse.Namespace):
     overrides["per_device_batch_size"] = args.batch
   if args.seed is not None:
     overrides["seed"] = args.seed
+  if args.checkpoint_every is not None:
+    if args.checkpoint_every < 0:
+      raise ValueError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    overrides["checkpoint_every"] = args.checkpoint_every
   if args.methods is not None:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = [m for m in methods if m not in train.ALL_METHODS]

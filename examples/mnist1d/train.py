@@ -199,14 +199,65 @@ def make_eval_step(model, mesh):
       accuracy, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P()))
 
 
+def checkpoint_manager(config, workdir: str | None, method: str):
+  """Orbax manager of ``workdir/checkpoints/<method>/``; None without checkpointing.
+
+  Orbax is imported here only: it is needed only with ``config.checkpoint_every``.
+  Saves are asynchronous (written while training goes on); the two latest are kept.
+  """
+  if not config.checkpoint_every or workdir is None:
+    return None
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  return ocp.CheckpointManager(
+      os.path.abspath(os.path.join(workdir, "checkpoints", method)),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+
+def save_checkpoint(checkpoints, step: int, params, opt_state, progress: dict) -> None:
+  """Saves params and optimizer state (typed keys as raw data) and ``progress`` (JSON:
+  the history so far and the losses since the last evaluation) as ``step``."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  state = jc.unwrap_keys({"params": params, "opt_state": opt_state})
+  checkpoints.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                 progress=ocp.args.JsonSave(progress)))
+
+
+def restore_checkpoint(checkpoints, tx, init_params, *, mesh, state_specs):
+  """``(step, params, opt_state, progress)`` of the latest checkpoint.
+
+  The arrays are restored into an abstract target, not a freshly initialised state:
+  params replicated, the optimizer state placed by ``state_specs`` (per-device
+  residuals and keys split over the data axis), so the compiled step takes them as is.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  replicated = jax.NamedSharding(mesh, P())
+  params = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated), init_params)
+  target = {"params": params, "opt_state": jc.restore_target(tx, params, mesh=mesh,
+                                                             specs=state_specs)}
+  step = checkpoints.latest_step()
+  restored = checkpoints.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(jc.unwrap_keys(target)),
+      progress=ocp.args.JsonRestore()))
+  state = jc.wrap_keys(restored.state, target)
+  return step, state["params"], state["opt_state"], restored.progress
+
+
 def train_method(method: str, config, *, model, init_params, data, mesh,
                  exchange: optax.GradientTransformation | None = None,
-                 steady_exchange: optax.GradientTransformation | None = None
-                 ) -> dict[str, Any]:
+                 steady_exchange: optax.GradientTransformation | None = None,
+                 workdir: str | None = None) -> dict[str, Any]:
   """Trains one method from ``init_params``; returns its accuracy, bytes and timings.
 
   ``exchange`` replaces ``make_exchange(method, config)`` (for variants of a method);
   the bytes are those of ``steady_exchange`` when given (e.g. DGC without warm-up).
+  With ``config.checkpoint_every`` and a ``workdir``, params, optimizer state and
+  progress are checkpointed every that many steps (and at the last) in
+  ``workdir/checkpoints/<method>/``, and training resumes from the latest checkpoint
+  found there, on the batches the uninterrupted run would have drawn.
   """
   k = mesh.size
   tx = make_tx(method, config, exchange)
@@ -214,14 +265,23 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
   per_device = jax.NamedSharding(mesh, P(AXIS))
 
   state_specs = jc.state_specs(tx, init_params, axis_name=AXIS, num_devices=k)
-  params = jax.device_put(init_params, replicated)
-  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
-      params)
+  checkpoints = checkpoint_manager(config, workdir, method)
+  start_step, history, losses = 0, None, []
+  if checkpoints is not None and checkpoints.latest_step() is not None:
+    start_step, params, opt_state, progress = restore_checkpoint(
+        checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs)
+    history, losses = progress["history"], progress["losses"]
+    print(f"{method}: resuming from step {start_step} ({checkpoints.directory})")
+  else:
+    params = jax.device_put(init_params, replicated)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
+                                      out_specs=state_specs))(params)
   test = jax.device_put(input_pipeline.eval_shards(data["x_test"], data["y_test"], k),
                         per_device)
   batches = input_pipeline.train_batches(
       data["x"], data["y"], num_devices=k,
-      per_device_batch_size=config.per_device_batch_size, seed=config.seed)
+      per_device_batch_size=config.per_device_batch_size, seed=config.seed,
+      start_step=start_step)
 
   # Compile ahead of time, so that the training time below excludes compilation.
   start = time.perf_counter()
@@ -229,11 +289,13 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
   evaluate = make_eval_step(model, mesh).lower(params, *test).compile()
   compile_time = time.perf_counter() - start
 
-  history = {"step": [0], "test_accuracy": [float(evaluate(params, *test))],
-             "train_loss": [float("nan")]}
-  train_time, losses = 0.0, []
-  with tqdm(total=config.num_steps, desc=f"{method:>6}", unit="step") as bar:
-    for i in range(1, config.num_steps + 1):
+  if history is None:
+    history = {"step": [0], "test_accuracy": [float(evaluate(params, *test))],
+               "train_loss": [float("nan")]}
+  train_time = 0.0
+  with tqdm(total=config.num_steps, initial=min(start_step, config.num_steps),
+            desc=f"{method:>6}", unit="step") as bar:
+    for i in range(start_step + 1, config.num_steps + 1):
       start = time.perf_counter()
       batch = jax.device_put(next(batches), per_device)
       params, opt_state, loss = step(params, opt_state, batch)
@@ -250,6 +312,13 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
         history["train_loss"].append(float(np.mean(losses)))  # since the last eval
         losses = []
         bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", test_acc=f"{acc:.1%}")
+      if checkpoints is not None and (i % config.checkpoint_every == 0
+                                      or i == config.num_steps):
+        save_checkpoint(checkpoints, i, params, opt_state,
+                        {"history": history, "losses": losses})
+  if checkpoints is not None:
+    checkpoints.wait_until_finished()  # the last save is written before we return
+    checkpoints.close()
 
   if steady_exchange is None and exchange is None and method == "dgc":
     # Report DGC's steady state; its warm-up stages send more.
@@ -258,6 +327,7 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
     tx = make_tx(method, config, steady_exchange)
   report = wire_report(tx, init_params, k)
   return {
+      "start_step": start_step,
       "overflow_steps": overflow_steps(opt_state),
       "test_accuracy": history["test_accuracy"][-1],
       "bytes_received": None if report is None else report.bytes_received,
@@ -368,18 +438,20 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
 
   Args:
     config: a :class:`examples.mnist1d.configs.default.Config`.
-    workdir: output directory (also caches the generated data set).
+    workdir: output directory (also caches the generated data set, and holds the
+      checkpoints with ``config.checkpoint_every``).
 
   Returns:
-    ``{method: {"test_accuracy", "bytes_received", "dense_bytes", "ratio",
-    "train_time_s", "compile_time_s", "history", "wire_report", "layer_change"}}``.
+    ``{method: {"start_step", "test_accuracy", "bytes_received", "dense_bytes", "ratio",
+    "train_time_s", "compile_time_s", "history", "wire_report", "layer_change"}}``
+    (``start_step``: the checkpoint's step the method resumed from, else 0).
   """
   mesh, data, model, init_params = setup(config, workdir)
   k = mesh.size
   results = {}
   for method in config.methods:
     results[method] = train_method(method, config, model=model, init_params=init_params,
-                                   data=data, mesh=mesh)
+                                   data=data, mesh=mesh, workdir=workdir)
 
   table = results_table(results, k)
   print(table)

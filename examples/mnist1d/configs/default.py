@@ -46,6 +46,10 @@ class Config:
   # Logging.
   eval_every: int = 50             # steps between test-accuracy evaluations
 
+  # Checkpoints (Orbax): every N steps and at the last, in workdir/checkpoints/<method>/;
+  # a run finding one there resumes from it. 0: off.
+  checkpoint_every: int = 0
+
 
 def get_config() -> Config:
   """Returns the default configuration."""
