@@ -7,6 +7,7 @@ those of N+M uninterrupted steps bit for bit.
 """
 
 import dataclasses
+import doctest
 import functools
 import itertools
 import shutil
@@ -20,6 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src import checkpoint
 from tests import helpers
 from tests.helpers import AXIS, K
 
@@ -187,6 +189,11 @@ def test_wrap_keys_keeps_the_implementation(tmp_path):
   assert out["keys"].sharding == keys.sharding
   assert isinstance(out["masked"], optax.MaskedNode)
   chex.assert_trees_all_equal(_comparable(out), _comparable(tree))
+
+
+def test_docstring_examples():  # tests/test_docs.py's list predates the module
+  result = doctest.testmod(checkpoint, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
 
 
 def test_train_batches_resume_where_the_run_was():
