@@ -1,0 +1,1 @@
+"""MNIST-1D with flax.nnx: dense vs compressed gradient exchange, nnx.Optimizer."""
