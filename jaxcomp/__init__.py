@@ -33,10 +33,13 @@ from jaxcomp._src.transforms import PerDeviceState
 from jaxcomp._src.transforms import per_device_state
 from jaxcomp._src.transforms import qsgd
 from jaxcomp._src.transforms import sparsify
-from jaxcomp._src.transforms import state_specs
+from jaxcomp._src.specs import state_specs
 from jaxcomp._src.wire import CollectiveOp
 from jaxcomp._src.wire import WireReport
 from jaxcomp._src.wire import wire_report
+from jaxcomp._src.wrappers import SkipNonfiniteState
+from jaxcomp._src.wrappers import multi_steps
+from jaxcomp._src.wrappers import skip_nonfinite
 
 __version__ = "0.1.0"
 
@@ -50,6 +53,7 @@ __all__ = [
     "QSVRG",
     "QSVRGState",
     "QSVRGWireReport",
+    "SkipNonfiniteState",
     "WireReport",
     "codecs",
     "compress",
@@ -59,6 +63,7 @@ __all__ = [
     "dgc",
     "dgc_density_schedule",
     "mipd",
+    "multi_steps",
     "network",
     "onebit_sgd",
     "per_device_state",
@@ -68,6 +73,7 @@ __all__ = [
     "qsvrg",
     "qsvrg_wire_report",
     "restore_target",
+    "skip_nonfinite",
     "sparsify",
     "state_specs",
     "unwrap_keys",

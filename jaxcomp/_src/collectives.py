@@ -84,6 +84,27 @@ def vary(tree, axis_name):
   return jax.tree.map(one, tree)
 
 
+def _axis_names(axis_name) -> tuple:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def any_over_other_axes(flag: Array, axis_name) -> Array:
+  """``flag`` (a bool scalar) or-ed over the mesh axes other than ``axis_name`` that it
+  varies over (shard_map's check_vma); ``flag`` itself when there are none.
+
+  On a mesh with more axes than the data axis (tensor parallelism over ``"model"``), a
+  flag computed from one shard of a sharded gradient differs between the shards. The
+  step-level flags that end up in state (a non-finite input, an overflow) must be the
+  same on every device of a model group, or that state could not be held per data
+  device; and a skipped step must be skipped by every shard. On a 1-D mesh, under
+  ``jax.pmap`` and with check_vma off nothing is known to vary: no collective is added.
+  """
+  others = tuple(sorted(varying_axes(flag) - set(_axis_names(axis_name))))
+  if not others:
+    return flag
+  return lax.psum(flag.astype(jnp.int32), others) > 0
+
+
 def all_gather_invariant(x: Array, axis_name) -> Array:
   """``lax.all_gather`` whose result is replicated (invariant) over ``axis_name``."""
   return lax.all_gather(x, axis_name, **_ALL_GATHER_TO)

@@ -16,6 +16,7 @@ from jaxcomp._src import collectives
 from jaxcomp._src import phases
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
+from jaxcomp._src import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -80,6 +81,7 @@ class DGCState(NamedTuple):
   momentum: Any           # u, float32, leaf shapes
   velocity: Any           # v, float32, leaf shapes for compressed leaves
   nonfinite_count: Array  # shape=(), int32: steps skipped because g had NaN/Inf
+  shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
 
 def _chunked_exchange(v: Array, density: float, chunk: int, axis_name) -> tuple[Array, Array]:
@@ -223,7 +225,8 @@ def dgc(
       vel.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
     return DGCState(count=jnp.zeros((), jnp.int32), key=jax.random.key(seed),
                     momentum=treedef.unflatten(mom), velocity=treedef.unflatten(vel),
-                    nonfinite_count=jnp.zeros((), jnp.int32))
+                    nonfinite_count=jnp.zeros((), jnp.int32),
+                    shapes=treeutil.LeafShapes.of(params))
 
   def dense_leaf(g, u):
     """Momentum SGD for a leaf the filter leaves out: (local update, new momentum)."""
@@ -269,6 +272,8 @@ def dgc(
     paths = [p for p, _ in leaves]
     for path, g in leaves:
       transforms._check_leaf(path, g)  # pylint: disable=protected-access
+    if state.shapes is not None:
+      state.shapes.check(updates, "jc.dgc")
     gs = [g.astype(_F32) for _, g in leaves]
     us = treedef.flatten_up_to(state.momentum)
     vs = treedef.flatten_up_to(state.velocity)
@@ -288,6 +293,8 @@ def dgc(
       num = 1
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (
         jnp.ones((), bool))
+    if axis_name is not None:  # the shards of a tensor-parallel group skip together
+      finite = ~collectives.any_over_other_axes(~finite, axis_name)
     if clip_norm is not None and gs:
       norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in gs))
       thr = jnp.float32(clip_norm / math.sqrt(num))
@@ -327,7 +334,8 @@ def dgc(
     new_state = DGCState(
         count=state.count + 1, key=key, momentum=treedef.unflatten(new_u),
         velocity=treedef.unflatten(new_v),
-        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32))
+        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+        shapes=state.shapes)
     return treedef.unflatten(outs), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -24,6 +24,7 @@ from jaxcomp._src import phases
 from jaxcomp._src import normal
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
+from jaxcomp._src import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -263,6 +264,7 @@ class MIPDState(NamedTuple):
   observed: Array         # shape=(compressed leaves,), bool: ĝ_i has been initialised
   nonfinite_count: Array  # shape=(), int32: steps whose gradient had NaN/Inf
   overflow_count: Array   # shape=(), int32: steps whose exact-outlier capacity overflowed
+  shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
 
 def mipd(
@@ -420,7 +422,8 @@ def mipd(
     return MIPDState(count=jnp.zeros((), jnp.int32), prediction=treedef.unflatten(pred),
                      observed=jnp.zeros((sum(on),), bool),
                      nonfinite_count=jnp.zeros((), jnp.int32),
-                     overflow_count=jnp.zeros((), jnp.int32))
+                     overflow_count=jnp.zeros((), jnp.int32),
+                     shapes=treeutil.LeafShapes.of(params))
 
   def exchange(group: _Group, members, gs, preds, pnorms, observed):
     """One group's exchange: (mean per member, new prediction per member, overflow)."""
@@ -473,6 +476,8 @@ def mipd(
       obs = m if predict_from == "compensated" else received[lo:hi].reshape(gs[j].shape)
       means.append(m)
       new_p.append(jnp.where(observed[j], a * obs + (1 - a) * preds[j], obs))
+    if axis_name is not None:  # the same in both half-update branches
+      overflow = collectives.any_over_other_axes(overflow, axis_name)
     return means, new_p, overflow
 
   def update_fn(updates, state, params=None):
@@ -482,6 +487,8 @@ def mipd(
     leaves, treedef = flat(updates)
     for path, g in leaves:
       transforms._check_leaf(path, g)  # pylint: disable=protected-access
+    if state.shapes is not None:
+      state.shapes.check(updates, "jc.mipd")
     on, sel, halves, groups = layout(leaves)
     p_leaves = treedef.flatten_up_to(params)
     preds_all = treedef.flatten_up_to(state.prediction)
@@ -513,6 +520,8 @@ def mipd(
         finite = sums.pop(0) == 0  # no device had a non-finite gradient
       if sync_parity:
         parity = sums.pop(0) // collectives.axis_size(axis_name)
+      # The shards of a tensor-parallel group skip together.
+      finite = ~collectives.any_over_other_axes(~finite, axis_name)
 
     def step(active):
       means, new_p, overflow = exchange(groups[active], halves[active], gs, preds, pnorms,
@@ -537,7 +546,9 @@ def mipd(
     off = iter(off)
     for i, ((_, g), o) in enumerate(zip(leaves, on)):
       if o:
-        result.append(outs[pos[i]].astype(g.dtype))
+        # The half update sends the other group's prediction in place of its mean: a
+        # non-finite step (agreed above) must still give a non-finite mean everywhere.
+        result.append(treeutil.mark_nonfinite(outs[pos[i]].astype(g.dtype), finite))
         pred_tree[i] = new_preds[pos[i]]
       else:
         result.append(next(off))
@@ -545,7 +556,8 @@ def mipd(
         count=state.count + 1, prediction=treedef.unflatten(pred_tree),
         observed=jnp.where(finite, seen, state.observed),
         nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-        overflow_count=state.overflow_count + overflow.astype(jnp.int32))
+        overflow_count=state.overflow_count + overflow.astype(jnp.int32),
+        shapes=state.shapes)
     return treedef.unflatten(result), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

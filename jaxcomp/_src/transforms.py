@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
 from jaxcomp._src import phases
+from jaxcomp._src import treeutil
 from jaxcomp._src import wangni
 
 Array = jax.Array
@@ -46,6 +47,7 @@ class CompressState(NamedTuple):
   chunk_residual: Any    # second-stage (two-phase) error feedback, shape=(chunk,), float32
   nonfinite_count: Array  # shape=(), dtype=int32: steps whose input had NaN/Inf
   overflow_count: Array   # shape=(), dtype=int32: steps a codec took its overflow path
+  shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
 
 def _selected(filter_fn: FilterFn, path, leaf) -> bool:
@@ -124,9 +126,15 @@ def compress(
 
   NaN/Inf policy: a leaf whose input is not finite on this device does not update its
   residual (the previous residual is kept, so the error-feedback state is never
-  poisoned), ``nonfinite_count`` in the state counts such steps, and the returned mean
-  is not finite either (a NaN is never hidden). Wrap the chain in
-  ``optax.apply_if_finite`` to skip such steps.
+  poisoned), ``nonfinite_count`` in the state counts such steps (compressed and
+  full-precision leaves alike), and the returned mean is not finite either, on every
+  device (a NaN is never hidden). To skip such steps wrap the whole chain in
+  :func:`jaxcomp.skip_nonfinite`, which decides from that mean, the same on every
+  device; not in ``optax.apply_if_finite``, whose per-device branch around the
+  collectives deadlocks under ``jax.pmap``.
+
+  Gradients must match the parameters given to ``init`` (keys, shapes, dtypes): a
+  ``ValueError`` names the first leaf that does not.
 
   Randomness: the state holds a typed key, split every step and folded with the device
   index, so devices draw independent bits and the same ``seed`` gives the same run.
@@ -195,11 +203,16 @@ def compress(
         residual=treedef.unflatten(residual),
         chunk_residual=treedef.unflatten(chunk_residual),
         nonfinite_count=jnp.zeros((), jnp.int32),
-        overflow_count=jnp.zeros((), jnp.int32))
+        overflow_count=jnp.zeros((), jnp.int32),
+        shapes=treeutil.LeafShapes.of(params))
 
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = flat(updates)
+    for path, g in leaves:
+      _check_leaf(path, g)
+    if state.shapes is not None:
+      state.shapes.check(updates, "jc.compress")
     residuals = treedef.flatten_up_to(state.residual)
     chunk_residuals = treedef.flatten_up_to(state.chunk_residual)
     key, step_key = jax.random.split(state.key)
@@ -222,6 +235,9 @@ def compress(
       for i, ((path, g), e, e2) in enumerate(zip(leaves, residuals, chunk_residuals)):
         _check_leaf(path, g)
         if not _selected(filter_fn, path, g):
+          # Averaged in full precision (a NaN propagates into the mean); counted here
+          # too, so that nonfinite_count covers every leaf.
+          any_bad = any_bad | ~jnp.all(jnp.isfinite(g))
           if axis_name is not None:
             dense.append(len(out))  # averaged together after the loop: one all-reduce
           out.append(g)
@@ -299,12 +315,16 @@ def compress(
         if ex.chunk_residual is not None:
           new_cres[i] = ex.chunk_residual
         any_overflow = any_overflow | ex.overflow
+    if axis_name is not None:
+      any_bad = collectives.any_over_other_axes(any_bad, axis_name)
+      any_overflow = collectives.any_over_other_axes(any_overflow, axis_name)
     new_state = CompressState(
         key=key,
         residual=treedef.unflatten(new_res),
         chunk_residual=treedef.unflatten(new_cres),
         nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
-        overflow_count=state.overflow_count + any_overflow.astype(jnp.int32))
+        overflow_count=state.overflow_count + any_overflow.astype(jnp.int32),
+        shapes=state.shapes)
     return treedef.unflatten(out), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -434,41 +454,6 @@ def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
     return updates, PerDeviceState(jax.tree.map(lambda x: x[None], inner))
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def abstract_state(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int):
-  """Shapes and dtypes of ``tx.init(params)`` traced inside ``jax.shard_map``.
-
-  The trace runs over an abstract mesh of ``num_devices`` devices (no devices needed),
-  so an ``init`` that sizes its state by the axis (two-phase error feedback) works.
-  ``params`` may hold arrays or ``jax.ShapeDtypeStruct``.
-  """
-  mesh = jax.sharding.AbstractMesh((num_devices,), (axis_name,))
-  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
-                        params)
-  init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-  return jax.eval_shape(init, shapes)
-
-
-def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int):
-  """PartitionSpecs of ``tx``'s state for ``jax.shard_map`` data parallelism.
-
-  Leaves inside a :func:`per_device_state` get ``P(axis_name)`` (one row per device),
-  all others ``P()`` (replicated). The state's structure is found by tracing ``tx.init``
-  inside ``jax.shard_map`` over an abstract mesh of ``num_devices`` devices, so
-  transforms whose state depends on the device count (two-phase error feedback) work.
-
-  Returns:
-    A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
-  """
-  state = abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices)
-
-  def spec(subtree):
-    if isinstance(subtree, PerDeviceState):
-      return jax.tree.map(lambda _: P(axis_name), subtree)
-    return P()
-
-  return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, PerDeviceState))
 
 
 def sparsify(

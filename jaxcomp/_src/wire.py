@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import transforms
+from jaxcomp._src import specs
 
 try:  # jax >= 0.4.36
   from jax.extend import core as _core
@@ -197,7 +197,7 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
     raise ValueError("wire_report needs the axis_name the transform averages over")
   params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
                         params)
-  state = transforms.abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices)
+  state = specs.abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices)
   ops = collective_ops(lambda g, s, p: tx.update(g, s, p)[0], params, state, params,
                        axis_name=axis_name, num_devices=num_devices)
   received = float(sum(op[3] for op in ops if not op[4]))

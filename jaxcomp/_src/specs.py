@@ -1,0 +1,268 @@
+"""Where an optimizer state lives on a mesh: the ``PartitionSpec``\\ s of ``tx.init``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp._src import treeutil
+from jaxcomp._src.transforms import PerDeviceState
+
+
+def _names(axis) -> tuple:
+  if axis is None:
+    return ()
+  return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def _spec_axes(spec: P) -> tuple:
+  """The mesh axes a ``PartitionSpec`` names, in order."""
+  out = []
+  for entry in spec:
+    for name in _names(entry):
+      if name not in out:
+        out.append(name)
+  return tuple(out)
+
+
+def _is_spec(x) -> bool:
+  return x is None or isinstance(x, P)
+
+
+def _param_specs(params, param_specs, axis_name) -> list:
+  """The flat list of ``PartitionSpec``\\ s of ``params`` (validated)."""
+  leaves, treedef = treeutil.flat(params)
+  if param_specs is None:
+    return [P()] * len(leaves)
+  try:
+    specs = treedef.flatten_up_to(param_specs)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"param_specs must be a pytree of PartitionSpecs with the structure of "
+                     f"params; {e}") from e
+  out = []
+  for (path, leaf), spec in zip(leaves, specs):
+    spec = P() if spec is None else spec
+    if not isinstance(spec, P):
+      raise TypeError(f"param_specs at {jax.tree_util.keystr(path)} must be a "
+                      f"PartitionSpec, got {spec!r}")
+    if len(spec) > np.ndim(leaf):
+      raise ValueError(f"param_specs at {jax.tree_util.keystr(path)}: {spec} has more "
+                       f"entries than the leaf has dimensions ({np.shape(leaf)})")
+    clash = set(_spec_axes(spec)) & set(_names(axis_name))
+    if clash:
+      raise ValueError(
+          f"param_specs at {jax.tree_util.keystr(path)} shards over {sorted(clash)}, the "
+          f"data axis: data-parallel parameters are replicated over axis_name (the "
+          f"gradients are averaged over it); shard them over the other mesh axes only")
+    out.append(spec)
+  return out
+
+
+def _axis_sizes(params, other: tuple, mesh) -> dict:
+  """Sizes of the mesh axes ``other``: from ``mesh``, the params' shardings, or the
+  mesh set with ``jax.set_mesh``."""
+  candidates = []
+  if mesh is not None:
+    candidates.append(dict(mesh.shape))
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.NamedSharding):
+      candidates.append(dict(sharding.mesh.shape))
+      break
+  ambient = jax.sharding.get_abstract_mesh()
+  if ambient is not None and not getattr(ambient, "empty", False) and ambient.axis_names:
+    candidates.append(dict(ambient.shape))
+  for sizes in candidates:
+    if all(a in sizes for a in other):
+      return sizes
+  raise ValueError(
+      f"param_specs shard the parameters over {list(other)}: pass mesh=... (or params "
+      f"placed with a NamedSharding on that mesh, or set it with jax.set_mesh) so that "
+      f"the state can be traced with each device's shard shapes")
+
+
+def abstract_state(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int,
+                   param_specs=None, mesh=None):
+  """Shapes and dtypes of ``tx.init(params)`` traced inside ``jax.shard_map``.
+
+  The trace runs over an abstract mesh (no devices needed): ``axis_name`` of
+  ``num_devices`` devices, plus the axes ``param_specs`` shard the parameters over, so
+  the state is traced with the shapes of one device's shards, as ``init`` sees them
+  under ``shard_map(tx.init, in_specs=(param_specs,))``. ``params`` may hold arrays or
+  ``jax.ShapeDtypeStruct``. The result is one device's (local) state.
+  """
+  specs = _param_specs(params, param_specs, axis_name)
+  data = _names(axis_name)
+  if len(data) != 1:
+    raise ValueError(f"axis_name must name one mesh axis, got {axis_name!r}")
+  if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or (
+      num_devices < 1):
+    raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+  other = tuple(dict.fromkeys(a for s in specs for a in _spec_axes(s)))
+  sizes = {}
+  if other or mesh is not None:
+    sizes = _axis_sizes(params, other, mesh) if other else dict(mesh.shape)
+  if data[0] in sizes and sizes[data[0]] != num_devices:
+    raise ValueError(f"num_devices={num_devices} but the mesh's axis {data[0]!r} has "
+                     f"{sizes[data[0]]} devices: pass num_devices=mesh.shape[{data[0]!r}]")
+  names = data + other
+  amesh = jax.sharding.AbstractMesh((int(num_devices),) + tuple(sizes[a] for a in other),
+                                    names)
+  leaves, treedef = treeutil.flat(params)
+  for (path, leaf), spec in zip(leaves, specs):
+    for dim, entry in enumerate(spec):
+      parts = int(np.prod([sizes[a] for a in _names(entry)])) if entry is not None else 1
+      if np.shape(leaf)[dim] % parts:
+        raise ValueError(f"param at {jax.tree_util.keystr(path)}: dimension {dim} of shape "
+                         f"{np.shape(leaf)} does not divide over {entry} ({parts} shards)")
+  shapes = treedef.unflatten([jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+                              for _, x in leaves])
+  init = jax.shard_map(tx.init, mesh=amesh, in_specs=(treedef.unflatten(specs),),
+                       out_specs=P(), check_vma=False)
+  return jax.eval_shape(init, shapes)
+
+
+def _local_shape(shape, spec, sizes) -> tuple:
+  out = list(shape)
+  for dim, entry in enumerate(spec):
+    if entry is not None:
+      out[dim] //= int(np.prod([sizes[a] for a in _names(entry)]))
+  return tuple(out)
+
+
+def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int,
+                param_specs=None, mesh=None):
+  """PartitionSpecs of ``tx``'s state for ``jax.shard_map`` data parallelism.
+
+  The state of ``tx.init(params)`` traced inside ``jax.shard_map(tx.init,
+  in_specs=(param_specs,))`` gets, leaf by leaf:
+
+  * inside a :func:`per_device_state` (one row per device: residuals, device-folded
+    keys, counters): ``P(axis_name, *spec)`` for a leaf shaped like its parameter
+    (``spec`` that parameter's spec), ``P((axis_name, *axes))`` for one that is not
+    (a two-phase chunk residual: it differs between the parameter's shards too), and
+    ``P(axis_name)`` for the rest;
+  * the accumulated gradients of ``optax.MultiSteps`` and :func:`multi_steps` (local
+    sums of local gradients, so per device, held without a leading axis): the
+    parameter's spec with ``axis_name`` in front of its first dimension's axes;
+  * elsewhere (an optimizer after the exchange, whose updates are the same on every
+    data-parallel device): the parameter's spec for a leaf shaped like its parameter
+    (Adam's moments of a tensor-parallel kernel are sharded like it), else ``P()``.
+
+  A leaf belongs to a parameter when it sits in a subtree with the parameters' tree
+  structure (how optax and jaxcomp store per-parameter state).
+
+  Args:
+    tx: the whole optimizer, e.g. ``optax.chain(jc.per_device_state(...), optax.adam(..))``.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``), global shapes.
+    axis_name: the data-parallel mesh axis the gradients are averaged over.
+    num_devices: its size.
+    param_specs: a pytree of ``PartitionSpec`` for ``params`` over the *other* mesh axes
+      (tensor parallelism), as passed to ``shard_map``'s ``in_specs``; ``None``: the
+      parameters are replicated.
+    mesh: the mesh, when ``param_specs`` name other axes and neither the params'
+      shardings nor ``jax.set_mesh`` say their sizes.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
+
+  Raises:
+    ValueError: ``num_devices`` differs from the mesh's ``axis_name`` size; a spec
+      shards over ``axis_name`` or does not divide its dimension; a state leaf would
+      vary over a mesh axis it cannot be sharded along (a 0-d per-device leaf).
+  """
+  state = abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices,
+                         param_specs=param_specs, mesh=mesh)
+  specs = _param_specs(params, param_specs, axis_name)
+  other = tuple(dict.fromkeys(a for s in specs for a in _spec_axes(s)))
+  sizes = _axis_sizes(params, other, mesh) if other else {}
+  leaves, treedef = treeutil.flat(params)
+  locals_ = [_local_shape(np.shape(x), s, sizes) for (_, x), s in zip(leaves, specs)]
+  single = treedef.num_nodes == 1  # params is one array: match leaves by shape alone
+
+  def param_items(node):
+    """``node``'s items per parameter when it has the parameters' structure, else None."""
+    if single or isinstance(node, (jax.ShapeDtypeStruct, PerDeviceState,
+                                   optax.MultiStepsState)):
+      return None
+    try:
+      items = treedef.flatten_up_to(node)
+    except (ValueError, TypeError):
+      return None
+    shaped = [x for x in items if hasattr(x, "shape")]
+    if len(shaped) + sum(isinstance(x, (optax.MaskedNode, type(None))) for x in items) != len(
+        items):
+      return None
+    if type(node) is type(params) and not isinstance(params, (tuple, list)):
+      return items  # a dict (or other mapping) of the parameters' keys
+    # Tuples and lists match by structure too easily (a (count, key) pair): ask for at
+    # least one leaf shaped like its parameter as well.
+    hits = sum(tuple(x.shape) in (loc, (1,) + loc) for x, loc in zip(items, locals_)
+               if hasattr(x, "shape"))
+    return items if hits else None
+
+  def leaf_spec(x, where: str, per_device: bool, local: bool, param: int | None):
+    shape = tuple(x.shape)
+    if param is None and single and shape in (locals_[0], (1,) + locals_[0]):
+      param = 0
+    spec = None if param is None else tuple(specs[param]) + (None,) * (
+        len(locals_[param]) - len(specs[param]))
+    if per_device:
+      if spec is not None and shape == (1,) + locals_[param]:
+        return P(axis_name, *spec)
+      if spec is not None and _spec_axes(P(*spec)):
+        return P((axis_name,) + _spec_axes(P(*spec)), *([None] * (len(shape) - 1)))
+      return P(axis_name)
+    if local:  # accumulated local gradients, no leading axis
+      if spec is None or shape != locals_[param]:
+        raise ValueError(f"state at {where}: accumulated gradients must be shaped like "
+                         f"their parameter")
+      if not shape:
+        raise ValueError(
+            f"state at {where}: the accumulated gradient of a 0-d parameter differs "
+            f"between devices but has no dimension to hold one value per device under "
+            f"shard_map; give the parameter shape (1,)")
+      return P((axis_name,) + _names(spec[0]), *spec[1:])
+    if spec is not None:
+      if shape == locals_[param]:
+        return P(*spec)
+      if _spec_axes(P(*spec)):
+        raise ValueError(
+            f"state at {where} has shape {shape} for a parameter sharded as "
+            f"{P(*spec)} (shard shape {locals_[param]}): jc.state_specs cannot tell how "
+            f"it is sharded")
+    return P()
+
+  def walk(node, where: str, per_device: bool, local: bool):
+    def special(x):
+      return isinstance(x, (PerDeviceState, optax.MultiStepsState)) or (
+          param_items(x) is not None)
+
+    def one(path, x):
+      here = where + jax.tree_util.keystr(path)
+      if isinstance(x, PerDeviceState):
+        return PerDeviceState(walk(x.inner, here + ".inner", True, local))
+      if isinstance(x, optax.MultiStepsState):
+        return x._replace(
+            mini_step=walk(x.mini_step, here, per_device, local),
+            gradient_step=walk(x.gradient_step, here, per_device, local),
+            inner_opt_state=walk(x.inner_opt_state, here + ".inner_opt_state", per_device,
+                                 local),
+            acc_grads=walk(x.acc_grads, here + ".acc_grads", per_device, True),
+            skip_state=walk(x.skip_state, here + ".skip_state", per_device, local))
+      items = param_items(x)
+      if items is not None:
+        return treedef.unflatten([
+            item if not hasattr(item, "shape") else
+            leaf_spec(item, here + jax.tree_util.keystr(p), per_device, local, i)
+            for i, (item, (p, _)) in enumerate(zip(items, leaves))])
+      return leaf_spec(x, here, per_device, local, None)
+
+    return jax.tree_util.tree_map_with_path(one, node, is_leaf=special)
+
+  return walk(state, "opt_state", False, False)

@@ -1,0 +1,108 @@
+"""Tree helpers shared by the transforms: leaf records and the gradient-vs-init check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def flat(tree):
+  """``(path, leaf)`` pairs and the treedef of ``tree``."""
+  return jax.tree_util.tree_flatten_with_path(tree)
+
+
+@jax.tree_util.register_pytree_node_class
+class LeafShapes:
+  """The shapes and dtypes of the leaves ``init`` saw, as a pytree node with no leaves.
+
+  Held in a transform's state so that ``update`` can tell a gradient that does not
+  match the parameters (a different shape, dtype or set of keys) from one that does:
+  without it a leaf of another shape would be averaged against a stale residual, or
+  broadcast into one, silently. It carries no arrays (the record is static pytree
+  metadata), so it costs nothing on the device, needs no sharding, and a checkpoint
+  restored into ``init``'s structure brings it back unchanged.
+  """
+
+  __slots__ = ("paths", "shapes", "dtypes")
+
+  def __init__(self, paths: tuple, shapes: tuple, dtypes: tuple):
+    self.paths = paths
+    self.shapes = shapes
+    self.dtypes = dtypes
+
+  @classmethod
+  def of(cls, tree) -> "LeafShapes":
+    leaves, _ = flat(tree)
+    return cls(tuple(p for p, _ in leaves),
+               tuple(tuple(int(d) for d in np.shape(x)) for _, x in leaves),
+               tuple(str(jax.numpy.result_type(x)) for _, x in leaves))
+
+  def tree_flatten(self):
+    return (), (self.paths, self.shapes, self.dtypes)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del children
+    return cls(*aux)
+
+  def __eq__(self, other):
+    return isinstance(other, LeafShapes) and (
+        (self.paths, self.shapes, self.dtypes) == (other.paths, other.shapes, other.dtypes))
+
+  def __hash__(self):
+    return hash((self.paths, self.shapes, self.dtypes))
+
+  def __repr__(self):
+    return f"LeafShapes({len(self.paths)} leaves)"
+
+  def check(self, updates: Any, who: str) -> None:
+    """Raises ``ValueError`` unless ``updates`` has ``init``'s keys, shapes and dtypes.
+
+    The message names the leaf path and both shapes (or dtypes), or which keys only the
+    gradient has and which only the parameters had.
+    """
+    got = LeafShapes.of(updates)
+    if got.paths != self.paths:
+      keystr = jax.tree_util.keystr
+      extra = [keystr(p) for p in got.paths if p not in set(self.paths)]
+      missing = [keystr(p) for p in self.paths if p not in set(got.paths)]
+      parts = []
+      if extra:
+        parts.append(f"the gradient has {', '.join(extra)}, which the parameters given to "
+                     f"init did not have")
+      if missing:
+        parts.append(f"the parameters given to init had {', '.join(missing)}, which the "
+                     f"gradient lacks")
+      if not parts:
+        parts.append("the leaves come in another order or nesting")
+      raise ValueError(f"{who}: the gradient's tree does not match init's: "
+                       + "; ".join(parts) + ".")
+    for path, want, have, want_t, have_t in zip(self.paths, self.shapes, got.shapes,
+                                                self.dtypes, got.dtypes):
+      if want != have:
+        raise ValueError(
+            f"{who}: the gradient at {jax.tree_util.keystr(path)} has shape {have}, but "
+            f"init saw shape {want} there; pass gradients shaped like the parameters "
+            f"the state was initialised with.")
+      if want_t != have_t:
+        raise ValueError(
+            f"{who}: the gradient at {jax.tree_util.keystr(path)} has dtype {have_t}, but "
+            f"init saw dtype {want_t} there; cast the gradient (or re-initialise the "
+            f"state for the new dtype).")
+
+
+def mark_nonfinite(x: jax.Array, finite: jax.Array) -> jax.Array:
+  """``x`` with its first entry set to NaN where ``finite`` is false (O(1), no pass).
+
+  For outputs that stand in for a mean the devices agreed was non-finite but that do
+  not carry the NaN themselves (a prediction sent in place of an exchanged layer): the
+  mean must stay visibly non-finite, on every device alike.
+  """
+  if x.size == 0:
+    return x
+  first = x.reshape(-1)[0]
+  nan = jnp.asarray(jnp.nan, x.dtype)
+  return x.reshape(-1).at[0].set(jnp.where(finite, first, nan)).reshape(x.shape)

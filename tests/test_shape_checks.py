@@ -1,0 +1,49 @@
+"""A gradient that does not match ``init``'s parameters is an error, never a silent
+broadcast against a stale state: the message names the leaf and both shapes, or which
+side has which keys."""
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxcomp as jc
+
+PARAMS = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+
+TRANSFORMS = {
+    "compress_ef": lambda: jc.compress(jc.codecs.OneBit(), error_feedback=True),
+    "qsgd": lambda: jc.qsgd(),
+    "dgc": lambda: jc.dgc(0.01),
+    "mipd": lambda: jc.mipd(),
+    "chain": lambda: optax.chain(jc.per_device_state(jc.onebit_sgd()), optax.adam(1e-3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_shape_mismatch_names_the_leaf(name):
+  tx = TRANSFORMS[name]()
+  state = tx.init(PARAMS)
+  bad = {"w": jnp.zeros((1, 32)), "b": jnp.zeros((32,))}
+  with pytest.raises(ValueError, match=r"\['w'\] has shape \(1, 32\), but init saw shape "
+                                       r"\(64, 32\)"):
+    tx.update(bad, state, PARAMS)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_dtype_mismatch(name):
+  tx = TRANSFORMS[name]()
+  state = tx.init(PARAMS)
+  bad = {"w": jnp.zeros((64, 32), jnp.bfloat16), "b": jnp.zeros((32,))}
+  with pytest.raises(ValueError, match=r"\['w'\] has dtype bfloat16, but init saw dtype "
+                                       r"float32"):
+    tx.update(bad, state, PARAMS)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_missing_and_extra_keys(name):
+  tx = TRANSFORMS[name]()
+  state = tx.init(PARAMS)
+  with pytest.raises(ValueError, match=r"the gradient has \['c'\].*init had \['b'\], which "
+                                       r"the gradient lacks"):
+    tx.update({"w": jnp.zeros((64, 32)), "c": jnp.zeros((32,))}, state,
+              {"w": jnp.zeros((64, 32)), "c": jnp.zeros((32,))})
