@@ -207,6 +207,13 @@ def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devi
     return items if hits else None
 
   def leaf_spec(x, where: str, per_device: bool, local: bool, param: int | None):
+    spec_ = _leaf_spec(x, where, per_device, local, param)
+    entries = list(spec_)
+    while entries and entries[-1] is None:  # P('b', None) is P('b'): keep the short form
+      entries.pop()
+    return P(*entries)
+
+  def _leaf_spec(x, where: str, per_device: bool, local: bool, param: int | None):
     shape = tuple(x.shape)
     if param is None and single and shape in (locals_[0], (1,) + locals_[0]):
       param = 0
