@@ -32,10 +32,11 @@ import importlib
 from examples.mnist1d import train
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  """Command-line flags."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workdir", default="runs/mnist1d",
+def build_parser(*, description: str = __doc__.splitlines()[0], workdir: str = "runs/mnist1d",
+                 checkpoints: bool = True) -> argparse.ArgumentParser:
+  """The command-line flags (the NNX trainer reuses them, without checkpoints)."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--workdir", default=workdir,
                       help="output directory (results.md/json, accuracy.png, data cache)")
   parser.add_argument("--config", default="default",
                       help="module in examples/mnist1d/configs providing get_config()")
@@ -48,11 +49,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="override the init/shuffling seed (the data set stays fixed)")
   parser.add_argument("--methods", default=None,
                       help=f"comma-separated subset of {','.join(train.ALL_METHODS)}")
-  parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                      help="save each method's params and optimizer state every N steps in"
-                      " WORKDIR/checkpoints/METHOD and resume from there (0: off, the"
-                      " default)")
-  return parser.parse_args(argv)
+  if checkpoints:
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                        help="save each method's params and optimizer state every N steps"
+                        " in WORKDIR/checkpoints/METHOD and resume from there (0: off, the"
+                        " default)")
+  return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """Command-line flags."""
+  return build_parser().parse_args(argv)
 
 
 def get_config(args: argparse.Namespace):
@@ -70,10 +77,11 @@ def get_config(args: argparse.Namespace):
     overrides["per_device_batch_size"] = args.batch
   if args.seed is not None:
     overrides["seed"] = args.seed
-  if args.checkpoint_every is not None:
-    if args.checkpoint_every < 0:
-      raise ValueError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
-    overrides["checkpoint_every"] = args.checkpoint_every
+  every = getattr(args, "checkpoint_every", None)  # absent: a parser without checkpoints
+  if every is not None:
+    if every < 0:
+      raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
+    overrides["checkpoint_every"] = every
   if args.methods is not None:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = [m for m in methods if m not in train.ALL_METHODS]

@@ -157,6 +157,30 @@ def _exchange_words(leaves, exchange, *, per_device: bool) -> list[Array]:
   return out
 
 
+def _by_varying(leaves) -> list[list[int]]:
+  """Positions of ``leaves`` grouped by the mesh axes they vary over, in first-seen order.
+
+  Leaves fused into one buffer come out typed varying over the union of their axes: on a
+  mesh with a tensor-parallel axis, a replicated parameter's mean would come back typed
+  varying over "model" next to a sharded one, and could no longer be returned as
+  replicated. One collective per group keeps each leaf's type (one group on a 1-D mesh).
+  """
+  groups: dict = {}
+  for i, x in enumerate(leaves):
+    groups.setdefault(varying_axes(x), []).append(i)
+  return list(groups.values())
+
+
+def _grouped(leaves, exchange) -> list:
+  """``exchange`` (a list of arrays -> a list of arrays) run once per :func:`_by_varying`
+  group of ``leaves``; the results in the leaves' order."""
+  out = [None] * len(leaves)
+  for idx in _by_varying(leaves):
+    for i, y in zip(idx, exchange([leaves[i] for i in idx])):
+      out[i] = y
+  return out
+
+
 def gather_tree(tree, axis_name):
   """All-gathers every array of ``tree`` (stacked on a new leading axis) in one collective.
 
@@ -167,10 +191,14 @@ def gather_tree(tree, axis_name):
   independent all-reduces, but XLA:CPU does not combine all-gathers.)
   """
   leaves, treedef = jax.tree.flatten(tree)
-  if not _fusable(leaves):
-    return jax.tree.map(lambda a: all_gather_invariant(a, axis_name), tree)
-  return treedef.unflatten(_exchange_words(
-      leaves, lambda b: all_gather_invariant(b, axis_name), per_device=False))
+
+  def exchange(group):
+    if not _fusable(group):
+      return [all_gather_invariant(a, axis_name) for a in group]
+    return _exchange_words(group, lambda b: all_gather_invariant(b, axis_name),
+                           per_device=False)
+
+  return treedef.unflatten(_grouped(leaves, exchange))
 
 
 def all_to_all_tree(tree, axis_name):
@@ -185,9 +213,12 @@ def all_to_all_tree(tree, axis_name):
   def a2a(a):
     return lax.all_to_all(a, axis_name, split_axis=0, concat_axis=0)
 
-  if not _fusable(leaves):
-    return jax.tree.map(a2a, tree)
-  return treedef.unflatten(_exchange_words(leaves, a2a, per_device=True))
+  def exchange(group):
+    if not _fusable(group):
+      return [a2a(a) for a in group]
+    return _exchange_words(group, a2a, per_device=True)
+
+  return treedef.unflatten(_grouped(leaves, exchange))
 
 
 def psum_tree(tree, axis_name):
@@ -201,8 +232,8 @@ def psum_tree(tree, axis_name):
   """
   leaves, treedef = jax.tree.flatten(tree)
   groups: dict = {}
-  for i, x in enumerate(leaves):
-    groups.setdefault(jnp.dtype(x.dtype), []).append(i)
+  for i, x in enumerate(leaves):  # one buffer per dtype (and per varying axes)
+    groups.setdefault((jnp.dtype(x.dtype), varying_axes(x)), []).append(i)
   out = list(leaves)
   for idx in groups.values():
     if len(idx) == 1:

@@ -212,11 +212,8 @@ def dgc(
   filter_fn = transforms.default_filter if filter is None else filter
   m = float(momentum)
 
-  def flat(tree):
-    return jax.tree_util.tree_flatten_with_path(tree)
-
   def init_fn(params):
-    leaves, treedef = flat(params)
+    leaves, treedef = treeutil.flat(params)
     mom, vel = [], []
     for path, leaf in leaves:
       transforms._check_leaf(path, leaf)  # pylint: disable=protected-access
@@ -268,7 +265,7 @@ def dgc(
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = flat(updates)
+    leaves, treedef = treeutil.flat(updates)
     paths = [p for p, _ in leaves]
     for path, g in leaves:
       transforms._check_leaf(path, g)  # pylint: disable=protected-access

@@ -397,9 +397,6 @@ def mipd(
   filter_fn = transforms.default_filter if filter is None else filter
   a = float(alpha)
 
-  def flat(tree):
-    return jax.tree_util.tree_flatten_with_path(tree)
-
   def selected(leaves):
     return [transforms._selected(filter_fn, p, x) for p, x in leaves]  # pylint: disable=protected-access
 
@@ -413,7 +410,7 @@ def mipd(
     return on, sel, halves, groups
 
   def init_fn(params):
-    leaves, treedef = flat(params)
+    leaves, treedef = treeutil.flat(params)
     for path, leaf in leaves:
       transforms._check_leaf(path, leaf)  # pylint: disable=protected-access
     on = selected(leaves)
@@ -484,7 +481,7 @@ def mipd(
     if params is None:
       raise ValueError("jc.mipd needs params: call tx.update(grads, state, params) "
                        "(the interpretability drop rate reads the parameters' norms)")
-    leaves, treedef = flat(updates)
+    leaves, treedef = treeutil.flat(updates)
     for path, g in leaves:
       transforms._check_leaf(path, g)  # pylint: disable=protected-access
     if state.shapes is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +96,18 @@ def abstract_state(tx: optax.GradientTransformation, params, *, axis_name, num_d
   under ``shard_map(tx.init, in_specs=(param_specs,))``. ``params`` may hold arrays or
   ``jax.ShapeDtypeStruct``. The result is one device's (local) state.
   """
+  layout = _layout(params, param_specs, axis_name, num_devices, mesh)
+  return _trace_init(tx, params, layout)
+
+
+class _Layout(NamedTuple):
+  specs: list        # a PartitionSpec per parameter leaf
+  mesh: Any          # the AbstractMesh the state is traced over
+  local: list        # each parameter's shard shape
+
+
+def _layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
+  """The parameters' specs, validated, and the abstract mesh to trace over."""
   specs = _param_specs(params, param_specs, axis_name)
   data = _names(axis_name)
   if len(data) != 1:
@@ -110,20 +122,26 @@ def abstract_state(tx: optax.GradientTransformation, params, *, axis_name, num_d
   if data[0] in sizes and sizes[data[0]] != num_devices:
     raise ValueError(f"num_devices={num_devices} but the mesh's axis {data[0]!r} has "
                      f"{sizes[data[0]]} devices: pass num_devices=mesh.shape[{data[0]!r}]")
-  names = data + other
   amesh = jax.sharding.AbstractMesh((int(num_devices),) + tuple(sizes[a] for a in other),
-                                    names)
-  leaves, treedef = treeutil.flat(params)
-  for (path, leaf), spec in zip(leaves, specs):
+                                    data + other)
+  local = []
+  for (path, leaf), spec in zip(treeutil.flat(params)[0], specs):
     for dim, entry in enumerate(spec):
       parts = int(np.prod([sizes[a] for a in _names(entry)])) if entry is not None else 1
       if np.shape(leaf)[dim] % parts:
         raise ValueError(f"param at {jax.tree_util.keystr(path)}: dimension {dim} of shape "
                          f"{np.shape(leaf)} does not divide over {entry} ({parts} shards)")
+    local.append(_local_shape(np.shape(leaf), spec, sizes))
+  return _Layout(specs, amesh, local)
+
+
+def _trace_init(tx, params, layout: _Layout):
+  leaves, treedef = treeutil.flat(params)
   shapes = treedef.unflatten([jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
                               for _, x in leaves])
-  init = jax.shard_map(tx.init, mesh=amesh, in_specs=(treedef.unflatten(specs),),
-                       out_specs=P(), check_vma=False)
+  init = jax.shard_map(tx.init, mesh=layout.mesh,
+                       in_specs=(treedef.unflatten(layout.specs),), out_specs=P(),
+                       check_vma=False)
   return jax.eval_shape(init, shapes)
 
 
@@ -176,13 +194,10 @@ def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devi
       shards over ``axis_name`` or does not divide its dimension; a state leaf would
       vary over a mesh axis it cannot be sharded along (a 0-d per-device leaf).
   """
-  state = abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices,
-                         param_specs=param_specs, mesh=mesh)
-  specs = _param_specs(params, param_specs, axis_name)
-  other = tuple(dict.fromkeys(a for s in specs for a in _spec_axes(s)))
-  sizes = _axis_sizes(params, other, mesh) if other else {}
+  layout = _layout(params, param_specs, axis_name, num_devices, mesh)
+  state = _trace_init(tx, params, layout)
+  specs, locals_ = layout.specs, layout.local
   leaves, treedef = treeutil.flat(params)
-  locals_ = [_local_shape(np.shape(x), s, sizes) for (_, x), s in zip(leaves, specs)]
   single = treedef.num_nodes == 1  # params is one array: match leaves by shape alone
 
   def param_items(node):

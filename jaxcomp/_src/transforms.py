@@ -177,11 +177,8 @@ def compress(
         f"'two_phase'")
   filter_fn = default_filter if filter is None else filter
 
-  def flat(tree):
-    return jax.tree_util.tree_flatten_with_path(tree)
-
   def init_fn(params):
-    leaves, treedef = flat(params)
+    leaves, treedef = treeutil.flat(params)
     residual, chunk_residual = [], []
     k = None
     for path, leaf in leaves:
@@ -208,7 +205,7 @@ def compress(
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = flat(updates)
+    leaves, treedef = treeutil.flat(updates)
     for path, g in leaves:
       _check_leaf(path, g)
     if state.shapes is not None:

@@ -123,6 +123,10 @@ def multi_steps(opt: optax.GradientTransformation,
   Under ``jax.shard_map`` the accumulated gradients are local (each device sums its
   own): :func:`state_specs` gives them a spec over the data axis.
 
+  Put :func:`skip_nonfinite` inside it (``multi_steps(skip_nonfinite(...), k)``): it then
+  sees the accumulated gradient and a NaN mini-step costs one update. Outside, the
+  skipped step would keep the poisoned accumulator and skip every update after it.
+
   Args:
     opt: the inner transform (the exchange and the optimizer after it).
     every_k_schedule: k, or a function of the number of updates taken returning it.
