@@ -230,7 +230,6 @@ def compress(
     # collectives and decodes of the fallback/psum paths inside keep their own).
     with jax.named_scope(phases.ENCODE_SCOPE):
       for i, ((path, g), e, e2) in enumerate(zip(leaves, residuals, chunk_residuals)):
-        _check_leaf(path, g)
         if not _selected(filter_fn, path, g):
           # Averaged in full precision (a NaN propagates into the mean); counted here
           # too, so that nonfinite_count covers every leaf.
