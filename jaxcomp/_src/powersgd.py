@@ -59,7 +59,9 @@ def _plan(filter_fn, path, leaf, rank: int, min_compression: float, view: str
   times the ``r·(m+n)`` values of P and Q (the PyTorch hook's rule; there a strict ``>``).
   """
   mn = _matrix_view(tuple(leaf.shape), view)
-  if mn is None or not transforms._selected(filter_fn, path, leaf):  # pylint: disable=protected-access
+  if mn is None:
+    return None
+  if not transforms._selected(filter_fn, path, leaf):  # pylint: disable=protected-access
     return None
   m, n = mn
   r = min(rank, m, n)
