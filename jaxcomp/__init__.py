@@ -20,6 +20,8 @@ from jaxcomp._src.mipd import MIPDState
 from jaxcomp._src.mipd import mipd
 from jaxcomp._src.phases import PhaseProfile
 from jaxcomp._src.phases import profile_phases
+from jaxcomp._src.powersgd import PowerSGDState
+from jaxcomp._src.powersgd import powersgd
 from jaxcomp._src.qsvrg import QSVRG
 from jaxcomp._src.qsvrg import QSVRGState
 from jaxcomp._src.qsvrg import QSVRGWireReport
@@ -50,6 +52,7 @@ __all__ = [
     "MIPDState",
     "PerDeviceState",
     "PhaseProfile",
+    "PowerSGDState",
     "QSVRG",
     "QSVRGState",
     "QSVRGWireReport",
@@ -68,6 +71,7 @@ __all__ = [
     "onebit_sgd",
     "per_device_state",
     "pmean_tree",
+    "powersgd",
     "profile_phases",
     "qsgd",
     "qsvrg",

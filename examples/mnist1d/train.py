@@ -28,7 +28,7 @@ from examples.mnist1d import models
 
 AXIS = "batch"
 
-METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd")
+METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd", "powersgd")
 # Also accepted by --method (launch.py) and --methods, not trained by default: the dense
 # baseline with all leaves in one all-reduce buffer (jc.pmean_tree), for benchmarks.
 EXTRA_METHODS = ("dense_flat",)
@@ -41,6 +41,11 @@ MOMENTUM_IN_EXCHANGE = ("dgc",)
 # Exchanges whose state is identical on every device (MIPD's prediction is updated from
 # the aggregated gradient only): kept replicated, not wrapped in jc.per_device_state.
 REPLICATED_STATE = ("mipd",)
+
+# PowerSGD's rank: 2, the paper's setting for image classification (CIFAR-10 ResNet-18).
+# Each kernel, viewed as a (k·in, out) matrix, sends 2(m + n) values instead of m·n.
+# docs/methods/powersgd.md compares ranks 1-8 on this demo.
+POWERSGD_RANK = 2
 
 
 def pmean_gradients(axis_name: str, *, flat: bool = False) -> optax.GradientTransformation:
@@ -83,6 +88,8 @@ def make_exchange(method: str, config=None, *, warmup: bool = True
     return jc.sparsify(density=0.05, axis_name=AXIS)
   if method == "mipd":  # drop 50%, int8 normal quantization, half update, compensation
     return jc.mipd(0.5, axis_name=AXIS)
+  if method == "powersgd":
+    return jc.powersgd(POWERSGD_RANK, axis_name=AXIS)  # error feedback and warm start
   if method == "dense":
     return pmean_gradients(AXIS)
   if method == "dense_flat":
