@@ -30,8 +30,9 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-# methods/_legacy.md: the old long method notes kept for reference, not a page of the site.
-exclude_patterns = ["_build", "methods/_legacy.md", "Thumbs.db", ".DS_Store"]
+# Markdown files whose name starts with "_" are working notes, not pages of the site
+# (methods/_legacy.md: the old long method notes, kept for reference).
+exclude_patterns = ["_build", "_*.md", "**/_*.md", "Thumbs.db", ".DS_Store"]
 
 # -- MyST (markdown pages) ---------------------------------------------------------------
 # dollarmath: $x$ and $$...$$ in pages; amsmath: \begin{align}...; colon_fence: ::: blocks.
