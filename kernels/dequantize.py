@@ -9,12 +9,12 @@ and writes the sum once (``4 n`` bytes):
   \mathrm{out}_i = \sum_{k=0}^{K-1} \pm_{k,i}\, \xi_{k,i} \cdot (\sigma_{k,\lfloor i/b\rfloor} / s),
 
 added in rank order ``((d_0 + d_1) + d_2) + ...``, the order of
-:meth:`jaxcomp.codecs.QSGD.decode_sum`, so that in interpret mode the result is
+:meth:`QSGD.decode_sum <jaxcomp.codecs.Codec.decode_sum>`, so that in interpret mode the result is
 bit-identical to it (a compiled kernel may contract ``acc + q * step`` into one fused
 multiply-add, within one rounding of it).
 
 The payload format is :class:`jaxcomp.codecs.QSGD`'s lanes layout (see
-:mod:`kernels.quantize`). The K payloads are read with a loop inside each program, so K
+:mod:`jaxcomp.kernels.quantize`). The K payloads are read with a loop inside each program, so K
 is not unrolled and need not be a power of two.
 """
 

@@ -16,7 +16,7 @@ taken in another order than XLA's, so they agree to float32 rounding (a few ulp)
 bit for bit.
 
 :func:`sign_unpack_sum` is the receiving side: the sum of K gathered payloads decoded
-in one pass, in rank order, like :meth:`jaxcomp.codecs.OneBit.decode_sum`.
+in one pass, in rank order, like :meth:`OneBit.decode_sum <jaxcomp.codecs.Codec.decode_sum>`.
 
 Reference: Seide, Fu, Droppo, Li, Yu, *1-Bit Stochastic Gradient Descent and its
 Application to Data-Parallel Distributed Training of Speech DNNs*, Interspeech 2014.

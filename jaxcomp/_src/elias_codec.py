@@ -194,7 +194,7 @@ class EliasQSGD(codecs_lib.Codec):
 
   Decoding is sequential by nature (each code's length depends on the bits before it);
   it runs on the host through ``jax.pure_callback`` (NumPy,
-  :func:`jaxcomp._src.elias.decode_stream`), so it works under ``jit``/``shard_map``
+  :func:`jaxcomp.elias.decode_stream`), so it works under ``jit``/``shard_map``
   but not where host callbacks are unavailable.
 
   Args:

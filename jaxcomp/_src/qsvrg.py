@@ -422,7 +422,7 @@ class QSVRGWireReport:
 
   @property
   def dense_bits_per_epoch(self) -> int:
-    """Broadcast bits of unquantized SVRG: ``(T + 1) · 32n``."""
+    """Broadcast bits of unquantized SVRG, ``(T + 1) · 32n``."""
     return (self.inner_steps + 1) * 32 * self.num_params
 
   @property

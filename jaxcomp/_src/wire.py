@@ -87,7 +87,7 @@ class WireReport:
 
   @property
   def ratio(self) -> float:
-    """Compression ratio: dense bytes received over the transform's bytes received."""
+    """The compression ratio, dense bytes received over the transform's bytes received."""
     return self.dense_bytes / self.bytes_received if self.bytes_received else float("inf")
 
   def __str__(self) -> str:

@@ -1,0 +1,129 @@
+"""The docs site: every public name has an API entry, and the site builds without warnings.
+
+The entries are autodoc directives (``.. autofunction:: name`` and friends) in the
+sources under docs/api/; the coverage checks parse them, no Sphinx needed.
+"""
+
+import glob
+import importlib
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import jaxcomp
+from jaxcomp import codecs
+from jaxcomp import elias
+from jaxcomp import network
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+API = os.path.join(DOCS, "api")
+
+# `.. autoclass:: Name` in .rst (or an {eval-rst} block), ```{autoclass} Name``` in MyST.
+_ENTRY = re.compile(r"(?:\.\.\s+|```\{)auto(function|class|data|module|exception)"
+                    r"(?:::|\})\s+([\w.]+)")
+_MODULE = re.compile(r"(?:\.\.\s+|```\{)(?:current)?module(?:::|\})\s+([\w.]+)")
+_AUTOMODULE = re.compile(r"(?:\.\.\s+|```\{)automodule(?:::|\})\s+([\w.]+)")
+
+
+def _api_sources() -> list[str]:
+  return sorted(glob.glob(os.path.join(API, "*.rst")) + glob.glob(os.path.join(API, "*.md")))
+
+
+def api_entries() -> dict[str, tuple[str, str]]:
+  """Fully qualified name -> (directive kind, api file), from the autodoc directives.
+
+  A short name is qualified by the module last set in its file (``currentmodule``,
+  ``module`` or ``automodule``), as Sphinx does.
+  """
+  entries = {}
+  for path in _api_sources():
+    module = None
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        line = line.strip()
+        if m := _MODULE.match(line) or _AUTOMODULE.match(line):
+          module = m.group(1)
+        if m := _ENTRY.match(line):
+          kind, name = m.groups()
+          if kind != "module" and not name.startswith("jaxcomp") and module:
+            name = f"{module}.{name}"
+          entries[name] = (kind, os.path.relpath(path, ROOT))
+  return entries
+
+
+def _public(module) -> list[str]:
+  return [f"{module.__name__}.{name}" for name in module.__all__]
+
+
+@pytest.mark.parametrize("module", [jaxcomp, codecs, network, elias], ids=lambda m: m.__name__)
+def test_every_public_name_has_an_api_entry(module):
+  entries = api_entries()
+  missing = [name for name in _public(module) if name not in entries]
+  assert not missing, (
+      f"no entry under docs/api/ for {missing}: add an autofunction/autoclass/automodule "
+      "directive for each (and a line in the summary table of docs/api/index.md)")
+
+
+def test_every_api_entry_exists():
+  for name, (kind, path) in api_entries().items():
+    if kind == "module":
+      importlib.import_module(name)
+    else:
+      module_name, _, attr = name.rpartition(".")
+      assert hasattr(importlib.import_module(module_name), attr), (
+          f"{path} documents {name}, which does not exist")
+
+
+def test_api_index_lists_every_entry():
+  """docs/api/index.md's summary tables name each documented function and class."""
+  with open(os.path.join(API, "index.md"), encoding="utf-8") as f:
+    index = f.read()
+  listed = set()
+  for block in re.findall(r"```\{eval-rst\}\n(.*?)```", index, re.S):
+    module = re.search(r"currentmodule::\s+([\w.]+)", block).group(1)
+    listed |= {f"{module}.{name}" for name in
+               re.findall(r"^\s{3,}(\w+)\s*$", block.split("autosummary::", 1)[1], re.M)}
+  documented = {name for name, (kind, _) in api_entries().items() if kind != "module"}
+  assert documented - listed == set(), "not in docs/api/index.md's tables"
+  assert listed - documented == set(), "in docs/api/index.md's tables with no entry"
+
+
+def test_getting_started_has_the_readme_snippet():
+  """docs/getting_started.md repeats the README's "Use" example word for word."""
+  def use_snippet(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+      text = f.read()
+    return re.search(r"```python\n(.*?)```", text[text.index("## Use"):], re.S).group(1)
+  assert use_snippet("docs/getting_started.md") == use_snippet("README.md")
+
+
+def _landing_page_has_toctree() -> bool:
+  with open(os.path.join(DOCS, "index.md"), encoding="utf-8") as f:
+    return "{toctree}" in f.read()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("sphinx") is None
+                    or importlib.util.find_spec("myst_parser") is None,
+                    reason="Sphinx not installed (pip install -e '.[docs]'; the test extra "
+                           "includes it)")
+# Until the landing page (docs/index.md with the site's toctree) is merged, the new pages
+# are in no toctree and the build fails. Remove this marker with that merge.
+@pytest.mark.xfail(not _landing_page_has_toctree(), strict=True,
+                   reason="docs/index.md has no toctree yet")
+def test_docs_build_without_warnings(tmp_path):
+  """What `bash scripts/docs.sh` runs, into a temporary directory."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  done = subprocess.run(
+      [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+       "-d", str(tmp_path / "doctrees"), DOCS, str(tmp_path / "html")],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+  assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
+  assert os.path.exists(tmp_path / "html" / "api" / "index.html")
