@@ -19,7 +19,7 @@ The codecs (:class:`jaxcomp.codecs.QSGD`, :class:`jaxcomp.codecs.OneBit`) dispat
 them with ``implementation=None | "xla" | "pallas" | "native"`` and fall back to XLA for
 shapes the kernels do not handle. The backend (Pallas on Triton) and why: :mod:`._common`.
 
-Run ``python -m jaxcomp.kernels.bench`` for GB/s of every kernel against the XLA path.
+Run ``python -m benchmarks.kernels`` (a repository checkout) for GB/s of every kernel.
 """
 
 from . import cpu

@@ -1,8 +1,8 @@
 """GB/s of every kernel against the XLA path and the device's copy, in one run.
 
-    python -m jaxcomp.kernels.bench                      # on a CUDA GPU: 1M..256M values
-    python -m jaxcomp.kernels.bench --sizes 20,24 --k 8  # log2 sizes, K payloads
-    python -m jaxcomp.kernels.bench --interpret --sizes 12 --repeats 1  # CPU smoke run
+    python -m benchmarks.kernels                      # on a CUDA GPU: 1M..256M values
+    python -m benchmarks.kernels --sizes 20,24 --k 8  # log2 sizes, K payloads
+    python -m benchmarks.kernels --interpret --sizes 12 --repeats 1  # CPU smoke run
 
 Rows, per size ``n`` (float32 input, QSGD 4-bit / bucket 512, OneBit bucket 512):
 
@@ -25,10 +25,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from . import _common
-from . import dequantize
-from . import quantize
-from . import sign_pack
+from jaxcomp.kernels import _common
+from jaxcomp.kernels import dequantize
+from jaxcomp.kernels import quantize
+from jaxcomp.kernels import sign_pack
 
 _F32 = jnp.float32
 
