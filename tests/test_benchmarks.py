@@ -87,9 +87,9 @@ COMMANDS = (
     "benchmarks.codecs", "benchmarks.collective_probe", "benchmarks.cpu_kernel_loop",
     "benchmarks.compile_time", "benchmarks.demo_variants", "benchmarks.dgc_warmup_compile",
     "benchmarks.elias_bits", "benchmarks.elias_device", "benchmarks.kernels",
-    "benchmarks.native_vs_xla", "benchmarks.network", "benchmarks.qsvrg",
+    "benchmarks.launch", "benchmarks.native_vs_xla", "benchmarks.network", "benchmarks.qsvrg",
     "benchmarks.tbf_probe", "benchmarks.topk", "benchmarks.xla_cpu_pitfalls",
-    "examples.mnist1d.launch", "examples.mnist1d.main")
+    "examples.mnist1d.main")
 
 _HELP_ALL = """
 import contextlib, io, runpy, sys
@@ -138,6 +138,7 @@ def test_cpu_kernel_loop_builds_and_prices_the_hash():
   assert set(rows) == {"as shipped", "baseline: cpu_codecs.cc", "without the hash",
                        "without the prefetch"}, out
   assert rows["as shipped"].rstrip().endswith("| 1.00 |")
+
 
 @pytest.mark.slow
 def test_kernel_benchmark_runs(capsys):
