@@ -1,13 +1,27 @@
-"""Shared helpers of the benchmark scripts: timing (the kernels' own, re-exported), and
-running under a malloc that reuses large buffers."""
+"""Shared helpers of the benchmark scripts: timing, and running under a malloc that
+reuses large buffers."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 import sys
+import time
 
-from jaxcomp.kernels._common import median_time  # noqa: F401
+import jax
+
+
+def median_time(fn, *args, repeats: int) -> float:
+  """Median wall time of ``fn(*args)`` over ``repeats`` runs, after a warm-up run."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
 
 #: glibc malloc settings under which XLA:CPU's large buffers are reused from call to
 #: call. By default glibc serves an allocation above its mmap threshold (at most 32 MiB)

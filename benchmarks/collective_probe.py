@@ -40,7 +40,7 @@ LEAVES = 16
 
 
 def worker(args) -> None:
-  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
   launch.init_distributed(args.coordinator, 2, args.process_id, devices_per_process=1)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     for name, n in combined_counts().items():
       print(f"| {name} | 6 | {n} |")
     return 0
-  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
 
   def commands(host: str, prefix=lambda i: []) -> list[list[str]]:
     coordinator = f"{host}:{free_port()}"

@@ -2,7 +2,7 @@ r"""Training over a real, throttled link: 2 processes in 2 network namespaces.
 
 Creates two network namespaces joined by a veth pair, throttles both ends with
 ``tc qdisc ... tbf rate R``, and runs the 2-process MNIST-1D trainer
-(``examples/mnist1d/launch.py``, one CPU device per process, each pinned to its own
+(``benchmarks/launch.py``, one CPU device per process, each pinned to its own
 core) across the link for every rate, model and method; gloo's collectives then really
 cross the link. It also times single ``psum``\ s and ``all_gather``\ s of several
 sizes on each link and fits :mod:`jaxcomp.network`'s α-β model to the psums (and, for
@@ -201,7 +201,7 @@ def psum_worker(args: argparse.Namespace) -> None:
   its ideal traffic (``benchmarks.collective_probe --rate``), so the model fits it a
   link of its own.
   """
-  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
   launch.init_distributed(args.coordinator, args.num_processes, args.process_id,
                           devices_per_process=1)
   import jax  # pylint: disable=import-outside-toplevel
@@ -244,7 +244,7 @@ def psum_worker(args: argparse.Namespace) -> None:
 def time_collectives(sizes: Sequence[int], seconds_per_size: float, timeout: float) -> dict:
   """Runs :func:`psum_worker` in the two namespaces; process 0's timings, by collective
   (``"psum"``, ``"all_gather"``)."""
-  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
   coordinator = f"{ADDRESSES[0]}:{free_port()}"
   commands = [[*Link.prefix(i), sys.executable, "-m", "benchmarks.network", "--psum-worker",
                "--process-id", str(i), "--num-processes", "2", "--coordinator", coordinator,
@@ -270,7 +270,7 @@ def free_port() -> int:
 def train_on_link(config: str, methods: Sequence[str], steps: int | None,
                   timeout: float, workdir: str, profile: int = 0) -> dict[str, Any]:
   """The 2-process trainer across the namespaces; process 0's result (checked equal)."""
-  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
   args = launch.worker_args(methods, config=config, devices_per_process=1, steps=steps,
                             workdir=workdir, profile=profile)
   results = launch.launch(args, processes=2, prefix=Link.prefix,
@@ -302,7 +302,7 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
   import jax  # pylint: disable=import-outside-toplevel
   import jaxcomp as jc  # pylint: disable=import-outside-toplevel
   from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
-  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
   from examples.mnist1d import models  # pylint: disable=import-outside-toplevel
 
   links = {rate: jc.network.fit_link([("psum", s["bytes"], 2, s["median_s"]) for s in ps])
@@ -453,7 +453,7 @@ def gather_link_table(model_gather: dict) -> str:
 
 def phase_tables(config: str, by_rate: dict) -> list[str]:
   """Markdown rows of the measured step split (``--profile``), process 0; or none."""
-  from examples.mnist1d.launch import PHASE_COLUMNS  # pylint: disable=import-outside-toplevel
+  from benchmarks.launch import PHASE_COLUMNS  # pylint: disable=import-outside-toplevel
   rows = []
   for rate, run in by_rate.items():
     for method, r in run["methods"].items():
@@ -549,7 +549,7 @@ def main(argv=None) -> int:
   methods = args.methods.split(",")
   os.makedirs(args.out, exist_ok=True)
   # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so the link is torn down.
-  from examples.mnist1d import launch  # pylint: disable=import-outside-toplevel
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
   signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
   runs: dict[str, dict[str, Any]] = {c: {} for c in configs}
   psums: dict[str, list] = {}

@@ -1,8 +1,7 @@
 """Pallas GPU kernels for jaxcomp's hot paths, shipped as ``jaxcomp.kernels``.
 
 One module per kernel, each with the kernel body, a jitted wrapper around
-``pl.pallas_call``, a pure-jnp ``*_reference`` (the XLA codec it must match) and a
-``benchmark`` entry:
+``pl.pallas_call`` and a pure-jnp ``*_reference`` (the XLA codec it must match):
 
 * :mod:`~jaxcomp.kernels.quantize`: QSGD's bucket scale (max or l2), stochastic rounding
   with the counter hash of :mod:`jaxcomp._src.rng`, sign and lanes bit packing in one
@@ -19,7 +18,8 @@ The codecs (:class:`jaxcomp.codecs.QSGD`, :class:`jaxcomp.codecs.OneBit`) dispat
 them with ``implementation=None | "xla" | "pallas" | "native"`` and fall back to XLA for
 shapes the kernels do not handle. The backend (Pallas on Triton) and why: :mod:`._common`.
 
-Run ``python -m jaxcomp.kernels.bench`` for GB/s of every kernel against the XLA path.
+The benchmarks are not shipped: in a checkout of the repository,
+``python -m benchmarks.kernels`` measures every kernel's GB/s against the XLA path.
 """
 
 from . import cpu

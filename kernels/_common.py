@@ -17,8 +17,7 @@ Backend: Pallas on Triton (``pl.pallas_call`` with
   (``tests/test_kernels.py``).
 
 The risk: jax 0.12 warns that the Pallas Triton backend is deprecated and will be
-removed (checked with jax 0.12.0.1 on CPU, where the export test also passes). The
-kernel bodies are plain jnp on refs and port to ``plgpu.kernel`` by adding layouts; the
+removed. The kernel bodies are plain jnp on refs and port to ``plgpu.kernel`` by adding layouts; the
 references, tests and dispatch stay. jax >= 0.11 needs the target GPU to lower Triton
 kernels without one (``tests/test_kernels.py`` exports under an abstract H100).
 
@@ -36,8 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -131,8 +128,8 @@ def level_ratio(a: Array, inv: Array, k: Array, levels: int) -> Array:
   """QSGD's ``r = a / scale * s`` (``a = |v| <= scale``) as every path computes it:
   ``fl(fl(a * inv) * fl(s * k))`` with :func:`inverse_scale`'s ``inv, k`` broadcast
   against ``a`` (``s * k`` is exact: ``k`` is a power of two). ``r <= s``: for every
-  float32 ``m``, ``m * fl(1 / m) <= 1`` (it is ``1 - 2**-24`` for about 15% of the
-  mantissas, never above 1), so the bucket's max maps to ``s`` or just below it, where
+  float32 ``m``, ``m * fl(1 / m) <= 1`` (for some mantissas it is ``1 - 2**-24``, for
+  none above 1), so the bucket's max maps to ``s`` or just below it, where
   it rounds down with probability at most ``s * 2**-23``."""
   return a * inv * (jnp.float32(levels) * k)
 
@@ -254,17 +251,6 @@ def key_words_array(key: Array) -> Array:
   return jnp.stack([k0, k1])
 
 
-def median_time(fn, *args, repeats: int) -> float:
-  """Median wall time of ``fn(*args)`` over ``repeats`` runs, after a warm-up run."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def out_struct(like: Array, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
   """A ``pallas_call`` output type that varies over the mesh axes ``like`` varies over.
 
@@ -298,15 +284,6 @@ def check_interpretable(interpret: bool, *arrays: Array) -> None:
         f"interpreter cannot run on values that vary over the manual axes {sorted(axes)} "
         f"of a jax.shard_map with check_vma=True. Use implementation='xla' (bit-identical "
         f"payloads), jax.shard_map(..., check_vma=False), or jax.pmap.")
-
-
-def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args,
-              repeats: int) -> dict:
-  """One benchmark row: GB/s (``nbytes`` per call) of a kernel and of the XLA path."""
-  t_kernel = median_time(jax.jit(kernel_fn), *args, repeats=repeats)
-  t_xla = median_time(jax.jit(xla_fn), *args, repeats=repeats)
-  return {"kernel": name, "n": n, "pallas_gbs": nbytes / t_kernel / 1e9,
-          "xla_gbs": nbytes / t_xla / 1e9}
 
 
 def load_buckets(x_ref, e_ref, *, n: int, rows: int, bucket: int):

@@ -2,12 +2,12 @@ r"""Native CPU kernels of QSGD and 1-bit SGD: one pass per bucket, called throug
 
 The Pallas kernels are the GPU's fast path; this module is the CPU's. XLA:CPU runs
 QSGD's encode as separate passes over memory (the bucket scales, then the hash,
-stochastic rounding and packing, which as a reduction with fused inputs runs several
-times slower than an elementwise loop), so at 2^24 values the XLA path costs about
-seven reads of its input. ``cpu_codecs.cc`` (next to this file) takes one bucket at a
-time while it sits in L1: scale, counter hash, rounding, packing and the optional error
-feedback in one read of ``x``; the K-payload decode-sum in one write of the output. Same
-functions and arguments as the Pallas modules:
+stochastic rounding and packing, which as a reduction with fused inputs runs slower
+than an elementwise loop), so the XLA path reads its input several times over.
+``cpu_codecs.cc`` (next to this file) takes one bucket at a time while it sits in L1:
+scale, counter hash, rounding, packing and the optional error feedback in one read of
+``x``; the K-payload decode-sum in one write of the output. Same functions and
+arguments as the Pallas modules:
 
 * :func:`quantize` / :func:`dequantize_sum` (:mod:`~jaxcomp.kernels.quantize`,
   :mod:`~jaxcomp.kernels.dequantize`);

@@ -7,10 +7,9 @@
 // a sum inside a bucket): see jaxcomp/kernels/cpu.py and tests/test_cpu_kernels.py.
 //
 // Why: XLA:CPU runs each fusion as its own pass over memory and runs reductions with
-// fused inputs several times slower than elementwise loops, so the XLA path reads a
-// QSGD input about 5 times (scale, hash, quantize and pack, decode); these kernels
-// take one bucket at a time while it sits in L1 (docs/benchmarks.md, "Native CPU
-// kernels").
+// fused inputs slower than elementwise loops, so the XLA path reads a QSGD input once
+// per pass (scale, hash, quantize and pack, decode); these kernels take one bucket at a
+// time while it sits in L1 (python -m benchmarks.codecs compares the two).
 //
 // Layouts (jaxcomp._src.bitpack's lanes layout): code k of word w holds value
 // w * (32 / bits) + k in bits k*bits .. k*bits + bits - 1. Buckets are a power of two
@@ -500,8 +499,8 @@ ffi::Error QsgdEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       for (int64_t b = first; b < end; ++b) {
         int64_t valid;
         const float* v = LoadBucket(xd, ed, n, bucket, b, scratch.data(), &valid);
-        // Software prefetch of the next (whole) bucket: without it the encode waited on
-        // memory in AbsMaxFinite (28% of its time in `perf`, a quarter of that from L3).
+        // Software prefetch of the next (whole) bucket: without it the encode waits on
+        // memory in AbsMaxFinite (benchmarks/cpu_kernel_loop.py --stream measures it).
         const bool ahead = (b + 2) * bucket <= n;
         QsgdBucket<BITS>(p, b, v, valid, wd, sd, nd, codes.data(),
                          ahead ? xd + (b + 1) * bucket : nullptr,

@@ -89,24 +89,3 @@ def dequantize_sum_reference(words: Array, scales: Array, *, n: int, levels: int
   from jaxcomp._src import codecs
   codec = codecs.QSGD(levels, bucket_size, "max", implementation="xla")
   return codec.decode_sum(codecs.Payload({"words": words, "scales": scales}, (n,), _F32))
-
-
-def benchmark(sizes=(2**20, 2**22, 2**24), *, k: int = 8, levels: int = 7,
-              bucket_size: int = 512, repeats: int = 20,
-              interpret: bool | None = None) -> list[dict]:
-  """GB/s of the fused decode-sum of ``k`` payloads and of the XLA path, same run.
-
-  Bytes counted: the K payloads read plus the float32 sum written.
-  """
-  rows = []
-  q = dict(levels=levels, bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    words, scales = quantize_lib.quantize_reference(x, jax.random.key(0), **q)
-    words, scales = jnp.stack([words] * k), jnp.stack([scales] * k)
-    rows.append(_common.bench_row(
-        f"dequantize_sum K={k}", n, words.nbytes + scales.nbytes + 4 * n,
-        lambda w, s: dequantize_sum(w, s, n=n, **q, interpret=interpret),
-        lambda w, s: dequantize_sum_reference(w, s, n=n, **q), words, scales,
-        repeats=repeats))
-  return rows

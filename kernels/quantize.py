@@ -42,7 +42,8 @@ Example (interpret mode, as on a machine without a GPU):
 True
 
 Reference: Alistarh et al., *QSGD: Communication-Efficient SGD via Gradient
-Quantization and Encoding*, NeurIPS 2017, https://arxiv.org/abs/1610.02132.
+Quantization and Encoding*, NeurIPS 2017, https://arxiv.org/abs/1610.02132: Section
+3.1 (the stochastic quantizer) and Section 4 (buckets, scaling by the bucket's max).
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
   _, idx, v, x32 = _common.load_buckets(x_ref, e_ref, n=n, rows=rows, bucket=bucket)
 
   # Scale: max |v| as max(max v, -min v); NaN when the bucket is not all finite. NaNs are
-  # counted (a max may skip them); not summed: finite values of both signs can sum to
-  # inf - inf = NaN, which flagged buckets of large finite values (near 1e38) as NaN.
+  # counted (a max may skip them); not summed: large finite values of both signs can sum
+  # to inf - inf = NaN, which would flag a finite bucket as NaN.
   vmax = jnp.max(v, axis=1)
   vmin = jnp.min(v, axis=1)
   amax = jnp.maximum(vmax, -vmin)
@@ -196,28 +197,3 @@ def quantize_reference(x: Array, key: Array, residual: Array | None = None, *,
   x32 = x.astype(_F32) + residual
   p = codec.encode(x32.astype(x.dtype), key=key)
   return p.arrays["words"], p.arrays["scales"], x32 - codec.decode(p, _F32)
-
-
-def benchmark(sizes=(2**20, 2**22, 2**24), *, levels: int = 7, bucket_size: int = 512,
-              repeats: int = 20, interpret: bool | None = None) -> list[dict]:
-  """GB/s of the kernel and of the XLA codec (same run), without and with fused EF.
-
-  Bytes counted: the float32 input (and residual) read, the payload (and new residual)
-  written.
-  """
-  rows = []
-  key = jax.random.key(0)
-  q = dict(levels=levels, bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
-    payload = sum(a.nbytes for a in quantize_reference(x, key, **q))
-    rows.append(_common.bench_row(
-        "quantize", n, 4 * n + payload,
-        lambda x, k: quantize(x, k, **q, interpret=interpret),
-        lambda x, k: quantize_reference(x, k, **q), x, key, repeats=repeats))
-    rows.append(_common.bench_row(
-        "quantize+ef", n, 12 * n + payload,
-        lambda x, k, e: quantize(x, k, e, **q, interpret=interpret),
-        lambda x, k, e: quantize_reference(x, k, e, **q), x, key, e, repeats=repeats))
-  return rows

@@ -19,7 +19,9 @@ bit for bit.
 in one pass, in rank order, like :meth:`OneBit.decode_sum <jaxcomp.codecs.Codec.decode_sum>`.
 
 Reference: Seide, Fu, Droppo, Li, Yu, *1-Bit Stochastic Gradient Descent and its
-Application to Data-Parallel Distributed Training of Speech DNNs*, Interspeech 2014.
+Application to Data-Parallel Distributed Training of Speech DNNs*, Interspeech 2014,
+https://www.isca-archive.org/interspeech_2014/seide14_interspeech.html: Section 3 (the
+1-bit quantizer with error feedback).
 """
 
 from __future__ import annotations
@@ -169,31 +171,3 @@ def sign_unpack_sum_reference(words: Array, pos: Array, neg: Array, *, n: int,
   codec = codecs.OneBit(bucket_size, implementation="xla")
   return codec.decode_sum(
       codecs.Payload({"words": words, "pos": pos, "neg": neg}, (n,), _F32))
-
-
-def benchmark(sizes=(2**20, 2**22, 2**24), *, k: int = 8, bucket_size: int = 512,
-              repeats: int = 20, interpret: bool | None = None) -> list[dict]:
-  """GB/s of ``sign_pack`` (without and with fused EF) and of the K-payload decode-sum,
-  each next to the XLA codec measured in the same run."""
-  rows = []
-  b = dict(bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
-    payload = sign_pack_reference(x, **b)
-    nbytes = sum(a.nbytes for a in payload)
-    rows.append(_common.bench_row(
-        "sign_pack", n, 4 * n + nbytes,
-        lambda x: sign_pack(x, **b, interpret=interpret),
-        lambda x: sign_pack_reference(x, **b), x, repeats=repeats))
-    rows.append(_common.bench_row(
-        "sign_pack+ef", n, 12 * n + nbytes,
-        lambda x, e: sign_pack(x, e, **b, interpret=interpret),
-        lambda x, e: sign_pack_reference(x, e, **b), x, e, repeats=repeats))
-    stacked = [jnp.stack([a] * k) for a in payload]
-    rows.append(_common.bench_row(
-        f"sign_unpack_sum K={k}", n, k * nbytes + 4 * n,
-        lambda w, p, m: sign_unpack_sum(w, p, m, n=n, **b, interpret=interpret),
-        lambda w, p, m: sign_unpack_sum_reference(w, p, m, n=n, **b), *stacked,
-        repeats=repeats))
-  return rows

@@ -86,10 +86,10 @@ def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
 COMMANDS = (
     "benchmarks.codecs", "benchmarks.collective_probe", "benchmarks.cpu_kernel_loop",
     "benchmarks.compile_time", "benchmarks.demo_variants", "benchmarks.dgc_warmup_compile",
-    "benchmarks.elias_bits", "benchmarks.elias_device", "benchmarks.native_vs_xla",
-    "benchmarks.network", "benchmarks.qsvrg", "benchmarks.tbf_probe", "benchmarks.topk",
-    "benchmarks.xla_cpu_pitfalls",
-    "kernels.bench", "examples.mnist1d.launch", "examples.mnist1d.main")
+    "benchmarks.elias_bits", "benchmarks.elias_device", "benchmarks.kernels",
+    "benchmarks.launch", "benchmarks.native_vs_xla", "benchmarks.network", "benchmarks.qsvrg",
+    "benchmarks.tbf_probe", "benchmarks.topk", "benchmarks.xla_cpu_pitfalls",
+    "examples.mnist1d.main")
 
 _HELP_ALL = """
 import contextlib, io, runpy, sys
@@ -110,7 +110,7 @@ for module in sys.argv[1:]:
 def test_every_command_line_prints_its_help():
   # argparse formats help strings with %: a literal % in one (a codec called 'topk0.1%')
   # crashed `--help` of benchmarks.codecs
-  assert {m.split(".")[0] for m in COMMANDS} == {"benchmarks", "kernels", "examples"}
+  assert {m.split(".")[0] for m in COMMANDS} == {"benchmarks", "examples"}
   scripts = {f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py")
              if "argparse" in p.read_text()}
   assert scripts <= set(COMMANDS), scripts - set(COMMANDS)
@@ -138,3 +138,17 @@ def test_cpu_kernel_loop_builds_and_prices_the_hash():
   assert set(rows) == {"as shipped", "baseline: cpu_codecs.cc", "without the hash",
                        "without the prefetch"}, out
   assert rows["as shipped"].rstrip().endswith("| 1.00 |")
+
+
+@pytest.mark.slow
+def test_kernel_benchmark_runs(capsys):
+  """benchmarks.kernels runs end to end (interpret mode: a smoke run, no timing)."""
+  from benchmarks import kernels as bench  # pylint: disable=import-outside-toplevel
+  from jaxcomp.kernels import cuda_available  # pylint: disable=import-outside-toplevel
+  assert bench.main(["--interpret", "--sizes", "10", "--repeats", "1", "--k", "2"]) == 0
+  out = capsys.readouterr().out
+  for name in ("quantize", "quantize+ef", "dequantize_sum K=2", "sign_pack", "sign_pack+ef",
+               "sign_unpack_sum K=2"):
+    assert f"| {name} | 2^10 |" in out
+  if not cuda_available():
+    assert bench.main(["--sizes", "10"]) == 2  # refuses to time interpret mode

@@ -58,3 +58,19 @@ def test_quick_run_writes_results(tmp_path):
     saved = json.load(f)
   assert saved["num_devices"] == 8
   assert saved["results"]["onebit"]["ratio"] == pytest.approx(ratio["onebit"])
+
+
+def test_config_by_name_or_path(tmp_path):
+  from examples.mnist1d import configs  # pylint: disable=import-outside-toplevel
+  from examples.mnist1d import main  # pylint: disable=import-outside-toplevel
+  assert main.get_config(main.parse_args(["--quick"])) == quick.get_config()
+  path = tmp_path / "tiny.py"
+  path.write_text("from examples.mnist1d.configs import quick\n"
+                  "def get_config():\n  return quick.get_config()\n")
+  config = main.get_config(main.parse_args(["--config", str(path), "--steps", "2"]))
+  assert config.num_steps == 2 and config.hidden == quick.get_config().hidden
+  with pytest.raises(ValueError, match="unknown 'params2m'"):  # a benchmark's, not here
+    configs.load("params2m")
+  (tmp_path / "empty.py").write_text("")
+  with pytest.raises(ValueError, match="no get_config"):
+    configs.load(str(tmp_path / "empty.py"))

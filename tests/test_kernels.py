@@ -342,16 +342,3 @@ def test_cuda_lowering_check_can_fail():
 
   with pytest.raises(Exception, match="power of 2|power of two"):
     _export_cuda(fn, jax.ShapeDtypeStruct((200,), jnp.float32))
-
-
-@pytest.mark.slow
-def test_bench_entry_runs(capsys):
-  """The GPU benchmark script runs end to end (interpret mode: a smoke run, no timing)."""
-  from jaxcomp.kernels import bench
-  assert bench.main(["--interpret", "--sizes", "10", "--repeats", "1", "--k", "2"]) == 0
-  out = capsys.readouterr().out
-  for name in ("quantize", "quantize+ef", "dequantize_sum K=2", "sign_pack", "sign_pack+ef",
-               "sign_unpack_sum K=2"):
-    assert f"| {name} | 2^10 |" in out
-  if not kernels.cuda_available():
-    assert bench.main(["--sizes", "10"]) == 2  # refuses to time interpret mode

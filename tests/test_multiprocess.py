@@ -1,4 +1,4 @@
-"""Multi-process training (examples/mnist1d/launch.py): 2 processes x 2 CPU devices.
+"""Multi-process training (benchmarks/launch.py): 2 processes x 2 CPU devices.
 
 The workers are separate processes on jax.distributed with gloo collectives; they set
 their own device count (this process's 8 CPU devices from conftest do not apply).
@@ -19,8 +19,8 @@ pytest.importorskip("flax")
 pytest.importorskip("mnist1d")
 pytest.importorskip("tqdm")
 
+from benchmarks import launch  # noqa: E402
 from examples.mnist1d import input_pipeline  # noqa: E402
-from examples.mnist1d import launch  # noqa: E402
 from examples.mnist1d import models  # noqa: E402
 from examples.mnist1d import train  # noqa: E402
 
@@ -144,6 +144,20 @@ def test_bad_worker_flags_are_rejected_before_launch():
     launch.worker_args("dense", steps=0)
   with pytest.raises(ValueError, match="repeated"):
     launch.worker_args("dense,dense")
+
+
+def test_configs_by_name_and_by_path(monkeypatch):
+  # Names: the benchmarks' configs, then the example's; paths: any get_config() file.
+  assert launch.load_config("params2m").hidden == 13824
+  assert launch.load_config("quick").num_steps == 10
+  assert {"default", "quick", "params2m", "params20m"} <= set(launch.config_names())
+  monkeypatch.chdir(launch.REPO_ROOT)
+  path = "benchmarks/configs/params20m.py"
+  assert launch.load_config(path, steps=3).num_steps == 3
+  args = launch.worker_args("dense", config=path)
+  assert args[3] == str(launch.REPO_ROOT / path)  # absolute: the workers may start elsewhere
+  with pytest.raises(ValueError, match="no such file"):
+    launch.load_config("benchmarks/configs/nope.py")
 
 
 def test_free_port_is_bindable():

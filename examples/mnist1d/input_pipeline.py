@@ -35,7 +35,8 @@ def load_dataset(config, workdir: str) -> dict[str, np.ndarray]:
       "y_test": data["y_test"].astype(np.int32),
   }
   os.makedirs(workdir, exist_ok=True)
-  # A per-process temporary name: the workers of launch.py may generate it together.
+  # A per-process temporary name: the workers of benchmarks/launch.py may generate it
+  # together.
   tmp = f"{path}.tmp{os.getpid()}.npz"
   np.savez(tmp, **arrays)
   os.replace(tmp, path)

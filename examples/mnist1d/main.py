@@ -6,6 +6,7 @@ From the repository root::
   python -m examples.mnist1d.main --quick              # seconds, for a smoke check
   python -m examples.mnist1d.main --methods dense,onebit --steps 500
   python -m examples.mnist1d.main --checkpoint-every 100  # resumes if interrupted
+  python -m examples.mnist1d.main --config path/to/my_config.py  # any get_config() file
 
 On a CPU-only machine JAX is given 8 CPU devices, so the data-parallel exchange runs
 for real between 8 devices.
@@ -27,8 +28,8 @@ if os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu"):
 # pylint: disable=wrong-import-position
 import argparse
 import dataclasses
-import importlib
 
+from examples.mnist1d import configs
 from examples.mnist1d import train
 
 
@@ -39,7 +40,8 @@ def build_parser(*, description: str = __doc__.splitlines()[0], workdir: str = "
   parser.add_argument("--workdir", default=workdir,
                       help="output directory (results.md/json, accuracy.png, data cache)")
   parser.add_argument("--config", default="default",
-                      help="module in examples/mnist1d/configs providing get_config()")
+                      help=f"one of {','.join(configs.names())} (examples/mnist1d/"
+                      "configs), or the path of a .py file providing get_config()")
   parser.add_argument("--quick", action="store_true",
                       help="shorthand for --config quick")
   parser.add_argument("--steps", type=int, default=None, help="override num_steps")
@@ -65,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def get_config(args: argparse.Namespace):
   """The named config with the command-line overrides applied."""
   name = "quick" if args.quick else args.config
-  config = importlib.import_module(f"examples.mnist1d.configs.{name}").get_config()
+  config = configs.load(name).get_config()
   overrides = {}
   if args.steps is not None:
     if args.steps < 1:

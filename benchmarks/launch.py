@@ -2,10 +2,14 @@ r"""Multi-process MNIST-1D training on ``jax.distributed``: one launcher, N work
 
 From the repository root::
 
-  python -m examples.mnist1d.launch --processes 2 --devices-per-process 2 \
+  python -m benchmarks.launch --processes 2 --devices-per-process 2 \
       --method onebit --steps 20
-  python -m examples.mnist1d.launch --processes 2 --devices-per-process 2 \
+  python -m benchmarks.launch --processes 2 --devices-per-process 2 \
       --method dense,qsgd4,onebit,dgc --config quick --steps 5
+  python -m benchmarks.launch --config benchmarks/configs/params2m.py --method dense,onebit
+
+``--config`` takes a name (``benchmarks/configs``: ``params2m``, ``params20m``; the
+example's ``examples/mnist1d/configs``: ``default``, ``quick``) or a config file's path.
 
 The launcher picks a free port for the coordinator, starts N copies of this module in
 worker mode (``--worker --process-id i --num-processes N --coordinator HOST:PORT``),
@@ -16,11 +20,11 @@ Each worker joins ``jax.distributed`` (on CPU with ``D`` devices per process and
 collectives; on GPU XLA's default, NCCL, over the GPUs the process sees: give each
 process its own through ``launch(env=...)``, e.g. ``CUDA_VISIBLE_DEVICES``), builds the
 demo's mesh over every process's devices and trains the demo's CNN with
-``train.make_tx`` and ``train.make_train_step``. Every process generates the same data
-set, starts from the same parameters and draws the same global batches as the
-single-process trainer on ``jax.device_count()`` devices, but puts only its own devices'
-rows on them. Each writes ``WORKDIR/worker{i}.json`` and prints the same JSON on one
-stdout line starting with :data:`RESULT_MARKER`.
+``train.make_tx`` and ``train.make_train_step`` (``examples/mnist1d/train.py``). Every
+process generates the same data set, starts from the same parameters and draws the same
+global batches as the single-process trainer on ``jax.device_count()`` devices, but puts
+only its own devices' rows on them. Each writes ``WORKDIR/worker{i}.json`` and prints
+the same JSON on one stdout line starting with :data:`RESULT_MARKER`.
 
 Python API: :func:`launch` (spawn, collect, return the workers' results),
 :func:`worker_args`, :func:`check_identical` and :func:`summary` on the launcher side;
@@ -53,11 +57,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from examples.mnist1d import configs as example_configs
 from examples.mnist1d import input_pipeline
 from examples.mnist1d import train
 
-MODULE = "examples.mnist1d.launch"
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODULE = "benchmarks.launch"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: The benchmarks' own configs, looked up by name before the example's.
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 
 # A worker prints its result as one stdout line: this marker, then the JSON.
@@ -85,17 +91,33 @@ def parse_methods(text: str) -> tuple[str, ...]:
   return methods
 
 
-def config_names() -> list[str]:
-  """The modules of ``examples/mnist1d/configs`` (``--config`` values)."""
+def _benchmark_config_names() -> list[str]:
   return sorted(p.stem for p in CONFIG_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def config_names() -> list[str]:
+  """``--config`` names: the modules of ``benchmarks/configs`` and of
+  ``examples/mnist1d/configs``."""
+  return sorted(set(_benchmark_config_names()) | set(example_configs.names()))
 
 
 def load_config(name: str, *, steps: int | None = None, seed: int | None = None,
                 batch: int | None = None):
-  """``configs/NAME.py``'s ``get_config()`` with the command-line overrides applied."""
-  if name not in config_names():
-    raise ValueError(f"--config: unknown {name!r}; choose from {','.join(config_names())}")
-  config = importlib.import_module(f"examples.mnist1d.configs.{name}").get_config()
+  """The config ``name``'s ``get_config()`` with the command-line overrides applied.
+
+  ``name`` is a module of ``benchmarks/configs`` or (when not found there) of
+  ``examples/mnist1d/configs``, or the path of a ``.py`` file with ``get_config()``.
+  """
+  if name.endswith(".py"):
+    module = example_configs.load(name)
+  elif name in _benchmark_config_names():
+    module = importlib.import_module(f"benchmarks.configs.{name}")
+  elif name in example_configs.names():
+    module = example_configs.load(name)
+  else:
+    raise ValueError(f"--config: unknown {name!r}; choose from {','.join(config_names())} "
+                     "or give the path of a config file")
+  config = module.get_config()
   overrides = {}
   if steps is not None:
     if steps < 1:
@@ -441,6 +463,8 @@ def worker_args(methods: Sequence[str] | str, *, config: str = "default",
   """The flags of the worker command line shared by all processes (for :func:`launch`)."""
   methods = methods if isinstance(methods, str) else ",".join(methods)
   parse_methods(methods)
+  if config.endswith(".py"):
+    config = os.path.abspath(config)  # a path the workers find wherever they start
   load_config(config, steps=steps, seed=seed, batch=batch)  # fail here, not N times
   args = ["--method", methods, "--config", config]
   for flag, value in (("--devices-per-process", devices_per_process), ("--steps", steps),
@@ -455,7 +479,7 @@ def worker_args(methods: Sequence[str] | str, *, config: str = "default",
 
 def worker_command(args: Sequence[str], *, process_id: int, num_processes: int,
                    coordinator: str, prefix: Prefix | None = None) -> list[str]:
-  """``[*prefix(i), python, -m, examples.mnist1d.launch, *args, --worker, ...]``."""
+  """``[*prefix(i), python, -m, benchmarks.launch, *args, --worker, ...]``."""
   command = [sys.executable, "-m", MODULE, *args, "--worker",
              "--process-id", str(process_id), "--num-processes", str(num_processes),
              "--coordinator", coordinator]
@@ -695,8 +719,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help=f"comma-separated methods of {','.join(train.ALL_METHODS)}, "
                       "trained in turn")
   parser.add_argument("--config", default="default",
-                      help="module in examples/mnist1d/configs: "
-                      f"{','.join(config_names())}")
+                      help=f"one of {','.join(config_names())} (benchmarks/configs, "
+                      "examples/mnist1d/configs), or the path of a .py file providing "
+                      "get_config()")
   parser.add_argument("--steps", type=int, default=None, help="override num_steps")
   parser.add_argument("--batch", type=int, default=None,
                       help="override per_device_batch_size")

@@ -1,4 +1,5 @@
-"""About 2M parameters, for network benchmarks of the multi-process launcher (launch.py)."""
+"""About 2M parameters, for network benchmarks of the multi-process launcher
+(``python -m benchmarks.launch --config params2m``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,175 @@
+"""GB/s of every Pallas kernel against the XLA path and the device's copy, in one run.
+
+    python -m benchmarks.kernels                      # on a CUDA GPU: 1M..256M values
+    python -m benchmarks.kernels --sizes 20,24 --k 8  # log2 sizes, K payloads
+    python -m benchmarks.kernels --interpret --sizes 12 --repeats 1  # CPU smoke run
+
+Rows, per size ``n`` (float32 input, QSGD 4-bit / bucket 512, OneBit bucket 512):
+
+* ``copy``: ``x + 1`` into a new array, bytes read + written: the device's roof for a
+  pass that reads and writes, measured in the same run.
+* ``quantize`` and ``quantize+ef`` (fused error feedback): the Pallas kernel
+  (:mod:`jaxcomp.kernels.quantize`) and the XLA codec; bytes = input (and residual) read
+  + payload (and residual) written.
+* ``dequantize_sum`` (K payloads, :mod:`jaxcomp.kernels.dequantize`): the K payloads read
+  plus the float32 sum written.
+* OneBit's ``sign_pack`` / ``sign_pack+ef`` and ``sign_unpack_sum``
+  (:mod:`jaxcomp.kernels.sign_pack`), counted the same way.
+
+Every ratio is against numbers measured in the same run (these machines are noisy).
+Without a CUDA GPU the kernels only run in interpret mode, whose timings mean nothing;
+the script then refuses unless ``--interpret`` is given (to check that it runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks._timing import median_time
+from jaxcomp.kernels import cuda_available
+from jaxcomp.kernels import dequantize
+from jaxcomp.kernels import quantize
+from jaxcomp.kernels import sign_pack
+
+_F32 = jnp.float32
+
+
+def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args,
+              repeats: int) -> dict:
+  """One row: GB/s (``nbytes`` per call) of a kernel and of the XLA path, same run."""
+  t_kernel = median_time(jax.jit(kernel_fn), *args, repeats=repeats)
+  t_xla = median_time(jax.jit(xla_fn), *args, repeats=repeats)
+  return {"kernel": name, "n": n, "pallas_gbs": nbytes / t_kernel / 1e9,
+          "xla_gbs": nbytes / t_xla / 1e9}
+
+
+def quantize_rows(sizes=(2**20, 2**22, 2**24), *, levels: int = 7, bucket_size: int = 512,
+                  repeats: int = 20, interpret: bool | None = None) -> list[dict]:
+  """GB/s of the quantize kernel and of the XLA codec, without and with fused EF.
+
+  Bytes counted: the float32 input (and residual) read, the payload (and new residual)
+  written.
+  """
+  rows = []
+  key = jax.random.key(0)
+  q = dict(levels=levels, bucket_size=bucket_size)
+  for n in sizes:
+    x = jax.random.normal(jax.random.key(1), (n,), _F32)
+    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
+    payload = sum(a.nbytes for a in quantize.quantize_reference(x, key, **q))
+    rows.append(bench_row(
+        "quantize", n, 4 * n + payload,
+        lambda x, k: quantize.quantize(x, k, **q, interpret=interpret),
+        lambda x, k: quantize.quantize_reference(x, k, **q), x, key, repeats=repeats))
+    rows.append(bench_row(
+        "quantize+ef", n, 12 * n + payload,
+        lambda x, k, e: quantize.quantize(x, k, e, **q, interpret=interpret),
+        lambda x, k, e: quantize.quantize_reference(x, k, e, **q), x, key, e,
+        repeats=repeats))
+  return rows
+
+
+def dequantize_rows(sizes=(2**20, 2**22, 2**24), *, k: int = 8, levels: int = 7,
+                    bucket_size: int = 512, repeats: int = 20,
+                    interpret: bool | None = None) -> list[dict]:
+  """GB/s of the fused decode-sum of ``k`` QSGD payloads and of the XLA path.
+
+  Bytes counted: the K payloads read plus the float32 sum written.
+  """
+  rows = []
+  q = dict(levels=levels, bucket_size=bucket_size)
+  for n in sizes:
+    x = jax.random.normal(jax.random.key(1), (n,), _F32)
+    words, scales = quantize.quantize_reference(x, jax.random.key(0), **q)
+    words, scales = jnp.stack([words] * k), jnp.stack([scales] * k)
+    rows.append(bench_row(
+        f"dequantize_sum K={k}", n, words.nbytes + scales.nbytes + 4 * n,
+        lambda w, s: dequantize.dequantize_sum(w, s, n=n, **q, interpret=interpret),
+        lambda w, s: dequantize.dequantize_sum_reference(w, s, n=n, **q), words, scales,
+        repeats=repeats))
+  return rows
+
+
+def sign_pack_rows(sizes=(2**20, 2**22, 2**24), *, k: int = 8, bucket_size: int = 512,
+                   repeats: int = 20, interpret: bool | None = None) -> list[dict]:
+  """GB/s of ``sign_pack`` (without and with fused EF) and of the K-payload decode-sum,
+  each next to the XLA codec."""
+  rows = []
+  b = dict(bucket_size=bucket_size)
+  for n in sizes:
+    x = jax.random.normal(jax.random.key(1), (n,), _F32)
+    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
+    payload = sign_pack.sign_pack_reference(x, **b)
+    nbytes = sum(a.nbytes for a in payload)
+    rows.append(bench_row(
+        "sign_pack", n, 4 * n + nbytes,
+        lambda x: sign_pack.sign_pack(x, **b, interpret=interpret),
+        lambda x: sign_pack.sign_pack_reference(x, **b), x, repeats=repeats))
+    rows.append(bench_row(
+        "sign_pack+ef", n, 12 * n + nbytes,
+        lambda x, e: sign_pack.sign_pack(x, e, **b, interpret=interpret),
+        lambda x, e: sign_pack.sign_pack_reference(x, e, **b), x, e, repeats=repeats))
+    stacked = [jnp.stack([a] * k) for a in payload]
+    rows.append(bench_row(
+        f"sign_unpack_sum K={k}", n, k * nbytes + 4 * n,
+        lambda w, p, m: sign_pack.sign_unpack_sum(w, p, m, n=n, **b, interpret=interpret),
+        lambda w, p, m: sign_pack.sign_unpack_sum_reference(w, p, m, n=n, **b), *stacked,
+        repeats=repeats))
+  return rows
+
+
+def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
+  """Every kernel's rows for every size, plus the copy roof measured in the same run."""
+  rows = []
+  for n in sizes:
+    x = jax.random.normal(jax.random.key(1), (n,), _F32)
+    t_copy = median_time(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
+    common = dict(sizes=(n,), repeats=repeats, interpret=interpret)
+    found = (quantize_rows(**common) + dequantize_rows(k=k, **common)
+             + sign_pack_rows(k=k, **common))
+    for row in found:
+      row["copy_gbs"] = 8 * n / t_copy / 1e9
+    rows += found
+  return rows
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(
+        f"| {r['kernel']} | 2^{r['n'].bit_length() - 1} | {r['pallas_gbs']:.1f} | "
+        f"{r['xla_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['pallas_gbs'] / r['xla_gbs']:.2f}x | "
+        f"{100 * r['pallas_gbs'] / r['copy_gbs']:.0f}% |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--sizes", default="20,22,24,26,28",
+                      help="comma-separated log2 sizes (default 2^20..2^28)")
+  parser.add_argument("--k", type=int, default=8, help="payloads summed by the decoders")
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--interpret", action="store_true",
+                      help="run the kernels in interpret mode (a smoke run, not a timing)")
+  args = parser.parse_args(argv)
+  if not cuda_available() and not args.interpret:
+    print("no CUDA GPU: the kernels would run in interpret mode, whose timings mean "
+          "nothing; pass --interpret to run anyway", file=sys.stderr)
+    return 2
+  sizes = [2 ** int(s) for s in args.sizes.split(",")]
+  device = jax.devices()[0]
+  print(f"# device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"interpret={args.interpret}")
+  rows = run(sizes, k=args.k, repeats=args.repeats,
+             interpret=True if args.interpret else None)
+  print(table(rows))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
