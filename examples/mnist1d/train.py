@@ -29,7 +29,7 @@ from examples.mnist1d import models
 AXIS = "batch"
 
 METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd", "powersgd")
-# Also accepted by --method (launch.py) and --methods, not trained by default: the dense
+# Also accepted by --methods (and benchmarks.launch), not trained by default: the dense
 # baseline with all leaves in one all-reduce buffer (jc.pmean_tree), for benchmarks.
 EXTRA_METHODS = ("dense_flat",)
 ALL_METHODS = METHODS + EXTRA_METHODS
