@@ -103,21 +103,61 @@ def test_warmup_schedule_and_sent_counts():
     jc.dgc_density_schedule(0.001, warmup_steps=-1)
 
 
-def test_local_gradient_clipping_threshold_scales_with_devices():
-  # Density 1 with masking is plain SGD: the update is the mean of the clipped gradients.
-  dgc = jc.dgc(1.0, 0.9, clip_norm=1.0, method="exact", axis_name=AXIS)
-  tx = jc.per_device_state(dgc)
-  m = helpers.mesh()
-  state = helpers.shard_map_init(tx, PARAMS, m)
-  g = helpers.per_device_grads(jax.random.key(0), SHAPES)
-  out, _ = helpers.shard_map_update(tx, m, PARAMS)(helpers.shard(g, m), state)
-  thr = 1.0 / np.sqrt(K)
-  norms = np.sqrt(sum(np.sum(np.asarray(g[n]).reshape(K, -1) ** 2, axis=1) for n in SHAPES))
-  scale = np.minimum(1.0, thr / norms)
-  for name in SHAPES:
-    want = np.mean(np.asarray(g[name]) * scale.reshape(K, *[1] * len(SHAPES[name])), axis=0)
-    # "b" is a dense leaf: its momentum is zero at the first step, so it equals g too.
-    np.testing.assert_allclose(out[name], want, rtol=1e-5, atol=1e-7)
+CLIP_SHAPES = {"w": (64, 48), "v": (32, 40), "b": (48,)}  # two compressed leaves, one dense
+
+
+def _clipped_reference(grads, clip_norm, mode, num):
+  """numpy: each device's gradient leaves scaled down to clip_norm / sqrt(num), by the
+  norm over all leaves ("global") or each by its own ("per_tensor")."""
+  thr = clip_norm / np.sqrt(num)
+  lead = next(iter(grads.values())).shape[0]
+  sq = {n: np.sum(np.asarray(g, np.float64).reshape(lead, -1) ** 2, axis=1)
+        for n, g in grads.items()}
+  total = sum(sq.values())
+  out = {}
+  for n, g in grads.items():
+    norm = np.sqrt(total if mode == "global" else sq[n])
+    scale = np.minimum(1.0, thr / norm).reshape(lead, *[1] * (g.ndim - 1))
+    out[n] = np.asarray(g, np.float64) * scale
+  return out
+
+
+@pytest.mark.parametrize("mode", ["global", "per_tensor"])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_local_gradient_clipping_by_hand(mode, sharded):
+  """Two steps at density 1 without masking: every leaf (compressed or dense) is momentum
+  SGD on the clipped gradients, out_t = mean_d u_d, u_d = 0.9 u_d + clip(g_d), computed
+  here in numpy. The threshold is 20 per device: the global norm (about 66) and the
+  norms of w (about 55) and v (36) are above it, b's (about 7) is not."""
+  num = K if sharded else 1
+  clip_norm = 20.0 * np.sqrt(num)
+  params = {n: jnp.zeros(s) for n, s in CLIP_SHAPES.items()}
+  dgc = jc.dgc(1.0, 0.9, clip_norm=float(clip_norm), clip=mode, momentum_masking=False,
+               method="exact", axis_name=AXIS if sharded else None)
+  if sharded:
+    m = helpers.mesh()
+    tx = jc.per_device_state(dgc)
+    state = helpers.shard_map_init(tx, params, m)
+    update = helpers.shard_map_update(tx, m, params)
+    step = lambda g, st: update(helpers.shard(g, m), st)
+  else:
+    tx = dgc
+    state = tx.init(params)
+    step = lambda g, st: jax.jit(tx.update)(jax.tree.map(lambda x: x[0], g), st)
+  u = {n: np.zeros((num, *s)) for n, s in CLIP_SHAPES.items()}
+  for t in range(2):
+    g = helpers.per_device_grads(jax.random.key(t), CLIP_SHAPES, k=num)
+    out, state = step(g, state)
+    clipped = _clipped_reference(g, clip_norm, mode, num)
+    for name in CLIP_SHAPES:
+      u[name] = 0.9 * u[name] + clipped[name]
+      np.testing.assert_allclose(out[name], u[name].mean(0), rtol=2e-5, atol=1e-6)
+  # The two modes differ on this gradient (b is not clipped per tensor, w and v less).
+  g = helpers.per_device_grads(jax.random.key(0), CLIP_SHAPES, k=num)
+  other = _clipped_reference(g, clip_norm, "global" if mode == "per_tensor" else "per_tensor",
+                             num)
+  mine = _clipped_reference(g, clip_norm, mode, num)
+  assert not np.allclose(other["b"], mine["b"], rtol=1e-3)
 
 
 def test_chunked_sends_whole_chunks_chosen_by_summed_norms():
@@ -200,6 +240,8 @@ def test_bad_arguments():
     jc.dgc(0.01, momentum=1.0)
   with pytest.raises(ValueError):
     jc.dgc(0.01, clip_norm=0.0)
+  with pytest.raises(ValueError, match="clip"):
+    jc.dgc(0.01, clip_norm=1.0, clip="per_leaf")
   with pytest.raises(ValueError):
     jc.dgc(0.01, collective="two_phase")
   with pytest.raises(ValueError):

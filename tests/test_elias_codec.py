@@ -70,6 +70,28 @@ def test_capacity_defaults_and_overflow_flag():
     jc.codecs.EliasQSGD(0)
 
 
+def test_flat_magnitudes_overflow_the_default_capacity():
+  """The default buffer is sized by Corollary 3.3's 2.8n + 32, which Gaussian data meet;
+  equal magnitudes take 3n + 33 bits at s = sqrt(n) and always overflow it (then the
+  exchange sends the fixed-width payload). A capacity from dense_bound holds them."""
+  n = 4096
+  signs = jnp.where(jax.random.bernoulli(jax.random.key(2), 0.5, (n,)), -1.0, 1.0)
+  alternating = signs * jnp.tile(jnp.array([2.0, 1.0]), n // 2)
+  gaussian = jax.random.normal(jax.random.key(0), (n,))
+  default = jc.codecs.EliasQSGD(64).capacity_bits(n)
+  roomy = jc.codecs.EliasQSGD(64, capacity=1.05 * jc.elias.dense_bound(n, 64) / n)
+  assert default < 3 * n + 33 < roomy.capacity_bits(n) < roomy.fallback.bits * n
+  for key in jax.random.split(jax.random.key(1), 3):
+    used = {}
+    for name, x in [("signs", signs), ("alternating", alternating), ("gaussian", gaussian)]:
+      payload, overflow = _encode(roomy)(x, key)
+      assert not bool(overflow)
+      used[name] = int(payload.arrays["used_bits"])
+    assert used["signs"] == 3 * n + 33 > default  # overflows the default buffer
+    assert used["alternating"] > default
+    assert used["gaussian"] < 2.8 * n + 32 < default
+
+
 @pytest.mark.parametrize("capacity", [None, 1.0])
 def test_allgather_exchange_and_fallback_under_shard_map(capacity):
   m = helpers.mesh()

@@ -52,61 +52,100 @@ def test_topk_exact_is_lax_top_k(n, density, seed):
   np.testing.assert_array_equal(jax.jit(C.TopK(density).decode)(payload), dense)
 
 
+def _numpy_top_k(x, k) -> np.ndarray:
+  """Positions of the k largest |x|, decreasing, ties to the lower position."""
+  return np.argsort(-np.abs(np.asarray(x, np.float32)), kind="stable")[:k]
+
+
+def _assert_exact_top_k(codec, x, payload):
+  """The payload holds exactly numpy's top-k of |x|: same indices, same order, values."""
+  k = codec.num_entries(x.size)
+  want = _numpy_top_k(x, k)
+  np.testing.assert_array_equal(np.asarray(payload.arrays["indices"]).astype(np.int64), want)
+  np.testing.assert_array_equal(payload.arrays["values"], np.asarray(x)[want])
+
+
 @pytest.mark.parametrize("n", [100, 4096, 100_003])
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
-def test_topk_blocked_selects_the_exact_set(n, density):
+@pytest.mark.parametrize("method", ["blocked", "sampled"])
+def test_topk_blocked_and_sampled_are_exact(n, density, method):
   x = jax.random.normal(jax.random.key(n), (n,))
-  exact = set(_indices(C.TopK(density).encode(x)))
-  blocked = _encode(C.TopK(density, "blocked"))(x, jax.random.key(0))
-  assert set(_indices(blocked)) == exact
-  assert blocked.arrays["values"].shape == (sparse.num_entries(density, n),)
+  codec = C.TopK(density, method)
+  _assert_exact_top_k(codec, x, _encode(codec)(x, jax.random.key(0)))
+
+
+def _tied(key, n, distinct):
+  """Values with many exact ties in magnitude (both signs), and some zeros."""
+  k1, k2 = jax.random.split(key)
+  mag = jax.random.randint(k1, (n,), 0, distinct).astype(jnp.float32) / 4
+  return jnp.where(jax.random.bernoulli(k2, 0.5, (n,)), -mag, mag)
+
+
+# (sample_fraction, max_rounds, capacity_factor): the default; a tiny sample with no
+# refinement and no slack (the count rarely lands in [k, k]); a large sample, one round.
+_SAMPLED_SETTINGS = [(0.01, 10, 2.0), (0.001, 0, 1.0), (0.3, 1, 1.3)]
+
+
+@hypothesis.settings(max_examples=10)  # each (density, setting) compiles once
+@hypothesis.given(density=st.sampled_from([0.002, 0.2]), distinct=st.sampled_from([1, 2, 5, 1000]),
+                  setting=st.sampled_from(_SAMPLED_SETTINGS), seed=st.integers(0, 2**16))
+def test_topk_sampled_equals_numpy_top_k_with_ties(density, distinct, setting, seed):
+  """Whatever the sample and the refinement do (rounds used up, buffer overflowing, fewer
+  non-zeros than k, magnitudes tied across the threshold), the sampled method returns
+  numpy's stable top-k: exactly k entries, ties to the lower position."""
+  x = _tied(jax.random.key(seed), 20_000, distinct)
+  sample_fraction, max_rounds, capacity_factor = setting
+  codec = C.TopK(density, "sampled", sample_fraction=sample_fraction, max_rounds=max_rounds,
+                 capacity_factor=capacity_factor)
+  _assert_exact_top_k(codec, x, _encode(codec)(x, jax.random.key(seed + 1)))
+  blocked = C.TopK(density, "blocked")
+  _assert_exact_top_k(blocked, x, _encode(blocked)(x, jax.random.key(0)))
 
 
 @pytest.mark.parametrize("dist", ["gaussian", "heavy_tailed"])
 @pytest.mark.parametrize("density", [0.001, 0.01])
-def test_topk_sampled_recall_and_exactly_k(dist, density):
+def test_topk_sampled_is_exact_on_large_vectors(dist, density):
   n = 200_000
   codec = C.TopK(density, "sampled")
-  k = sparse.num_entries(density, n)
-  recalls = []
-  for seed in range(5):
+  for seed in range(3):
     gen = jax.random.normal if dist == "gaussian" else (lambda kk, s: _heavy_tailed(kk, s[0]))
     x = gen(jax.random.key(seed), (n,))
-    payload = _encode(codec)(x, jax.random.key(100 + seed))
-    got = _indices(payload)
-    assert payload.arrays["values"].shape == (k,)
-    assert len(got) == k and len(set(got)) == k  # exactly k distinct entries, no padding
-    exact = set(_indices(C.TopK(density).encode(x)))
-    recalls.append(len(exact & set(got)) / k)
-    np.testing.assert_array_equal(payload.arrays["values"], np.asarray(x)[got])
-  assert min(recalls) >= 0.95, recalls
+    _assert_exact_top_k(codec, x, _encode(codec)(x, jax.random.key(100 + seed)))
 
 
-def test_topk_sampled_pads_when_fewer_entries_are_nonzero():
+def test_topk_sampled_with_fewer_nonzeros_than_k():
+  """Fewer than k non-zeros: no threshold passes k entries, the exact path returns them
+  and then zeros at the lowest positions, as lax.top_k does."""
   n = 5000
   x = jnp.zeros(n).at[jnp.array([3, 700, 4000])].set(jnp.array([1.0, -2.0, 0.5]))
   codec = C.TopK(0.002, "sampled")  # k = 10 > 3 non-zeros
   payload = _encode(codec)(x, jax.random.key(0))
-  assert payload.arrays["values"].shape == (10,)
-  assert sorted(_indices(payload)) == [3, 700, 4000]
+  _assert_exact_top_k(codec, x, payload)
+  assert list(_indices(payload)[:3]) == [700, 3, 4000]
   np.testing.assert_array_equal(codec.decode(payload), x)
   zero = _encode(codec)(jnp.zeros(n), jax.random.key(0))
   np.testing.assert_array_equal(codec.decode(zero), jnp.zeros(n))
 
 
-def test_topk_sampled_falls_back_to_exact_when_the_buffer_overflows():
-  # No refinement and a buffer of exactly k: the first threshold (aimed at 1.4k entries)
-  # passes more than k, so the exact path must run; the result is still the exact top-k.
+@pytest.mark.parametrize("max_rounds,capacity_factor,branch", [
+    (0, 1.0, "overflow"),   # the first threshold, aimed at 1.4k, passes more than k
+    (10, 2.0, "buffer"),    # the refinement lands in [k, 2k]: the passing blocks
+])
+def test_topk_sampled_takes_each_branch_exactly(max_rounds, capacity_factor, branch):
   n, density = 50_000, 0.01
   x = jax.random.normal(jax.random.key(3), (n,))
-  codec = C.TopK(density, "sampled", max_rounds=0, capacity_factor=1.0)
-  a = jnp.abs(x)
+  codec = C.TopK(density, "sampled", max_rounds=max_rounds, capacity_factor=capacity_factor)
   k = sparse.num_entries(density, n)
-  _, passed = sparse.sampled_threshold_select(a, k, jax.random.key(1), sample_fraction=0.01,
-                                              max_rounds=0, capacity=k)
-  assert int(passed) > k
-  got = _encode(codec)(x, jax.random.key(1))
-  assert set(_indices(got)) == set(_indices(C.TopK(density).encode(x)))
+  capacity = int(np.ceil(capacity_factor * k))
+  _, passed = sparse.sampled_threshold_select(jnp.abs(x), k, jax.random.key(1),
+                                              sample_fraction=0.01, max_rounds=max_rounds,
+                                              capacity=capacity)
+  assert (int(passed) > capacity) == (branch == "overflow")
+  assert (k <= int(passed) <= capacity) == (branch == "buffer")
+  idx, _ = jax.jit(functools.partial(
+      sparse.sampled_threshold_select, k=k, sample_fraction=0.01, max_rounds=max_rounds,
+      capacity=capacity))(jnp.abs(x), key=jax.random.key(1))
+  np.testing.assert_array_equal(np.asarray(idx), _numpy_top_k(x, k))
 
 
 def test_topk_nan_is_not_hidden_and_inputs_validated():

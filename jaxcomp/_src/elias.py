@@ -814,12 +814,58 @@ def theorem_3_2_bound(n: int, s: int) -> float:
   The theorem has ``(3/2 + o(1))``; the ``o(1)`` (from ``|omega(k)| <= (1 + o(1)) log k``)
   is dropped here, so this is the leading-order value, not a proven bound at small n.
   Theorem 3.4 of the NeurIPS text restates it with ``s^2 + sqrt(n)`` in place of
-  ``s(s + sqrt(n))``; Theorem 3.2's form is used. At ``s = sqrt(n)`` it gives ``9n + 32``:
-  the paper's ``2.8n + 32`` (Corollary 3.3) is for "a more efficient encoding" of the
-  dense regime, not for this one.
+  ``s(s + sqrt(n))``; Theorem 3.2's form is used. At ``s = sqrt(n)`` it gives ``9n + 32``.
+
+  Corollary 3.3's ``2.8n + 32`` at ``s = sqrt(n)`` does not follow from this formula, and
+  this string format (like any that spends at least one bit on the gap, one on the sign
+  and one on the level of every non-zero, as §3.1 describes) cannot meet it on every
+  input: a vector whose entries all have the same magnitude quantizes to ``n`` codes of
+  level 1 at ``s = sqrt(n)``, ``3n + 33`` bits. :func:`dense_bound` is this format's bound
+  for every input.
   """
   n, s = float(n), float(s)
   if n < 1 or s < 1:
     raise ValueError(f"need n >= 1 and s >= 1, got n={n}, s={s}")
   nnz = s * (s + math.sqrt(n))
   return (3.0 + 1.5 * math.log2(2.0 * (s * s + n) / nnz)) * nnz + 32.0
+
+
+def dense_bound(n: int, s: float) -> float:
+  r"""A bound on the expected length of one bucket's string, for every input (l2 norm).
+
+  Every string of a bucket of ``n`` values with ``N`` non-zero levels ``m_i`` has at most
+
+  .. math:: L \le 33 + 2n - N + 2 \textstyle\sum_i m_i
+
+  bits, because ``|omega(k)| <= 2k - 1`` for every ``k >= 1`` (equality at ``k = 1, 2``)
+  and the ``N + 1`` gaps (the sentinel's included) add up to ``n + 1``. With
+  ``r_i = s |v_i| / ||v||_2`` the quantizer has ``E[m_i] = r_i`` and
+  ``P(m_i >= 1) = min(r_i, 1)``, and ``sum_i r_i^2 = s^2``; maximizing
+  ``sum_i (2 r_i - min(r_i, 1))`` under that constraint (a Lagrangian bound) gives
+
+  .. math::
+    E[L] \le 33 + 2n + n\,\varphi(s^2/n), \qquad
+    \varphi(\rho) = \begin{cases} \sqrt\rho & \rho \le 4/9 \\
+                                  3\rho/4 + 1/3 & 4/9 \le \rho \le 16/9 \\
+                                  2\sqrt\rho - 1 & \rho \ge 16/9. \end{cases}
+
+  At ``s = sqrt(n)``: ``37n/12 + 33``, about ``3.083n + 33``. It is nearly attained there:
+  alternating magnitudes ``2, 1, 2, 1, ...`` take ``(3 + sqrt(10))/2 · n + 33``, about
+  ``3.081n + 33``, in expectation, and equal magnitudes exactly ``3n + 33``. In the sparse
+  regime (``s`` well below ``sqrt(n)``) it is loose (long gaps cost about ``log2`` of
+  their length, not twice it); use :func:`theorem_3_2_bound` there.
+
+  >>> round(dense_bound(4096, 64) / 4096, 4)  # 37/12 + 33/4096
+  3.0914
+  """
+  n, s = float(n), float(s)
+  if n < 1 or s <= 0:
+    raise ValueError(f"need n >= 1 and s > 0, got n={n}, s={s}")
+  rho = s * s / n
+  if rho <= 4.0 / 9.0:
+    phi = math.sqrt(rho)
+  elif rho <= 16.0 / 9.0:
+    phi = 0.75 * rho + 1.0 / 3.0
+  else:
+    phi = 2.0 * math.sqrt(rho) - 1.0
+  return 33.0 + 2.0 * n + n * phi

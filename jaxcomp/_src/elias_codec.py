@@ -151,11 +151,13 @@ def stream_words(scales: Array, mags: Array, negative: Array, lengths: tuple[int
 
 
 def default_capacity_bits(n: int, levels: int, fixed_bits: int, norm: str = "l2") -> int:
-  """Buffer bits of one bucket of n values (see :class:`EliasQSGD`)."""
+  """Buffer bits of one bucket of n values (the default rule of :class:`EliasQSGD`)."""
   if norm != "l2":  # Theorem 3.2 needs the l2 norm; without a bound, no smaller default
     return int(fixed_bits)
   bound = elias.theorem_3_2_bound(n, levels)
   if levels <= math.sqrt(n):
+    # Corollary 3.3's figure: what typical (Gaussian-like) gradients take, not a bound
+    # for every input (flat magnitudes take up to elias.dense_bound); those overflow.
     bound = min(bound, 2.8 * n + 32)
   bound *= _MARGIN
   sentinel = int(elias.omega_length(n + 1))
@@ -174,17 +176,24 @@ class EliasQSGD(codecs_lib.Codec):
 
   Payload: ``words`` (uint32, the buffer, ``capacity`` bits rounded up to words) and
   ``used_bits`` (int32, the stream's length). A collective moves the whole buffer, so
-  the wire cost is the capacity. Default capacity, per bucket of ``b`` values, with the
-  l2 norm: the smallest of the fixed-width size, 1.05x Theorem 3.2's bound on the
-  *expected* length (o(1) dropped) and, when ``s <= √b``, 1.05x ``(2.8b + 32)``, plus
-  the sentinel. The ``2.8b + 32`` is Corollary 3.3's figure, and this string format meets
-  it on average: the mean length at ``s = √b`` measured 2.781b (b = 1024), 2.772b
-  (4096) and 2.757b (65536), standard deviations 0.024b, 0.009b and 0.003b over 20
-  draws (``python -m benchmarks.elias_bits``), so 1.05x is 6 standard deviations of
-  margin at b = 1024 and more above. With ``norm="max"`` (no bound) the default is the
-  fixed-width size, i.e. no saving: pass ``capacity`` (bits per value), e.g. from the
-  benchmark (the demo CNN's gradients took 0.55x the fixed width at 4 bits, buckets of
-  512; Gaussian data 1.02x).
+  the wire cost is the capacity.
+
+  Default capacity, per bucket of ``b`` values, with the l2 norm: the smallest of the
+  fixed-width size, 1.05x Theorem 3.2's bound on the *expected* length (o(1) dropped)
+  and, when ``s <= √b``, 1.05x ``(2.8b + 32)``, plus the sentinel. The ``2.8b + 32`` is
+  Corollary 3.3's figure. It sizes the buffer for typical gradients (Gaussian-like
+  magnitudes take somewhat less than ``2.8b`` on average at ``s = √b``), and it is *not*
+  a bound for every input: every non-zero code costs at least 3 bits (gap, sign, level),
+  so inputs whose magnitudes are nearly equal take more. At ``s = √b`` a vector of equal
+  magnitudes takes exactly ``3b + 33`` bits, alternating magnitudes ``2, 1, 2, 1, ...``
+  about ``3.081b + 33`` on average, and no input more than ``37b/12 + 33`` on average
+  (:func:`jaxcomp.elias.dense_bound`; for ``s`` below about ``0.79√b`` that bound is at
+  most ``2.8b + 33``). Such inputs overflow the default buffer on every step and take
+  the fallback below: the update is the same, the bytes are the fixed width's. Pass
+  ``capacity`` (bits per value) to size the buffer otherwise, e.g.
+  ``1.05 * dense_bound(b, s) / b`` for room above every input's expected length. With
+  ``norm="max"`` (no bound) the default is the fixed-width size, i.e. no saving: pass
+  ``capacity``.
 
   Overflow is never a truncation: :meth:`encode_with_info` reports a stream longer than
   the buffer, and ``jc.compress``'s all-gather exchange then sends the fixed-width

@@ -201,11 +201,15 @@ def _top_in_blocks(blocks: Array, chosen: Array, k: int, n: int, ids: Array | No
   """Flat indices of the k largest entries inside the chosen blocks (-1 entries -> n).
 
   ``ids`` are the chosen blocks' positions in the vector when ``blocks`` is already
-  the gathered subset (then ``chosen`` indexes into it).
+  the gathered subset (then ``chosen`` indexes into it). The blocks are visited in
+  increasing position, so ``lax.top_k``'s tie rule (the lower position first) picks
+  among equal values exactly as it would over the whole vector.
   """
   block = blocks.shape[1]
-  vals, pos = lax.top_k(blocks[chosen].reshape(-1), k)
   ids = chosen if ids is None else ids
+  order = jnp.argsort(ids)
+  chosen, ids = chosen[order], ids[order]
+  vals, pos = lax.top_k(blocks[chosen].reshape(-1), k)
   idx = ids[pos // block] * block + pos % block
   return jnp.where(vals >= 0, idx, n).astype(jnp.int32)
 
@@ -221,12 +225,15 @@ def passes(a: Array, thr: Array) -> Array:
 
 
 def blocked_top_k(a: Array, k: int, block: int = _BLOCK) -> Array:
-  """Exact top-k positions of a flat non-negative vector, in two small ``top_k`` calls.
+  """``lax.top_k(a, k)[1]`` of a flat non-negative vector, in two small ``top_k`` calls.
 
   Every entry of the top k lies in one of the k blocks with the largest block maxima
-  (a block outside them has k blocks above it, each holding a larger entry), so the top
-  k of those ``k · block`` entries is the top k of the vector (up to ties). It reads the
-  vector once for the block maxima and sorts ``n/block + k·block`` values instead of n.
+  (ties to the lower block): a block outside them has k blocks ranked above it, each
+  holding an entry ranked above all of its own (larger, or equal and at a lower
+  position). So the top k of those ``k · block`` entries, visited in position order, is
+  the top k of the vector, ties included: the same indices in the same order as
+  ``lax.top_k``. It reads the vector once for the block maxima and sorts
+  ``n/block + k·block`` values instead of n.
   """
   n = a.shape[0]
   blocks = _blocks(a, block)
@@ -238,7 +245,7 @@ def blocked_top_k(a: Array, k: int, block: int = _BLOCK) -> Array:
 
 def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: float,
                              max_rounds: int, capacity: int) -> tuple[Array, Array]:
-  """DGC's sampled threshold: (indices of exactly k entries, number that passed).
+  """DGC's sampled threshold, exact: (``lax.top_k(a, k)[1]``, number that passed).
 
   ``a`` is a flat non-negative vector (``|x|``). A random sample of
   ``m = ceil(sample_fraction · n)`` entries gives a first threshold: the value that
@@ -248,13 +255,15 @@ def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: f
   multiplied by 0.8 (too few, the reference code's step) or 1.25 (too many) until the
   count is bracketed, then bisected.
 
-  The passing entries lie in at most ``capacity`` blocks of 32 (those whose maximum
-  passes), so those blocks are gathered and the exact top-k among their passing entries
-  is returned: whenever the refinement lands in ``[k, capacity]`` the result *is* the
-  exact top-k (up to ties). When it ends with more than ``capacity`` entries,
-  :func:`blocked_top_k` (exact) is used instead; when it ends with fewer than k (e.g. a
-  vector with fewer than k non-zeros), those are returned and the other slots are
-  padding (index n, value 0).
+  The threshold decides only how much work the selection takes, never what it selects.
+  Passing is monotone in the value, so when at least k entries pass, the top k all
+  pass, equal values alike; the passing entries lie in at most ``capacity`` blocks of 32
+  (those whose maximum passes), which are gathered in position order and the top k of
+  their passing entries taken (:func:`_top_in_blocks`). When the refinement ends
+  outside ``[k, capacity]`` (rounds used up; fewer than k non-zero entries, since zeros
+  never pass), :func:`blocked_top_k` runs instead. Either way the result is exactly
+  ``lax.top_k(a, k)[1]``: the same indices in the same order, ties to the lower
+  position, k entries (zero-valued ones when fewer than k are non-zero).
   """
   n = a.shape[0]
   m = min(n, max(int(math.ceil(sample_fraction * n)), 1))
@@ -306,7 +315,7 @@ def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: f
     _, chosen = lax.top_k(bmax, k)
     return _top_in_blocks(blocks, chosen, k, n)
 
-  idx = lax.cond(c > capacity, exact, from_passing_blocks, None)
+  idx = lax.cond((c > capacity) | (c < k), exact, from_passing_blocks, None)
   return idx, c
 
 
@@ -319,26 +328,28 @@ class TopK(SparseCodec):
   Biased (it drops everything else): use it with error feedback or DGC's local
   accumulation (:func:`jaxcomp.dgc`), which keep what was not sent.
 
-  Methods:
+  Methods, all three exact: they return ``lax.top_k(|x|, k)``'s indices, in its order
+  (decreasing magnitude, ties to the lower position), and differ only in cost:
 
   * ``"exact"``: ``lax.top_k`` of ``|x|``.
-  * ``"blocked"``: the same entries (up to ties) from two small ``top_k`` calls: the k
-    blocks of 32 with the largest maxima, then the top k inside them
-    (:func:`blocked_top_k`); faster than ``lax.top_k`` on CPU (``docs/benchmarks.md``).
-  * ``"sampled"``: Deep Gradient Compression's threshold estimation (SPEC §4): the
-    threshold is estimated from a random ``sample_fraction`` of the entries and refined
-    with at most ``max_rounds`` counting passes, then the exact top-k of the at most
-    ``capacity_factor · k`` entries above it is taken (see
-    :func:`sampled_threshold_select`). It always returns exactly k entries (padding, with
-    zero value, only when fewer than k entries are non-zero or the refinement ran out of
-    rounds below k) and falls back to ``lax.top_k`` when more than the buffer pass.
+  * ``"blocked"``: two small ``top_k`` calls: the k blocks of 32 with the largest
+    maxima, then the top k inside them (:func:`blocked_top_k`); faster than
+    ``lax.top_k`` on CPU (``docs/benchmarks.md``).
+  * ``"sampled"``: Deep Gradient Compression's threshold estimation (the paper's
+    reference code): a threshold is estimated from a random ``sample_fraction`` of the
+    entries and refined with at most ``max_rounds`` counting passes, then the top k of
+    the at most ``capacity_factor · k`` entries above it is taken; when the refinement
+    does not land between k and that buffer, the blocked selection runs instead (see
+    :func:`sampled_threshold_select`). The random sample changes the work, never the
+    result. (The reference code keeps whatever its threshold selects, about k entries,
+    not always the top k.)
 
   Wire format: ``k`` float32 values and ``k`` indices (``uint8``/``uint16`` when ``n``
   fits, else ``int32``; see :mod:`jaxcomp._src.sparse`): ``k · (32 + 16 or 32)`` bits.
 
   Args:
     density: fraction of entries kept, in (0, 1].
-    method: ``"exact"`` or ``"sampled"``.
+    method: ``"exact"``, ``"blocked"`` or ``"sampled"``.
     sample_fraction: share of entries sampled for the threshold (``"sampled"``).
     max_rounds: most refinement passes (``"sampled"``).
     capacity_factor: buffer of entries above the threshold, in units of k (>= 1).
