@@ -249,6 +249,9 @@ BOUNDS = {
     "onebit_sgd": _exact_bound(  # two-phase on 8 devices: chunks of one bucket each
         lambda g: _onebit(_onebit(g, 1024, _CHUNK).mean(0)[None], 1024, _CHUNK)[0]),
     "onebit_allgather": _exact_bound(lambda g: _onebit(g, 1024).mean(0)),
+    # First step (zero residual): update = P P^T mean with P's columns orthonormal, an
+    # orthogonal projection of the mean, so ||update - mean|| <= ||mean||.
+    "powersgd": lambda g: 1.0 + _SLACK,
 }
 
 
