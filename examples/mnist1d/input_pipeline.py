@@ -12,8 +12,8 @@ def load_dataset(config, workdir: str) -> dict[str, np.ndarray]:
   """Returns ``{"x", "y", "x_test", "y_test"}``: float32 ``(n, 40)`` inputs, int32 labels.
 
   The data set is generated with ``mnist1d.data.make_dataset`` (no download) and cached
-  in ``workdir`` as an ``.npz`` keyed by its size and seed, so later runs skip the few
-  seconds the generator takes.
+  in ``workdir`` as an ``.npz`` keyed by its size and seed, so later runs skip the
+  generator.
   """
   name = f"mnist1d_n{config.num_samples}_split{config.train_split}_seed{config.data_seed}.npz"
   path = os.path.join(workdir, name)

@@ -163,8 +163,8 @@ def make_train_step(model, tx, mesh, state_specs):
 
   Returns ``(params, opt_state, losses)`` with each device's loss, shape ``(K,)``: the
   step runs no collective but the exchange's, and the host averages the losses (on a
-  link with milliseconds of latency per collective, as under gVisor here, a ``pmean``
-  of the loss would cost one more message round per step).
+  high-latency link a ``pmean`` of the loss would cost one more message round per
+  step).
   """
 
   def train_step(params, opt_state, batch):
@@ -306,9 +306,9 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
       start = time.perf_counter()
       batch = jax.device_put(next(batches), per_device)
       params, opt_state, loss = step(params, opt_state, batch)
-      # Wait for the step: one step in flight at a time. (With 8 virtual CPU devices on
-      # 2 cores, queueing several multi-device steps has deadlocked XLA's CPU
-      # collectives: a rendezvous timed out with only 5 of 8 devices arrived.)
+      # Wait for the step: one step in flight at a time. (With more virtual CPU devices
+      # than cores, queued multi-device steps can deadlock XLA's CPU collectives: a
+      # rendezvous times out before every device arrives.)
       losses.append(float(np.mean(np.asarray(loss))))
       train_time += time.perf_counter() - start
       bar.update()

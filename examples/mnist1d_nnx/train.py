@@ -177,7 +177,7 @@ def train_method(method: str, config, *, graphdef, init_state, data, mesh
       batch = jax.device_put(next(batches), per_device)
       state, exchange_state, loss = step(state, exchange_state, batch)
       # One step in flight at a time, as in the linen trainer (queued multi-device
-      # steps on few cores have deadlocked XLA's CPU collectives).
+      # steps on few cores can deadlock XLA's CPU collectives).
       losses.append(float(np.mean(np.asarray(loss))))
       train_time += time.perf_counter() - start
       bar.update()

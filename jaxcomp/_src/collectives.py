@@ -281,16 +281,14 @@ def _decode_means(codecs, gathered, k: int) -> list[Array]:
 
   XLA fuses a cheap elementwise producer into each of its consumers: the optimizer
   after the exchange reads the mean several times (global-norm clipping, momentum,
-  the update), so XLA:CPU unpacked the payloads again in each consumer's fusion.
+  the update), so XLA:CPU would unpack the payloads again in each consumer's fusion.
   ``lax.optimization_barrier`` is removed before fusion on CPU; a ``lax.cond`` is not,
   so on CPU the decode runs inside one whose two branches are the same computation
   (its predicate, read from the received words, only keeps XLA from folding it): the
-  mean is written once and the consumers read it (QSGD 4-bit's decode of 2 payloads of
-  1.77M values, then clipping, momentum and update: 6.7 -> 5.1 ms on one core,
-  ``taskset -c 0 python -m benchmarks.xla_cpu_pitfalls``; the same values; a test
-  checks that the barrier is still dropped on CPU). Not on GPU, where a
-  conditional's predicate goes to the host and where the Pallas decode-sum kernel
-  already writes the mean once.
+  mean is written once and the consumers read it, with the same values (a test checks
+  that the barrier is still dropped on CPU; ``python -m benchmarks.xla_cpu_pitfalls``
+  times both forms). Not on GPU, where a conditional's predicate goes to the host and
+  where the Pallas decode-sum kernel already writes the mean once.
   """
   return _materialized(lambda: [c.decode_sum(g) / k for c, g in zip(codecs, gathered)],
                        gathered)

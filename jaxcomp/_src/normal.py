@@ -140,8 +140,8 @@ def moments(x: Array) -> tuple[Array, Array]:
   underflow this is the same arithmetic up to the order XLA sums in. Compiled alone,
   both give the same bits (``tests/test_extremes.py``); inside a larger program
   XLA:CPU may sum the scaled operand in another order than it summed ``x`` (a
-  last-bit difference, seen in MIPD's 8-device step). ``|μ|`` and ``σ`` are clipped to
-  ``max|x|``, which bounds both, so rounding cannot push them past ``FLT_MAX`` either.
+  last-bit difference). ``|μ|`` and ``σ`` are clipped to ``max|x|``, which bounds both,
+  so rounding cannot push them past ``FLT_MAX`` either.
   """
   count = jnp.float32(max(x.shape[0], 1))
   amax = jnp.max(jnp.abs(x), initial=0.0)
@@ -207,7 +207,7 @@ def proxy_values(codes: Array, mu: Array, sigma: Array, intervals: int, sigmas: 
 
   if jnp.ndim(mu) == 0 and jnp.ndim(sigma) == 0:
     # One tensor's (μ, σ): its `intervals` values, then a gather. As a cond's output the
-    # small table is computed once; fused into the gather XLA:CPU redid it per value.
+    # small table is computed once; fused into the gather XLA:CPU would redo it per value.
     return lax.cond(finite, proxy, lambda p: mu + sigma * p, table)[index]
   return proxy(table[index])
 

@@ -17,9 +17,9 @@ and the transforms split the state's key per step and fold in the device index a
 leaf index (and the two-phase exchange the chunk index), so ``key`` already stands for
 ``(seed, step, device, tensor)`` and ``i`` is the element's index within the tensor.
 
-Why not ``jax.random.uniform``: threefry-2x32 is 20 rounds per pair of outputs; on the
-2-core development CPU it was most of the cost of a QSGD encode (the figures are in
-``docs/benchmarks.md``, from ``python -m benchmarks.codecs``).
+Why not ``jax.random.uniform``: threefry-2x32 is 20 rounds per pair of outputs, far more
+arithmetic per value than the rest of a QSGD encode (a scale, a rounding, a shift), so
+on a CPU it would dominate the encode; ``python -m benchmarks.codecs`` times both.
 
 Quality: :func:`uniform`'s 24-bit outputs pass chi-square tests of equidistribution
 (1-D, and of pairs of neighbours), a Kolmogorov-Smirnov test, and per-bit balance tests

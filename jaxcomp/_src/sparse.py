@@ -270,14 +270,14 @@ def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: f
   ks = min(m, max(1, int(math.ceil(1.4 * k * m / n))))
   sample = a[jax.random.randint(key, (m,), 0, n)]
   # min() of the values, not [-1]: slicing top_k's output makes XLA:CPU rewrite the
-  # top_k into a full sort (100x slower at 1M).
+  # top_k into a full sort (``python -m benchmarks.xla_cpu_pitfalls`` times both).
   thr0 = jnp.min(lax.top_k(sample, ks)[0])
   tiny = jnp.finfo(_F32).tiny
   thr0 = jnp.maximum(thr0, tiny)  # zeros never pass: a threshold of 0 would take them
 
   def count(thr):
     # floor(min(a/thr, 1)) is 1 exactly when a passes (the same test as `passes` below);
-    # summing it in float runs ~6x faster on XLA:CPU than summing a boolean compare.
+    # XLA:CPU vectorises this float sum, not a sum of a boolean compare.
     # (A float32 sum is exact up to 2**24 passing entries, far above any capacity.)
     return jnp.sum(passes(a, thr)).astype(jnp.int32)
 

@@ -64,10 +64,11 @@ def exact_lambda(a: Array, epsilon: float) -> Array:
   which is continuous and non-increasing in τ (it has slope ``-C_1(τ)`` between data
   values and does not jump at them: an entry ``a = τ`` adds ``τ^2 - τ·τ``). So the
   paper's smallest k (largest j) is found by bisection of H on the bit patterns of
-  non-negative float32 (31 passes of two masked sums, no sort: about 15x faster than
-  ``jnp.sort`` on XLA:CPU at 1M values), and ``λ = C_1 / (ε S_2 + C_2)`` at the last τ
-  with ``H(τ) > 0``. Returns 0 when ``a`` is all zero. :func:`exact_lambda_sorted` is the
-  paper's sorting version, kept as the reference.
+  non-negative float32 (31 passes of two masked sums instead of a sort, which costs far
+  more on XLA:CPU; ``python -m benchmarks.xla_cpu_pitfalls`` times both), and
+  ``λ = C_1 / (ε S_2 + C_2)`` at the last τ with ``H(τ) > 0``. Returns 0 when ``a`` is
+  all zero. :func:`exact_lambda_sorted` is the paper's sorting version, kept as the
+  reference.
   """
   eps = jnp.float32(epsilon)
   s2 = jnp.sum(a * a)
@@ -123,7 +124,7 @@ class UnbiasedSparsifier(SparseCodec):
 
   ``p = min(λ|x|, 1)`` solves :math:`\min \sum_i p_i` subject to
   :math:`\sum_i x_i^2/p_i \le (1+\varepsilon)\sum_i x_i^2`, :math:`0 < p_i \le 1`
-  (Prop. 1). Two ways to choose λ (SPEC §2):
+  (Prop. 1). Two ways to choose λ (Section 2.2 of the paper, Algorithms 2 and 3):
 
   * ``method="exact"`` (Algorithm 2), for a variance budget ``epsilon`` ε > 0: with
     :math:`|x|_{(1)} \ge \dots \ge |x|_{(n)}` sorted, take the smallest k with
@@ -131,7 +132,8 @@ class UnbiasedSparsifier(SparseCodec):
     and :math:`\lambda = \sum_{i>k}|x|_{(i)} / (\varepsilon \sum_i x_i^2 + \sum_{i>k} x_{(i)}^2)`.
     The k largest then have ``p = 1`` and :math:`\sum_i x_i^2/p_i = (1+\varepsilon)\|x\|^2`
     exactly (up to float32 rounding): the optimum of the problem above. The same k is
-    found by a bisection instead of a sort (:func:`exact_lambda`): about 32 passes over n.
+    found by a bisection instead of a sort (:func:`exact_lambda`): 31 bisection passes
+    over n, and two more for ``Σ x_i^2`` and the final sums.
   * ``method="greedy"`` (Algorithm 3), for a target density κ: ``λ = κn / Σ|x_j|``, then
     ``rounds`` times: over the entries not saturated (``λ|x_i| < 1``) rescale λ so that
     the expected count is κn, i.e. ``λ ← (κn − #saturated) / Σ_{unsaturated}|x_i|``.
@@ -194,12 +196,12 @@ class UnbiasedSparsifier(SparseCodec):
       on normal, heavy-tailed and Cauchy vectors, and exactly κn when nothing
       saturates (``tests/test_wangni.py`` asserts both).
     capacity: entry slots as a fraction of n in (0, 1], overriding the rule above.
-    dense_fraction: dense value slots in units of ``m``, in (0, 1]. The default 0.25
-      leaves a 4x margin over what real gradients need: on the MNIST-1D demo CNN the
-      saturated entries were at most 4.3% of ``m`` at κ = 10% (none at κ = 1%;
-      ``python -m benchmarks.demo_variants --saturation``). Raise it
-      to 1 (``"greedy"`` then never overflows this part) for inputs with many outliers;
-      each slot costs 32 bits.
+    dense_fraction: dense value slots in units of ``m``, in (0, 1]. Only entries with
+      ``p_i = 1`` take one, and gradients saturate few entries at small κ, so the
+      default 0.25 leaves a wide margin at a quarter of the cost of room for every
+      kept entry (``python -m benchmarks.demo_variants --saturation`` prints the
+      saturated share per kernel). Raise it to 1 (``"greedy"`` then never overflows
+      this part) for inputs with many outliers; each slot costs 32 bits.
 
   References:
     Wangni, Wang, Liu, Zhang. *Gradient Sparsification for Communication-Efficient

@@ -8,7 +8,7 @@ from examples.mnist1d.configs import default
 
 
 def get_config() -> default.Config:
-  """Returns a configuration that runs all four methods in seconds.
+  """Returns a configuration that runs every method in seconds.
 
   The model keeps two compressed kernels, few because compile time grows with their
   number: Conv 8->128 (k8) and Dense 128->64, 8192 values each, 95% of the 17k
