@@ -137,8 +137,13 @@ def _layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
 
 def _trace_init(tx, params, layout: _Layout):
   leaves, treedef = treeutil.flat(params)
-  shapes = treedef.unflatten([jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-                              for _, x in leaves])
+  # Each stand-in carries its spec's sharding: on a mesh whose axes are Explicit (the
+  # default of AbstractMesh in newer jax) shard_map checks that its inputs are sharded
+  # as in_specs say, and an unsharded stand-in would be refused.
+  shapes = treedef.unflatten([
+      jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
+                           sharding=jax.NamedSharding(layout.mesh, spec))
+      for (_, x), spec in zip(leaves, layout.specs)])
   init = jax.shard_map(tx.init, mesh=layout.mesh,
                        in_specs=(treedef.unflatten(layout.specs),), out_specs=P(),
                        check_vma=False)
