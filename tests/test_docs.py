@@ -1,6 +1,9 @@
-"""The docstring examples run (doctest) and the README's usage names exist."""
+"""The docstring examples run (doctest), the README's usage names exist, and the links
+between the README, the guides and the benchmarks page resolve."""
 
 import doctest
+import glob
+import os
 import re
 
 import pytest
@@ -31,3 +34,49 @@ def test_readme_names_are_public():
     readme = f.read()
   for name in sorted(set(re.findall(r"\bjc\.([a-z_]+)", readme))):
     assert name in jc.__all__, name
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _anchors(path):
+  """GitHub/MyST heading slugs of a markdown file (headings inside code fences skipped)."""
+  slugs, fenced = set(), False
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if line.startswith("```"):
+        fenced = not fenced
+      heading = None if fenced else re.match(r"#+\s+(.*)", line)
+      if heading:
+        slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower())
+        slugs.add(slug.replace(" ", "-"))
+  return slugs
+
+
+def _links(path):
+  """(target, anchor) of every relative markdown link outside code fences."""
+  with open(path, encoding="utf-8") as f:
+    text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+  for target in re.findall(r"\]\(([^)\s]+)\)", text):
+    if not target.startswith(("http://", "https://", "mailto:")):
+      file, _, anchor = target.partition("#")
+      yield os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path, anchor
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md"]
+                         + sorted(os.path.relpath(p, ROOT)
+                                  for p in glob.glob(os.path.join(ROOT, "docs/guides/*.md"))))
+def test_links_resolve(page):
+  for target, anchor in _links(os.path.join(ROOT, page)):
+    assert os.path.exists(target), (page, target)
+    if anchor and target.endswith(".md"):
+      assert anchor in _anchors(target), (page, target, anchor)
+
+
+def test_landing_guides_and_benchmarks_have_one_title():
+  for path in [os.path.join(ROOT, "docs", p) for p in ("index.md", "benchmarks.md")] + glob.glob(
+      os.path.join(ROOT, "docs/guides/*.md")):
+    with open(path, encoding="utf-8") as f:
+      text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    assert text.startswith("# "), path
+    assert len(re.findall(r"^# ", text, flags=re.M)) == 1, path
