@@ -102,20 +102,11 @@ def test_getting_started_has_the_readme_snippet():
   assert use_snippet("docs/getting_started.md") == use_snippet("README.md")
 
 
-def _landing_page_has_toctree() -> bool:
-  with open(os.path.join(DOCS, "index.md"), encoding="utf-8") as f:
-    return "{toctree}" in f.read()
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("sphinx") is None
                     or importlib.util.find_spec("myst_parser") is None,
                     reason="Sphinx not installed (pip install -e '.[docs]'; the test extra "
                            "includes it)")
-# Until the landing page (docs/index.md with the site's toctree) is merged, the new pages
-# are in no toctree and the build fails. Remove this marker with that merge.
-@pytest.mark.xfail(not _landing_page_has_toctree(), strict=True,
-                   reason="docs/index.md has no toctree yet")
 def test_docs_build_without_warnings(tmp_path):
   """What `bash scripts/docs.sh` runs, into a temporary directory."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
