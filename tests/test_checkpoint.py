@@ -233,3 +233,27 @@ def test_example_trainer_resumes_bit_identical(tmp_path):
   with ocp.StandardCheckpointer() as ckptr:  # params and opt_state at step 6
     chex.assert_trees_all_equal(ckptr.restore(ckpts / "6" / "state"),
                                 ckptr.restore(tmp_path / "uninterrupted6" / "state"))
+
+
+def test_restore_target_with_tensor_parallel_params():
+  """On a (4, 2) data x model mesh, the target matches the live state's shapes, dtypes
+  and shardings leaf for leaf (param_specs: w1's columns, b1 and w2's rows over model)."""
+  from examples import tensor_parallel as tp  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((4, 2), (tp.DATA, tp.MODEL), devices=jax.devices()[:8])
+  pspecs = tp.param_specs(False)
+  raw = tp.init_params(jax.random.key(0))
+  tx = optax.chain(jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=tp.DATA)),
+                   optax.sgd(0.1, momentum=0.9))
+  specs = jc.state_specs(tx, raw, axis_name=tp.DATA, num_devices=4, param_specs=pspecs,
+                         mesh=mesh)
+  params = jax.device_put(raw, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), pspecs))
+  live = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,),
+                               out_specs=specs))(params)
+  abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), raw)
+  target = jc.restore_target(tx, abstract, mesh=mesh, specs=specs, param_specs=pspecs)
+  got = jax.tree.leaves(jc.unwrap_keys(target))
+  want = jax.tree.leaves(jc.unwrap_keys(live))
+  assert len(got) == len(want)
+  for t, x in zip(got, want):
+    assert (t.shape, t.dtype) == (x.shape, x.dtype)
+    assert t.sharding.is_equivalent_to(x.sharding, x.ndim), (t.sharding, x.sharding)

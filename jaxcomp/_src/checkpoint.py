@@ -105,7 +105,7 @@ def wrap_keys(tree: Any, like: Any) -> Any:
 
 
 def restore_target(tx: optax.GradientTransformation, params: Any, *, mesh: jax.sharding.Mesh,
-                   specs: Any) -> Any:
+                   specs: Any, param_specs: Any = None) -> Any:
   """Abstract ``tx`` state to restore a checkpoint into: shapes, dtypes and shardings.
 
   ``tx.init`` is traced (not run) inside ``jax.shard_map`` with ``out_specs=specs``, as
@@ -121,12 +121,23 @@ def restore_target(tx: optax.GradientTransformation, params: Any, *, mesh: jax.s
     params: the parameters (arrays or ``jax.ShapeDtypeStruct``), as passed to ``init``.
     mesh: the mesh to place the restored state on.
     specs: the state's ``PartitionSpec`` pytree (:func:`jaxcomp.state_specs`).
+    param_specs: the parameters' ``PartitionSpec`` pytree for tensor-parallel weights,
+      as given to :func:`jaxcomp.state_specs` (``None``: replicated parameters). ``init``
+      is traced on each device's shard, as the training loop runs it.
 
   Returns:
     A pytree of ``jax.ShapeDtypeStruct`` with the structure of ``tx.init(params)``.
   """
-  init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-  shapes = jax.eval_shape(init, params)
+  if param_specs is None:
+    param_specs = jax.tree.map(lambda _: P(), params)
+  # Stand-ins placed as the loop places the parameters: on an Explicit mesh shard_map
+  # checks that its inputs' shardings match in_specs.
+  stand_ins = jax.tree.map(
+      lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                           sharding=NamedSharding(mesh, spec)),
+      params, param_specs)
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=specs)
+  shapes = jax.eval_shape(init, stand_ins)
   return jax.tree.map(
       lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                            sharding=NamedSharding(mesh, spec)),
