@@ -31,6 +31,12 @@ FACTORIES = {
     "qsgd8_ef": lambda axis: jc.qsgd(bits=8, axis_name=axis, error_feedback=True),
     "onebit_sgd": lambda axis: jc.onebit_sgd(axis_name=axis),
     "onebit_allgather": lambda axis: jc.onebit_sgd(axis_name=axis, collective="allgather"),
+    "onebit_per_column": lambda axis: jc.onebit_sgd(per_column=True, axis_name=axis),
+    "onebit_per_column_allgather": lambda axis: jc.onebit_sgd(
+        per_column=True, axis_name=axis, collective="allgather"),
+    "ef_signsgd": lambda axis: jc.ef_signsgd(axis_name=axis),
+    "ef_signsgd_allgather": lambda axis: jc.ef_signsgd(bucket_size=256, axis_name=axis,
+                                                       collective="allgather"),
 }
 
 
