@@ -41,7 +41,8 @@ class Config:
   seed: int = 0                    # init and shuffling
 
   # Methods to compare, in table order (see train.make_exchange).
-  methods: tuple[str, ...] = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd")
+  methods: tuple[str, ...] = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd",
+                               "ef_signsgd")
 
   # Logging.
   eval_every: int = 50             # steps between test-accuracy evaluations
