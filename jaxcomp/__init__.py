@@ -30,6 +30,7 @@ from jaxcomp._src.qsvrg import qsvrg_wire_report
 from jaxcomp._src.transforms import CompressState
 from jaxcomp._src.transforms import compress
 from jaxcomp._src.transforms import default_filter
+from jaxcomp._src.transforms import ef_signsgd
 from jaxcomp._src.transforms import onebit_sgd
 from jaxcomp._src.transforms import PerDeviceState
 from jaxcomp._src.transforms import per_device_state
@@ -61,6 +62,7 @@ __all__ = [
     "codecs",
     "compress",
     "default_filter",
+    "ef_signsgd",
     "elias",
     "kernels",
     "dgc",

@@ -477,7 +477,8 @@ def test_wire_bits_property(n, bucket, levels, norm):
 
 @pytest.mark.parametrize("codec, n", [
     (C.QSGD(7, 512, "max"), 1300), (C.QSGD(3, 100), 250), (C.OneBit(100), 777),
-    (C.OneBit(), 777), (C.Cast(jnp.float16), 777), (C.Identity(), 777)], ids=str)
+    (C.OneBit(), 777), (C.OneBit(per_column=True), 777), (C.ScaledSign(100), 777),
+    (C.Cast(jnp.float16), 777), (C.Identity(), 777)], ids=str)
 def test_payload_shapes_do_not_depend_on_data(codec, n):
   datas = [_normal(n, seed=9), np.zeros(n, np.float32), np.full(n, 1e30, np.float32),
            np.where(np.arange(n) % 3 == 0, np.nan, 1.0).astype(np.float32),
@@ -522,7 +523,8 @@ def test_decode_shape_and_dtype(codec, dtype):
 @pytest.mark.parametrize("codec, dtype", [
     (C.Identity(), jnp.float32), (C.Cast(jnp.float16), jnp.bfloat16),
     (C.QSGD(7, 64, "max"), jnp.bfloat16),
-    (C.OneBit(64), jnp.float16),
+    (C.OneBit(64), jnp.float16), (C.OneBit(per_column=True), jnp.bfloat16),
+    (C.ScaledSign(64), jnp.float16),
 ], ids=str)
 def test_jit_vmap_on_stacked_payload_equals_per_payload(codec, dtype):
   """Under jit: encode several (vmap), decode the stacked payload (vmap) == one by one.
@@ -559,7 +561,7 @@ def test_jit_vmap_on_stacked_payload_equals_per_payload(codec, dtype):
     amax = float(np.max(np.abs(x64)))
     if isinstance(codec, C.QSGD):
       assert np.all(err <= amax / codec.levels * (1 + 1e-6))
-    elif not isinstance(codec, C.OneBit):
+    elif isinstance(codec, (C.Identity, C.Cast)):
       assert np.all(err <= 2.0**-8 * np.abs(x64))
 
 
@@ -619,8 +621,10 @@ def test_qsgd_needs_a_key():
 
 
 def test_codecs_are_hashable_static_arguments():
-  codecs = [C.QSGD(3, 64, "max"), C.OneBit(32), C.Cast(jnp.float16), C.Identity()]
-  assert len({*codecs, C.QSGD(3, 64, "max"), C.OneBit(32), C.Cast(np.float16)}) == 4
+  codecs = [C.QSGD(3, 64, "max"), C.OneBit(32), C.Cast(jnp.float16), C.Identity(),
+            C.OneBit(per_column=True), C.ScaledSign(64)]
+  assert len({*codecs, C.QSGD(3, 64, "max"), C.OneBit(32), C.Cast(np.float16),
+              C.OneBit(per_column=True), C.ScaledSign(64)}) == 6
   assert C.Cast(jnp.float16) == C.Cast(np.float16)
   assert C.QSGD(3, 64, "max") != C.QSGD(3, 64, "l2")
   f = jax.jit(lambda x, codec: x * codec.wire_bits(x.shape), static_argnums=1)
@@ -794,7 +798,8 @@ def test_cast_nan_and_inf_propagate(codec):
 # ----------------------------------------------------------------------------- decode_sum
 
 
-@pytest.mark.parametrize("codec", [C.Identity(), C.QSGD(7, 128, "max"), C.OneBit(64)], ids=str)
+@pytest.mark.parametrize("codec", [C.Identity(), C.QSGD(7, 128, "max"), C.OneBit(64),
+                                   C.ScaledSign(64)], ids=str)
 def test_decode_sum_equals_sum_of_decodes(codec):
   k, n = 5, 300
   xs = _normal(k * n, seed=20).reshape(k, n) * (10.0 ** np.arange(k, dtype=np.float32))[:, None]
@@ -838,7 +843,8 @@ def test_decode_sum_identity_is_sequential_float32_addition(dtype):
 
 # ----------------------------------------------------------------------------- non-finite
 
-NONFINITE_CODECS = [C.QSGD(2, 64), C.QSGD(7, 64, "max"), C.OneBit(64), C.OneBit()]
+NONFINITE_CODECS = [C.QSGD(2, 64), C.QSGD(7, 64, "max"), C.OneBit(64), C.OneBit(),
+                    C.OneBit(per_column=True), C.ScaledSign(64)]
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=str)
@@ -853,7 +859,7 @@ def test_non_finite_input_is_never_hidden(codec, bad):
   assert not np.isfinite(out[idx])
   if np.isnan(bad):
     assert np.isnan(out[idx])
-  if isinstance(codec, C.QSGD):
+  if isinstance(codec, (C.QSGD, C.ScaledSign)):
     # the bucket's scale carries the NaN/Inf: the whole bucket is non-finite
     assert not np.any(np.isfinite(out[bucket]))
   else:
@@ -979,3 +985,59 @@ def test_qsgd_max_entry_never_rounds_down():
   x = jnp.array([0.38036475, 0.19018237], jnp.float32)
   out = C.QSGD(7, norm="max").decode(C.QSGD(7, norm="max").encode(x, key=jax.random.key(5991920)))
   np.testing.assert_allclose(np.asarray(out)[0], 0.38036475, rtol=3e-7)
+
+
+# ----------------------------------------------------------------------------- QSGD levels
+
+
+def test_qsgd_levels_argument():
+  """jc.qsgd(levels=s) quantizes to s levels per sign (and wins over bits)."""
+  x = jnp.asarray(_normal(2048, seed=31).reshape(32, 64))
+  every = lambda path, leaf: True  # noqa: E731
+
+  def grid_steps(tx):
+    out, _ = jax.jit(tx.update)({"w": x}, tx.init({"w": x}))
+    v = np.asarray(out["w"], np.float64).reshape(-1, 512)
+    amax = np.max(np.abs(np.asarray(x, np.float64).reshape(-1, 512)), axis=1, keepdims=True)
+    return v / amax  # multiples of 1/s
+
+  for levels, bits in [(16, 4), (5, 2), (127, 3)]:
+    q = grid_steps(jc.qsgd(bits=bits, levels=levels, filter=every))
+    np.testing.assert_allclose(q * levels, np.round(q * levels), atol=1e-4)
+    assert len(np.unique(np.round(np.abs(q) * levels))) > 1
+  # bits alone: s = 2**(bits-1) - 1 = 7; 16 levels are not a grid of sevenths
+  q = grid_steps(jc.qsgd(bits=4, filter=every))
+  np.testing.assert_allclose(q * 7, np.round(q * 7), atol=1e-4)
+  assert np.max(np.abs(q * 16 - np.round(q * 16))) > 0.1
+  # the wire: 16 levels take 5 magnitude bits and a sign
+  params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  report = jc.wire_report(jc.qsgd(levels=16, bucket_size=512, axis_name="batch"), params,
+                          axis_name="batch", num_devices=8)
+  assert report.bytes_received == 7 * (1024 * 1024 * 6 // 8 + 2048 * 4)
+  for bad in (0, -3, 2**24, 1.5, True):
+    with pytest.raises(ValueError):
+      jc.qsgd(levels=bad)
+
+
+def test_qsgd_docs_table_is_the_codecs():
+  """docs/methods/qsgd.md's table: each row's s, bits and wire bits per value are the
+  codec's (from its payload arrays), and the bound is Lemma 3.1's min(d/s^2, sqrt(d)/s)."""
+  import os  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(__file__), "..", "docs", "methods", "qsgd.md")
+  with open(path, encoding="utf-8") as f:
+    rows = re.findall(r"^\| `(.+?)` \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", f.read(),
+                      re.MULTILINE)
+  assert len(rows) >= 6
+  n = 2**20
+  for arg, s, bits, wire, bound in rows:
+    kwargs = dict(kv.split("=") for kv in arg.split(", "))
+    d = int(kwargs["bucket_size"])
+    levels = (int(kwargs["levels"]) if "levels" in kwargs
+              else 2 ** (int(kwargs["bits"]) - 1) - 1)
+    codec = C.QSGD(levels, d, "max")
+    assert levels == int(s), arg
+    assert codec.bits == int(bits), arg
+    assert codec.wire_bits((n,)) / n == pytest.approx(float(wire), abs=1e-4), arg
+    assert min(d / levels**2, math.sqrt(d) / levels) == pytest.approx(float(bound),
+                                                                       rel=1e-3), arg

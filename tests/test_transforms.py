@@ -35,6 +35,12 @@ FACTORIES = {
     # projection of the mean (the residual is zero after the all-zero first step), so
     # the error is below 1, and close to 1 on noise (rank 4 of 48 keeps little of it).
     "powersgd": lambda axis: jc.powersgd(4, axis_name=axis),
+    "onebit_per_column": lambda axis: jc.onebit_sgd(per_column=True, axis_name=axis),
+    "onebit_per_column_allgather": lambda axis: jc.onebit_sgd(
+        per_column=True, axis_name=axis, collective="allgather"),
+    "ef_signsgd": lambda axis: jc.ef_signsgd(axis_name=axis),
+    "ef_signsgd_allgather": lambda axis: jc.ef_signsgd(bucket_size=256, axis_name=axis,
+                                                       collective="allgather"),
 }
 
 
@@ -239,6 +245,24 @@ def _fp16_two_phase(g):
   return _fp16_scaled(first).reshape(-1)
 
 
+def _onebit_columns(rows):
+  """1-bit SGD per column (Seide et al. §3) of rows holding the (48, 96) w32 matrix:
+  every column's non-negative entries decode to their mean, the negative ones to theirs."""
+  cols = rows.reshape(rows.shape[0], 48, 96).transpose(0, 2, 1).reshape(-1, 48)
+  out = _onebit(cols, 48)  # one bucket per column
+  return out.reshape(rows.shape[0], 96, 48).transpose(0, 2, 1).reshape(rows.shape[0], -1)
+
+
+def _scaled_sign(rows, bucket, chunk=None):
+  """EF-signSGD's scaled sign: ||v_B||_1 / |B| · sign(v) per bucket B, sign(0) = +1."""
+  ids = _bucket_ids(rows.shape[-1], bucket, chunk)
+  out = np.empty_like(rows)
+  for d in range(rows.shape[0]):
+    scale = np.bincount(ids, np.abs(rows[d])) / np.bincount(ids)
+    out[d] = np.where(rows[d] >= 0, 1.0, -1.0) * scale[ids]
+  return out
+
+
 BOUNDS = {
     "identity": _exact_bound(lambda g: g.mean(0)),
     "bf16": _exact_bound(lambda g: _cast(g, jnp.bfloat16).mean(0)),
@@ -252,6 +276,15 @@ BOUNDS = {
     # First step (zero residual): update = P P^T mean with P's columns orthonormal, an
     # orthogonal projection of the mean, so ||update - mean|| <= ||mean||.
     "powersgd": lambda g: 1.0 + _SLACK,
+    # Per column, the two-phase chunks are whole columns: the owner re-quantizes the
+    # average of the decoded columns per column again.
+    "onebit_per_column": _exact_bound(
+        lambda g: _onebit_columns(_onebit_columns(g).mean(0)[None])[0]),
+    "onebit_per_column_allgather": _exact_bound(lambda g: _onebit_columns(g).mean(0)),
+    # bucket_size=None: one bucket per two-phase chunk, in both phases.
+    "ef_signsgd": _exact_bound(lambda g: _scaled_sign(
+        _scaled_sign(g, _CHUNK, _CHUNK).mean(0)[None], _CHUNK, _CHUNK)[0]),
+    "ef_signsgd_allgather": _exact_bound(lambda g: _scaled_sign(g, 256).mean(0)),
 }
 
 

@@ -28,10 +28,13 @@ from examples.mnist1d import models
 
 AXIS = "batch"
 
-METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd", "powersgd")
+METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd", "powersgd",
+           "ef_signsgd")
 # Also accepted by --methods (and benchmarks.launch), not trained by default: the dense
-# baseline with all leaves in one all-reduce buffer (jc.pmean_tree), for benchmarks.
-EXTRA_METHODS = ("dense_flat",)
+# baseline with all leaves in one all-reduce buffer (jc.pmean_tree), for benchmarks; and
+# 1-bit SGD with the paper's per-column means (costly on the convolution kernels, whose
+# columns are their few spatial taps: docs/methods/onebit_sgd.md).
+EXTRA_METHODS = ("dense_flat", "onebit_per_column")
 ALL_METHODS = METHODS + EXTRA_METHODS
 
 # Methods whose exchange carries the momentum (DGC's momentum correction): the optimizer
@@ -101,6 +104,10 @@ def make_exchange(method: str, config=None, *, warmup: bool = True
     return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="auto")
   if method == "onebit":
     return jc.onebit_sgd(axis_name=AXIS)
+  if method == "onebit_per_column":
+    return jc.onebit_sgd(per_column=True, axis_name=AXIS)
+  if method == "ef_signsgd":  # one scale per tensor (per two-phase chunk)
+    return jc.ef_signsgd(axis_name=AXIS)
   raise ValueError(f"unknown method {method!r}; expected one of {ALL_METHODS}")
 
 

@@ -128,6 +128,31 @@ class Codec:
     """
     return 32
 
+  def chunk_shape(self, shape: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """Shape of each of the K chunks the two-phase exchange cuts a tensor of ``shape`` into.
+
+    By default a flat slice of ``ceil(n / K)`` values rounded up to :attr:`alignment`
+    (:func:`flat_chunk_length`). A codec whose buckets follow the tensor's structure
+    (:class:`OneBit` with ``per_column=True``) cuts it along that structure instead, so
+    that no bucket straddles two chunks.
+    """
+    return (flat_chunk_length(self.alignment, math.prod(shape), k),)
+
+  def to_chunks(self, x: Array, k: int) -> Array:
+    """``x`` cut into its K two-phase chunks, stacked: ``(K, *chunk_shape(x.shape, K))``.
+
+    Chunk j is what device j owns; the chunks past the end of ``x`` are zero-padded.
+    """
+    (c,) = self.chunk_shape(x.shape, k)
+    flat = x.reshape(-1)
+    pad = k * c - flat.shape[0]
+    return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(k, c)
+
+  def from_chunks(self, chunks: Array, shape: tuple[int, ...]) -> Array:
+    """Inverse of :meth:`to_chunks`: K stacked (decoded) chunks back to ``shape``,
+    the padding dropped."""
+    return chunks.reshape(-1)[:math.prod(shape)].reshape(shape)
+
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     raise NotImplementedError
 
@@ -224,6 +249,24 @@ class Codec:
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
     return key
+
+
+def flat_chunk_length(alignment: int, n: int, k: int) -> int:
+  """Length of each of the K flat chunks of an n-vector: ``ceil(n / K)`` rounded up to a
+  multiple of ``alignment`` (at least one ``alignment``)."""
+  per_device = -(-n // k)
+  return max(alignment, -(-per_device // alignment) * alignment)
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+  """The matrix view ``(shape[0], prod(shape[1:]))`` of a tensor; ``(1, 1)`` for a scalar.
+
+  A vector of m values is one column ``(m, 1)``. Kernels of higher rank are matrices of
+  their first dimension against all the others (PowerSGD's convention).
+  """
+  if not shape:
+    return 1, 1
+  return int(shape[0]), math.prod(shape[1:])
 
 
 def _buckets(n: int, bucket_size: int | None) -> tuple[int, int]:
@@ -566,14 +609,22 @@ class QSGD(Codec):
 class OneBit(Codec):
   r"""1-bit quantization: a sign bit per value, two reconstruction values per bucket.
 
-  Within each bucket (``bucket_size`` consecutive values, the whole tensor when
-  ``None``), values ``>= 0`` decode to the mean of the bucket's non-negative values and
-  values ``< 0`` to the mean of its negative values, so the bucket's sum (and mean) is
-  preserved:
+  Within each bucket, values ``>= 0`` decode to the mean of the bucket's non-negative
+  values and values ``< 0`` to the mean of its negative values, so the bucket's sum (and
+  mean) is preserved:
 
   .. math::
     Q(v)_i = \begin{cases} \mathrm{mean}\{v_j : v_j \ge 0\} & v_i \ge 0 \\
                            \mathrm{mean}\{v_j : v_j < 0\} & v_i < 0 \end{cases}
+
+  The buckets are ``bucket_size`` consecutive values of the flattened tensor (the whole
+  tensor when ``None``), or with ``per_column=True`` the columns of its matrix view, as
+  in the paper (§3: one pair of reconstruction values per matrix column): a tensor of
+  shape ``(m, ...)`` is viewed as ``(m, n)``, ``n = prod(shape[1:])`` (a vector as one
+  column, :func:`matrix_shape`), and column ``x[:, j]`` gets the two means of its own
+  entries. The columns are laid out one after the other (column-major), so the sign
+  words hold column 0's m signs, then column 1's, ...; the two-phase exchange cuts such a
+  tensor into chunks of whole columns (:meth:`chunk_shape`).
 
   It is deterministic and biased; use it with error feedback
   (:func:`jaxcomp.onebit_sgd`), which carries ``v - Q(v)`` into the next step.
@@ -582,15 +633,20 @@ class OneBit(Codec):
   overflows (values from about ``FLT_MAX / bucket_size``) is summed again scaled by a
   power of two (:func:`jaxcomp.kernels._common.side_mean`), on every path.
 
-  Wire format: signs packed 32 per uint32, plus two float32 per bucket.
+  Wire format: signs packed 32 per uint32, plus two float32 per bucket (per column:
+  ``ceil(m n / 32)`` words and ``2 n`` floats, at most ``m n + 31 + 64 n`` bits).
 
   Args:
-    bucket_size: values per bucket, or ``None`` for one bucket per tensor.
+    bucket_size: values per bucket, or ``None`` for one bucket per tensor (with
+      ``per_column=True``: must be ``None``, the columns are the buckets).
     implementation: ``None`` (the Pallas kernels on a CUDA GPU, the native CPU kernels
       on a CPU backend where they build, XLA elsewhere), ``"xla"``, ``"pallas"``
-      (interpret mode off GPU) or ``"native"``; shapes the kernels do not handle fall
-      back to XLA. The sign words are bit-identical between all of them; the means
-      agree to float32 rounding (their sums are taken in different orders).
+      (interpret mode off GPU) or ``"native"``; shapes the kernels do not handle, and
+      ``per_column=True``, fall back to XLA. The sign words are bit-identical between all
+      of them; the means agree to float32 rounding (their sums are taken in different
+      orders).
+    per_column: one pair of reconstruction values per column of the matrix view
+      (keyword only).
 
   References:
     Seide, Fu, Droppo, Li, Yu. *1-Bit Stochastic Gradient Descent and its Application
@@ -599,13 +655,59 @@ class OneBit(Codec):
 
   bucket_size: int | None = None
   implementation: str | None = None
+  per_column: bool = dataclasses.field(default=False, kw_only=True)
 
   def __post_init__(self):
     _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
     kernel_common.check_implementation(self.implementation)
+    if not isinstance(self.per_column, (bool, np.bool_)):
+      raise TypeError(f"per_column must be a bool, got {self.per_column!r}")
+    if self.per_column and self.bucket_size is not None:
+      raise ValueError(f"per_column=True takes each column as a bucket: leave "
+                       f"bucket_size=None (got {self.bucket_size})")
 
   def _kernel_unsupported(self, n: int, dtype: Any) -> str | None:
+    if self.per_column:
+      return "per-column buckets run on the XLA path"
     return sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size, dtype=dtype)
+
+  def _bucket_layout(self, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(bucket length, number of buckets) of a tensor of ``shape``."""
+    if self.per_column:
+      return matrix_shape(shape)
+    return _buckets(math.prod(shape), self.bucket_size)
+
+  def _flat(self, x: Array) -> Array:
+    """``x`` flattened in bucket order, float32 (column-major with ``per_column``)."""
+    if self.per_column:
+      return x.reshape(matrix_shape(x.shape)).astype(_F32).T.reshape(-1)
+    return x.reshape(-1).astype(_F32)
+
+  def chunk_shape(self, shape: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """See :meth:`Codec.chunk_shape`. With ``per_column``: ``(m, ceil(n / K))``, a block of
+    whole columns of the ``(m, n)`` matrix view (the last blocks padded with zero columns,
+    which decode to zero)."""
+    if not self.per_column:
+      return super().chunk_shape(shape, k)
+    m, n = matrix_shape(shape)
+    return m, -(-n // k)
+
+  def to_chunks(self, x: Array, k: int) -> Array:
+    if not self.per_column:
+      return super().to_chunks(x, k)
+    m, n = matrix_shape(x.shape)
+    _, c = self.chunk_shape(x.shape, k)
+    x2 = x.reshape(m, n)
+    if k * c > n:
+      x2 = jnp.pad(x2, ((0, 0), (0, k * c - n)))
+    return x2.reshape(m, k, c).transpose(1, 0, 2)
+
+  def from_chunks(self, chunks: Array, shape: tuple[int, ...]) -> Array:
+    if not self.per_column:
+      return super().from_chunks(chunks, shape)
+    m, n = matrix_shape(shape)
+    k, _, c = chunks.shape
+    return chunks.transpose(1, 0, 2).reshape(m, k * c)[:, :n].reshape(shape)
 
   def _kernel_encode(self, x: Array, residual: Array | None = None) -> tuple[Payload, ...]:
     """The sign_pack kernel's payload (and new residual, when ``residual`` is given)."""
@@ -638,17 +740,15 @@ class OneBit(Codec):
     n = x.size
     if self.uses_kernel(n, x.dtype):
       return self._kernel_encode(x)[0]
-    b, nb = _buckets(n, self.bucket_size)
-    flat = x.reshape(-1).astype(_F32)
+    b, nb = self._bucket_layout(x.shape)
+    flat = self._flat(x)
     v = _to_buckets(flat, b, nb)
     words = bitpack.pack_bits((v < 0).reshape(-1)[:n].astype(jnp.uint32), 1)
-    two_level = b % _WORD == 0
+    two_level = b > 0 and b % _WORD == 0
     pos_sum, neg_sum, neg_count = _onebit_sums(v, words, two_level=two_level)
     # Padding is +0, counted as non-negative: take it out of the counts.
-    valid = np.full((nb,), b, np.dtype(neg_count.dtype))
-    if nb:
-      valid[-1] = n - (nb - 1) * b
-    pos_count = (jnp.asarray(valid) - neg_count).astype(_F32)
+    pos_count = (jnp.asarray(_valid_counts(n, b, nb, neg_count.dtype))
+                 - neg_count).astype(_F32)
     neg_count = neg_count.astype(_F32)
 
     # A sum past FLT_MAX (finite values from ~FLT_MAX / b): sum again scaled by
@@ -681,7 +781,105 @@ class OneBit(Codec):
     n = math.prod(payload.shape)
     if self.uses_kernel(n):
       return self._kernel_decode_sum(jax.tree.map(lambda a: a[None], payload.arrays), n)
-    b, nb = _buckets(n, self.bucket_size)
+    b, nb = self._bucket_layout(payload.shape)
     neg = _to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
     out = jnp.where(neg, payload.arrays["neg"][:, None], payload.arrays["pos"][:, None])
+    if self.per_column:  # (columns, m) back to the (m, columns) matrix view
+      return out.T
     return out.reshape(-1)[:n]
+
+
+def _valid_counts(n: int, b: int, nb: int, dtype: Any) -> np.ndarray:
+  """How many of the ``n`` values each of ``nb`` buckets of ``b`` holds (the last may be
+  short), a numpy constant of ``dtype``."""
+  valid = np.full((nb,), b, np.dtype(dtype))
+  if nb:
+    valid[-1] = n - (nb - 1) * b
+  return valid
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledSign(Codec):
+  r"""EF-signSGD's scaled sign: a sign bit per value and one scale ``‖v‖₁ / d`` per bucket.
+
+  For each bucket ``v`` of ``d`` values (``bucket_size`` consecutive values of the
+  flattened tensor, the whole tensor when ``None``; the last bucket's ``d`` is its own
+  length):
+
+  .. math::
+    C(v) = \frac{\|v\|_1}{d} \, \mathrm{sign}(v), \qquad
+    \mathrm{sign}(v_i) = \begin{cases} +1 & v_i \ge 0 \\ -1 & v_i < 0 \end{cases}
+
+  One bit per value holds two signs, so ``sign(0) = +1`` (``-0.0`` included): a zero
+  decodes to ``+‖v‖₁/d``. Every decoded value then has magnitude ``‖v‖₁/d``, so
+  ``⟨C(v), v⟩ = ‖v‖₁²/d = ‖C(v)‖²`` and the paper's compressor property holds with
+  equality, ``‖C(v) - v‖² = (1 - δ(v)) ‖v‖²`` with ``δ(v) = ‖v‖₁² / (d ‖v‖₂²) ∈ [1/d, 1]``
+  (the paper's δ-approximate compressor, with its δ for the scaled sign). It is
+  deterministic and *biased* (``C(v) ≠ v`` unless all ``|v_i|`` are equal), which is why
+  :func:`jaxcomp.ef_signsgd` carries ``v - C(v)`` into the next step.
+
+  A bucket holding a NaN gets a NaN scale, one holding an infinity an infinite one, so
+  neither is hidden; a sum of finite values beyond float32's range is taken again scaled
+  by a power of two (:func:`jaxcomp.kernels._common.side_mean`), so the scale of finite
+  values is finite.
+
+  Wire format: signs packed 32 per uint32 (``ceil(n / 32)`` words), plus one float32
+  scale per bucket. Decoding ``-s``/``+s`` per sign bit.
+
+  Args:
+    bucket_size: values per bucket, or ``None`` for one scale per tensor (Algorithm 1's
+      ``d`` is the length of the compressed vector).
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcomp as jc
+    >>> codec = jc.codecs.ScaledSign()
+    >>> codec.decode(codec.encode(jnp.array([3.0, -1.0, 0.0, 2.0]))).tolist()
+    [1.5, -1.5, 1.5, 1.5]
+
+  References:
+    Karimireddy, Rebjock, Stich, Jaggi. *Error Feedback Fixes SignSGD and other Gradient
+    Compression Schemes*. ICML 2019. https://arxiv.org/abs/1901.09847
+  """
+
+  bucket_size: int | None = None
+
+  def __post_init__(self):
+    _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
+
+  def encode(self, x: Array, *, key: Array | None = None) -> Payload:
+    del key
+    _check_float(x)
+    n = x.size
+    b, nb = _buckets(n, self.bucket_size)
+    flat = x.reshape(-1).astype(_F32)
+    v = _to_buckets(flat, b, nb)
+    words = bitpack.pack_bits((v < 0).reshape(-1)[:n].astype(jnp.uint32), 1)
+    two_level = b % _WORD == 0
+    # ||v||_1 as the sums of each sign (one pass, no abs reduction; no cancellation).
+    pos_sum, neg_sum, _ = _onebit_sums(v, words, two_level=two_level)
+    l1 = pos_sum - neg_sum
+    count = _valid_counts(n, b, nb, _F32)
+    safe, has = np.maximum(count, np.float32(1)), count > 0
+    shift = kernel_common.sum_shift(b)
+
+    def rescaled():  # finite values summing past FLT_MAX: their l1 norm scaled by 2**-shift
+      scaled = _onebit_sums(_to_buckets(flat * np.float32(2.0**-shift), b, nb), words,
+                            two_level=two_level)
+      return scaled[0] - scaled[1]
+
+    # Only the extra pass is conditional: the arithmetic with the static counts stays
+    # outside the cond (under vmap in shard_map, a constant met inside a cond's branch is
+    # cast to varying by mistake).
+    scaled_l1 = lax.cond(jnp.any(jnp.isinf(l1)), rescaled, lambda: jnp.zeros_like(l1))
+    big = jnp.clip(scaled_l1 / safe * np.float32(2.0**shift), 0.0, kernel_common.FLT_MAX)
+    # Where the scaled norm is not finite either, an input was: the scale stays so.
+    scales = jnp.where(has, jnp.where(jnp.isinf(l1) & jnp.isfinite(scaled_l1), big,
+                                      l1 / safe), 0.0)
+    return Payload({"words": words, "scales": scales}, tuple(x.shape), jnp.dtype(x.dtype))
+
+  def _decode_f32(self, payload: Payload) -> Array:
+    n = math.prod(payload.shape)
+    b, nb = _buckets(n, self.bucket_size)
+    neg = _to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
+    scale = payload.arrays["scales"][:, None]
+    return jnp.where(neg, -scale, scale).reshape(-1)[:n]

@@ -9,6 +9,7 @@ gathered results are marked invariant) and ``jax.pmap``.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import NamedTuple
 
 import jax
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp._src.codecs import Codec
+from jaxcomp._src.codecs import flat_chunk_length
 from jaxcomp._src.phases import DECODE_SCOPE
 from jaxcomp._src.phases import ENCODE_SCOPE
 
@@ -474,17 +476,17 @@ def psum_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
 
 
 def chunk_length(codec: Codec, n: int, k: int) -> int:
-  """Length of each of the K chunks of an n-vector: ceil(n/K) rounded to the alignment."""
-  a = codec.alignment
-  per_device = -(-n // k)
-  return max(a, -(-per_device // a) * a)
+  """Length of each of the K flat chunks of an n-vector: ceil(n/K) rounded to the
+  alignment (:meth:`Codec.chunk_shape` of codecs that chunk a flat tensor)."""
+  return flat_chunk_length(codec.alignment, n, k)
 
 
 def two_phase_mean(codec: Codec, x: Array, key: Array, axis_name, *,
                    chunk_residual: Array | None = None) -> Exchanged:
   """Scatter-reduce then all-gather on payloads (1-bit SGD §3.1, CGX, DeepSpeed).
 
-  The flattened tensor is cut into K chunks of equal (aligned) length. Each device
+  The tensor is cut into K chunks (:meth:`Codec.to_chunks`: by default flat slices of
+  equal aligned length, for per-column codecs blocks of whole columns). Each device
   encodes its K chunks and sends chunk j to device j (``all_to_all``); device j decodes
   the K payloads of its chunk, averages them, adds its second-stage residual (when
   ``chunk_residual`` is given), re-encodes the average and ``all_gather``s it; every
@@ -503,20 +505,21 @@ def two_phase_means(codec: Codec, xs, keys, axis_name,
   chunk_residuals = [None] * len(xs) if chunk_residuals is None else list(chunk_residuals)
   firsts = []
   for x, key in zip(xs, keys):
-    n = x.size
-    c = chunk_length(codec, n, k)
     with jax.named_scope(ENCODE_SCOPE):
-      chunks = jnp.pad(x.reshape(-1), (0, k * c - n)).reshape(k, c)
+      chunks = codec.to_chunks(x, k)
       key1, key2 = jax.random.split(key)
       payloads, overflow = jax.vmap(lambda v, kk: codec.encode_with_info(v, key=kk))(
           chunks, jax.random.split(key1, k))
-      sent = jax.vmap(lambda p: codec.decode(p, _F32))(payloads).reshape(-1)[:n]
+      sent = codec.from_chunks(jax.vmap(lambda p: codec.decode(p, _F32))(payloads), x.shape)
     firsts.append((payloads, sent, jnp.any(overflow), key2))
   received = all_to_all_tree([f[0] for f in firsts], axis_name)
   seconds = []
-  for (_, _, _, key2), got, chunk_residual in zip(firsts, received, chunk_residuals):
+  for x, (_, _, _, key2), got, chunk_residual in zip(xs, firsts, received, chunk_residuals):
+    real = _real_entries(codec, x, k, axis_name)
     with jax.named_scope(DECODE_SCOPE):
       avg = codec.decode_sum(got) / k
+      if real is not None:
+        avg = jnp.where(real, avg, 0.0)
       if chunk_residual is not None:
         avg = avg + chunk_residual
     with jax.named_scope(ENCODE_SCOPE):
@@ -524,6 +527,8 @@ def two_phase_means(codec: Codec, xs, keys, axis_name,
       new_residual = None
       if chunk_residual is not None:
         new_residual = avg - codec.decode(mine, _F32)
+        if real is not None:
+          new_residual = jnp.where(real, new_residual, 0.0)
         # A non-finite average must not poison the residual: keep the old one.
         new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
     seconds.append((mine, new_residual, overflow2))
@@ -531,7 +536,7 @@ def two_phase_means(codec: Codec, xs, keys, axis_name,
   out = []
 
   def decode_all():
-    return [jax.vmap(lambda p: codec.decode(p, _F32))(g).reshape(-1)[:x.size]
+    return [codec.from_chunks(jax.vmap(lambda p: codec.decode(p, _F32))(g), x.shape)
             for x, g in zip(xs, gathered)]
 
   with jax.named_scope(DECODE_SCOPE):  # written once on CPU, see _decode_means
@@ -543,8 +548,25 @@ def two_phase_means(codec: Codec, xs, keys, axis_name,
   return out
 
 
-def chunk_residual_shape(codec: Codec, n: int, k: int) -> tuple[int]:
-  return (chunk_length(codec, n, k),)
+def _real_entries(codec: Codec, x: Array, k: int, axis_name) -> Array | None:
+  """Where this device's two-phase chunk of ``x`` holds values of ``x`` (the rest is the
+  zero padding past its end), or ``None`` when no chunk is padded.
+
+  The padding must stay zero in the second stage. Codecs that decode a zero to a bucket
+  value (OneBit's mean of the non-negative entries, ScaledSign's ``+scale``) send it
+  nonzero in the first stage; averaged and re-encoded, it would enter the last bucket's
+  statistics and build up in the second-stage residual, never delivered.
+  """
+  if k * math.prod(codec.chunk_shape(x.shape, k)) == x.size:
+    return None
+  return codec.to_chunks(jnp.ones(x.shape, jnp.bool_), k)[lax.axis_index(axis_name)]
+
+
+def chunk_residual_shape(codec: Codec, shape, k: int) -> tuple[int, ...]:
+  """Shape of the second-stage residual of a tensor of ``shape`` (an int: a flat tensor of
+  that many values): one chunk, :meth:`Codec.chunk_shape`."""
+  shape = (shape,) if isinstance(shape, int) else tuple(shape)
+  return tuple(codec.chunk_shape(shape, k))
 
 
 COLLECTIVES = ("allgather", "two_phase", "psum", "auto")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -25,10 +24,25 @@ FilterFn = Callable[[tuple, Array], bool]
 def default_filter(path: tuple, leaf: Array) -> bool:
   """Compress leaves with at least 1024 elements and at least 2 dimensions.
 
-  Biases, norms' scales and small tensors go through a dense ``pmean``, as in the
-  papers (QSGD leaves tensors under 10K elements unquantized; DGC and 1-bit SGD compress
-  only matrices and kernels): they are a negligible share of the bytes and the most
-  sensitive to quantization.
+  Biases, norms' scales and small tensors go through a dense ``pmean``: they are a
+  negligible share of the bytes and the most sensitive to quantization. The thresholds
+  are jaxcomp's choice, the default of every method; the papers each draw the line
+  their own way:
+
+  * QSGD (Alistarh et al., §5) leaves tensors of fewer than 10K values unquantized,
+    whatever their rank; ``filter=lambda path, leaf: leaf.size >= 10_000`` does the same;
+  * DGC's reference code (Lin et al.) compresses the tensors of more than one dimension
+    and sends the others dense, whatever their size;
+  * 1-bit SGD (Seide et al., §3) quantizes the models' gradient matrices, column by
+    column, and sets no size threshold;
+  * EF-signSGD (Karimireddy et al., Algorithm 1) compresses the whole gradient.
+
+  Args:
+    path: the leaf's key path (unused).
+    leaf: the gradient leaf (only its shape is read).
+
+  Returns:
+    Whether the leaf is compressed.
   """
   del path
   return leaf.ndim >= 2 and leaf.size >= 1024
@@ -44,7 +58,8 @@ class CompressState(NamedTuple):
 
   key: Array             # typed PRNG key, shape=()
   residual: Any          # first-stage error feedback, leaf shape, dtype=float32
-  chunk_residual: Any    # second-stage (two-phase) error feedback, shape=(chunk,), float32
+  chunk_residual: Any    # second-stage (two-phase) error feedback, shape=codec.chunk_shape
+  #                        (leaf shape, K): (chunk,) or (m, columns), dtype=float32
   nonfinite_count: Array  # shape=(), dtype=int32: steps whose input had NaN/Inf
   overflow_count: Array   # shape=(), dtype=int32: steps a codec took its overflow path
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
@@ -191,7 +206,7 @@ def compress(
           k = collectives.axis_size(axis_name)
         two_phase = collectives.resolve(collective, codec, k) == "two_phase"
       if two_phase:
-        shape = collectives.chunk_residual_shape(codec, math.prod(leaf.shape), k)
+        shape = collectives.chunk_residual_shape(codec, leaf.shape, k)
         chunk_residual.append(jnp.zeros(shape, _F32))
       else:
         chunk_residual.append(optax.MaskedNode())
@@ -331,6 +346,7 @@ def qsgd(
     bucket_size: int | None = 512,
     norm: str = "max",
     *,
+    levels: int | None = None,
     axis_name: Any = None,
     collective: str = "allgather",
     error_feedback: bool = False,
@@ -338,15 +354,23 @@ def qsgd(
     filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
     implementation: str | None = None,
 ) -> optax.GradientTransformation:
-  r"""QSGD: stochastic ``bits``-bit quantization of the gradient exchange.
+  r"""QSGD: stochastic quantization of the gradient exchange to ``s`` levels per sign.
 
-  Uses :class:`jaxcomp.codecs.QSGD` with ``s = 2**(bits-1) - 1`` levels per sign
-  (``bits`` counts the sign bit: 4 bits gives 7 levels), buckets of ``bucket_size``
-  values scaled by their max (``norm="max"``, the paper's practical variant) or l2 norm.
-  The quantizer is unbiased, ``E[Q(v)] = v``, with variance at most
+  Uses :class:`jaxcomp.codecs.QSGD` on buckets of ``bucket_size`` values scaled by their
+  max (``norm="max"``, the paper's practical variant, §4) or l2 norm (the quantizer of
+  §3). The quantizer is unbiased, ``E[Q(v)] = v``, with variance at most
   ``min(d/s^2, sqrt(d)/s) ||v||^2`` per bucket of ``d`` values (Lemma 3.1), so it needs
-  no error feedback. The paper's settings: 4 or 8 bits with buckets of 512, 2 bits with
-  buckets of 128.
+  no error feedback.
+
+  ``bits`` is the width of a value on the wire, sign included: ``s = 2**(bits-1) - 1``
+  levels per sign fill it exactly (the magnitude ``s·ξ_i`` in ``0..s`` takes
+  ``bits - 1`` bits), so 4 bits is ``s = 7`` and 2 bits ``s = 1`` (ternary). ``levels``
+  sets ``s`` directly instead (and wins over ``bits``): the value then takes
+  ``ceil(log2(s + 1)) + 1`` bits. The paper's §4 example, 4 bits with buckets of 512 and
+  the bound ``sqrt(512)/2^4 ≈ 1.41``, counts ``s = 2^4 = 16``, which is ``levels=16``
+  here (6 bits per value on the wire); its §5 experiments use 2 bits with buckets of
+  128, and 4 or 8 bits with buckets of 512. ``docs/methods/qsgd.md`` tabulates bits,
+  ``s`` and the bound.
 
   Chain it before the optimizer: ``optax.chain(jc.qsgd(axis_name="batch"), optax.adam(1e-3))``.
 
@@ -356,16 +380,28 @@ def qsgd(
   Error feedback assumes a compressor that shrinks its input
   (``||Q(x) - x|| < ||x||``); coarse unbiased QSGD (2 bits: variance up to
   ``sqrt(d)`` times ``||x||^2``) is not one, and with ``error_feedback=True`` it trains
-  worse, not better: keep the default ``False`` for QSGD.
+  worse, not better: keep the default ``False`` for QSGD. The default filter
+  (:func:`default_filter`) quantizes tensors from 1024 values and 2 dimensions; the paper
+  leaves tensors under 10K values unquantized (§5): pass
+  ``filter=lambda path, leaf: leaf.size >= 10_000`` for that.
 
   Args:
-    bits: bits per value on the wire, sign included (>= 2).
+    bits: bits per value on the wire, sign included (>= 2); ``s = 2**(bits-1) - 1``.
     bucket_size: values per bucket (``None``: one bucket per tensor).
     norm: ``"max"`` or ``"l2"``.
+    levels: ``s``, levels per sign (``1 <= s < 2**24``), instead of ``bits``.
     axis_name, collective, error_feedback, seed, filter: as in :func:`compress`.
       ``collective="two_phase"`` keeps per-device traffic flat in the device count.
     implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, the native
       kernels on a CPU backend, else XLA; ``"xla"``, ``"pallas"`` or ``"native"``).
+
+  Returns:
+    An ``optax.GradientTransformation`` (:func:`compress` with the QSGD codec).
+
+  Example:
+    >>> import jaxcomp as jc
+    >>> tx = jc.qsgd(levels=16, bucket_size=512)  # the paper's s = 2^4: 6 bits a value
+    >>> tx = jc.qsgd(bits=4)                      # 4 bits a value: s = 7
 
   References:
     Alistarh et al. *QSGD: Communication-Efficient SGD via Gradient Quantization and
@@ -373,14 +409,28 @@ def qsgd(
   """
   if isinstance(bits, bool) or not isinstance(bits, int) or bits < 2:
     raise ValueError(f"bits must be an integer >= 2 (sign included), got {bits!r}")
-  codec = codecs_lib.QSGD(2 ** (bits - 1) - 1, bucket_size, norm, implementation)
+  if levels is None:
+    levels = 2 ** (bits - 1) - 1
+  codec = codecs_lib.QSGD(levels, bucket_size, norm, implementation)  # validates levels
   return compress(codec, axis_name=axis_name, collective=collective,
                   error_feedback=error_feedback, seed=seed, filter=filter)
 
 
+class _DefaultBucket(int):
+  """``onebit_sgd``'s default bucket size: 1024, told apart from an explicit 1024 (with
+  ``per_column=True`` only an explicit one is an error)."""
+
+  def __repr__(self) -> str:
+    return "1024"
+
+
+_ONEBIT_BUCKET = _DefaultBucket(1024)
+
+
 def onebit_sgd(
     *,
-    bucket_size: int | None = 1024,
+    bucket_size: int | None = _ONEBIT_BUCKET,
+    per_column: bool = False,
     axis_name: Any = None,
     collective: str = "auto",
     seed: int = 0,
@@ -399,20 +449,93 @@ def onebit_sgd(
   the payloads are all-gathered instead: the same bytes, half the encoding work, one
   collective, and the sum is not quantized a second time.
 
+  The buckets are ``bucket_size`` consecutive values by default, or, with
+  ``per_column=True``, the paper's: one pair of reconstruction values per column of each
+  matrix (a tensor of shape ``(m, ...)`` viewed as ``(m, prod(rest))``), exchanged in
+  chunks of whole columns. A column of m values then costs ``m + 64`` bits, so short
+  columns (a flax convolution kernel ``(width, in, out)`` has columns of ``width``
+  values) cost far more than 1 bit per value.
+
   The paper applies AdaGrad/momentum to the aggregated gradient: chain this *before* the
   optimizer, e.g. ``optax.chain(jc.onebit_sgd(axis_name="batch"), optax.sgd(0.1, 0.9))``.
 
   Args:
-    bucket_size: values per reconstruction bucket (the paper: one matrix column).
+    bucket_size: values per reconstruction bucket (default 1024; ``None``: one bucket
+      per tensor). Not with ``per_column=True``.
+    per_column: one pair of reconstruction values per matrix column (the paper, §3).
     axis_name, collective, seed, filter: as in :func:`compress`.
     implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, the native
       kernels on a CPU backend, else XLA; ``"xla"``, ``"pallas"`` or ``"native"``).
+      ``per_column=True`` runs on XLA.
+
+  Returns:
+    An ``optax.GradientTransformation`` (:func:`compress` with error feedback).
 
   References:
     Seide, Fu, Droppo, Li, Yu. *1-Bit Stochastic Gradient Descent and its Application
     to Data-Parallel Distributed Training of Speech DNNs*. Interspeech 2014.
   """
-  return compress(codecs_lib.OneBit(bucket_size, implementation), axis_name=axis_name,
+  if per_column:
+    if bucket_size is not _ONEBIT_BUCKET and bucket_size is not None:
+      raise ValueError(f"per_column=True takes each matrix column as a bucket; "
+                       f"bucket_size={bucket_size!r} cannot be combined with it")
+    bucket_size = None
+  elif isinstance(bucket_size, _DefaultBucket):
+    bucket_size = int(bucket_size)
+  codec = codecs_lib.OneBit(bucket_size, implementation, per_column=per_column)
+  return compress(codec, axis_name=axis_name, collective=collective, error_feedback=True,
+                  seed=seed, filter=filter)
+
+
+def ef_signsgd(
+    *,
+    bucket_size: int | None = None,
+    axis_name: Any = None,
+    collective: str = "auto",
+    seed: int = 0,
+    filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+) -> optax.GradientTransformation:
+  r"""EF-signSGD: the scaled sign with error feedback (Karimireddy et al., 2019).
+
+  Each device compresses ``p = g + e`` with :class:`jaxcomp.codecs.ScaledSign`,
+  ``C(p) = ‖p‖₁/d · sign(p)`` per bucket of ``d`` values (one sign bit per value and one
+  float32 scale per bucket on the wire), sends it, and keeps ``e' = p - C(p)``; the
+  mean over devices of the ``C(p)`` is returned. The scaled sign is biased, and
+  error feedback is what makes it converge at SGD's rate (the paper's analysis of EF-SGD
+  holds for any δ-approximate compressor). ``collective="auto"`` all-gathers the payloads on two
+  devices and runs the two-phase exchange on more (the chunk owners compress the
+  average again, with their own error feedback), as for :func:`onebit_sgd`.
+
+  The paper folds the step size into what is compressed (``p = γ g + e``); here the
+  residual is kept in gradient units and the optimizer applies the step afterwards,
+  which is the same algorithm for a constant step (``C`` is positively homogeneous:
+  ``C(γ p) = γ C(p)``) and chains with any optimizer. Chain it before the optimizer:
+  ``optax.chain(jc.ef_signsgd(axis_name="batch"), optax.sgd(0.1))``.
+
+  Args:
+    bucket_size: values per scale (``None``: one scale per tensor, the paper's
+      ``‖p‖₁/d`` over the whole vector; in the two-phase exchange, per chunk).
+    axis_name, collective, seed, filter: as in :func:`compress` (``collective`` is
+      ``"allgather"``, ``"two_phase"`` or ``"auto"``; ``seed`` is unused by this
+      deterministic codec but kept for the state's key).
+
+  Returns:
+    An ``optax.GradientTransformation`` (:func:`compress` with error feedback).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxcomp as jc
+    >>> tx = optax.chain(jc.ef_signsgd(), optax.sgd(0.1))
+    >>> params = {"w": jnp.ones((64, 32))}
+    >>> updates, _ = tx.update({"w": jnp.ones((64, 32))}, tx.init(params), params)
+
+  References:
+    Karimireddy, Rebjock, Stich, Jaggi. *Error Feedback Fixes SignSGD and other Gradient
+    Compression Schemes*. ICML 2019. https://arxiv.org/abs/1901.09847
+  """
+  if collective not in ("allgather", "two_phase", "auto"):
+    raise ValueError(f"ef_signsgd's collective must be 'allgather', 'two_phase' or "
+                     f"'auto', got {collective!r}")
+  return compress(codecs_lib.ScaledSign(bucket_size), axis_name=axis_name,
                   collective=collective, error_feedback=True, seed=seed, filter=filter)
 
 

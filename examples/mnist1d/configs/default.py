@@ -42,7 +42,7 @@ class Config:
 
   # Methods to compare, in table order (see train.make_exchange).
   methods: tuple[str, ...] = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd",
-                               "powersgd")
+                               "powersgd", "ef_signsgd")
 
   # Logging.
   eval_every: int = 50             # steps between test-accuracy evaluations
