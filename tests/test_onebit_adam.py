@@ -144,8 +144,13 @@ def _compress(rows, valid, bucket):
   return out
 
 
-def _reference(grads, *, freeze_step, lr, bucket_size, b1=0.9, b2=0.999, eps=1e-8):
-  """Algorithm 1 in float64 numpy for the leaf "w" on K devices: the updates."""
+def _reference(grads, *, freeze_step, lr, bucket_size, compress="momentum", b1=0.9,
+               b2=0.999, eps=1e-8):
+  """Algorithm 1 in float64 numpy for the leaf "w" on K devices: the updates.
+
+  With ``compress="preconditioned"`` what is compressed is D·m, D = 1/(sqrt(v̂) + eps)
+  with the frozen v, and m = (the exchanged D·m) / D.
+  """
   n = int(np.prod(SHAPES["w"]))
   lay = onebit_adam_lib._layout(n, K, bucket_size)
   valid = lay.valid()
@@ -158,7 +163,8 @@ def _reference(grads, *, freeze_step, lr, bucket_size, b1=0.9, b2=0.999, eps=1e-
       m = b1 * m + (1 - b1) * g.mean(0)
       v = b2 * v + (1 - b2) * g.mean(0) ** 2
     else:
-      x = b1 * m + (1 - b1) * g + e_w
+      d = 1 / (np.sqrt(v / (1 - b2**freeze_step)) + eps) if compress == "preconditioned" else 1
+      x = d * (b1 * m + (1 - b1) * g) + e_w
       sent = np.zeros((K, K, lay.chunk))  # [device, chunk, value]
       for i in range(K):
         rows = _chunks(x[i], lay)
@@ -171,18 +177,21 @@ def _reference(grads, *, freeze_step, lr, bucket_size, b1=0.9, b2=0.999, eps=1e-
       y = sent.mean(0) + e_s  # row j: the chunk device j owns
       back = _compress(y, valid, lay.bucket)
       e_s = y - back
-      m = back.reshape(-1)[:n]
+      m = back.reshape(-1)[:n] / d
     v_hat = v / (1 - b2 ** min(t, freeze_step))
     out.append(-lr * (m / (1 - b1**t)) / (np.sqrt(v_hat) + eps))
   return out
 
 
-@pytest.mark.parametrize("bucket_size", [None, 100])
-def test_compression_stage_follows_algorithm_1(bucket_size):
-  """v frozen after freeze_step; m the decoded 1-bit average (|m| constant per scale
-  group); the updates equal a float64 numpy implementation of Algorithm 1."""
+@pytest.mark.parametrize("bucket_size,compress", [(None, "momentum"), (100, "momentum"),
+                                                  (None, "preconditioned")])
+def test_compression_stage_follows_algorithm_1(bucket_size, compress):
+  """v frozen after freeze_step; m the decoded 1-bit average (|m|, or |m|·D with
+  compress="preconditioned", constant per scale group); the updates equal a float64
+  numpy implementation of Algorithm 1."""
   lr, freeze = 1e-2, 3
-  tx = jc.onebit_adam(lr, freeze_step=freeze, bucket_size=bucket_size, axis_name=AXIS)
+  tx = jc.onebit_adam(lr, freeze_step=freeze, bucket_size=bucket_size, compress=compress,
+                      axis_name=AXIS)
   outs, grads, states = _run(tx, 8)
   for s in states[freeze:]:
     for name in SHAPES:
@@ -193,23 +202,27 @@ def test_compression_stage_follows_algorithm_1(bucket_size):
   lay = onebit_adam_lib._layout(n, K, bucket_size)
   for t in range(freeze, 8):
     m = states[t].m["w"].reshape(-1)
+    if compress == "preconditioned":
+      m = m / (np.sqrt(states[t].v["w"].reshape(-1) / (1 - 0.999**freeze)) + 1e-8)
     for j in range(K):
       for s in range(0, lay.chunk, lay.bucket):
         group = np.abs(m[j * lay.chunk + s:j * lay.chunk + min(s + lay.bucket, lay.chunk)])
-        np.testing.assert_allclose(group, group[0], rtol=1e-6)
+        np.testing.assert_allclose(group, group[0], rtol=1e-5)
     # The update is the frozen-v Adam step of the exchanged momentum.
     v_hat = states[t].v["w"] / (1 - 0.999**freeze)
     want = -lr * (states[t].m["w"] / (1 - 0.9 ** (t + 1))) / (np.sqrt(v_hat) + 1e-8)
     np.testing.assert_allclose(outs[t]["w"], want, rtol=1e-5)
-  ref = _reference(grads, freeze_step=freeze, lr=lr, bucket_size=bucket_size)
+  ref = _reference(grads, freeze_step=freeze, lr=lr, bucket_size=bucket_size,
+                   compress=compress)
   for t, (u, r) in enumerate(zip(outs, ref)):
     # float32 against float64: the errors carried over 5 steps, relative ~1e-6 each.
     np.testing.assert_allclose(u["w"].reshape(-1), r, rtol=1e-4, atol=1e-4 * lr,
                                err_msg=f"step {t}")
 
 
-@pytest.mark.parametrize("bucket_size", [None, 64])
-def test_two_stage_error_feedback_carries_what_was_not_sent(bucket_size):
+@pytest.mark.parametrize("bucket_size,compress", [(None, "momentum"), (64, "momentum"),
+                                                  (None, "preconditioned")])
+def test_two_stage_error_feedback_carries_what_was_not_sent(bucket_size, compress):
   """Summed over the compressed steps, the applied momenta plus the errors still held
   (the devices' mean worker error, the owners' server errors) equal the devices' mean
   momenta: nothing is dropped, only delayed.
@@ -219,22 +232,29 @@ def test_two_stage_error_feedback_carries_what_was_not_sent(bucket_size):
   float32 implementation rounds about a dozen operations per value and step (the
   momentum, x, e', the K-term average, y, e_s'), each by at most half an ulp of values
   at most M: the sums agree to 16·T·eps·M, while any dropped error is of order M.
+  With compress="preconditioned" the same holds for D·m, D = 1/(sqrt(v̂) + eps) fixed
+  while v is frozen (the errors are held in that space).
   """
   freeze, steps, b1 = 2, 10, 0.9
-  tx = jc.onebit_adam(1e-2, freeze_step=freeze, bucket_size=bucket_size, axis_name=AXIS)
+  tx = jc.onebit_adam(1e-2, freeze_step=freeze, bucket_size=bucket_size, compress=compress,
+                      axis_name=AXIS)
   _, grads, states = _run(tx, steps)
   for name in ("w", "u"):
     n = int(np.prod(SHAPES[name]))
     lay = onebit_adam_lib._layout(n, K, bucket_size)
+    d = 1.0
+    if compress == "preconditioned":
+      v = states[-1].v[name].astype(np.float64).reshape(-1)
+      d = 1 / (np.sqrt(v / (1 - 0.999**freeze)) + 1e-8)
     applied = np.zeros(n)
     local = np.zeros(n)
     big = 0.0
     for t in range(freeze, steps):
       m_prev = states[t - 1].m[name].astype(np.float64).reshape(-1)
       g = grads[t][name].astype(np.float64).reshape(K, n)
-      m_local = b1 * m_prev + (1 - b1) * g
+      m_local = d * (b1 * m_prev + (1 - b1) * g)
       local += m_local.mean(0)
-      m_new = states[t].m[name].astype(np.float64).reshape(-1)
+      m_new = d * states[t].m[name].astype(np.float64).reshape(-1)
       applied += m_new
       e_w = states[t].worker_error.inner[name].reshape(K, n)
       big = max(big, np.abs(m_local).max(), np.abs(m_new).max(), np.abs(e_w).max())
@@ -247,6 +267,28 @@ def test_two_stage_error_feedback_carries_what_was_not_sent(bucket_size):
     # Negative control: leaving out either error breaks it by far more than the rounding.
     assert np.max(np.abs(applied + e_w.mean(0) - local)) > 100 * tol
     assert np.max(np.abs(applied + e_s[:n] - local)) > 100 * tol
+
+
+@pytest.mark.parametrize("compress", onebit_adam_lib.COMPRESS)
+def test_coordinates_without_a_warmup_gradient_do_not_move(compress):
+  """v = 0 where no warm-up step had a gradient: Adam would step 0 / (0 + eps) = 0 there,
+  a sign code s / eps. They keep m = 0 and take no step, even once their gradient is not
+  zero; the others move."""
+  freeze = 2
+  tx = jc.onebit_adam(1e-2, freeze_step=freeze, compress=compress, axis_name=AXIS)
+  m = helpers.mesh()
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  update = helpers.shard_map_update(tx, m, PARAMS)
+  for t in range(5):
+    g = _grads(t)
+    if t < freeze:
+      g["w"] = g["w"].at[:, :8].set(0.0)  # rows 0-7 of w: no gradient in the warm-up
+    u, state = update(helpers.shard(g, m), state)
+    if t >= freeze:
+      u_w = np.asarray(u["w"])
+      np.testing.assert_array_equal(u_w[:8], 0.0)
+      np.testing.assert_array_equal(np.asarray(state.m["w"])[:8], 0.0)
+      assert np.all(u_w[8:] != 0) and np.all(np.abs(u_w) < 1.0)
 
 
 def test_local_mode_is_one_device():
@@ -544,6 +586,7 @@ def test_converges_like_adam_on_least_squares():
     dict(freeze_step=10, weight_decay=-1e-4),
     dict(freeze_step=10, bucket_size=0),
     dict(freeze_step=10, bucket_size=12.5),
+    dict(freeze_step=10, compress="gradient"),
 ])
 def test_bad_arguments_raise_value_error(kwargs):
   with pytest.raises(ValueError):

@@ -30,6 +30,7 @@ from jaxcomp._src import treeutil
 Array = jax.Array
 _F32 = jnp.float32
 _WORD = 32  # signs per uint32 word
+COMPRESS = ("momentum", "preconditioned")
 
 
 class OneBitAdamState(NamedTuple):
@@ -204,7 +205,8 @@ def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool
 # ----------------------------------------------------------------------------- transform
 
 
-def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size):
+def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size,
+                   compress):
   if not callable(learning_rate) and not isinstance(learning_rate, numbers.Real):
     raise TypeError(f"learning_rate must be a float or an optax schedule, got "
                     f"{learning_rate!r}")
@@ -221,6 +223,8 @@ def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket
   if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(
       bucket_size, numbers.Integral) or bucket_size < 1):
     raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
+  if compress not in COMPRESS:
+    raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
 
 
 def onebit_adam(
@@ -233,6 +237,7 @@ def onebit_adam(
     weight_decay: float = 0.0,
     bias_correction: bool = True,
     bucket_size: int | None = None,
+    compress: str = "momentum",
     axis_name: Any = None,
     filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
@@ -285,6 +290,21 @@ def onebit_adam(
   compression error). Leaves the filter leaves out (biases, small tensors) get
   full-precision Adam throughout: ``ĝ`` by a dense all-reduce, ``v`` never frozen.
 
+  Coordinates whose frozen ``v`` is 0 (no gradient on any warm-up step) keep ``m = 0``
+  and take no step: Adam's step there is ``0 / (0 + ε) = 0``, which a sign cannot say
+  (it would step ``s / ε``). DeepSpeed asks for that mask by hand (``exp_avg_mask``).
+
+  What is compressed (``compress``): ``"momentum"`` is Algorithm 1, ``x_i = m_i + e_i``.
+  ``"preconditioned"`` compresses the step direction instead,
+  ``x_i = m_i / (sqrt(v̂) + ε) + e_i``, a fixed linear map of the momentum while ``v``
+  is frozen (the same on every device), and sets ``m`` back from the exchanged one:
+  without compression both are the same algorithm, and they move the same bytes. A
+  scaled sign spreads one magnitude over its group, so with ``"momentum"`` a coordinate
+  whose ``sqrt(v)`` is far below the group's RMS momentum gets a step of up to
+  ``η s / sqrt(v)``; with ``"preconditioned"`` every coordinate's step is about ``η``
+  times the group's RMS step direction, as in Adam. Prefer it when ``v`` spans orders of
+  magnitude within a tensor (e.g. ReLU units that are nearly dead at the freeze).
+
   Bytes per device per step in the compression stage, for a compressed leaf of ``n``
   float32 values cut in K chunks of ``c = ceil(n/K)`` values (rounded up to a multiple
   of 32) with ``b`` scales each: ``(K-1)(c/8 + 4b)`` in the ``all_to_all`` and as much in
@@ -318,15 +338,17 @@ def onebit_adam(
   Args:
     learning_rate: ``η``, a float or an optax schedule of the step count.
     freeze_step: ``T_w``, the number of full-precision warm-up steps (the paper: 15-25%
-      of training). ``0`` compresses from the first step with ``v = 0`` (steps of
-      ``m / ε``): only for byte counts of the compression stage (as
-      ``jc.dgc(warmup_steps=0)``), not for training.
+      of training; ``v`` must have settled by then). ``0`` compresses from the first
+      step with ``v = 0``, so the compressed leaves never move: only for byte counts of
+      the compression stage (as ``jc.dgc(warmup_steps=0)``), not for training.
     b1, b2, eps: Adam's ``β1``, ``β2``, ``ε`` (added to ``sqrt(v̂)``).
     weight_decay: ``λ``, decoupled weight decay as in ``optax.adamw`` (needs ``params``
       in ``update``); applied to every leaf.
     bias_correction: Adam's bias correction (``True``, as ``optax.adam`` and the paper's
       warm-up); ``False`` for DeepSpeed's update, which has none.
     bucket_size: values per scale (see above); ``None``: DeepSpeed's.
+    compress: ``"momentum"`` (Algorithm 1, DeepSpeed) or ``"preconditioned"`` (see
+      above).
     axis_name: the mapped axis to average over, or ``None`` (local simulation).
     filter: ``filter(path, leaf) -> bool`` choosing the compressed leaves; defaults to
       :func:`jaxcomp.default_filter`.
@@ -348,10 +370,17 @@ def onebit_adam(
     Efficient Large-Scale Training with Adam's Convergence Speed*. ICML 2021, Algorithm 1
     and Section 4. https://arxiv.org/abs/2102.02888
   """
-  _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size)
+  _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size,
+                 compress)
   filter_fn = transforms.default_filter if filter is None else filter
   freeze_step = int(freeze_step)
   b1, b2, eps, wd = float(b1), float(b2), float(eps), float(weight_decay)
+
+  def v_correction(t: Array) -> Array | None:
+    """``1 - β2^min(t, T_w)``: the warm-up's bias correction of v, then the frozen one."""
+    if not bias_correction or freeze_step == 0:
+      return None
+    return 1 - jnp.float32(b2) ** jnp.minimum(t, jnp.float32(freeze_step))
 
   def num_devices() -> int:
     return 1 if axis_name is None else collectives.axis_size(axis_name)
@@ -442,12 +471,25 @@ def onebit_adam(
       new_m, new_v = list(ms), list(vs)
       for i, mean in zip(dense, dense_means(dense)):
         new_m[i], new_v[i] = adam_moments(mean, ms[i], vs[i])
+      # Coordinates with v = 0 had no gradient in the whole warm-up: Adam's step there is
+      # 0 / (0 + eps) = 0, which a sign cannot say (it would step s / eps). Their
+      # momentum is kept at 0, as DeepSpeed's exp_avg_mask does by hand.
+      live = [vs[i] > 0 for i in comp]
+      # compress="preconditioned": the step direction m / (sqrt(v̂) + eps), a fixed
+      # linear map of m while v is frozen, is what is compressed (and fed back).
+      denom = [None] * len(comp)
+      if compress == "preconditioned":
+        c2 = v_correction(jnp.float32(freeze_step))
+        denom = [jnp.sqrt(vs[i] if c2 is None else vs[i] / c2) + eps for i in comp]
       with jax.named_scope(phases.ENCODE_SCOPE):
-        xs = [(1 - b1) * gs[i].astype(_F32) + b1 * ms[i] + e for i, e in zip(comp, ews)]
+        xs = []
+        for i, e, d, ok in zip(comp, ews, denom, live):
+          m_local = (1 - b1) * gs[i].astype(_F32) + b1 * ms[i]
+          xs.append((m_local if d is None else jnp.where(ok, m_local / d, 0.0)) + e)
       exchanged = _exchange(xs, layouts, ess, axis_name, bucket_size is None)
       new_ews = []
-      for i, x, e, ex in zip(comp, xs, ews, exchanged):
-        new_m[i] = ex.mean
+      for i, x, e, ex, d, ok in zip(comp, xs, ews, exchanged, denom, live):
+        new_m[i] = jnp.where(ok, ex.mean if d is None else ex.mean * d, 0.0)
         # A non-finite x on this device must not poison its worker error.
         new_ews.append(jnp.where(jnp.all(jnp.isfinite(x)), x - ex.sent, e))
       return new_m, new_v, new_ews, [ex.server_error for ex in exchanged]
@@ -463,9 +505,7 @@ def onebit_adam(
     lr = jnp.asarray(lr, _F32)
     c1 = 1 - jnp.float32(b1) ** t if bias_correction else None
     c2 = 1 - jnp.float32(b2) ** t if bias_correction else None
-    c2_frozen = None
-    if bias_correction and freeze_step > 0:
-      c2_frozen = 1 - jnp.float32(b2) ** jnp.minimum(t, jnp.float32(freeze_step))
+    c2_frozen = v_correction(t)
     out, keep_m, keep_v = [], [], []
     is_comp = set(comp)
     for i, (g, m, v, m_old, v_old) in enumerate(zip(gs, new_m, new_v, ms, vs)):
