@@ -51,7 +51,7 @@ PREFIX_LEN = 24
 RATES = ("none", "10gbit", "1gbit", "100mbit")
 CONFIGS = ("params2m", "params20m")
 METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd", "powersgd",
-           "ef_signsgd")
+           "ef_signsgd", "onebit_adam")
 PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes per device
 RESULT_MARKER = "JAXCOMP_PSUM_RESULT "
 BURST_MS = 1.0  # tbf bucket: this many ms of traffic at the rate...

@@ -18,6 +18,8 @@ from jaxcomp._src.dgc import dgc
 from jaxcomp._src.dgc import dgc_density_schedule
 from jaxcomp._src.mipd import MIPDState
 from jaxcomp._src.mipd import mipd
+from jaxcomp._src.onebit_adam import OneBitAdamState
+from jaxcomp._src.onebit_adam import onebit_adam
 from jaxcomp._src.phases import PhaseProfile
 from jaxcomp._src.phases import profile_phases
 from jaxcomp._src.powersgd import PowerSGDState
@@ -51,6 +53,7 @@ __all__ = [
     "CompressState",
     "DGCState",
     "MIPDState",
+    "OneBitAdamState",
     "PerDeviceState",
     "PhaseProfile",
     "PowerSGDState",
@@ -70,6 +73,7 @@ __all__ = [
     "mipd",
     "multi_steps",
     "network",
+    "onebit_adam",
     "onebit_sgd",
     "per_device_state",
     "pmean_tree",

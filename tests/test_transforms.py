@@ -294,6 +294,98 @@ def test_every_factory_has_a_bound():
       f"bounds without a factory: {sorted(set(BOUNDS) - set(FACTORIES))}")
 
 
+# Transforms that are the whole optimizer, exchange included: their updates are parameter
+# steps, not a mean gradient, and they place their own per-device state (jc.onebit_adam
+# keeps m and v replicated, so the updates are; it is not wrapped in per_device_state).
+# freeze_step=2: of the three steps below the last one runs the compression stage.
+OPTIMIZER_FACTORIES = {
+    "onebit_adam": lambda axis: jc.onebit_adam(0.01, freeze_step=2, axis_name=axis),
+    "onebit_adam_buckets": lambda axis: jc.onebit_adam(0.01, freeze_step=2, bucket_size=256,
+                                                       axis_name=axis),
+}
+
+
+def _optimizer_harness(name, update, state, grads_of, adam_means):
+  """Zeros give zero steps; dtypes kept; state stable; the exchanged momentum points
+  where the mean momentum does; the dense leaf is Adam on the mean.
+
+  1-bit Adam's momentum after a compressed step is the scaled sign of the momenta, taken
+  twice (worker and server). For Gaussian-like x the scaled sign keeps
+  cos(x, s·sign(x)) = E|x| / rms(x) = sqrt(2/π) ≈ 0.8, so two of them keep about 0.64
+  of the direction of Adam's (exact) mean momentum (0.8 on one device, where the
+  server's input is already a scaled sign); a wrong layout, scale or sign gives about 0
+  or less. (The steps themselves are not compared: v frozen after a single
+  random gradient weighs a few coordinates enormously.)
+  """
+  zeros, state1 = update(grads_of(jax.tree.map(jnp.zeros_like, PARAMS)), state)
+  chex.assert_trees_all_equal(jax.device_get(zeros), jax.device_get(PARAMS))
+  keys = jax.random.split(jax.random.key(11), 2)
+  _, state2 = update(grads_of(keys[0]), state1)
+  updates, state3 = update(grads_of(keys[1]), state2)
+  chex.assert_trees_all_equal_shapes_and_dtypes(updates, PARAMS)
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, state1, state2, state3)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+  with jax.numpy_dtype_promotion("standard"):
+    adam = optax.adam(0.01)
+    s = adam.init(PARAMS)
+    for g in adam_means:
+      ref, s = adam.update(g, s)
+  for leaf in ("w32", "w16"):
+    a = np.asarray(state3.m[leaf], np.float64).ravel()
+    b = np.asarray(s[0].mu[leaf], np.float64).ravel()
+    cos = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+    assert cos > 0.4, (name, leaf, cos)
+  np.testing.assert_allclose(np.asarray(updates["b"]), np.asarray(ref["b"]), rtol=1e-5,
+                             atol=1e-8)  # the dense leaf: Adam on the mean
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_FACTORIES))
+def test_optimizer_harness_local(name):
+  chex.clear_trace_counter()
+  tx = OPTIMIZER_FACTORIES[name](None)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def update(grads, state):
+    return tx.update(grads, state, PARAMS)
+
+  def grads_of(key_or_tree):
+    return key_or_tree if isinstance(key_or_tree, dict) else _random_grads(key_or_tree)
+
+  means = [jax.tree.map(jnp.zeros_like, PARAMS)] + [
+      _random_grads(k) for k in jax.random.split(jax.random.key(11), 2)]
+  _optimizer_harness(name, update, tx.init(PARAMS), grads_of, means)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_FACTORIES))
+def test_optimizer_harness_shard_map(name):
+  chex.clear_trace_counter()
+  m = helpers.mesh()
+  tx = OPTIMIZER_FACTORIES[name](AXIS)
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
+
+  @chex.assert_max_traces(n=1)
+  def step(grads, state):
+    return tx.update(jax.tree.map(lambda x: x[0], grads), state, PARAMS)
+
+  update = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs),
+                                 out_specs=(P(), specs)))
+  stacked = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), tree)
+
+  def per_device(key):
+    return jax.vmap(_random_grads)(jax.random.split(key, K))
+
+  def grads_of(key_or_tree):
+    tree = stacked(key_or_tree) if isinstance(key_or_tree, dict) else per_device(key_or_tree)
+    return helpers.shard(tree, m)
+
+  means = [jax.tree.map(jnp.zeros_like, PARAMS)] + [
+      jax.tree.map(lambda g: jnp.mean(g.astype(jnp.float32), 0).astype(g.dtype),
+                   per_device(k)) for k in jax.random.split(jax.random.key(11), 2)]
+  _optimizer_harness(name, update, state, grads_of, means)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -68,13 +68,16 @@ def make_exchange(method: str, config, *, warmup: bool = True
   for exchanges whose state is the same on every device (MIPD's), kept replicated.
   """
   exchange = linen_train.make_exchange(method, config, warmup=warmup)
-  if method in linen_train.REPLICATED_STATE:
+  if method in linen_train.REPLICATED_STATE or method in linen_train.OPTIMIZER_IN_EXCHANGE:
     return exchange
   return jc.per_device_state(exchange)
 
 
 def make_optimizer(method: str, config) -> optax.GradientTransformation:
-  """The optimizer after the exchange: plain SGD after DGC (which carries momentum)."""
+  """The optimizer after the exchange: plain SGD after DGC (which carries momentum), none
+  after 1-bit Adam (whose exchange returns the parameter steps)."""
+  if method in linen_train.OPTIMIZER_IN_EXCHANGE:
+    return optax.identity()
   return linen_train.make_optimizer(
       config, momentum=method not in linen_train.MOMENTUM_IN_EXCHANGE)
 
@@ -191,7 +194,8 @@ def train_method(method: str, config, *, graphdef, init_state, data, mesh
 
   model, _ = nnx.merge(train_graphdef, state)
   # Bytes of the steady state: DGC's warm-up stages send more.
-  steady = make_exchange(method, config, warmup=False) if method == "dgc" else exchange
+  steady = make_exchange(method, config, warmup=False) if (
+      method == "dgc" or method in linen_train.OPTIMIZER_IN_EXCHANGE) else exchange
   report = linen_train.wire_report(steady, init_params, k)
   return model, {
       "overflow_steps": linen_train.overflow_steps(exchange_state),

@@ -38,11 +38,14 @@ class Config:
   warmup_steps: int = 100
   weight_decay: float = 1e-4       # decoupled from the gradient
   grad_clip: float = 1.0           # global-norm clipping of the mean gradient (0: off)
+  # Peak rate of 1-bit Adam (method "onebit_adam", an Adam: learning_rate above is
+  # SGD's) when optimizer is "momentum"; with "adamw" it uses learning_rate.
+  adam_learning_rate: float = 0.01
   seed: int = 0                    # init and shuffling
 
   # Methods to compare, in table order (see train.make_exchange).
   methods: tuple[str, ...] = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd",
-                               "powersgd", "ef_signsgd")
+                               "powersgd", "ef_signsgd", "onebit_adam")
 
   # Logging.
   eval_every: int = 50             # steps between test-accuracy evaluations
