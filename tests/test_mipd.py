@@ -520,6 +520,10 @@ def test_two_phase_equals_allgather_when_the_pull_is_float32():
     assert int(st_b.overflow_count) == int(st_a.overflow_count) == 0
 
 
+def _flat(tree):
+  return np.concatenate([np.asarray(tree[n]).ravel() for n in COMPRESSED])
+
+
 def _segment_bound(v, sizes, k, max_error):
   """Per entry of the group's flat ``v``: the largest error the pull's normal quantizer
   may make (eq. 10: the widest interval, ``max_error · σ`` of the entry's owner-layer
@@ -547,8 +551,7 @@ def test_two_phase_pull_error_is_within_the_normal_quantizers_bound():
   for t, (g, before, (out_a, st_a), (out_b, st_b)) in enumerate(_same_state_steps(
       jc.mipd(0.5, collective="allgather", **kw), jc.mipd(0.5, collective="two_phase", **kw),
       2)):
-    flat = lambda tree: np.concatenate([np.asarray(tree[n]).ravel() for n in COMPRESSED])  # noqa: E731
-    mean_a, mean_b = flat(out_a), flat(out_b)
+    mean_a, mean_b = _flat(out_a), _flat(out_b)
     scale = float(np.max(np.abs(mean_a)))
     slack = 16 * float(jnp.finfo(jnp.float32).eps) * scale
     bound = _segment_bound(mean_a, SIZES, K, q.max_error)
@@ -556,10 +559,12 @@ def test_two_phase_pull_error_is_within_the_normal_quantizers_bound():
     assert np.all(err <= bound + slack), np.max(err - bound)
     assert np.mean(err) > 0  # it is quantized
     # The received mean: the prediction at the first exchange (α G_r after it).
-    p_prev = flat(before.prediction)
-    received = flat(st_a.prediction) if t == 0 else (flat(st_a.prediction) - 0.5 * p_prev) / 0.5
+    p_prev = _flat(before.prediction)
+    received = _flat(st_a.prediction)
+    if t:  # ĝ' = α G_r + (1 - α) ĝ with α = 1/2
+      received = 2 * received - p_prev
     factor = 1.0 if t == 0 else 0.5
-    err_p = np.abs(flat(st_b.prediction) - flat(st_a.prediction))
+    err_p = np.abs(_flat(st_b.prediction) - _flat(st_a.prediction))
     assert np.all(err_p <= factor * _segment_bound(received, SIZES, K, q.max_error)
                   + 4 * slack)
     jax.tree.map(np.testing.assert_array_equal, st_a.observed, st_b.observed)
@@ -854,3 +859,21 @@ def test_two_phase_training_converges_like_dense():
   assert mipd_acc >= dense_acc - 0.05, (mipd_acc, dense_acc)
   assert m1 < 0.5 * m0 and d1 < 0.5 * d0
   assert int(state[0].overflow_count) == 0
+
+
+def test_two_phase_on_a_2d_mesh_equals_allgather_with_a_float32_pull():
+  """Tensor-parallel kernels (a (4, 2) data x model mesh, check_vma on): the two-phase
+  exchange over "data" runs per model shard, and with a float32 pull gives the
+  all-gather's update to float32 rounding."""
+  from tests import test_meshes  # pylint: disable=import-outside-toplevel
+  ups = {}
+  for collective in ("allgather", "two_phase"):
+    tx = jc.mipd(0.5, axis_name=test_meshes.D, collective=collective, quantize_pull=False)
+    _, state, ups[collective], _ = test_meshes.run_steps(
+        tx, test_meshes.mesh2d(), test_meshes.PARAMS, test_meshes.SPECS,
+        test_meshes.batches(1))
+    assert int(state.overflow_count) == 0
+  for a, b in zip(jax.tree.leaves(ups["allgather"][0]), jax.tree.leaves(ups["two_phase"][0])):
+    assert a.sharding.spec == b.sharding.spec
+    tol = 16 * float(jnp.finfo(jnp.float32).eps) * float(jnp.max(jnp.abs(a)))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=tol)

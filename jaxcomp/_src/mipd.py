@@ -120,8 +120,9 @@ def top_mask(x: Array, k: Array) -> Array:
   3 thresholds in one variadic reduction, one read of ``x``, and keeps the quarter of
   the range where the count crosses ``k``; 16 passes cover the 31 bits, where a
   bisection takes 31 (separate ``jnp.sum`` calls are separate passes on XLA:CPU;
-  ``python -m benchmarks.xla_cpu_pitfalls`` times both). Ties at the threshold are broken by position
-  (:func:`jaxcomp._src.sparse.first_trues`). NaNs count as larger than any number.
+  ``python -m benchmarks.xla_cpu_pitfalls`` times both). Ties at the threshold are broken
+  by position (:func:`jaxcomp._src.sparse.first_trues`). NaNs count as larger than any
+  number.
   """
   bits = lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.int32)
   ways = _SEARCH_WAYS
@@ -358,7 +359,9 @@ def owner_index(sizes: tuple[int, ...], k: int) -> np.ndarray:
     slots = rng.permutation(k * m)
     rows.append(np.where(slots < s, offset + slots, n).reshape(k, m))
     offset += int(s)
-  return np.concatenate(rows, axis=1).astype(np.int32)
+  out = np.concatenate(rows, axis=1).astype(np.int32)
+  out.setflags(write=False)  # cached: shared by every caller
+  return out
 
 
 def _capacity(mean: float, m: int, k: int) -> int:
@@ -498,9 +501,9 @@ def mipd(
      entries count 0; ``predict_from="received"``) or the compensated mean
      (``predict_from="compensated"``). The paper does not say which. With the
      compensated mean an entry that no device sends keeps its last prediction forever
-     (the mean feeds the prediction back to itself), a constant push on it; on the
-     demo that cost 1–3 points, so ``"received"`` is the default: such an entry's
-     prediction decays by ``1 - α`` per step.
+     (the mean feeds the prediction back to itself), a constant push on it, which cost
+     accuracy on the demo (``docs/methods/mipd.md``), so ``"received"`` is the default:
+     such an entry's prediction decays by ``1 - α`` per step.
   6. *Half update* (§2.4.3, ``half_update=True``): the compressed layers are split into
      two groups of about equal size; even steps exchange the first, odd steps the
      second, and the other group's update is its prediction ``ĝ``.
@@ -522,7 +525,8 @@ def mipd(
   prediction stays identical everywhere. Bytes received per device are about
   ``(K-1)/K · (B_push + K · v · B_pull)`` with ``B_push`` and ``B_pull`` of order
   ``N/K`` each (``v`` vectors pulled): flat in K. ``"auto"``: whichever of the two
-  moves fewer bytes by these formulas (the all-gather for K <= 3 with the defaults).
+  moves fewer bytes by these formulas (with the defaults, the all-gather at K <= 3, and
+  at K = 4 for small models).
   With ``drop_rate=0`` and ``quantize=False`` the group is all-reduced with a
   ``pmean`` instead, under either.
 
@@ -734,7 +738,7 @@ def mipd(
         # Typed like the fallback's mean, which has the prediction's type (varying when
         # a caller keeps the state per device).
         flat = [_match(owners.unrows(r, n), p_flat) for r in rows_out]
-      return flat[0], flat[-1], pull_overflow
+      return flat[0], flat[-1], _match(pull_overflow, overflow)
 
     def fallback(_):
       with jax.named_scope("jaxcomp_fallback"):
