@@ -1,14 +1,17 @@
 r"""MIPD (TPDS 2022): layer-wise adaptive sparsification, compensation, half updates.
 
 The paper's system runs on an asynchronous parameter server. jaxcomp runs it
-synchronously inside a collective: every device all-gathers every device's sparse,
-quantized payload and decodes the same aggregate, so the server's state (the
-exponential-smoothing prediction) is kept, identically, on every device. The
-adaptations are listed in :func:`mipd`'s docstring and in ``docs/index.md``.
+synchronously inside collectives, either all-gathering every device's sparse, quantized
+payload, or as a parameter server sharded over the devices (push with ``all_to_all``,
+pull with ``all_gather``). Either way every device decodes the same aggregate, so the
+server's state (the exponential-smoothing prediction) is kept, identically, on every
+device. The adaptations are listed in :func:`mipd`'s docstring and in
+``docs/methods/mipd.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple, Sequence
 
@@ -61,8 +64,9 @@ def allocate_drops(rates: Array, sizes: Sequence[int], total: int) -> Array:
 
   Layers whose share exceeds their size are capped and their excess is handed to the
   others in proportion to their rates (water-filling, at most one round per layer);
-  the fractional parts are then rounded so the sum is exactly ``total`` (largest
-  remainders first). ``total`` must not exceed ``sum(sizes)``.
+  the fractional parts are then rounded so the sum is exactly ``total``: one more drop
+  each for the layers with the largest remainders. ``total`` must not exceed
+  ``sum(sizes)``.
   """
   sizes_np = np.asarray(sizes, np.int64)
   if total > sizes_np.sum() or total < 0:
@@ -84,16 +88,21 @@ def allocate_drops(rates: Array, sizes: Sequence[int], total: int) -> Array:
   sizes_i = jnp.asarray(sizes_np, jnp.int32)
   drops = jnp.clip(jnp.floor(want).astype(jnp.int32), 0, sizes_i)
   frac = want - jnp.floor(want)
-  # Hand out (or take back, after float rounding) the rest, largest remainders first.
+  # Hand out the rest one per layer, largest remainders first (the rest is below the
+  # number of layers but for float rounding; that excess then fills the slack in the
+  # same order); a negative rest (float rounding) is taken back alike, smallest first.
+  def spread(rem, order, room):
+    out = jnp.zeros_like(room)
+    for cap in (jnp.minimum(room, 1), room):  # one each, then as much as fits
+      step = (cap - out)[order]
+      part = jnp.clip(rem - (jnp.cumsum(step) - step), 0, step)
+      out = out.at[order].add(part)
+      rem = rem - jnp.sum(part)
+    return out
+
   rem = jnp.int32(total) - jnp.sum(drops)
-  order = jnp.argsort(-frac)
-  slack = (sizes_i - drops)[order]
-  give = jnp.clip(rem - (jnp.cumsum(slack) - slack), 0, slack)
-  drops = drops.at[order].add(give)
-  order = jnp.argsort(frac)
-  have = drops[order]
-  take = jnp.clip(-rem - (jnp.cumsum(have) - have), 0, have)
-  return drops.at[order].add(-take)
+  drops = drops + spread(jnp.maximum(rem, 0), jnp.argsort(-frac), sizes_i - drops)
+  return drops - spread(jnp.maximum(-rem, 0), jnp.argsort(frac), drops)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -111,8 +120,9 @@ def top_mask(x: Array, k: Array) -> Array:
   3 thresholds in one variadic reduction, one read of ``x``, and keeps the quarter of
   the range where the count crosses ``k``; 16 passes cover the 31 bits, where a
   bisection takes 31 (separate ``jnp.sum`` calls are separate passes on XLA:CPU;
-  ``python -m benchmarks.xla_cpu_pitfalls`` times both). Ties at the threshold are broken by position
-  (:func:`jaxcomp._src.sparse.first_trues`). NaNs count as larger than any number.
+  ``python -m benchmarks.xla_cpu_pitfalls`` times both). Ties at the threshold are broken
+  by position (:func:`jaxcomp._src.sparse.first_trues`). NaNs count as larger than any
+  number.
   """
   bits = lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.int32)
   ways = _SEARCH_WAYS
@@ -156,8 +166,132 @@ def balanced_halves(sizes: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, .
 # ----------------------------------------------------------------------------- payload
 
 
+class _Format:
+  """Static wire format of one payload: a vector of ``n`` entries in layer segments.
+
+  Up to ``slots`` entries travel, their positions as a bitmap of ``n`` bits or as
+  ``slots`` indices (whichever is smaller; nothing when ``dense``: every entry is sent),
+  their values as normal-quantizer codes against the segment's ``(μ, σ)`` (``quantizer``)
+  or as float32 (``quantizer=None``); values beyond ``μ ± 3σ`` as exact (index, float32)
+  pairs in ``outliers`` slots. :meth:`pack` reports when either capacity overflowed.
+  """
+
+  def __init__(self, sizes: Sequence[int], slots: int, outliers: int, quantizer,
+               dense: bool = False):
+    self.sizes = tuple(int(s) for s in sizes)
+    self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+    self.n = int(self.offsets[-1])
+    self.dense = bool(dense)
+    self.slots = self.n if self.dense else int(slots)
+    self.quantizer = quantizer
+    self.outliers = int(outliers) if quantizer is not None else 0
+    self.index_bytes = sparse.index_dtype(self.n).itemsize if self.n else 1
+    self.bitmap = (not self.dense
+                   and 32 * -(-self.n // 32) < self.slots * 8 * self.index_bytes)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of one payload (what :meth:`pack` returns)."""
+    b = 0
+    if not self.dense:
+      b += 4 * bitpack.num_words(self.n, 1) if self.bitmap else self.slots * self.index_bytes
+    q = self.quantizer
+    if q is None:
+      return b + 4 * self.slots
+    return (b + 4 * bitpack.num_words(self.slots, q.bits) + 8 * len(self.sizes)
+            + self.outliers * (self.index_bytes + 4))
+
+  def pack(self, flat: Array, mask: Array, codes: Array | None, outl: Array | None,
+           stats: Array | None, finite: Array) -> tuple[dict, Array]:
+    """Payload of the entries of flat ``x`` under ``mask``; (arrays, overflowed).
+
+    ``codes``, ``outl`` (kept entries beyond the range) and ``stats`` (``(μ, σ)`` per
+    segment) come from :func:`_layer_codes`. A non-finite ``finite`` sends NaN stats and
+    values, so the receivers' sums are non-finite too.
+    """
+    n, q = self.n, self.quantizer
+    arrays = {}
+    main = mask
+    if q is not None:
+      out_idx = sparse.compact(outl, self.outliers)
+      out_vals = jnp.where(out_idx < n, flat[jnp.minimum(out_idx, n - 1)], 0.0)
+      # Sent exactly: not among the coded entries.
+      main = mask & ~jnp.zeros((n,), bool).at[out_idx].set(True, mode="drop")
+      arrays["stats"] = jnp.where(finite, stats, jnp.nan)
+      arrays["outlier_indices"] = out_idx.astype(sparse.index_dtype(n))
+      arrays["outlier_values"] = jnp.where(finite, out_vals, jnp.nan)
+    if self.dense:  # every entry coded; an outlier's code is ignored on decoding
+      pos = jnp.arange(n, dtype=jnp.int32)
+    else:
+      pos = sparse.compact(main, self.slots)
+      if self.bitmap:
+        arrays["bitmap"] = bitpack.pack_bits(main.astype(jnp.uint32), 1)
+      else:
+        arrays["indices"] = pos.astype(sparse.index_dtype(n))
+    safe = jnp.minimum(pos, n - 1)
+    if q is not None:
+      arrays["codes"] = bitpack.pack_bits(codes[safe], q.bits)
+    else:
+      arrays["values"] = jnp.where(finite, jnp.where(pos < n, flat[safe], 0.0), jnp.nan)
+    return arrays, self.overflows(mask, outl)
+
+  def overflows(self, mask: Array, outl: Array | None) -> Array:
+    """Whether the entries of ``mask``, or the outliers ``outl``, exceed the slots."""
+    over = jnp.zeros((), bool) if self.dense else (
+        jnp.sum(mask, dtype=jnp.int32) > self.slots)
+    if self.quantizer is not None:
+      over = over | (jnp.sum(outl, dtype=jnp.int32) > self.outliers)
+    return over
+
+  def entries(self, arrays: dict) -> tuple[Array, Array]:
+    """(positions, float32 values) of one payload; padding slots have position n."""
+    n, q = self.n, self.quantizer
+    if self.dense:
+      pos = jnp.arange(n, dtype=jnp.int32)
+    elif self.bitmap:
+      pos = sparse.compact(bitpack.unpack_bits(arrays["bitmap"], 1, n) != 0, self.slots)
+    else:
+      pos = arrays["indices"].astype(jnp.int32)
+    if q is None:
+      return pos, arrays["values"]
+    codes = bitpack.unpack_bits(arrays["codes"], q.bits, self.slots)
+    seg = jnp.searchsorted(jnp.asarray(self.offsets[1:-1], jnp.int32), pos, side="right")
+    stats = arrays["stats"][seg]
+    vals = normal.proxy_values(codes, stats[:, 0], stats[:, 1], q.intervals, q.sigmas)
+    out = arrays["outlier_indices"].astype(jnp.int32)
+    if self.dense:  # the outliers' exact values replace their codes
+      pos = pos.at[out].set(n, mode="drop")
+    return (jnp.concatenate([pos, out]),
+            jnp.concatenate([jnp.where(pos < n, vals, 0.0), arrays["outlier_values"]]))
+
+  def sum_and_count(self, stacked: dict) -> tuple[Array, Array]:
+    """Sum over the stacked payloads (leading axis), and how many sent each entry."""
+    pos, vals = jax.vmap(self.entries)(stacked)
+    total = sparse.scatter(self.n, pos, vals)
+    count = sparse.scatter(self.n, pos, jnp.ones(pos.shape, _F32))
+    return total, count
+
+  def values(self, arrays: dict) -> Array:
+    """The dense vector of one payload (entries not sent are 0)."""
+    return sparse.scatter(self.n, *self.entries(arrays))
+
+
+def _layer_codes(flats: Sequence[Array], masks: Sequence[Array], quantizer):
+  """Per segment ``f`` of ``flats``: the normal quantizer's codes against the moments of
+  all of ``f`` (the distribution the paper models; the kept entries are its tails), and
+  the kept entries beyond the range. Returns (codes, outlier mask, stats (L, 2))."""
+  stats, codes, outl = [], [], []
+  for f, m in zip(flats, masks):
+    mu, sigma = normal.moments(f)
+    c, o = normal.interval_codes(f, mu, sigma, quantizer.intervals, quantizer.sigmas)
+    stats.append(jnp.stack([mu, sigma]))
+    codes.append(c)
+    outl.append(o & m)
+  return jnp.concatenate(codes), jnp.concatenate(outl), jnp.stack(stats)
+
+
 class _Group:
-  """Static layout of one exchanged group of layers: sizes, capacities, wire format."""
+  """Static layout of one exchanged group of layers: sizes, drops, all-gather formats."""
 
   def __init__(self, sizes: Sequence[int], drop_rate: float, quantizer,
                outlier_fraction: float = 0.0, min_keep: float = 0.0):
@@ -172,80 +306,129 @@ class _Group:
       raise ValueError(f"min_keep={min_keep} leaves {sum(self.caps)} droppable entries in a "
                        f"group of {self.n}, fewer than the {self.drops} to drop")
     self.quantizer = quantizer
-    self.outliers = (min(self.kept, sparse.num_entries(outlier_fraction, self.n))
-                     if quantizer and self.kept else 0)
-    # Positions as a bitmap of n bits, or as k indices: whichever is smaller.
-    idx_bits = 8 * sparse.index_dtype(self.n).itemsize if self.n else 8
-    self.bitmap = 32 * -(-self.n // 32) < self.kept * idx_bits
-    # The same selection sent as float32: what every device sends when an outlier
-    # capacity overflowed anywhere.
-    self.exact = _Group(sizes, drop_rate, None, min_keep=min_keep) if quantizer else None
+    self.outlier_fraction = outlier_fraction
+    outliers = (min(self.kept, sparse.num_entries(outlier_fraction, self.n))
+                if quantizer and self.kept else 0)
+    dense = self.drops == 0
+    self.fmt = _Format(self.sizes, self.kept, outliers, quantizer, dense)
+    # The same selection sent as float32: what every device sends when a capacity
+    # overflowed anywhere.
+    self.exact = _Format(self.sizes, self.kept, 0, None, dense) if quantizer else self.fmt
 
   def select(self, gs: Sequence[Array], keep: Array) -> tuple[list, list]:
     """(flat leaves, masks of their ``keep[i]`` largest magnitudes)."""
     flats = [g.reshape(-1) for g in gs]
     return flats, [top_mask(f, keep[i]) for i, f in enumerate(flats)]
 
-  def encode(self, flats: Sequence[Array], masks: Sequence[Array]) -> tuple[dict, Array]:
-    """Payload of the masked entries; (arrays, whether the outlier capacity overflowed)."""
-    n, q = self.n, self.quantizer
+  def code(self, flats: Sequence[Array], masks: Sequence[Array]) -> dict:
+    """The group's flat values, mask, and (quantized) codes, outliers and stats."""
     flat = jnp.concatenate(flats)
-    mask = jnp.concatenate(masks)
-    finite = jnp.all(jnp.isfinite(flat))
-    arrays, overflow, main = {}, jnp.zeros((), bool), mask
-    if q is not None:
-      stats, codes, outl = [], [], []
-      for f, m in zip(flats, masks):
-        mu, sigma = normal.moments(f)  # the layer's distribution; the kept are its tails
-        c, o = normal.interval_codes(f, mu, sigma, q.intervals, q.sigmas)
-        stats.append(jnp.stack([mu, sigma]))
-        codes.append(c)
-        outl.append(o & m)
-      outl = jnp.concatenate(outl)
-      out_idx = sparse.compact(outl, self.outliers)
-      out_vals = jnp.where(out_idx < n, flat[jnp.minimum(out_idx, n - 1)], 0.0)
-      overflow = jnp.sum(outl, dtype=jnp.int32) > self.outliers
-      # Sent exactly: not in the coded list.
-      main = mask & ~jnp.zeros((n,), bool).at[out_idx].set(True, mode="drop")
-      stats = jnp.stack(stats)
-      arrays["stats"] = jnp.where(finite, stats, jnp.nan)
-      arrays["outlier_indices"] = out_idx.astype(sparse.index_dtype(n))
-      arrays["outlier_values"] = jnp.where(finite, out_vals, jnp.nan)
-    pos = sparse.compact(main, self.kept)
-    safe = jnp.minimum(pos, n - 1)
-    if self.bitmap:
-      arrays["bitmap"] = bitpack.pack_bits(main.astype(jnp.uint32), 1)
-    else:
-      arrays["indices"] = pos.astype(sparse.index_dtype(n))
-    if q is not None:
-      arrays["codes"] = bitpack.pack_bits(jnp.concatenate(codes)[safe], q.bits)
-    else:
-      arrays["values"] = jnp.where(finite, jnp.where(pos < n, flat[safe], 0.0), jnp.nan)
-    return arrays, overflow
+    out = dict(flat=flat, mask=jnp.concatenate(masks), codes=None, outl=None, stats=None,
+               finite=jnp.all(jnp.isfinite(flat)))
+    if self.quantizer is not None:
+      out["codes"], out["outl"], out["stats"] = _layer_codes(flats, masks, self.quantizer)
+    return out
 
-  def entries(self, arrays: dict) -> tuple[Array, Array]:
-    """(positions, float32 values) of one payload; padding slots have position n."""
-    n, q = self.n, self.quantizer
-    if self.bitmap:
-      pos = sparse.compact(bitpack.unpack_bits(arrays["bitmap"], 1, n) != 0, self.kept)
-    else:
-      pos = arrays["indices"].astype(jnp.int32)
-    if q is None:
-      return pos, arrays["values"]
-    codes = bitpack.unpack_bits(arrays["codes"], q.bits, self.kept)
-    leaf = jnp.searchsorted(jnp.asarray(self.offsets[1:-1], jnp.int32), pos, side="right")
-    stats = arrays["stats"][leaf]
-    vals = normal.proxy_values(codes, stats[:, 0], stats[:, 1], q.intervals, q.sigmas)
-    out = arrays["outlier_indices"].astype(jnp.int32)
-    return (jnp.concatenate([pos, out]),
-            jnp.concatenate([jnp.where(pos < n, vals, 0.0), arrays["outlier_values"]]))
 
-  def sum_and_count(self, stacked: dict) -> tuple[Array, Array]:
-    """Sum over the K stacked payloads, and how many devices sent each entry."""
-    pos, vals = jax.vmap(self.entries)(stacked)
-    total = sparse.scatter(self.n, pos, vals)
-    count = sparse.scatter(self.n, pos, jnp.ones(pos.shape, _F32))
-    return total, count
+# ----------------------------------------------------------------------------- two-phase
+
+
+#: Bound on the probability, per step and group, that the two-phase exchange's capacities
+#: overflow where the all-gather's would not (then the step falls back to the all-gather).
+_OVERFLOW_BOUND = 1e-6
+_OWNER_SEED = 20220301  # the fixed random assignment of entries to owners
+
+
+@functools.lru_cache(maxsize=64)
+def owner_index(sizes: tuple[int, ...], k: int) -> np.ndarray:
+  """Which entries of a group each of ``k`` devices owns: ``(k, M)`` int32 positions.
+
+  Layer ``i`` (``s_i`` entries) gets ``K·m_i`` slots, ``m_i = ceil(s_i / K)``: its entries
+  and ``K·m_i - s_i`` padding slots (position ``n``, the group's size). A fixed random
+  permutation (seeded: the same on every device and process) shuffles the slots and deals
+  them out in ``K`` chunks of ``m_i``; device j's row is its chunk of every layer, in
+  layer order, ``M = Σ_i m_i`` entries. The assignment is random so that any set of
+  entries (a layer's largest magnitudes, whatever their structure: rows, channels) is
+  split over the owners like a random sample, whose counts concentrate (:func:`_capacity`).
+  """
+  rng = np.random.default_rng(_OWNER_SEED)
+  n = int(sum(sizes))
+  rows, offset = [], 0
+  for s in sizes:
+    m = -(-int(s) // k)
+    slots = rng.permutation(k * m)
+    rows.append(np.where(slots < s, offset + slots, n).reshape(k, m))
+    offset += int(s)
+  out = np.concatenate(rows, axis=1).astype(np.int32)
+  out.setflags(write=False)  # cached: shared by every caller
+  return out
+
+
+def _capacity(mean: float, m: int, k: int) -> int:
+  """Slots for the count of a random sample's members in a row of ``m`` owner slots.
+
+  Under the random assignment (:func:`owner_index`) the entries of a fixed set that fall
+  in one device's row are a sum over layers of independent hypergeometric counts, with
+  mean at most ``mean`` and variance at most ``min(mean, m/4)``. Hoeffding's inequality
+  (which holds for sampling without replacement, Hoeffding 1963 §6) and Bernstein's
+  bound the chance it exceeds ``mean + t``; ``t`` is the smaller of the two that puts
+  this at ``_OVERFLOW_BOUND / (2K²)``: a union over K senders, K owners and the two
+  capacities (kept entries, outliers) leaves at most ``_OVERFLOW_BOUND`` per step.
+  """
+  log = math.log(2 * k * k / _OVERFLOW_BOUND)
+  var = min(mean, m / 4)
+  t = min(math.sqrt(m * log / 2), log / 3 + math.sqrt(log * log / 9 + 2 * log * var))
+  return int(min(m, math.ceil(mean + t)))
+
+
+class _Owners:
+  """Static layout of a group's two-phase exchange on ``k`` devices.
+
+  Push: a device sends owner j the kept entries of j's row (:func:`owner_index`) in a
+  static capacity (:func:`_capacity` of ``kept/K``, and of ``outliers/K`` for the exact
+  outliers), positions as a bitmap of the row or indices into it, values coded against
+  the sender's per-layer ``(μ, σ)``. Pull: owner j's averaged row (and the received mean,
+  when the prediction smooths it) coded against each layer segment's own ``(μ, σ)``, or
+  float32 (``pull_quantizer=None``).
+  """
+
+  def __init__(self, group: _Group, k: int, pull_quantizer, vectors: int):
+    self.k = k
+    self.index = owner_index(group.sizes, k)
+    seg = [-(-s // k) for s in group.sizes]
+    self.m = int(sum(seg))
+    dense = group.drops == 0
+    slots = self.m if dense else _capacity(group.kept / k, self.m, k)
+    outliers = (_capacity(group.fmt.outliers / k, self.m, k) if group.fmt.outliers else 0)
+    self.row = _Format(seg, slots, outliers, group.quantizer, dense)
+    self.vectors = vectors
+    self.pull = None
+    if pull_quantizer is not None:  # outlier room as for the push's (data-dependent here)
+      pull_outliers = _capacity(
+          sparse.num_entries(group.outlier_fraction, group.n) / k, self.m, k)
+      self.pull = _Format(seg, self.m, pull_outliers, pull_quantizer, dense=True)
+
+  def nbytes(self) -> float:
+    """Bytes received per device per step (ring convention of :mod:`jaxcomp.wire`)."""
+    k = self.k
+    pull = self.pull.nbytes if self.pull is not None else 4 * self.m
+    return (k - 1) / k * k * self.row.nbytes + (k - 1) * self.vectors * pull
+
+  def rows(self, x: Array, fill) -> Array:
+    """``(K, M)``: the entries of the group's flat ``x`` each owner reduces."""
+    return jnp.concatenate([x, jnp.full((1,), fill, x.dtype)])[jnp.asarray(self.index)]
+
+  def unrows(self, rows: Array, n: int) -> Array:
+    """The group's flat vector from the ``(K, M)`` rows of all owners."""
+    return jnp.zeros((n,), rows.dtype).at[jnp.asarray(self.index).reshape(-1)].set(
+        rows.reshape(-1), mode="drop")
+
+
+def _match(x: Array, like: Array) -> Array:
+  """``x`` typed varying over every mesh axis ``like`` varies over (shard_map's
+  check_vma), so that the two branches of a ``lax.cond`` have the same type."""
+  extra = tuple(sorted(collectives.varying_axes(like) - collectives.varying_axes(x)))
+  return lax.pcast(x, extra, to="varying") if extra else x
 
 
 # ----------------------------------------------------------------------------- transform
@@ -255,16 +438,20 @@ class MIPDState(NamedTuple):
   """State of :func:`mipd`: identical on every device (no ``per_device_state`` needed).
 
   ``prediction`` holds ``ĝ`` (float32, leaf shape) for the compressed leaves and
-  ``optax.MaskedNode()`` for the dense ones; it is updated only from the aggregated
-  gradient, so every device keeps the same copy.
+  ``optax.MaskedNode()`` for the dense ones; it is updated only from what every device
+  decodes alike (the all-gathered payloads, or the two-phase pull), so every device
+  keeps the same copy.
   """
 
   count: Array            # shape=(), int32: steps taken (the half update's parity)
   prediction: Any         # ĝ: exponential-smoothing prediction of the mean gradient
   observed: Array         # shape=(compressed leaves,), bool: ĝ_i has been initialised
   nonfinite_count: Array  # shape=(), int32: steps whose gradient had NaN/Inf
-  overflow_count: Array   # shape=(), int32: steps whose exact-outlier capacity overflowed
+  overflow_count: Array   # shape=(), int32: steps that took an exact fallback exchange
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
+
+
+COLLECTIVES = ("auto", "allgather", "two_phase")
 
 
 def mipd(
@@ -277,9 +464,11 @@ def mipd(
     outlier_fraction: float = 0.03,
     half_update: bool = True,
     quantize: bool = True,
+    quantize_pull: bool | None = None,
     compensate: bool = True,
     min_keep: float = 0.1,
     predict_from: str = "received",
+    collective: str = "auto",
     axis_name: Any = None,
     filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
@@ -301,20 +490,19 @@ def mipd(
      ``μ_i, σ_i`` the moments of the layer's whole local gradient (the distribution the
      paper models; the kept entries are its tails), values beyond ``μ_i ± 3σ_i`` sent
      exactly.
-  3. *Exchange*: every device all-gathers the others' payloads and decodes their sum
-     (with ``drop_rate=0`` and ``quantize=False`` the payload is the dense gradient,
-     all-reduced with a ``pmean`` instead).
+  3. *Exchange* (``collective``, below): the sum over the devices of the kept entries,
+     and how many devices sent each entry, ``c_j``.
   4. *Global gradient compensation* (§4.2.3, ``compensate=True``): an entry a device
      dropped counts as the prediction ``ĝ`` in the mean:
-     ``G_j = (Σ_{d sent j} g_{d,j} + (K - c_j) ĝ_j) / K`` with ``c_j`` the devices that
-     sent it (without compensation a dropped entry counts as 0).
+     ``G_j = (Σ_{d sent j} g_{d,j} + (K - c_j) ĝ_j) / K`` (without compensation a
+     dropped entry counts as 0).
   5. *Prediction* (ESP, eqs. 3–5): ``ĝ ← α G_r + (1 - α) ĝ``, ``ĝ ← G_r`` at a layer's
      first exchange (eq. 4), where ``G_r`` is the mean of what was received (dropped
      entries count 0; ``predict_from="received"``) or the compensated mean
      (``predict_from="compensated"``). The paper does not say which. With the
      compensated mean an entry that no device sends keeps its last prediction forever
-     (the mean feeds the prediction back to itself), a constant push on it; on the
-     demo that cost 1–3 points (``docs/index.md``), so ``"received"`` is the default:
+     (the mean feeds the prediction back to itself), a constant push on it, which cost
+     accuracy on the demo (``docs/methods/mipd.md``), so ``"received"`` is the default:
      such an entry's prediction decays by ``1 - α`` per step.
   6. *Half update* (§2.4.3, ``half_update=True``): the compressed layers are split into
      two groups of about equal size; even steps exchange the first, odd steps the
@@ -323,11 +511,47 @@ def mipd(
   Leaves the filter leaves out (biases, small tensors) are never dropped or quantized:
   a dense ``pmean`` every step, also under the half update.
 
+  **Exchange.** ``collective="allgather"``: every device all-gathers every device's
+  payload (positions, codes, ``(μ_i, σ_i)``, outliers) and decodes the sums and counts;
+  ``(K-1)·B`` bytes received per device, growing with K. ``"two_phase"``: the paper's
+  parameter server, sharded over the devices. Every device owns a fixed random
+  ``1/K`` of each layer's entries (:func:`owner_index`). *Push*: an ``all_to_all``
+  sends owner j the kept entries of its share, coded as above against the sender's
+  ``(μ_i, σ_i)``; owner j sums them, counts ``c_j`` and computes ``G`` (and ``G_r``) on
+  its share with the shared prediction. *Pull*: the owners' shares of ``G`` (and of
+  ``G_r`` when the prediction smooths it, which needs both) are coded with the normal
+  quantizer against each layer share's own ``(μ, σ)`` (``quantize_pull``; values beyond
+  ``3σ`` exactly) and all-gathered; every device decodes the same values, so the
+  prediction stays identical everywhere. Bytes received per device are about
+  ``(K-1)/K · (B_push + K · v · B_pull)`` with ``B_push`` and ``B_pull`` of order
+  ``N/K`` each (``v`` vectors pulled): flat in K. ``"auto"``: whichever of the two
+  moves fewer bytes by these formulas (with the defaults, the all-gather at K <= 3, and
+  at K = 4 for small models).
+  With ``drop_rate=0`` and ``quantize=False`` the group is all-reduced with a
+  ``pmean`` instead, under either.
+
+  The push's payloads are static, so each owner gets a fixed capacity; how many of a
+  device's ``N - round(s·N)`` kept entries fall in one owner's share is data-dependent.
+  The shares are random so that, whatever the structure of the kept set, that count is
+  a sum of hypergeometric counts with mean ``kept / K``; the capacity is that mean plus
+  the Hoeffding/Bernstein margin that makes an overflow anywhere (K senders × K owners,
+  kept entries and exact outliers) less likely than ``1e-6`` per step
+  (:func:`_capacity`). The worst case (a capacity overflowed on some device: adversarial
+  data, or the all-gather's own outlier capacity overflowing): that step every device
+  all-gathers its kept entries as float32 instead (the same selection, nothing lost or
+  biased), decided by a 4-byte ``pmax``; likewise a pull whose outliers overflow is
+  all-gathered as float32. Both are counted in ``overflow_count`` and listed by
+  :func:`jaxcomp.wire_report` as ``fallback_bytes``.
+
   Adaptations to synchronous data parallelism (the paper uses an asynchronous
   parameter server):
 
-  * the server's prediction and compensation run identically on every device, from the
-    all-gathered payloads; state is the same everywhere and can be replicated;
+  * the server's prediction and compensation run identically on every device (from the
+    all-gathered payloads), or on the owner of each entry (two-phase), whose pulled
+    result every device decodes alike; state is the same everywhere and can be
+    replicated;
+  * the two-phase pull is the averaged gradient, quantized; the paper's workers pull
+    parameters in float32 (its drop and quantization only cut the push);
   * ``r^{ESP}`` uses this device's gradient against the shared prediction, so devices
     may split their kept entries differently over layers; the *total* kept per device
     is the static ``N - round(s · N)``, which is what makes the payload static;
@@ -335,24 +559,18 @@ def mipd(
     half of the parameters; both groups' programs are compiled (``lax.cond``) and
     :func:`jaxcomp.wire_report` counts the larger group;
   * proxies are recomputed from ``(μ_i, σ_i)`` (64 bits per layer) instead of sent;
-  * positions travel as a bitmap of ``N`` bits when that is smaller than ``k`` indices
-    (at 50% kept it is, 16x: the paper does not say how positions are coded);
+  * positions travel as a bitmap when that is smaller than the indices (at 50% kept it
+    is, 16x: the paper does not say how positions are coded);
   * values beyond ``μ_i ± 3σ_i`` travel as (index, float32) pairs in a static capacity
-    of ``ceil(outlier_fraction · N)`` slots per group (the demo CNN's gradients have
-    1.9–3.1% of their entries beyond 3σ: ``python -m benchmarks.normal_quantizer``);
-    when it overflows on any device, every device sends its kept entries as float32
-    for that step instead (the same selection, no loss; a 4-byte ``pmax`` picks the
-    branch, :func:`jaxcomp.wire_report` lists it as ``fallback_bytes``), and the step is
-    counted in ``overflow_count``;
+    of ``ceil(outlier_fraction · N)`` slots per group (per owner: see above); when it
+    overflows on any device, every device sends its kept entries as float32 for that
+    step instead (the same selection, no loss), counted in ``overflow_count``;
   * ``α`` is not given in the paper: 0.5 by default;
   * every layer keeps at least ``min_keep`` (10%) of its entries each exchange. With the
     paper's cap (a layer may drop all of its entries) the rates, which sum to 1 over the
     layers, hand small layers more drops than they have, and a layer that no device
-    sends gets no gradient: its prediction, smoothed from what was received, stays 0.
-    On the demo's CNN the 1,280-entry classifier kernel is dropped whole (at
-    initialization, and then so often that over 600 steps it moved 0.06 of its norm
-    against 1.41 under dense), and MIPD trained 1.08 ± 0.27 points below dense over five
-    seeds; ``docs/index.md`` has the runs with ``min_keep=0.1``.
+    sends gets no gradient: its prediction, smoothed from what was received, stays 0
+    (on the demo's CNN the classifier kernel was dropped whole; ``docs/methods/mipd.md``).
 
   Args:
     drop_rate: ``s``, the fraction of each exchanged group's entries dropped, in [0, 1).
@@ -364,14 +582,21 @@ def mipd(
       group's entries.
     half_update: exchange half of the compressed layers per step, alternating.
     quantize: code kept entries with the normal quantizer (else float32).
+    quantize_pull: code the two-phase pull with the normal quantizer (None: as
+      ``quantize``). With ``False`` the pull is float32 and ``"two_phase"`` gives the
+      all-gather's result up to the order of float32 additions.
     compensate: fill dropped entries with the prediction (else zero).
     min_keep: the fraction of each compressed layer kept at least, in
       ``[0, 1 - drop_rate]`` (0: the paper's rule, which may drop whole layers).
     predict_from: ``"received"`` or ``"compensated"``: what the prediction smooths.
+    collective: ``"auto"``, ``"allgather"`` or ``"two_phase"`` (above).
     axis_name: the mapped axis to average over, or None (one device).
     filter: which leaves are compressed (default :func:`jaxcomp.default_filter`).
 
-  ``update`` needs ``params`` (the interpretability rate reads their norms).
+  Returns:
+    An ``optax.GradientTransformation``; its ``update`` needs ``params`` (the
+    interpretability rate reads their norms). The state (:class:`MIPDState`) is the
+    same on every device: keep it replicated, outside ``jc.per_device_state``.
 
   Example (inside ``jax.shard_map`` over axis ``"b"``; the state is replicated)::
 
@@ -393,7 +618,16 @@ def mipd(
     raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
   if predict_from not in PREDICT_FROM:
     raise ValueError(f"predict_from must be one of {PREDICT_FROM}, got {predict_from!r}")
-  quantizer = normal.NormalQuantizer(intervals, sigmas, outlier_fraction) if quantize else None
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+  if quantize_pull is not None and not isinstance(quantize_pull, bool):
+    raise TypeError(f"quantize_pull must be a bool or None, got {quantize_pull!r}")
+  normal_q = normal.NormalQuantizer(intervals, sigmas, outlier_fraction)
+  quantizer = normal_q if quantize else None
+  pull_quantizer = normal_q if (quantize if quantize_pull is None else quantize_pull) else None
+  # The prediction smooths the received mean, the update is the compensated one: with
+  # both, the pull carries both.
+  pulled = 2 if (compensate and predict_from == "received") else 1
   filter_fn = transforms.default_filter if filter is None else filter
   a = float(alpha)
 
@@ -409,6 +643,20 @@ def mipd(
                      min_keep=min_keep) for h in halves]
     return on, sel, halves, groups
 
+  def plan(group: _Group) -> _Owners | None:
+    """The group's two-phase layout, or None for the all-gather."""
+    if axis_name is None or collective == "allgather":
+      return None
+    k = collectives.axis_size(axis_name)
+    owners = _Owners(group, k, pull_quantizer, pulled)
+    if collective == "two_phase" or owners.nbytes() < (k - 1) * group.fmt.nbytes:
+      return owners
+    return None
+
+  def agree(flag):
+    """``flag`` or-ed over the devices (every device takes the same branch)."""
+    return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
+
   def init_fn(params):
     leaves, treedef = treeutil.flat(params)
     for path, leaf in leaves:
@@ -421,6 +669,85 @@ def mipd(
                      nonfinite_count=jnp.zeros((), jnp.int32),
                      overflow_count=jnp.zeros((), jnp.int32),
                      shapes=treeutil.LeafShapes.of(params))
+
+  def means(total, count, pred, k):
+    """(mean, received mean) from the sums and the senders' counts (compensation)."""
+    received = total / k
+    return ((total + (k - count) * pred) / k if compensate else received), received
+
+  def gathered(fmt: _Format, coded: dict, p_flat: Array, k: int):
+    """All-gathers the selection in ``fmt``; (mean, received mean, overflowed here)."""
+    arrays, overflow = fmt.pack(coded["flat"], coded["mask"], coded["codes"],
+                                coded["outl"], coded["stats"], coded["finite"])
+    got = (jax.tree.map(lambda x: x[None], arrays) if axis_name is None
+           else collectives.gather_tree(arrays, axis_name))
+    with jax.named_scope(phases.DECODE_SCOPE):
+      return (*means(*fmt.sum_and_count(got), p_flat, k), overflow)
+
+  def pull(owners: _Owners, vecs: list[Array]):
+    """All-gathers every owner's rows ``vecs``: (list of ``(K, M)``, overflowed)."""
+    fmt = owners.pull
+    if fmt is None:
+      return collectives.gather_tree(vecs, axis_name), jnp.zeros((), bool)
+    payloads, overflow = [], jnp.zeros((), bool)
+    with jax.named_scope(phases.ENCODE_SCOPE):
+      for v in vecs:
+        segs = [v[int(lo):int(hi)] for lo, hi in zip(fmt.offsets[:-1], fmt.offsets[1:])]
+        codes, outl, stats = _layer_codes(segs, [jnp.ones(s.shape, bool) for s in segs],
+                                          fmt.quantizer)
+        arrays, o = fmt.pack(v, jnp.ones(v.shape, bool), codes, outl, stats,
+                             jnp.all(jnp.isfinite(v)))
+        payloads.append(arrays)
+        overflow = overflow | o
+    overflow = agree(overflow)
+
+    def coded(_):
+      got = collectives.gather_tree(payloads, axis_name)
+      with jax.named_scope(phases.DECODE_SCOPE):
+        return [jax.vmap(fmt.values)(g) for g in got]
+
+    def exact(_):
+      with jax.named_scope("jaxcomp_fallback"):
+        return collectives.gather_tree(vecs, axis_name)
+
+    return lax.cond(overflow, exact, coded, None), overflow
+
+  def two_phase(group: _Group, owners: _Owners, coded: dict, p_flat: Array):
+    """Push (``all_to_all``) to the owners, reduce, pull (``all_gather``)."""
+    k, n = owners.k, group.n
+    with jax.named_scope(phases.ENCODE_SCOPE):
+      rows = {"flat": owners.rows(coded["flat"], 0.0),
+              "mask": owners.rows(coded["mask"], False)}
+      if group.quantizer is not None:
+        rows["codes"] = owners.rows(coded["codes"], 0)
+        rows["outl"] = owners.rows(coded["outl"], False)
+      payload, overflow = jax.vmap(lambda r: owners.row.pack(
+          r["flat"], r["mask"], r.get("codes"), r.get("outl"), coded["stats"],
+          coded["finite"]))(rows)
+    overflow = agree(jnp.any(overflow))
+
+    def push_and_pull(_):
+      got = collectives.all_to_all_tree(payload, axis_name)
+      with jax.named_scope(phases.DECODE_SCOPE):
+        total, count = owners.row.sum_and_count(got)
+        mine = jnp.asarray(owners.index)[lax.axis_index(axis_name)]
+        pred = jnp.concatenate([p_flat, jnp.zeros((1,), _F32)])[mine]
+        mean, received = means(total, count, pred, k)
+      rows_out, pull_overflow = pull(owners, [mean, received][:owners.vectors])
+      with jax.named_scope(phases.DECODE_SCOPE):
+        # Typed like the fallback's mean, which has the prediction's type (varying when
+        # a caller keeps the state per device).
+        flat = [_match(owners.unrows(r, n), p_flat) for r in rows_out]
+      return flat[0], flat[-1], _match(pull_overflow, overflow)
+
+    def fallback(_):
+      with jax.named_scope("jaxcomp_fallback"):
+        mean, received, _ = gathered(group.exact, coded, p_flat, k)
+      return _match(mean, p_flat), _match(received, p_flat), _match(jnp.zeros((), bool),
+                                                                    overflow)
+
+    mean, received, pull_overflow = lax.cond(overflow, fallback, push_and_pull, None)
+    return mean, received, overflow | pull_overflow
 
   def exchange(group: _Group, members, gs, preds, pnorms, observed):
     """One group's exchange: (mean per member, new prediction per member, overflow)."""
@@ -440,42 +767,34 @@ def mipd(
         rates = drop_rates(jnp.stack([pnorms[j] for j in members]), errs, beta)
         keep = jnp.asarray(group.sizes, jnp.int32) - allocate_drops(rates, group.caps,
                                                                     group.drops)
-        flats, masks = group.select(g_m, keep)
-        arrays, overflow = group.encode(flats, masks)
-
-      def total_and_count(layout, payload):
-        got = (jax.tree.map(lambda x: x[None], payload) if axis_name is None
-               else collectives.gather_tree(payload, axis_name))
-        with jax.named_scope(phases.DECODE_SCOPE):
-          return layout.sum_and_count(got)
-
-      if group.quantizer is None:
-        total, count = total_and_count(group, arrays)
+        coded = group.code(*group.select(g_m, keep))
+      k = 1 if axis_name is None else collectives.axis_size(axis_name)
+      p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
+      owners = plan(group)
+      if owners is not None:
+        mean, received, overflow = two_phase(group, owners, coded, p_flat)
+      elif group.quantizer is None:
+        mean, received, _ = gathered(group.fmt, coded, p_flat, k)
       else:
-        if axis_name is not None:  # all devices take the same branch, count the step
-          overflow = lax.pmax(overflow.astype(jnp.int32), axis_name) > 0
+        overflow = group.fmt.overflows(coded["mask"], coded["outl"])
+        overflow = overflow if axis_name is None else agree(overflow)
 
         def exact(_):
           with jax.named_scope("jaxcomp_fallback"):
-            return total_and_count(group.exact, group.exact.encode(flats, masks)[0])
+            return gathered(group.exact, coded, p_flat, k)[:2]
 
-        total, count = lax.cond(overflow, exact,
-                                lambda _: total_and_count(group, arrays), None)
-      k = 1 if axis_name is None else collectives.axis_size(axis_name)
-      with jax.named_scope(phases.DECODE_SCOPE):  # averaging and compensation
-        p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
-        received = total / k
-        mean = (total + (k - count) * p_flat) / k if compensate else received
-    means, new_p = [], []
+        mean, received = lax.cond(overflow, exact,
+                                  lambda _: gathered(group.fmt, coded, p_flat, k)[:2], None)
+    means_out, new_p = [], []
     for pos, j in enumerate(members):
       lo, hi = int(group.offsets[pos]), int(group.offsets[pos + 1])
       m = mean[lo:hi].reshape(gs[j].shape)
       obs = m if predict_from == "compensated" else received[lo:hi].reshape(gs[j].shape)
-      means.append(m)
+      means_out.append(m)
       new_p.append(jnp.where(observed[j], a * obs + (1 - a) * preds[j], obs))
     if axis_name is not None:  # the same in both half-update branches
       overflow = collectives.any_over_other_axes(overflow, axis_name)
-    return means, new_p, overflow
+    return means_out, new_p, overflow
 
   def update_fn(updates, state, params=None):
     if params is None:
