@@ -594,7 +594,8 @@ def report(runs: dict, psums: dict, out: str, malloc: str | None = None,
   os.makedirs(out, exist_ok=True)
   # The main model prices every collective with the psums' link. With timed all-gathers,
   # a second one prices the all-gathers with their own link; both errors are reported
-  # (in a launch of 2026-11-22 the second was not better overall, see docs).
+  # (the second was not better overall on the throttled link:
+  # docs/benchmarks.md#collectives-across-the-throttled-link).
   model = fit_and_predict(runs, psums)
   model_gather = fit_and_predict(runs, psums, gathers) if gathers else None
   with open(os.path.join(out, "results.json"), "w") as f:

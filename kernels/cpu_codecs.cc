@@ -9,7 +9,8 @@
 // Why: XLA:CPU runs each fusion as its own pass over memory and runs reductions with
 // fused inputs slower than elementwise loops, so the XLA path reads a QSGD input once
 // per pass (scale, hash, quantize and pack, decode); these kernels take one bucket at a
-// time while it sits in L1 (python -m benchmarks.codecs compares the two).
+// time while it sits in L1 (python -m benchmarks.codecs compares the two:
+// docs/benchmarks.md#codec-throughput-on-cpu).
 //
 // Layouts (jaxcomp._src.bitpack's lanes layout): code k of word w holds value
 // w * (32 / bits) + k in bits k*bits .. k*bits + bits - 1. Buckets are a power of two
@@ -500,7 +501,8 @@ ffi::Error QsgdEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
         int64_t valid;
         const float* v = LoadBucket(xd, ed, n, bucket, b, scratch.data(), &valid);
         // Software prefetch of the next (whole) bucket: without it the encode waits on
-        // memory in AbsMaxFinite (benchmarks/cpu_kernel_loop.py --stream measures it).
+        // memory in AbsMaxFinite (benchmarks/cpu_kernel_loop.py --stream measures it:
+        // docs/benchmarks.md#native-qsgd-encode-loop).
         const bool ahead = (b + 2) * bucket <= n;
         QsgdBucket<BITS>(p, b, v, valid, wd, sd, nd, codes.data(),
                          ahead ? xd + (b + 1) * bucket : nullptr,

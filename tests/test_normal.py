@@ -102,7 +102,7 @@ def test_mse_below_qsgd_with_the_same_bits_on_gaussian_data(bits):
 
 def test_mse_against_a_deterministic_uniform_quantizer():
   # Equal-probability intervals beat equal-width ones at 3-4 bits, lose at 6-8 bits
-  # (the 2σ-3σ band gets few, wide intervals): documented in docs/index.md.
+  # (the 2σ-3σ band gets few, wide intervals): docs/benchmarks.md#normal-quantizer-vs-uniform.
   x = np.asarray(jax.random.normal(jax.random.key(1), (1 << 16,)))
   ratios = {}
   for bits in (3, 4, 6, 8):

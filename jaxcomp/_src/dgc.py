@@ -168,7 +168,7 @@ def dgc(
     first ``warmup_steps`` steps (:func:`dgc_density_schedule`). Payload sizes must be
     static, so each stage is its own compiled branch of a ``lax.switch`` on the step
     count: every step sends only its stage's bytes; the program holds one exchange per
-    stage (compile time grows with the number of stages).
+    stage (compile time grows with the number of stages: ``docs/benchmarks.md#compile-time``).
 
   Leaves the filter leaves out (biases, small tensors) get dense momentum SGD: each
   device keeps its momentum of its local gradients and the mean of ``u`` (or of
@@ -220,6 +220,7 @@ def dgc(
   References:
     Lin, Han, Mao, Wang, Dally. *Deep Gradient Compression: Reducing the Communication
     Bandwidth for Distributed Training*. ICLR 2018. https://arxiv.org/abs/1712.01887
+    (``docs/methods/dgc.md``: what is exactly the paper and what departs).
   """
   stages = warmup_densities(density, warmup_steps)
   if not 0 <= momentum < 1:

@@ -125,7 +125,8 @@ def exchange_time(report: wire.WireReport, link: Link, *, fallback: bool = False
       ``{"all_gather": fit_link(timed_all_gathers)}``; ``"all_gather"`` also prices
       ``all_gather_invariant``, ``"psum"`` ``psum_invariant``), used for those instead of
       ``link``: a runtime whose all-gather moves more than its ideal traffic (gloo's,
-      ``docs/benchmarks.md``) shows it as a lower fitted bandwidth.
+      ``docs/benchmarks.md#collectives-across-the-throttled-link``) shows it as a lower
+      fitted bandwidth.
   """
   by_primitive = _per_primitive(links)
   k = report.num_devices

@@ -19,7 +19,8 @@ leaf index (and the two-phase exchange the chunk index), so ``key`` already stan
 
 Why not ``jax.random.uniform``: threefry-2x32 is 20 rounds per pair of outputs, far more
 arithmetic per value than the rest of a QSGD encode (a scale, a rounding, a shift), so
-on a CPU it would dominate the encode; ``python -m benchmarks.codecs`` times both.
+on a CPU it would dominate the encode; ``python -m benchmarks.codecs`` times both
+(``docs/benchmarks.md#codec-throughput-on-cpu``, its "random bits" rows).
 
 Quality: :func:`uniform`'s 24-bit outputs pass chi-square tests of equidistribution
 (1-D, and of pairs of neighbours), a Kolmogorov-Smirnov test, and per-bit balance tests

@@ -334,7 +334,7 @@ class TopK(SparseCodec):
   * ``"exact"``: ``lax.top_k`` of ``|x|``.
   * ``"blocked"``: two small ``top_k`` calls: the k blocks of 32 with the largest
     maxima, then the top k inside them (:func:`blocked_top_k`); faster than
-    ``lax.top_k`` on CPU (``docs/benchmarks.md``).
+    ``lax.top_k`` on CPU (``docs/benchmarks.md#top-k-selection``).
   * ``"sampled"``: Deep Gradient Compression's threshold estimation (the paper's
     reference code): a threshold is estimated from a random ``sample_fraction`` of the
     entries and refined with at most ``max_rounds`` counting passes, then the top k of

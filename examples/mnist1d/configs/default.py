@@ -1,4 +1,4 @@
-"""Default configuration: the README's demo, every method (its results are in the docs)."""
+"""Default configuration: the README's demo, every method (results: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
