@@ -230,7 +230,7 @@ def dgc(
     raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}")
   if collective not in COLLECTIVES:
     raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-  codecs_lib._check_positive_int(chunk_size, "chunk_size")  # pylint: disable=protected-access
+  codecs_lib.check_positive_int(chunk_size, "chunk_size")
   codecs = [sparse.TopK(d, method) for _, d in stages]  # validates method
   starts = jnp.asarray([s for s, _ in stages], jnp.int32)
   filter_fn = transforms.default_filter if filter is None else filter
@@ -240,9 +240,9 @@ def dgc(
     leaves, treedef = treeutil.flat(params)
     mom, vel = [], []
     for path, leaf in leaves:
-      transforms._check_leaf(path, leaf)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, leaf)
       mom.append(jnp.zeros(leaf.shape, _F32))
-      on = transforms._selected(filter_fn, path, leaf)  # pylint: disable=protected-access
+      on = treeutil.selected(filter_fn, path, leaf)
       vel.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
     return DGCState(count=jnp.zeros((), jnp.int32), key=jax.random.key(seed),
                     momentum=treedef.unflatten(mom), velocity=treedef.unflatten(vel),
@@ -292,7 +292,7 @@ def dgc(
     leaves, treedef = treeutil.flat(updates)
     paths = [p for p, _ in leaves]
     for path, g in leaves:
-      transforms._check_leaf(path, g)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, g)
     if state.shapes is not None:
       state.shapes.check(updates, "jc.dgc")
     gs = [g.astype(_F32) for _, g in leaves]
@@ -303,13 +303,9 @@ def dgc(
     if axis_name is not None:
       num = collectives.axis_size(axis_name)
       step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
-      if collectives.tracks_varying(axis_name):
-        for path, g, sel in zip(paths, gs, on):
-          if sel and axis_name not in collectives.varying_axes(g):
-            raise ValueError(
-                f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
-                f"axis {axis_name!r}: differentiate with respect to "
-                f"jc.vary(params, {axis_name!r}) to get the local gradient.")
+      for path, g, sel in zip(paths, gs, on):
+        if sel:
+          collectives.check_local(path, g, axis_name)
     else:
       num = 1
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (
