@@ -287,6 +287,30 @@ def dgc(
       outs = [next(means).reshape(o.shape) for o in outs]
     return outs, new_u, new_v, dense_means
 
+  def exchange(count, args, dense, num):
+    """The warm-up stage of step ``count`` exchanges the compressed leaves ``args``;
+    returns (its :func:`sparse_leaves` result, the means of the ``dense`` leaves).
+
+    With one stage its all-gather carries the dense leaves too. With several, the stage
+    is a ``lax.switch`` branch, and the dense leaves' all-reduce goes before it: under
+    check_vma it also makes the branch index invariant (every device must take the
+    same collectives).
+    """
+    if len(codecs) == 1:
+      sparse_out = sparse_leaves(0, *args, dense)
+      return sparse_out, sparse_out[3]
+    stage = _stage(count, starts)
+    if axis_name is not None and collectives.tracks_varying(axis_name):
+      # The count is the same on every device but held in per-device state: the branch
+      # index must be typed invariant so that every device takes the same collectives.
+      # It rides in the dense leaves' all-reduce (the sum of K equal stages).
+      dense_means, (total,) = collectives.pmean_and_count(dense, [stage], axis_name)
+      stage = total // num
+    else:
+      dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
+    branches = [functools.partial(sparse_leaves, j) for j in range(len(codecs))]
+    return lax.switch(stage, branches, *args), dense_means
+
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = treeutil.flat(updates)
@@ -322,21 +346,7 @@ def dgc(
     args = ([gs[i] for i in sel], [us[i] for i in sel], [vs[i] for i in sel],
             [jax.random.fold_in(step_key, i) for i in sel])
     dense = [outs[i] for i in off] if axis_name is not None else []
-    if len(codecs) == 1:
-      sparse_out = sparse_leaves(0, *args, dense)
-      dense_means = sparse_out[3]
-    else:
-      stage = _stage(state.count, starts)
-      if axis_name is not None and collectives.tracks_varying(axis_name):
-        # The count is the same on every device but held in per-device state: the branch
-        # index must be typed invariant so that every device takes the same collectives.
-        # It rides in the dense leaves' all-reduce (the sum of K equal stages).
-        dense_means, (total,) = collectives.pmean_and_count(dense, [stage], axis_name)
-        stage = total // num
-      else:
-        dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
-      branches = [functools.partial(sparse_leaves, j) for j in range(len(codecs))]
-      sparse_out = lax.switch(stage, branches, *args)
+    sparse_out, dense_means = exchange(state.count, args, dense, num)
     if axis_name is not None:
       for i, mean in zip(off, dense_means):
         outs[i] = mean
