@@ -80,7 +80,7 @@ def _check_float(x: Any, what: str = "x") -> None:
         f"got dtype {dtype}")
 
 
-def _check_positive_int(value: Any, name: str, *, allow_none: bool = False) -> None:
+def check_positive_int(value: Any, name: str, *, allow_none: bool = False) -> None:
   if value is None and allow_none:
     return
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -269,7 +269,7 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
   return int(shape[0]), math.prod(shape[1:])
 
 
-def _buckets(n: int, bucket_size: int | None) -> tuple[int, int]:
+def buckets(n: int, bucket_size: int | None) -> tuple[int, int]:
   """(bucket length, number of buckets) for a flat tensor of n values."""
   b = max(n, 1) if bucket_size is None else min(bucket_size, max(n, 1))
   return b, -(-n // b)
@@ -468,10 +468,10 @@ class QSGD(Codec):
 
   def __post_init__(self):
     kernel_common.check_implementation(self.implementation)
-    _check_positive_int(self.levels, "levels")
+    check_positive_int(self.levels, "levels")
     if self.levels > _MAX_LEVELS:
       raise ValueError(f"levels must be at most 2**24 - 1 (exact in float32), got {self.levels}")
-    _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
+    check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
     if self.norm not in ("l2", "max"):
       raise ValueError(f"norm must be 'l2' or 'max', got {self.norm!r}")
 
@@ -516,7 +516,7 @@ class QSGD(Codec):
     _check_float(x)
     key = self._require_key(key)
     n = x.size
-    b, nb = _buckets(n, self.bucket_size)
+    b, nb = buckets(n, self.bucket_size)
     v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
     # A bucket holding NaN/Inf gets a NaN scale, so it decodes to NaN: never hidden
     # (the codes of a non-finite value are meaningless).
@@ -596,7 +596,7 @@ class QSGD(Codec):
 
   def dequantize(self, codes: Array, scales: Array, n: int) -> Array:
     """Flat float32 values of ``n`` codes (``magnitude | sign << magnitude_bits``)."""
-    b, nb = _buckets(n, self.bucket_size)
+    b, nb = buckets(n, self.bucket_size)
     mask = jnp.uint32((1 << self.magnitude_bits) - 1)
     mag = (codes & mask).astype(_F32)
     neg = (codes >> self.magnitude_bits) != 0
@@ -658,7 +658,7 @@ class OneBit(Codec):
   per_column: bool = dataclasses.field(default=False, kw_only=True)
 
   def __post_init__(self):
-    _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
+    check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
     kernel_common.check_implementation(self.implementation)
     if not isinstance(self.per_column, (bool, np.bool_)):
       raise TypeError(f"per_column must be a bool, got {self.per_column!r}")
@@ -675,7 +675,7 @@ class OneBit(Codec):
     """(bucket length, number of buckets) of a tensor of ``shape``."""
     if self.per_column:
       return matrix_shape(shape)
-    return _buckets(math.prod(shape), self.bucket_size)
+    return buckets(math.prod(shape), self.bucket_size)
 
   def _flat(self, x: Array) -> Array:
     """``x`` flattened in bucket order, float32 (column-major with ``per_column``)."""
@@ -844,13 +844,13 @@ class ScaledSign(Codec):
   bucket_size: int | None = None
 
   def __post_init__(self):
-    _check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
+    check_positive_int(self.bucket_size, "bucket_size", allow_none=True)
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     del key
     _check_float(x)
     n = x.size
-    b, nb = _buckets(n, self.bucket_size)
+    b, nb = buckets(n, self.bucket_size)
     flat = x.reshape(-1).astype(_F32)
     v = _to_buckets(flat, b, nb)
     words = bitpack.pack_bits((v < 0).reshape(-1)[:n].astype(jnp.uint32), 1)
@@ -879,7 +879,7 @@ class ScaledSign(Codec):
 
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)
-    b, nb = _buckets(n, self.bucket_size)
+    b, nb = buckets(n, self.bucket_size)
     neg = _to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
     scale = payload.arrays["scales"][:, None]
     return jnp.where(neg, -scale, scale).reshape(-1)[:n]

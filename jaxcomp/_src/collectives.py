@@ -8,7 +8,6 @@ gathered results are marked invariant) and ``jax.pmap``.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import NamedTuple
 
@@ -24,12 +23,6 @@ from jaxcomp._src.phases import ENCODE_SCOPE
 Array = jax.Array
 _F32 = jnp.float32
 
-# jax >= 0.10 marks an all_gather result as invariant across the axis with
-# ``to="invarying"``; shard_map's check_vma then accepts it as replicated.
-_ALL_GATHER_TO = (
-    {"to": "invarying"} if "to" in inspect.signature(lax.all_gather).parameters else {})
-
-
 def axis_size(axis_name) -> int:
   """Size of a bound named axis, or a clear ``ValueError`` when it is not bound."""
   try:
@@ -44,11 +37,7 @@ def axis_size(axis_name) -> int:
 
 def varying_axes(x) -> frozenset:
   """Mesh axes over which ``x`` is marked device-varying (shard_map's check_vma)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", frozenset()))
+  return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 def tracks_varying(axis_name) -> bool:
@@ -58,6 +47,26 @@ def tracks_varying(axis_name) -> bool:
   tracking is on; under ``jax.pmap`` and ``shard_map(check_vma=False)`` it is not.
   """
   return axis_name in varying_axes(lax.axis_index(axis_name))
+
+
+def check_local(path, g, axis_name) -> None:
+  """Raises a ``ValueError`` when the gradient ``g`` is already replicated over the axis.
+
+  A compressor must see each device's own gradient: one that was all-reduced before
+  (``jax.grad`` inside ``jax.shard_map`` with respect to replicated parameters inserts a
+  dense ``psum``) would pay the dense exchange and then compress K equal copies. Only
+  decidable where values are typed varying/invariant (``check_vma``); a no-op elsewhere
+  and with ``axis_name=None``.
+  """
+  if axis_name is None or not tracks_varying(axis_name):
+    return
+  if axis_name not in varying_axes(g):
+    raise ValueError(
+        f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
+        f"axis {axis_name!r}: it was all-reduced before compression. Inside "
+        f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
+        f"gradient over devices (a dense psum); differentiate with respect to "
+        f"jc.vary(params, {axis_name!r}) to get the local gradient.")
 
 
 def vary(tree, axis_name):
@@ -109,7 +118,9 @@ def any_over_other_axes(flag: Array, axis_name) -> Array:
 
 def all_gather_invariant(x: Array, axis_name) -> Array:
   """``lax.all_gather`` whose result is replicated (invariant) over ``axis_name``."""
-  return lax.all_gather(x, axis_name, **_ALL_GATHER_TO)
+  # ``to="invarying"`` types the result invariant across the axis, so that shard_map's
+  # check_vma accepts it as replicated.
+  return lax.all_gather(x, axis_name, to="invarying")
 
 
 def _as_words(x: Array, unit) -> Array:
@@ -481,26 +492,20 @@ def chunk_length(codec: Codec, n: int, k: int) -> int:
   return flat_chunk_length(codec.alignment, n, k)
 
 
-def two_phase_mean(codec: Codec, x: Array, key: Array, axis_name, *,
-                   chunk_residual: Array | None = None) -> Exchanged:
+def two_phase_means(codec: Codec, xs, keys, axis_name,
+                    chunk_residuals=None) -> list[Exchanged]:
   """Scatter-reduce then all-gather on payloads (1-bit SGD §3.1, CGX, DeepSpeed).
 
-  The tensor is cut into K chunks (:meth:`Codec.to_chunks`: by default flat slices of
+  Each tensor is cut into K chunks (:meth:`Codec.to_chunks`: by default flat slices of
   equal aligned length, for per-column codecs blocks of whole columns). Each device
   encodes its K chunks and sends chunk j to device j (``all_to_all``); device j decodes
   the K payloads of its chunk, averages them, adds its second-stage residual (when
-  ``chunk_residual`` is given), re-encodes the average and ``all_gather``s it; every
+  ``chunk_residuals`` gives one), re-encodes the average and ``all_gather``s it; every
   device decodes the K averaged chunks. Per-device traffic is about
-  ``2 (K-1)/K · B(n)``, independent of K.
+  ``2 (K-1)/K · B(n)``, independent of K. All tensors share one ``all_to_all`` and one
+  ``all_gather`` (their payloads fused, :func:`all_to_all_tree`, :func:`gather_tree`):
+  the same payloads and results, two collectives' latency.
   """
-  return two_phase_means(codec, [x], [key], axis_name, [chunk_residual])[0]
-
-
-def two_phase_means(codec: Codec, xs, keys, axis_name,
-                    chunk_residuals=None) -> list[Exchanged]:
-  """:func:`two_phase_mean` of several tensors, with one ``all_to_all`` and one
-  ``all_gather`` for all of them (their payloads fused, :func:`all_to_all_tree`,
-  :func:`gather_tree`): the same payloads and results, two collectives' latency."""
   k = axis_size(axis_name)
   chunk_residuals = [None] * len(xs) if chunk_residuals is None else list(chunk_residuals)
   firsts = []
@@ -583,3 +588,45 @@ def resolve(collective: str, codec: Codec, k: int) -> str:
   if collective != "auto":
     return collective
   return "allgather" if k <= 2 or codec.fallback is not None else "two_phase"
+
+
+#: The exchanges a leaf can take (:func:`route`).
+ROUTES = ("dense", "fused", "local", "two_phase", "psum", "gathered", "fallback")
+
+
+def route(codec: Codec, mode: str, axis_name, *, selected: bool, fused: bool = False) -> str:
+  """The exchange one leaf takes in a step, decided once from static facts.
+
+  * ``"dense"``: the filter leaves it out; averaged in full precision with the other
+    dense leaves in one all-reduce (or inside the payloads' all-gather at K <= 2).
+  * ``"fused"``: error feedback fused into the encoding kernel (``fused``, which the
+    caller decides from :meth:`Codec.fuses_feedback`); gathered like ``"gathered"``.
+  * ``"local"``: no axis: encoded and decoded on this device (:func:`local`).
+  * ``"two_phase"``: batched with the other such leaves (:func:`two_phase_means`).
+  * ``"psum"``: summable payloads, all-reduced on their own (:func:`psum_mean`).
+  * ``"gathered"``: payloads all-gathered together with the other leaves'.
+  * ``"fallback"``: a variable-length codec with an overflow branch: its own all-gather
+    (:func:`allgather_mean`), since the branch decides per leaf what is sent.
+
+  The order of the tests is the precedence: a fused leaf is gathered even without an
+  axis (the payloads are then decoded locally).
+
+  Args:
+    codec: the leaf's codec.
+    mode: the resolved collective (:func:`resolve`), or the requested one without an axis.
+    axis_name: the mapped axis, or ``None``.
+    selected: whether the filter compresses the leaf.
+    fused: whether the leaf may take the fused error-feedback kernel.
+
+  Returns:
+    One of :data:`ROUTES`.
+  """
+  if not selected:
+    return "dense"
+  if fused and mode == "allgather" and codec.fallback is None:
+    return "fused"
+  if axis_name is None:
+    return "local"
+  if mode in ("two_phase", "psum"):
+    return mode
+  return "gathered" if codec.fallback is None else "fallback"

@@ -231,7 +231,7 @@ def dgc(
     raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}")
   if collective not in COLLECTIVES:
     raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-  codecs_lib._check_positive_int(chunk_size, "chunk_size")  # pylint: disable=protected-access
+  codecs_lib.check_positive_int(chunk_size, "chunk_size")
   codecs = [sparse.TopK(d, method) for _, d in stages]  # validates method
   starts = jnp.asarray([s for s, _ in stages], jnp.int32)
   filter_fn = transforms.default_filter if filter is None else filter
@@ -241,9 +241,9 @@ def dgc(
     leaves, treedef = treeutil.flat(params)
     mom, vel = [], []
     for path, leaf in leaves:
-      transforms._check_leaf(path, leaf)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, leaf)
       mom.append(jnp.zeros(leaf.shape, _F32))
-      on = transforms._selected(filter_fn, path, leaf)  # pylint: disable=protected-access
+      on = treeutil.selected(filter_fn, path, leaf)
       vel.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
     return DGCState(count=jnp.zeros((), jnp.int32), key=jax.random.key(seed),
                     momentum=treedef.unflatten(mom), velocity=treedef.unflatten(vel),
@@ -288,12 +288,36 @@ def dgc(
       outs = [next(means).reshape(o.shape) for o in outs]
     return outs, new_u, new_v, dense_means
 
+  def exchange(count, args, dense, num):
+    """The warm-up stage of step ``count`` exchanges the compressed leaves ``args``;
+    returns (its :func:`sparse_leaves` result, the means of the ``dense`` leaves).
+
+    With one stage its all-gather carries the dense leaves too. With several, the stage
+    is a ``lax.switch`` branch, and the dense leaves' all-reduce goes before it: under
+    check_vma it also makes the branch index invariant (every device must take the
+    same collectives).
+    """
+    if len(codecs) == 1:
+      sparse_out = sparse_leaves(0, *args, dense)
+      return sparse_out, sparse_out[3]
+    stage = _stage(count, starts)
+    if axis_name is not None and collectives.tracks_varying(axis_name):
+      # The count is the same on every device but held in per-device state: the branch
+      # index must be typed invariant so that every device takes the same collectives.
+      # It rides in the dense leaves' all-reduce (the sum of K equal stages).
+      dense_means, (total,) = collectives.pmean_and_count(dense, [stage], axis_name)
+      stage = total // num
+    else:
+      dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
+    branches = [functools.partial(sparse_leaves, j) for j in range(len(codecs))]
+    return lax.switch(stage, branches, *args), dense_means
+
   def update_fn(updates, state, params=None):
     del params
     leaves, treedef = treeutil.flat(updates)
     paths = [p for p, _ in leaves]
     for path, g in leaves:
-      transforms._check_leaf(path, g)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, g)
     if state.shapes is not None:
       state.shapes.check(updates, "jc.dgc")
     gs = [g.astype(_F32) for _, g in leaves]
@@ -304,13 +328,9 @@ def dgc(
     if axis_name is not None:
       num = collectives.axis_size(axis_name)
       step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
-      if collectives.tracks_varying(axis_name):
-        for path, g, sel in zip(paths, gs, on):
-          if sel and axis_name not in collectives.varying_axes(g):
-            raise ValueError(
-                f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
-                f"axis {axis_name!r}: differentiate with respect to "
-                f"jc.vary(params, {axis_name!r}) to get the local gradient.")
+      for path, g, sel in zip(paths, gs, on):
+        if sel:
+          collectives.check_local(path, g, axis_name)
     else:
       num = 1
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (
@@ -327,21 +347,7 @@ def dgc(
     args = ([gs[i] for i in sel], [us[i] for i in sel], [vs[i] for i in sel],
             [jax.random.fold_in(step_key, i) for i in sel])
     dense = [outs[i] for i in off] if axis_name is not None else []
-    if len(codecs) == 1:
-      sparse_out = sparse_leaves(0, *args, dense)
-      dense_means = sparse_out[3]
-    else:
-      stage = _stage(state.count, starts)
-      if axis_name is not None and collectives.tracks_varying(axis_name):
-        # The count is the same on every device but held in per-device state: the branch
-        # index must be typed invariant so that every device takes the same collectives.
-        # It rides in the dense leaves' all-reduce (the sum of K equal stages).
-        dense_means, (total,) = collectives.pmean_and_count(dense, [stage], axis_name)
-        stage = total // num
-      else:
-        dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
-      branches = [functools.partial(sparse_leaves, j) for j in range(len(codecs))]
-      sparse_out = lax.switch(stage, branches, *args)
+    sparse_out, dense_means = exchange(state.count, args, dense, num)
     if axis_name is not None:
       for i, mean in zip(off, dense_means):
         outs[i] = mean

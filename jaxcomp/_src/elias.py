@@ -428,7 +428,7 @@ def words_to_bytes(words: Any, num_bits: int) -> np.ndarray:
 
 
 def _bucket_sizes(n: int, bucket_size: int | None) -> tuple[int, int, np.ndarray]:
-  b, nb = _codecs._buckets(n, bucket_size)  # pylint: disable=protected-access
+  b, nb = _codecs.buckets(n, bucket_size)
   sizes = np.full(nb, b, np.int64)
   if nb:
     sizes[-1] = n - (nb - 1) * b
@@ -708,7 +708,7 @@ def _payload_codes(codec: Any, payload: Any) -> tuple[np.ndarray, np.ndarray, np
   """(scales, mags, signs) of a QSGD payload, as NumPy arrays, checked."""
   _check_codec(codec)
   n = math.prod(payload.shape)
-  _, nb = _codecs._buckets(n, codec.bucket_size)  # pylint: disable=protected-access
+  _, nb = _codecs.buckets(n, codec.bucket_size)
   words = np.asarray(payload.arrays["words"])
   scales = np.asarray(payload.arrays["scales"])
   expected = bitpack.num_words(n, codec.bits)

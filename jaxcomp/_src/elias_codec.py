@@ -235,7 +235,7 @@ class EliasQSGD(codecs_lib.Codec):
     return codecs_lib.QSGD(self.levels, self.bucket_size, self.norm)
 
   def bucket_lengths(self, n: int) -> tuple[int, ...]:
-    b, nb = codecs_lib._buckets(n, self.bucket_size)  # pylint: disable=protected-access
+    b, nb = codecs_lib.buckets(n, self.bucket_size)
     return tuple(min(b, n - j * b) for j in range(nb)) if n else (0,)
 
   def capacity_bits(self, n: int) -> int:

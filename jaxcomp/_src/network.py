@@ -56,7 +56,7 @@ _STEPS = {  # by canonical name (wire.canonical)
 def _check_primitive(primitive: str) -> None:
   if wire.canonical(primitive) not in _STEPS:
     raise ValueError(f"unknown collective {primitive!r}; expected one of {sorted(_STEPS)} "
-                     f"(or {sorted(wire._SAME_AS)})")  # pylint: disable=protected-access
+                     f"(or {sorted(wire.SAME_AS)})")
 
 
 def _check_k(k: int) -> None:
@@ -75,7 +75,7 @@ def traffic(primitive: str, operand_bytes: float, k: int) -> float:
   """Bytes through each device's link for one ``primitive`` of ``operand_bytes``."""
   _check_primitive(primitive)
   _check_k(k)
-  return wire._TRAFFIC[wire.canonical(primitive)](operand_bytes, k)  # pylint: disable=protected-access
+  return wire.TRAFFIC[wire.canonical(primitive)](operand_bytes, k)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ from jaxcomp._src import sparse
 from jaxcomp._src.codecs import Codec
 from jaxcomp._src.codecs import Payload
 from jaxcomp._src.codecs import _check_float
-from jaxcomp._src.codecs import _check_positive_int
+from jaxcomp._src.codecs import check_positive_int
 from jaxcomp.kernels import _common as kernel_common
 
 Array = jax.Array
@@ -109,7 +109,7 @@ def intervals_table(intervals: int, sigmas: float) -> tuple[np.ndarray, np.ndarr
 
 
 def _check_intervals(intervals) -> None:
-  _check_positive_int(intervals, "intervals")
+  check_positive_int(intervals, "intervals")
   if intervals < 2 or intervals & (intervals - 1) or intervals > 2**16:
     raise ValueError("intervals must be a power of two in 2..65536 (m bits plus a sign bit),"
                      f" got {intervals!r}")

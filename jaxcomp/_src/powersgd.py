@@ -61,7 +61,7 @@ def _plan(filter_fn, path, leaf, rank: int, min_compression: float, view: str
   mn = _matrix_view(tuple(leaf.shape), view)
   if mn is None:
     return None
-  if not transforms._selected(filter_fn, path, leaf):  # pylint: disable=protected-access
+  if not treeutil.selected(filter_fn, path, leaf):
     return None
   m, n = mn
   r = min(rank, m, n)
@@ -204,7 +204,7 @@ def powersgd(
     key, q_key = jax.random.split(jax.random.key(seed))
     qs, residual = [], []
     for i, (path, leaf) in enumerate(leaves):
-      transforms._check_leaf(path, leaf)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, leaf)
       p = plan(path, leaf)
       # The same draw on every device (no device index folded in): shared randomness.
       qs.append(jax.random.normal(jax.random.fold_in(q_key, i), (p.cols, p.rank), _F32)
@@ -220,14 +220,13 @@ def powersgd(
     del params
     leaves, treedef = treeutil.flat(updates)
     for path, g in leaves:
-      transforms._check_leaf(path, g)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, g)
     if state.shapes is not None:
       state.shapes.check(updates, "jc.powersgd")
     old_qs = treedef.flatten_up_to(state.q)
     old_es = treedef.flatten_up_to(state.residual)
     key, step_key = jax.random.split(state.key)
     k = 1 if axis_name is None else collectives.axis_size(axis_name)
-    check_reduced = axis_name is not None and collectives.tracks_varying(axis_name)
 
     plans = [plan(path, g) for path, g in leaves]
     comp = [i for i, p in enumerate(plans) if p is not None]
@@ -240,13 +239,7 @@ def powersgd(
     with jax.named_scope(phases.ENCODE_SCOPE):
       for i in comp:
         path, g = leaves[i]
-        if check_reduced and axis_name not in collectives.varying_axes(g):
-          raise ValueError(
-              f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
-              f"axis {axis_name!r}: it was all-reduced before compression. Inside "
-              f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
-              f"gradient over devices (a dense psum); differentiate with respect to "
-              f"jc.vary(params, {axis_name!r}) to get the local gradient.")
+        collectives.check_local(path, g, axis_name)
         p = plans[i]
         m = g.astype(_F32).reshape(p.rows, p.cols)
         if error_feedback:

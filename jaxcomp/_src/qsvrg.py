@@ -21,7 +21,7 @@ from jax import lax
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
 from jaxcomp._src import phases
-from jaxcomp._src import transforms
+from jaxcomp._src import treeutil
 from jaxcomp._src import wire
 
 Array = jax.Array
@@ -79,7 +79,7 @@ def default_levels(n: int, bucket_size: int | None = None) -> int:
 
 
 def _check_leaf(path, leaf) -> None:
-  transforms._check_leaf(path, leaf, "qsvrg needs floating-point parameters")  # pylint: disable=protected-access
+  treeutil.check_leaf(path, leaf, "qsvrg needs floating-point parameters")
 
 
 def qsvrg(
@@ -223,8 +223,8 @@ def qsvrg(
     if levels is not None or bucket_size is not None:
       raise ValueError("give either codec or levels/bucket_size (QSGD's), not both")
   else:
-    codecs_lib._check_positive_int(levels, "levels", allow_none=True)  # pylint: disable=protected-access
-    codecs_lib._check_positive_int(bucket_size, "bucket_size", allow_none=True)  # pylint: disable=protected-access
+    codecs_lib.check_positive_int(levels, "levels", allow_none=True)
+    codecs_lib.check_positive_int(bucket_size, "bucket_size", allow_none=True)
     if levels is not None:
       codecs_lib.QSGD(levels, bucket_size, "l2")  # validates levels
 
@@ -239,14 +239,7 @@ def qsvrg(
     s = levels if levels is not None else default_levels(math.prod(leaf.shape), bucket_size)
     return codecs_lib.QSGD(s, bucket_size, "l2")
 
-  def selected(path, leaf) -> bool:
-    if filter is None:
-      return True
-    chosen = filter(path, leaf)
-    if isinstance(chosen, jax.core.Tracer):
-      raise TypeError("filter must decide from the leaf's path, shape and dtype only "
-                      "(it returned a traced value)")
-    return bool(chosen)
+  filter_fn = (lambda path, leaf: True) if filter is None else filter
 
   def local(tree):
     return tree if axis_name is None else collectives.vary(tree, axis_name)
@@ -300,30 +293,47 @@ def qsvrg(
     gys = treedef.flatten_up_to(gy)
     fulls = treedef.flatten_up_to(state.full_grad)
     sums = treedef.flatten_up_to(state.iterate_sum)
+    vs = [a.astype(_F32) - b.astype(_F32) + c for a, b, c in zip(gxs, gys, fulls)]
+    means = exchange(leaves, vs, step_key)
+    new_params, new_sums = [], []
+    for (_, x), mean, acc in zip(leaves, means, sums):
+      x32 = jnp.asarray(x).astype(_F32)
+      new_params.append((x32 - eta * mean.reshape(x32.shape)).astype(x.dtype))
+      new_sums.append(acc + x32)
+    new_state = state._replace(key=key, count=state.count + 1,
+                               inner_count=state.inner_count + 1,
+                               iterate_sum=treedef.unflatten(new_sums))
+    return treedef.unflatten(new_params), new_state
+
+  def exchange(leaves, vs, step_key) -> list:
+    """The means over devices of the ``vs``, each leaf routed as in :func:`compress`
+    (:func:`collectives.route`): dense leaves share one all-reduce, gathered payloads
+    one all-gather, two-phase leaves one exchange per codec; local and fallback leaves
+    go alone."""
     means: list = [None] * len(leaves)
     dense = []       # leaves the filter leaves out: one all-reduce for all of them
     gathered = []    # (leaf, codec, payload): one all-gather for all of them
     phased = []      # (codec, [(leaf, v, key)]): one two-phase exchange per codec
-    for i, ((path, x), a, b, c) in enumerate(zip(leaves, gxs, gys, fulls)):
+    for i, ((path, x), v) in enumerate(zip(leaves, vs)):
       _check_leaf(path, x)
-      v = a.astype(_F32) - b.astype(_F32) + c
-      if not selected(path, x):
+      chosen = treeutil.selected(filter_fn, path, x)
+      cod = leaf_codec(x) if chosen else None
+      where = collectives.route(cod, collective, axis_name, selected=chosen)
+      leaf_key = jax.random.fold_in(step_key, i)
+      if where == "dense":
         means[i] = v
         dense.append(i)
-        continue
-      leaf_key = jax.random.fold_in(step_key, i)
-      cod = leaf_codec(x)
-      if axis_name is None:
+      elif where == "local":
         means[i] = collectives.local(cod, v, leaf_key).mean
-      elif collective == "two_phase":
+      elif where == "two_phase":
         group = next((g for c, g in phased if c == cod), None)  # codecs may be unhashable
         if group is None:
           phased.append((cod, group := []))
         group.append((i, v, leaf_key))
-      elif cod.fallback is None:
+      elif where == "gathered":
         with jax.named_scope(phases.ENCODE_SCOPE):
           gathered.append((i, cod, cod.encode(v, key=leaf_key)))
-      else:  # a variable-length format: its own exchange, with the fallback branch
+      else:  # "fallback": a variable-length format, its own exchange with the branch
         means[i] = collectives.allgather_mean(cod, v, leaf_key, axis_name).mean
     if axis_name is not None and dense:
       for i, mean in zip(dense, collectives.pmean_tree([means[i] for i in dense], axis_name)):
@@ -337,15 +347,7 @@ def qsvrg(
                                         axis_name)
       for (i, _, _), ex in zip(group, exs):
         means[i] = ex.mean
-    new_params, new_sums = [], []
-    for (_, x), mean, acc in zip(leaves, means, sums):
-      x32 = jnp.asarray(x).astype(_F32)
-      new_params.append((x32 - eta * mean.reshape(x32.shape)).astype(x.dtype))
-      new_sums.append(acc + x32)
-    new_state = state._replace(key=key, count=state.count + 1,
-                               inner_count=state.inner_count + 1,
-                               iterate_sum=treedef.unflatten(new_sums))
-    return treedef.unflatten(new_params), new_state
+    return means
 
   def end_epoch_fn(state: QSVRGState):
     t = state.inner_count
@@ -391,7 +393,7 @@ class QSVRGWireReport:
   @property
   def snapshot_bits(self) -> int:
     """Bits a device contributes to the dense exchange of ``∇f(y)`` (``32n``)."""
-    return 8 * sum(op.operand_bytes * op.count for op in self.snapshot_ops if not _rare(op))
+    return 8 * sum(op.operand_bytes * op.count for op in self.snapshot_ops if not op.fallback)
 
   @property
   def step_bits(self) -> int:
@@ -401,12 +403,12 @@ class QSVRGWireReport:
     is its fixed buffer (plus the 4-byte overflow vote); the fallback path's bits,
     sent only on an overflow, are :attr:`fallback_step_bits`.
     """
-    return 8 * sum(op.operand_bytes * op.count for op in self.step_ops if not _rare(op))
+    return 8 * sum(op.operand_bytes * op.count for op in self.step_ops if not op.fallback)
 
   @property
   def fallback_step_bits(self) -> int:
     """Bits per inner iteration of the overflow fallback path, when it is taken."""
-    return 8 * sum(op.operand_bytes * op.count for op in self.step_ops if _rare(op))
+    return 8 * sum(op.operand_bytes * op.count for op in self.step_ops if op.fallback)
 
   @property
   def broadcast_bits_per_epoch(self) -> int:
@@ -416,9 +418,9 @@ class QSVRGWireReport:
   @property
   def received_bits_per_epoch(self) -> float:
     """Ring-convention bits received per device per epoch (as ``jc.wire_report``)."""
-    return 8 * (sum(op.bytes_received for op in self.snapshot_ops if not _rare(op))
+    return 8 * (sum(op.bytes_received for op in self.snapshot_ops if not op.fallback)
                 + self.inner_steps * sum(op.bytes_received for op in self.step_ops
-                                         if not _rare(op)))
+                                         if not op.fallback))
 
   @property
   def dense_bits_per_epoch(self) -> int:
@@ -441,11 +443,6 @@ class QSVRGWireReport:
         f"({self.dense_bits_per_epoch / self.broadcast_bits_per_epoch:.2f}x more); "
         f"paper's Elias bound {self.paper_bound_bits:,.0f} bits",
         f"  received (ring convention) {self.received_bits_per_epoch:,.0f} bits"])
-
-
-def _rare(op) -> bool:
-  """Whether ``op`` is on a rare overflow-fallback path (Elias-coded QSGD)."""
-  return bool(getattr(op, "fallback", False))
 
 
 def qsvrg_wire_report(opt: QSVRG, params, batch, *, axis_name, num_devices: int,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
@@ -65,19 +66,137 @@ class CompressState(NamedTuple):
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
 
-def _selected(filter_fn: FilterFn, path, leaf) -> bool:
-  chosen = filter_fn(path, leaf)
-  if isinstance(chosen, jax.core.Tracer):
-    raise TypeError("filter must decide from the leaf's path, shape and dtype only "
-                    "(it returned a traced value)")
-  return bool(chosen)
+# Old private names, still imported by mipd.py: delete once it uses treeutil's.
+_selected = treeutil.selected
+_check_leaf = treeutil.check_leaf
 
 
-def _check_leaf(path, leaf, what: str = "jaxcomp transforms need floating-point gradients"
-                ) -> None:
-  dtype = getattr(leaf, "dtype", None)
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{what}; the leaf at {jax.tree_util.keystr(path)} has dtype {dtype}")
+@dataclasses.dataclass
+class _Leaf:
+  """One gradient leaf through a :func:`compress` step: its route, then what each step
+  (encode, exchange, feedback) made of it. Mutable so that the steps fill it in place,
+  instead of several lists kept in step by position."""
+
+  g: Array
+  route: str                # one of collectives.ROUTES, decided once by _plan_leaf
+  key: Array                # this leaf's encoding key
+  residual: Any             # e in, e' out; optax.MaskedNode: no error feedback here
+  chunk_residual: Any       # the two-phase owner's residual; MaskedNode elsewhere
+  out: Array = None         # the mean; the gradient until its exchange sets it
+  x32: Array = None         # float32 g + e, what the residual is taken from
+  x: Array = None           # x32 in the gradient's dtype: what is encoded
+  finite: Array = None      # bool scalar: this device's input is finite
+  overflow: Array = None    # bool scalar: the codec took its overflow path
+  payload: Any = None       # gathered routes: this device's payload
+
+  @property
+  def feedback(self) -> bool:
+    return not isinstance(self.residual, optax.MaskedNode)
+
+
+def _plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key) -> _Leaf:
+  """Decides a leaf's route once, up front (:func:`collectives.route`).
+
+  Everything the route depends on is static (filter, shape, dtype, codec, resolved
+  collective), so later steps dispatch on one field instead of re-deriving it. A leaf to
+  compress must be this device's own gradient: one already all-reduced is refused here,
+  before any work is traced for it.
+  """
+  chosen = treeutil.selected(filter_fn, path, g)
+  use_ef = not isinstance(e, optax.MaskedNode)
+  fused = (use_ef and chosen and mode == "allgather" and codec.fallback is None
+           and codec.fuses_feedback(g.size, g.dtype))
+  if chosen:
+    collectives.check_local(path, g, axis_name)
+  return _Leaf(g=g, route=collectives.route(codec, mode, axis_name, selected=chosen,
+                                             fused=fused),
+               key=jax.random.fold_in(step_key, i), residual=e, chunk_residual=e2, out=g)
+
+
+def _apply_feedback(leaf: _Leaf, sent: Array) -> None:
+  """``e' = x - Q^{-1}(Q(x))`` where the input was finite; else ``e`` is kept.
+
+  A non-finite step must not poison the residual: the previous one carries over, and
+  the step is counted in ``nonfinite_count`` instead.
+  """
+  if leaf.feedback:
+    leaf.residual = jnp.where(leaf.finite, leaf.x32 - sent.reshape(leaf.g.shape),
+                              leaf.residual)
+
+
+def _encode(codec, axis_name, leaf: _Leaf) -> None:
+  """Adds the residual, encodes, and exchanges the routes that go alone.
+
+  Dense leaves are only checked for finiteness (their mean propagates a NaN anyway; the
+  count covers every leaf). Gathered and fused leaves keep their payload for the shared
+  all-gather, two-phase leaves their input for the shared two-phase exchange; the
+  local, psum and fallback routes exchange here, one leaf at a time.
+  """
+  g = leaf.g
+  if leaf.route == "dense":
+    leaf.finite = jnp.all(jnp.isfinite(g))
+    return
+  if leaf.route == "fused":
+    # One kernel reads g and e and writes the payload and e' (the same payload as the
+    # unfused path); a non-finite input keeps e.
+    leaf.payload, new_e, leaf.finite = codec.encode_feedback(g, leaf.residual, key=leaf.key)
+    leaf.residual = lax.cond(leaf.finite, lambda: new_e, lambda e=leaf.residual: e)
+    return
+  leaf.x32 = g.astype(_F32) + leaf.residual if leaf.feedback else g.astype(_F32)
+  leaf.finite = jnp.all(jnp.isfinite(leaf.x32))
+  leaf.x = leaf.x32.astype(g.dtype)  # what is encoded keeps the gradient's dtype
+  if leaf.route == "two_phase":
+    return
+  if leaf.route == "gathered":
+    leaf.payload, leaf.overflow = codec.encode_with_info(leaf.x, key=leaf.key)
+    _apply_feedback(leaf, codec.decode(leaf.payload, _F32))
+    return
+  if leaf.route == "local":
+    ex = collectives.local(codec, leaf.x, leaf.key)
+  elif leaf.route == "psum":
+    ex = collectives.psum_mean(codec, leaf.x, leaf.key, axis_name)
+  else:  # "fallback"
+    ex = collectives.allgather_mean(codec, leaf.x, leaf.key, axis_name)
+  leaf.out = ex.mean.reshape(g.shape).astype(g.dtype)
+  _apply_feedback(leaf, ex.sent)
+  if ex.chunk_residual is not None:
+    leaf.chunk_residual = ex.chunk_residual
+  leaf.overflow = ex.overflow
+
+
+def _exchange_gathered(codec, axis_name, plan: list[_Leaf]) -> None:
+  """Averages the gathered payloads and the dense leaves, all in one exchange.
+
+  One all-gather for every payload pays the collective's latency once per step, not
+  once per leaf; at K <= 2 the dense leaves ride in it too (the same bytes as an
+  all-reduce there), else they share one all-reduce (:func:`collectives.exchange_means`).
+  """
+  gathered = [leaf for leaf in plan if leaf.route in ("gathered", "fused")]
+  dense = [leaf for leaf in plan if leaf.route == "dense"] if axis_name is not None else []
+  means, dense_means = collectives.exchange_means(
+      codec, [leaf.payload for leaf in gathered], [leaf.g for leaf in dense], axis_name)
+  for leaf, mean in zip(dense, dense_means):
+    leaf.out = mean
+  for leaf, mean in zip(gathered, means):
+    leaf.out = mean.reshape(leaf.g.shape).astype(leaf.g.dtype)
+
+
+def _exchange_two_phase(codec, axis_name, phased: list[_Leaf]) -> None:
+  """The two-phase leaves in one ``all_to_all`` and one ``all_gather``, then their
+  first-stage feedback (what was sent is known only after the exchange) and the chunk
+  owners' second-stage residuals."""
+  if not phased:
+    return
+  chunk_residuals = [None if isinstance(leaf.chunk_residual, optax.MaskedNode)
+                     else leaf.chunk_residual for leaf in phased]
+  exs = collectives.two_phase_means(codec, [leaf.x for leaf in phased],
+                                    [leaf.key for leaf in phased], axis_name, chunk_residuals)
+  for leaf, ex in zip(phased, exs):
+    leaf.out = ex.mean.reshape(leaf.g.shape).astype(leaf.g.dtype)
+    _apply_feedback(leaf, ex.sent)
+    if ex.chunk_residual is not None:
+      leaf.chunk_residual = ex.chunk_residual
+    leaf.overflow = ex.overflow
 
 
 def compress(
@@ -197,8 +316,8 @@ def compress(
     residual, chunk_residual = [], []
     k = None
     for path, leaf in leaves:
-      _check_leaf(path, leaf)
-      on = error_feedback and _selected(filter_fn, path, leaf)
+      treeutil.check_leaf(path, leaf)
+      on = error_feedback and treeutil.selected(filter_fn, path, leaf)
       residual.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
       two_phase = False
       if on and axis_name is not None and collective in ("two_phase", "auto"):
@@ -222,121 +341,42 @@ def compress(
     del params
     leaves, treedef = treeutil.flat(updates)
     for path, g in leaves:
-      _check_leaf(path, g)
+      treeutil.check_leaf(path, g)
     if state.shapes is not None:
       state.shapes.check(updates, "jc.compress")
-    residuals = treedef.flatten_up_to(state.residual)
-    chunk_residuals = treedef.flatten_up_to(state.chunk_residual)
     key, step_key = jax.random.split(state.key)
-    check_reduced = False
     mode = collective
     if axis_name is not None:
       mode = collectives.resolve(collective, codec, collectives.axis_size(axis_name))
       if not codec.shared_randomness:  # else every device draws the same bits
         step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
-      check_reduced = collectives.tracks_varying(axis_name)
-    out, new_res, new_cres = [], [], []
-    dense = []     # positions in out of the leaves the filter leaves out
-    gathered = []  # (position in out, payload): all-gathered together after the loop
-    phased = []    # two-phase leaves, exchanged together after the loop
-    any_bad = jnp.zeros((), bool)
-    any_overflow = jnp.zeros((), bool)
-    # Per leaf: error feedback and encoding, in the profile phase "encode" (the
-    # collectives and decodes of the fallback/psum paths inside keep their own).
+    plan = [_plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key)
+            for i, ((path, g), e, e2) in enumerate(zip(
+                leaves, treedef.flatten_up_to(state.residual),
+                treedef.flatten_up_to(state.chunk_residual)))]
+    # Error feedback and encoding, in the profile phase "encode" (the collectives and
+    # decodes of the local/psum/fallback routes inside keep their own scopes).
     with jax.named_scope(phases.ENCODE_SCOPE):
-      for i, ((path, g), e, e2) in enumerate(zip(leaves, residuals, chunk_residuals)):
-        if not _selected(filter_fn, path, g):
-          # Averaged in full precision (a NaN propagates into the mean); counted here
-          # too, so that nonfinite_count covers every leaf.
-          any_bad = any_bad | ~jnp.all(jnp.isfinite(g))
-          if axis_name is not None:
-            dense.append(len(out))  # averaged together after the loop: one all-reduce
-          out.append(g)
-          new_res.append(e)
-          new_cres.append(e2)
-          continue
-        if check_reduced and axis_name not in collectives.varying_axes(g):
-          raise ValueError(
-              f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
-              f"axis {axis_name!r}: it was all-reduced before compression. Inside "
-              f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
-              f"gradient over devices (a dense psum); differentiate with respect to "
-              f"jc.vary(params, {axis_name!r}) to get the local gradient.")
-        use_ef = not isinstance(e, optax.MaskedNode)
-        leaf_key = jax.random.fold_in(step_key, i)
-        if (use_ef and mode == "allgather" and codec.fallback is None
-            and codec.fuses_feedback(g.size, g.dtype)):
-          # One kernel reads g and e and writes the payload and e' (same payload as below).
-          payload, new_e, finite = codec.encode_feedback(g, e, key=leaf_key)
-          any_bad = any_bad | ~finite
-          gathered.append((len(out), payload))
-          out.append(g)  # replaced by the mean once every payload is gathered
-          new_res.append(lax.cond(finite, lambda new_e=new_e: new_e, lambda e=e: e))
-          new_cres.append(e2)
-          continue
-        x32 = g.astype(_F32) + e if use_ef else g.astype(_F32)
-        finite = jnp.all(jnp.isfinite(x32))
-        any_bad = any_bad | ~finite
-        x = x32.astype(g.dtype)  # what is encoded keeps the gradient's dtype
-        ex_cres = None if isinstance(e2, optax.MaskedNode) else e2
-        if axis_name is None:
-          ex = collectives.local(codec, x, leaf_key)
-        elif mode == "two_phase":
-          # Exchanged with the other leaves after the loop: one all_to_all, one all_gather.
-          phased.append((len(out), x, leaf_key, ex_cres, x32, finite if use_ef else None, e))
-          out.append(g)
-          new_res.append(e)
-          new_cres.append(e2)
-          continue
-        elif mode == "psum":
-          ex = collectives.psum_mean(codec, x, leaf_key, axis_name)
-        elif codec.fallback is None:
-          # Gathered with the other leaves' payloads after the loop: one collective.
-          payload, overflow = codec.encode_with_info(x, key=leaf_key)
-          gathered.append((len(out), payload))
-          out.append(g)
-          new_res.append(jnp.where(finite, x32 - codec.decode(payload, _F32).reshape(g.shape),
-                                   e) if use_ef else e)
-          new_cres.append(e2)
-          any_overflow = any_overflow | overflow
-          continue
-        else:
-          ex = collectives.allgather_mean(codec, x, leaf_key, axis_name)
-        out.append(ex.mean.reshape(g.shape).astype(g.dtype))
-        new_res.append(jnp.where(finite, x32 - ex.sent.reshape(g.shape), e) if use_ef else e)
-        new_cres.append(e2 if ex.chunk_residual is None else ex.chunk_residual)
-        any_overflow = any_overflow | ex.overflow
-    payloads = [p for _, p in gathered]
-    # At K <= 2 the full-precision leaves ride in the payloads' all-gather (the same
-    # bytes as an all-reduce there): one message round per step.
-    means, dense_means = collectives.exchange_means(
-        codec, payloads, [out[i] for i in dense], axis_name)
-    for i, mean in zip(dense, dense_means):
-      out[i] = mean
-    for (i, _), mean in zip(gathered, means):
-      out[i] = mean.reshape(out[i].shape).astype(out[i].dtype)
-    if phased:
-      exs = collectives.two_phase_means(codec, [p[1] for p in phased],
-                                        [p[2] for p in phased], axis_name,
-                                        [p[3] for p in phased])
-      for (i, _, _, _, x32, finite, e), ex in zip(phased, exs):
-        out[i] = ex.mean.reshape(out[i].shape).astype(out[i].dtype)
-        if finite is not None:  # error feedback
-          new_res[i] = jnp.where(finite, x32 - ex.sent.reshape(x32.shape), e)
-        if ex.chunk_residual is not None:
-          new_cres[i] = ex.chunk_residual
-        any_overflow = any_overflow | ex.overflow
+      for leaf in plan:
+        _encode(codec, axis_name, leaf)
+    _exchange_gathered(codec, axis_name, plan)
+    _exchange_two_phase(codec, axis_name, [leaf for leaf in plan if leaf.route == "two_phase"])
+    any_bad = functools.reduce(jnp.logical_or, [~leaf.finite for leaf in plan],
+                               jnp.zeros((), bool))
+    any_overflow = functools.reduce(jnp.logical_or, [leaf.overflow for leaf in plan
+                                                     if leaf.overflow is not None],
+                                    jnp.zeros((), bool))
     if axis_name is not None:
       any_bad = collectives.any_over_other_axes(any_bad, axis_name)
       any_overflow = collectives.any_over_other_axes(any_overflow, axis_name)
     new_state = CompressState(
         key=key,
-        residual=treedef.unflatten(new_res),
-        chunk_residual=treedef.unflatten(new_cres),
+        residual=treedef.unflatten([leaf.residual for leaf in plan]),
+        chunk_residual=treedef.unflatten([leaf.chunk_residual for leaf in plan]),
         nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
         overflow_count=state.overflow_count + any_overflow.astype(jnp.int32),
         shapes=state.shapes)
-    return treedef.unflatten(out), new_state
+    return treedef.unflatten([leaf.out for leaf in plan]), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 

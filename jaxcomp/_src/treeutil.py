@@ -14,6 +14,31 @@ def flat(tree):
   return jax.tree_util.tree_flatten_with_path(tree)
 
 
+def check_leaf(path, leaf, what: str = "jaxcomp transforms need floating-point gradients"
+               ) -> None:
+  """Raises a ``TypeError`` naming ``path`` unless ``leaf`` has a floating dtype.
+
+  Codecs, residuals and means are floating-point arithmetic; an integer or boolean leaf
+  would be silently truncated, so it is refused at ``init`` and ``update`` alike.
+  """
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{what}; the leaf at {jax.tree_util.keystr(path)} has dtype {dtype}")
+
+
+def selected(filter_fn, path, leaf) -> bool:
+  """``filter_fn(path, leaf)`` as a Python bool.
+
+  The choice decides the state's structure and which collectives are traced, so it
+  must be static: a traced answer is a ``TypeError`` rather than a tracer leak.
+  """
+  chosen = filter_fn(path, leaf)
+  if isinstance(chosen, jax.core.Tracer):
+    raise TypeError("filter must decide from the leaf's path, shape and dtype only "
+                    "(it returned a traced value)")
+  return bool(chosen)
+
+
 @jax.tree_util.register_pytree_node_class
 class LeafShapes:
   """The shapes and dtypes of the leaves ``init`` saw, as a pytree node with no leaves.

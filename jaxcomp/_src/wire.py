@@ -33,23 +33,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import specs
 
-try:  # jax >= 0.4.36
-  from jax.extend import core as _core
-except ImportError:  # pragma: no cover
-  from jax import core as _core
+from jax.extend import core as _core
 
 #: Primitive names jax gives the same collective (by version, and by ``check_vma``).
-_SAME_AS = {"all_gather_invariant": "all_gather", "psum_invariant": "psum", "psum2": "psum",
+SAME_AS = {"all_gather_invariant": "all_gather", "psum_invariant": "psum", "psum2": "psum",
             "reduce_scatter": "psum_scatter"}
 
 
 def canonical(primitive: str) -> str:
   """The one name of a collective that jax spells several ways (``psum_invariant`` ->
   ``psum``); other names unchanged."""
-  return _SAME_AS.get(primitive, primitive)
+  return SAME_AS.get(primitive, primitive)
 
 
-_TRAFFIC = {  # by canonical name
+TRAFFIC = {  # by canonical name
     "all_gather": lambda b, k: (k - 1) * b,
     "all_to_all": lambda b, k: (k - 1) * b / k,
     "psum": lambda b, k: 2 * (k - 1) * b / k,
@@ -122,16 +119,16 @@ def _sub_jaxprs(value):
 
 
 def _regular_bytes(ops) -> float:
-  return sum(op[3] for op in ops if not op[4])
+  return sum(op.bytes_received for op in ops if not op.fallback)
 
 
 def _walk(jaxpr, k: int, mult: int, out: list) -> None:
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if canonical(name) in _TRAFFIC:
+    if canonical(name) in TRAFFIC:
       b = sum(_nbytes(v.aval) for v in eqn.invars)
       fallback = _FALLBACK_SCOPE in str(eqn.source_info.name_stack)
-      out.append((name, b, mult, mult * _TRAFFIC[canonical(name)](b, k), fallback))
+      out.append(CollectiveOp(name, b, mult, mult * TRAFFIC[canonical(name)](b, k), fallback))
     if name == "cond":
       # One branch runs per step: count the branch that moves the most bytes (an upper
       # bound; e.g. the first warm-up stage of jc.dgc). Collectives under the
@@ -144,9 +141,10 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
           _walk(sub, k, mult, ops)
         per_branch.append(ops)
       regular = max(per_branch, key=_regular_bytes)
-      rare = max(per_branch, key=lambda ops: sum(op[3] for op in ops if op[4]))
-      out.extend(op for op in regular if not op[4])
-      out.extend(op for op in rare if op[4])
+      rare = max(per_branch,
+                 key=lambda ops: sum(op.bytes_received for op in ops if op.fallback))
+      out.extend(op for op in regular if not op.fallback)
+      out.extend(op for op in rare if op.fallback)
       continue
     inner = mult * int(eqn.params.get("length", 1)) if name == "scan" else mult
     for value in eqn.params.values():
@@ -155,8 +153,8 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
 
 
 def collective_ops(fn, *args, axis_name, num_devices: int
-                   ) -> list[tuple[str, int, int, float, bool]]:
-  """(primitive, operand bytes, count, bytes received, fallback) of each collective.
+                   ) -> list[CollectiveOp]:
+  """A :class:`CollectiveOp` per collective of the traced ``fn`` (not merged).
 
   ``fallback`` marks collectives under ``jax.named_scope("jaxcomp_fallback")``: a rare
   path (taken when a capacity overflowed) that is reported apart.
@@ -200,8 +198,8 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
   state = specs.abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices)
   ops = collective_ops(lambda g, s, p: tx.update(g, s, p)[0], params, state, params,
                        axis_name=axis_name, num_devices=num_devices)
-  received = float(sum(op[3] for op in ops if not op[4]))
-  fallback = float(sum(op[3] for op in ops if op[4]))
+  received = float(sum(op.bytes_received for op in ops if not op.fallback))
+  fallback = float(sum(op.bytes_received for op in ops if op.fallback))
   n_dense = sum(int(np.prod(p.shape, dtype=np.int64)) for p in jax.tree.leaves(params))
   k = num_devices
   dense = 2 * (k - 1) / k * 4 * n_dense
@@ -211,10 +209,10 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
 
 
 def merge_ops(ops) -> tuple[CollectiveOp, ...]:
-  """Merges the tuples of :func:`collective_ops` by (primitive, operand bytes, fallback)."""
+  """Merges the ops of :func:`collective_ops` by (primitive, operand bytes, fallback)."""
   merged: dict[tuple[str, int, bool], list] = {}
-  for name, b, count, recv, rare in ops:
-    entry = merged.setdefault((name, b, rare), [0, 0.0])
-    entry[0] += count
-    entry[1] += recv
+  for op in ops:
+    entry = merged.setdefault((op.primitive, op.operand_bytes, op.fallback), [0, 0.0])
+    entry[0] += op.count
+    entry[1] += op.bytes_received
   return tuple(CollectiveOp(n, b, c, r, rare) for (n, b, rare), (c, r) in merged.items())
