@@ -632,7 +632,7 @@ def mipd(
   a = float(alpha)
 
   def selected(leaves):
-    return [transforms._selected(filter_fn, p, x) for p, x in leaves]  # pylint: disable=protected-access
+    return [treeutil.selected(filter_fn, p, x) for p, x in leaves]
 
   def layout(leaves):
     on = selected(leaves)
@@ -660,7 +660,7 @@ def mipd(
   def init_fn(params):
     leaves, treedef = treeutil.flat(params)
     for path, leaf in leaves:
-      transforms._check_leaf(path, leaf)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, leaf)
     on = selected(leaves)
     pred = [jnp.zeros(x.shape, _F32) if o else optax.MaskedNode()
             for (_, x), o in zip(leaves, on)]
@@ -802,7 +802,7 @@ def mipd(
                        "(the interpretability drop rate reads the parameters' norms)")
     leaves, treedef = treeutil.flat(updates)
     for path, g in leaves:
-      transforms._check_leaf(path, g)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, g)
     if state.shapes is not None:
       state.shapes.check(updates, "jc.mipd")
     on, sel, halves, groups = layout(leaves)

@@ -390,9 +390,9 @@ def onebit_adam(
     k = None
     moments, worker, server = [], [], []
     for path, leaf in leaves:
-      transforms._check_leaf(path, leaf)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, leaf)
       moments.append(jnp.zeros(leaf.shape, _F32))
-      if transforms._selected(filter_fn, path, leaf):  # pylint: disable=protected-access
+      if treeutil.selected(filter_fn, path, leaf):
         k = num_devices() if k is None else k
         lay = _layout(int(np.prod(leaf.shape, dtype=np.int64)), k, bucket_size)
         worker.append(jnp.zeros((1, *leaf.shape), _F32))
@@ -420,14 +420,7 @@ def onebit_adam(
           f"must be) and its per-device buffers are wrapped already; get the specs with "
           f"jc.state_specs(jc.onebit_adam(...), params, ...).")
     for i in comp:
-      path, g = leaves[i]
-      if axis_name not in collectives.varying_axes(g):
-        raise ValueError(
-            f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
-            f"axis {axis_name!r}: it was all-reduced before compression. Inside "
-            f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
-            f"gradient over devices (a dense psum); differentiate with respect to "
-            f"jc.vary(params, {axis_name!r}) to get the local gradient.")
+      collectives.check_local(*leaves[i], axis_name)
 
   def adam_moments(mean, m, v):
     mean = mean.astype(_F32)
@@ -436,7 +429,7 @@ def onebit_adam(
   def update_fn(updates, state, params=None):
     leaves, treedef = treeutil.flat(updates)
     for path, g in leaves:
-      transforms._check_leaf(path, g)  # pylint: disable=protected-access
+      treeutil.check_leaf(path, g)
     if state.shapes is not None:
       state.shapes.check(updates, "jc.onebit_adam")
     if wd and params is None:
