@@ -31,8 +31,9 @@ def median_time(fn, *args, repeats: int) -> float:
 #: threads on the main heap (their own arenas' 64 MiB heaps cannot hold such a block),
 #: and ``trim_threshold`` stops freed memory from being returned to the system.
 #: Tunables are read when the process starts: set ``GLIBC_TUNABLES`` before Python.
-REUSE_MALLOC = ("glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
-                ":glibc.malloc.arena_max=1")
+REUSE_MALLOC = (
+  "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184:glibc.malloc.arena_max=1"
+)
 
 
 def malloc_label() -> str:
@@ -40,8 +41,11 @@ def malloc_label() -> str:
   libc = platform.libc_ver()[0] or "unknown libc"
   if libc != "glibc":
     return libc
-  return "glibc reuse" if os.environ.get("GLIBC_TUNABLES") == REUSE_MALLOC else (
-      "glibc " + (os.environ.get("GLIBC_TUNABLES") or "default"))
+  return (
+    "glibc reuse"
+    if os.environ.get("GLIBC_TUNABLES") == REUSE_MALLOC
+    else ("glibc " + (os.environ.get("GLIBC_TUNABLES") or "default"))
+  )
 
 
 def reexec_with_reused_malloc() -> None:
@@ -50,8 +54,10 @@ def reexec_with_reused_malloc() -> None:
   if os.environ.get("GLIBC_TUNABLES") == REUSE_MALLOC:
     return
   if platform.libc_ver()[0] != "glibc":
-    raise SystemExit("--reuse-malloc needs glibc (GLIBC_TUNABLES); this is "
-                     f"{platform.libc_ver()[0] or 'an unknown libc'}")
+    raise SystemExit(
+      "--reuse-malloc needs glibc (GLIBC_TUNABLES); this is "
+      f"{platform.libc_ver()[0] or 'an unknown libc'}"
+    )
   env = dict(os.environ, GLIBC_TUNABLES=REUSE_MALLOC)
   sys.stdout.flush()
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -44,33 +44,33 @@ import statistics
 import jax
 import jax.numpy as jnp
 
+from benchmarks import _timing
+from benchmarks._timing import median_time
 import jaxcomp as jc
 from jaxcomp._src import rng
 from jaxcomp.kernels import cpu as cpu_kernels
-from benchmarks import _timing
-from benchmarks._timing import median_time
 
 C = jc.codecs
 
 #: name -> (codec, largest log2 size it is run at: slow codecs stop early).
 CODECS = {
-    "identity": (C.Identity(), 26),
-    "bf16": (C.Cast(jnp.bfloat16), 26),
-    "fp16": (C.Cast(jnp.float16), 26),
-    "qsgd8": (C.QSGD(127, 512, "max"), 26),
-    "qsgd8_xla": (C.QSGD(127, 512, "max", implementation="xla"), 26),
-    "qsgd4": (C.QSGD(7, 512, "max"), 26),
-    "qsgd4_xla": (C.QSGD(7, 512, "max", implementation="xla"), 26),
-    "qsgd2": (C.QSGD(1, 128, "max"), 26),
-    "qsgd2_xla": (C.QSGD(1, 128, "max", implementation="xla"), 26),
-    "qsgd4_l2": (C.QSGD(7, 512, "l2"), 26),
-    "onebit": (C.OneBit(1024), 26),
-    "onebit_xla": (C.OneBit(1024, implementation="xla"), 26),
-    "normal8": (C.NormalQuantizer(256), 24),
-    "topk0.1%": (C.TopK(0.001), 24),
-    "randomk1%": (C.RandomK(0.01), 24),
-    "wangni5%": (C.UnbiasedSparsifier(density=0.05), 24),
-    "elias_qsgd4": (C.EliasQSGD(7, 512, "max"), 22),
+  "identity": (C.Identity(), 26),
+  "bf16": (C.Cast(jnp.bfloat16), 26),
+  "fp16": (C.Cast(jnp.float16), 26),
+  "qsgd8": (C.QSGD(127, 512, "max"), 26),
+  "qsgd8_xla": (C.QSGD(127, 512, "max", implementation="xla"), 26),
+  "qsgd4": (C.QSGD(7, 512, "max"), 26),
+  "qsgd4_xla": (C.QSGD(7, 512, "max", implementation="xla"), 26),
+  "qsgd2": (C.QSGD(1, 128, "max"), 26),
+  "qsgd2_xla": (C.QSGD(1, 128, "max", implementation="xla"), 26),
+  "qsgd4_l2": (C.QSGD(7, 512, "l2"), 26),
+  "onebit": (C.OneBit(1024), 26),
+  "onebit_xla": (C.OneBit(1024, implementation="xla"), 26),
+  "normal8": (C.NormalQuantizer(256), 24),
+  "topk0.1%": (C.TopK(0.001), 24),
+  "randomk1%": (C.RandomK(0.01), 24),
+  "wangni5%": (C.UnbiasedSparsifier(density=0.05), 24),
+  "elias_qsgd4": (C.EliasQSGD(7, 512, "max"), 22),
 }
 
 
@@ -83,8 +83,7 @@ def rng_times(n: int, repeats: int) -> tuple[float, float, float, float]:
   hashed = jax.jit(lambda k: jnp.sum(rng.uniform(k, (n,))))
   threefry8 = jax.jit(lambda k: jax.random.bits(k, (n,), jnp.uint32).astype(jnp.uint8))
   hashed8 = jax.jit(lambda k: rng.bits24(k, (n,)).astype(jnp.uint8))
-  return tuple(median_time(f, key, repeats=repeats)
-               for f in (threefry, hashed, threefry8, hashed8))
+  return tuple(median_time(f, key, repeats=repeats) for f in (threefry, hashed, threefry8, hashed8))
 
 
 READ = jax.jit(jnp.sum)
@@ -96,8 +95,9 @@ def roofs(x: jax.Array, repeats: int) -> tuple[float, float]:
   return median_time(READ, x, repeats=repeats), median_time(copy, x, repeats=repeats)
 
 
-def time_codec(codec, x: jax.Array, key: jax.Array, repeats: int,
-               rounds: int = 1) -> tuple[float, float, float, list[float]]:
+def time_codec(
+  codec, x: jax.Array, key: jax.Array, repeats: int, rounds: int = 1
+) -> tuple[float, float, float, list[float]]:
   """Median seconds of (encode, decode, encode+decode), each jitted on its own, and
   ``rounds`` shares of the read roof: read time over encode+decode time, the two timed
   back to back in each round (so that a slow spell of a shared host hits both)."""
@@ -105,9 +105,11 @@ def time_codec(codec, x: jax.Array, key: jax.Array, repeats: int,
   decode = jax.jit(codec.decode)
   both = jax.jit(lambda a, k: codec.decode(codec.encode(a, key=k)))
   payload = encode(x, key)
-  times = (median_time(encode, x, key, repeats=repeats),
-           median_time(decode, payload, repeats=repeats),
-           median_time(both, x, key, repeats=repeats))
+  times = (
+    median_time(encode, x, key, repeats=repeats),
+    median_time(decode, payload, repeats=repeats),
+    median_time(both, x, key, repeats=repeats),
+  )
   shares = []
   for _ in range(rounds - 1):
     read = median_time(READ, x, repeats=repeats)
@@ -139,18 +141,31 @@ def top_ops(codec, x: jax.Array, key: jax.Array) -> tuple[float, list[tuple[str,
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default="20,22,24,26", help="log2 of n, comma-separated")
-  parser.add_argument("--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS).replace("%", "%%"))
+  parser.add_argument(
+    "--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS).replace("%", "%%")
+  )
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--rounds", type=int, default=1,
-                      help="time each codec's share of the read roof this many times, "
-                           "the roof re-timed next to it each time; the table shows "
-                           "the median share and its range")
-  parser.add_argument("--rng", action="store_true",
-                      help="also time the random bits: jax.random (threefry) vs the hash")
-  parser.add_argument("--ops", action="store_true",
-                      help="also list each codec's costliest ops of decode(encode(x))")
-  parser.add_argument("--reuse-malloc", action="store_true",
-                      help="restart with GLIBC_TUNABLES set so that large buffers are reused")
+  parser.add_argument(
+    "--rounds",
+    type=int,
+    default=1,
+    help="time each codec's share of the read roof this many times, "
+    "the roof re-timed next to it each time; the table shows "
+    "the median share and its range",
+  )
+  parser.add_argument(
+    "--rng",
+    action="store_true",
+    help="also time the random bits: jax.random (threefry) vs the hash",
+  )
+  parser.add_argument(
+    "--ops", action="store_true", help="also list each codec's costliest ops of decode(encode(x))"
+  )
+  parser.add_argument(
+    "--reuse-malloc",
+    action="store_true",
+    help="restart with GLIBC_TUNABLES set so that large buffers are reused",
+  )
   args = parser.parse_args(argv)
   if args.repeats < 1 or args.rounds < 1:
     parser.error("--repeats and --rounds must be at least 1")
@@ -162,13 +177,16 @@ def main(argv=None) -> None:
     parser.error(f"unknown codecs {unknown}; expected a subset of {list(CODECS)}")
 
   native = "on" if cpu_kernels.use_by_default() else "off"
-  print(f"jax {jax.__version__}, {jax.devices()[0].platform}, "
-        f"{jax.local_device_count()} device(s) visible, malloc: {_timing.malloc_label()}, "
-        f"native CPU kernels: {native}; median of {args.repeats}" + (
-            f"; % read roof: median (range) of {args.rounds} rounds"
-            if args.rounds > 1 else ""))
-  print("| n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s) |"
-        " % read roof | bits/value |")
+  print(
+    f"jax {jax.__version__}, {jax.devices()[0].platform}, "
+    f"{jax.local_device_count()} device(s) visible, malloc: {_timing.malloc_label()}, "
+    f"native CPU kernels: {native}; median of {args.repeats}"
+    + (f"; % read roof: median (range) of {args.rounds} rounds" if args.rounds > 1 else "")
+  )
+  print(
+    "| n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s) |"
+    " % read roof | bits/value |"
+  )
   print("|---:|---|---:|---:|---:|---:|---:|---:|")
   profiled = []
   for p in (int(s) for s in args.sizes.split(",")):
@@ -177,35 +195,43 @@ def main(argv=None) -> None:
     key = jax.random.key(1)
     gb = 4 * n / 1e9
     read, copy = roofs(x, args.repeats)
-    print(f"| 2^{p} | *read roof: sum(x)* | {gb / read:.2f} | | | {n / read / 1e6:.0f} |"
-          f" 100 | |")
-    print(f"| 2^{p} | *copy: x + 1* | {gb / copy:.2f} | | | {n / copy / 1e6:.0f} |"
-          f" {100 * read / copy:.0f} | |")
+    print(f"| 2^{p} | *read roof: sum(x)* | {gb / read:.2f} | | | {n / read / 1e6:.0f} | 100 | |")
+    print(
+      f"| 2^{p} | *copy: x + 1* | {gb / copy:.2f} | | | {n / copy / 1e6:.0f} |"
+      f" {100 * read / copy:.0f} | |"
+    )
     if args.rng:
       threefry, hashed, threefry8, hashed8 = rng_times(n, args.repeats)
       print(f"| 2^{p} | *sum of uniforms: threefry* | | | | {n / threefry / 1e6:.0f} | | |")
-      print(f"| 2^{p} | *sum of uniforms: jaxcomp hash* | | | | {n / hashed / 1e6:.0f} |"
-            f" | |")
-      print(f"| 2^{p} | *random bits to uint8: threefry* | | | | {n / threefry8 / 1e6:.0f} |"
-            f" {100 * read / threefry8:.0f} | |")
-      print(f"| 2^{p} | *random bits to uint8: jaxcomp hash* | | | |"
-            f" {n / hashed8 / 1e6:.0f} | {100 * read / hashed8:.0f} | |")
+      print(f"| 2^{p} | *sum of uniforms: jaxcomp hash* | | | | {n / hashed / 1e6:.0f} | | |")
+      print(
+        f"| 2^{p} | *random bits to uint8: threefry* | | | | {n / threefry8 / 1e6:.0f} |"
+        f" {100 * read / threefry8:.0f} | |"
+      )
+      print(
+        f"| 2^{p} | *random bits to uint8: jaxcomp hash* | | | |"
+        f" {n / hashed8 / 1e6:.0f} | {100 * read / hashed8:.0f} | |"
+      )
     for name in names:
       codec, max_p = CODECS[name]
       if p > max_p:
         continue
       enc, dec, both, shares = time_codec(codec, x, key, args.repeats, args.rounds)
       bits = codec.wire_bits((n,)) / n
-      print(f"| 2^{p} | {name} | {gb / enc:.2f} | {gb / dec:.2f} | {gb / both:.2f} |"
-            f" {n / both / 1e6:.0f} | {share_cell([read / both, *shares])} | {bits:.3f} |",
-            flush=True)
+      print(
+        f"| 2^{p} | {name} | {gb / enc:.2f} | {gb / dec:.2f} | {gb / both:.2f} |"
+        f" {n / both / 1e6:.0f} | {share_cell([read / both, *shares])} | {bits:.3f} |",
+        flush=True,
+      )
       if args.ops:
         step, ops = top_ops(codec, x, key)
         profiled.append((p, name, step, read, ops))
   for p, name, step, read, ops in profiled:
-    print(f"\n2^{p} {name}: decode(encode(x)) {1e3 * step:.2f} ms under the profiler, read "
-          f"roof {1e3 * read:.2f} ms; costliest ops: " + ", ".join(
-              f"{op} {1e3 * t:.2f} ms" for op, t in ops))
+    print(
+      f"\n2^{p} {name}: decode(encode(x)) {1e3 * step:.2f} ms under the profiler, read "
+      f"roof {1e3 * read:.2f} ms; costliest ops: "
+      + ", ".join(f"{op} {1e3 * t:.2f} ms" for op, t in ops)
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ into one, and (XLA:CPU, jax 0.10) not all-gathers or all-to-alls, which is why
 
 Each process contributes ``B`` bytes. Ideal per-process traffic at K = 2: a ring psum
 sends ``B`` (half in its reduce-scatter, half in its all-gather), an all_gather sends
-``B``, an all_to_all ``B/2``, a ppermute (each sends its buffer to the other) ``B``. Prints the median time of each, so one can see how the
+``B``, an all_to_all ``B/2``, a ppermute (each sends its buffer to the other) ``B``.
+Prints the median time of each, so one can see how the
 CPU collectives (gloo) implement them: if the all_gather took as long as a psum of
 twice the bytes, it would be moving twice what it needs. The last column sums the same
 bytes as 16 separate leaves (``lax.psum`` per leaf, which XLA combines into one
@@ -33,7 +34,8 @@ import sys
 import time
 
 from benchmarks import network
-from benchmarks.network import RESULT_MARKER, free_port
+from benchmarks.network import RESULT_MARKER
+from benchmarks.network import free_port
 
 SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
 LEAVES = 16
@@ -41,24 +43,26 @@ LEAVES = 16
 
 def worker(args) -> None:
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
+
   launch.init_distributed(args.coordinator, 2, args.process_id, devices_per_process=1)
   import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   from jax import lax  # pylint: disable=import-outside-toplevel
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
 
   mesh = jax.make_mesh((2,), ("b",))
   ops = {
-      "psum": lambda x: lax.psum(x, "b"),
-      "psum_2x": lambda x: lax.psum(jax.numpy.concatenate([x, x]), "b"),
-      "all_gather": lambda x: lax.all_gather(x, "b", tiled=True),
-      "all_to_all": lambda x: lax.all_to_all(x.reshape(2, -1), "b", 0, 0).reshape(-1),
-      # Each process sends its B bytes to the other: what an all-gather of 2 must move.
-      "ppermute": lambda x: lax.ppermute(x, "b", perm=[(0, 1), (1, 0)]),
-      # The same bytes as 16 leaves: XLA combines the 16 psums into one all-reduce
-      # instruction of 16 operands; gloo then runs one all-reduce per operand.
-      "psum_16_leaves": lambda x: jax.numpy.concatenate(
-          [lax.psum(p, "b") for p in jax.numpy.split(x, LEAVES)]),
+    "psum": lambda x: lax.psum(x, "b"),
+    "psum_2x": lambda x: lax.psum(jax.numpy.concatenate([x, x]), "b"),
+    "all_gather": lambda x: lax.all_gather(x, "b", tiled=True),
+    "all_to_all": lambda x: lax.all_to_all(x.reshape(2, -1), "b", 0, 0).reshape(-1),
+    # Each process sends its B bytes to the other: what an all-gather of 2 must move.
+    "ppermute": lambda x: lax.ppermute(x, "b", perm=[(0, 1), (1, 0)]),
+    # The same bytes as 16 leaves: XLA combines the 16 psums into one all-reduce
+    # instruction of 16 operands; gloo then runs one all-reduce per operand.
+    "psum_16_leaves": lambda x: jax.numpy.concatenate(
+      [lax.psum(p, "b") for p in jax.numpy.split(x, LEAVES)]
+    ),
   }
   rows = []
   for size in args.sizes:
@@ -82,17 +86,21 @@ def worker(args) -> None:
 def combined_counts(leaves: int = 6) -> dict[str, int]:
   """Collectives left in the compiled HLO of ``leaves`` independent per-leaf ones."""
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from jax import lax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   k = min(4, jax.local_device_count())
   tree = [jnp.ones((k, k, 64 + i)) for i in range(leaves)]
-  ops = {"all-reduce": lambda x: lax.psum(x, "b"),
-         "all-gather": lambda x: lax.all_gather(x, "b"),
-         "all-to-all": lambda x: lax.all_to_all(x, "b", 0, 0)}
+  ops = {
+    "all-reduce": lambda x: lax.psum(x, "b"),
+    "all-gather": lambda x: lax.all_gather(x, "b"),
+    "all-to-all": lambda x: lax.all_to_all(x, "b", 0, 0),
+  }
   counts = {}
   for name, op in ops.items():
-    f = jax.pmap(lambda t, op=op: [op(x) for x in t], axis_name="b",
-                 devices=jax.local_devices()[:k])
+    f = jax.pmap(
+      lambda t, op=op: [op(x) for x in t], axis_name="b", devices=jax.local_devices()[:k]
+    )
     hlo = f.lower(tree).compile().as_text()
     counts[name] = hlo.count(f"{name}(") + hlo.count(f"{name}-start(")
   return counts
@@ -101,13 +109,20 @@ def combined_counts(leaves: int = 6) -> dict[str, int]:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=15)
-  parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
-                      help=f"bytes per process, comma-separated (multiples of {4 * LEAVES})")
-  parser.add_argument("--hlo", action="store_true",
-                      help="count what XLA combines of 6 per-leaf collectives, and exit")
-  parser.add_argument("--rate", default=None,
-                      help="run across benchmarks.network's namespaces throttled to this "
-                           "rate (e.g. 100mbit; needs root)")
+  parser.add_argument(
+    "--sizes",
+    default=",".join(map(str, SIZES)),
+    help=f"bytes per process, comma-separated (multiples of {4 * LEAVES})",
+  )
+  parser.add_argument(
+    "--hlo", action="store_true", help="count what XLA combines of 6 per-leaf collectives, and exit"
+  )
+  parser.add_argument(
+    "--rate",
+    default=None,
+    help="run across benchmarks.network's namespaces throttled to this "
+    "rate (e.g. 100mbit; needs root)",
+  )
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
@@ -120,6 +135,7 @@ def main(argv=None) -> int:
     return 0
   if args.hlo:
     import jax  # pylint: disable=import-outside-toplevel
+
     try:  # 4 CPU devices, unless JAX's backends already run (then they keep theirs)
       jax.config.update("jax_num_cpu_devices", 4)
     except RuntimeError:
@@ -133,10 +149,24 @@ def main(argv=None) -> int:
 
   def commands(host: str, prefix=lambda i: []) -> list[list[str]]:
     coordinator = f"{host}:{free_port()}"
-    return [[*prefix(i), sys.executable, "-m", "benchmarks.collective_probe", "--worker",
-             "--process-id", str(i), "--coordinator", coordinator,
-             "--repeats", str(args.repeats),
-             "--sizes", ",".join(map(str, args.sizes))] for i in range(2)]
+    return [
+      [
+        *prefix(i),
+        sys.executable,
+        "-m",
+        "benchmarks.collective_probe",
+        "--worker",
+        "--process-id",
+        str(i),
+        "--coordinator",
+        coordinator,
+        "--repeats",
+        str(args.repeats),
+        "--sizes",
+        ",".join(map(str, args.sizes)),
+      ]
+      for i in range(2)
+    ]
 
   if args.rate is None:
     outputs = launch.run_processes(commands("127.0.0.1"), timeout=600)
@@ -147,21 +177,26 @@ def main(argv=None) -> int:
     with network.Link() as link:
       bucket = link.set_rate(args.rate)
       print(f"link {args.rate}, tbf bucket {bucket:,} B" if bucket else "link unthrottled")
-      outputs = launch.run_processes(commands(network.ADDRESSES[0], network.Link.prefix),
-                                     timeout=600)
+      outputs = launch.run_processes(
+        commands(network.ADDRESSES[0], network.Link.prefix), timeout=600
+      )
   for line in outputs[0].stdout:
     if line.startswith(RESULT_MARKER):
-      rows = json.loads(line[len(RESULT_MARKER):])
+      rows = json.loads(line[len(RESULT_MARKER) :])
       break
   else:
     raise RuntimeError("no result:\n" + outputs[0].tail())
-  print("| bytes per process | psum (ms) | psum of 2x (ms) | all_gather (ms) |"
-        f" all_to_all (ms) | ppermute (ms) | psum as {LEAVES} leaves (ms) |")
+  print(
+    "| bytes per process | psum (ms) | psum of 2x (ms) | all_gather (ms) |"
+    f" all_to_all (ms) | ppermute (ms) | psum as {LEAVES} leaves (ms) |"
+  )
   print("|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
-    print(f"| {r['bytes']:,} | {1e3 * r['psum']:.2f} | {1e3 * r['psum_2x']:.2f} |"
-          f" {1e3 * r['all_gather']:.2f} | {1e3 * r['all_to_all']:.2f} |"
-          f" {1e3 * r['ppermute']:.2f} | {1e3 * r['psum_16_leaves']:.2f} |")
+    print(
+      f"| {r['bytes']:,} | {1e3 * r['psum']:.2f} | {1e3 * r['psum_2x']:.2f} |"
+      f" {1e3 * r['all_gather']:.2f} | {1e3 * r['all_to_all']:.2f} |"
+      f" {1e3 * r['ppermute']:.2f} | {1e3 * r['psum_16_leaves']:.2f} |"
+    )
   return 0
 
 

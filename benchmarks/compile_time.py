@@ -33,9 +33,14 @@ def compile_seconds(collective: str, shape, repeats: int) -> tuple[float, float]
     tx = jc.per_device_state(jc.qsgd(bits=4, axis_name=AXIS, collective=collective, seed=seed))
     specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=8)
     state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-    update = jax.jit(jax.shard_map(
+    update = jax.jit(
+      jax.shard_map(
         lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s),
-        mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
+        mesh=mesh,
+        in_specs=(P(AXIS), specs),
+        out_specs=(P(), specs),
+      )
+    )
     grads = jax.device_put({"w": jnp.ones((8, *shape))}, jax.NamedSharding(mesh, P(AXIS)))
     t0 = time.perf_counter()
     lowered = update.lower(grads, state)

@@ -25,11 +25,11 @@ timed against its baseline in the same run. The builds take turns, ``--rounds`` 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import jax
 
@@ -72,8 +72,7 @@ int main(int argc, char** argv) {
 VARIANTS = {"as shipped": [], "without the hash": ["-DJAXCOMP_ABLATE_HASH"]}
 
 
-def build(tmp: Path, bits: int, defines: list[str], name: str,
-          source: Path = cpu.SOURCE) -> Path:
+def build(tmp: Path, bits: int, defines: list[str], name: str, source: Path = cpu.SOURCE) -> Path:
   src = tmp / f"{name}_src"
   src.mkdir()
   (src / "cpu_codecs.cc").write_text(Path(source).read_text())
@@ -81,8 +80,19 @@ def build(tmp: Path, bits: int, defines: list[str], name: str,
   main.write_text(HARNESS)
   exe = tmp / name
   flags = [f for f in cpu.FLAGS if f not in ("-shared", "-fPIC")]
-  cmd = [*cpu._compiler(), *flags, f"-DHARNESS_BITS={bits}", *defines, "-I", str(src),
-         "-I", jax.ffi.include_dir(), str(main), "-o", str(exe)]
+  cmd = [
+    *cpu._compiler(),
+    *flags,
+    f"-DHARNESS_BITS={bits}",
+    *defines,
+    "-I",
+    str(src),
+    "-I",
+    jax.ffi.include_dir(),
+    str(main),
+    "-o",
+    str(exe),
+  ]
   done = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if done.returncode != 0:
     sys.exit(f"build failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
@@ -95,36 +105,61 @@ def main(argv=None) -> None:
   parser.add_argument("--bucket", type=int, default=512)
   parser.add_argument("--log2n", type=int, default=24)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--stream", action="store_true",
-                      help="read a fresh n-value array (not one L1-resident bucket)")
-  parser.add_argument("--against", type=Path, metavar="FILE",
-                      help="also time the shipped loop built from this cpu_codecs.cc")
-  parser.add_argument("--rounds", type=int, default=1,
-                      help="turns the builds take, each running --repeats timings")
+  parser.add_argument(
+    "--stream", action="store_true", help="read a fresh n-value array (not one L1-resident bucket)"
+  )
+  parser.add_argument(
+    "--against",
+    type=Path,
+    metavar="FILE",
+    help="also time the shipped loop built from this cpu_codecs.cc",
+  )
+  parser.add_argument(
+    "--rounds", type=int, default=1, help="turns the builds take, each running --repeats timings"
+  )
   args = parser.parse_args(argv)
   if args.against is not None and not args.against.is_file():
     sys.exit(f"--against: no such file: {args.against}")
   n = 2**args.log2n
   with tempfile.TemporaryDirectory() as tmp:
-    exes = {name: build(Path(tmp), args.bits, d, f"v{i}")
-            for i, (name, d) in enumerate(VARIANTS.items())}
+    exes = {
+      name: build(Path(tmp), args.bits, d, f"v{i}") for i, (name, d) in enumerate(VARIANTS.items())
+    }
     runs = [(name, exe, True) for name, exe in exes.items()]
     if args.against is not None:
-      runs.insert(1, (f"baseline: {args.against.name}",
-                      build(Path(tmp), args.bits, [], "baseline", args.against), True))
+      runs.insert(
+        1,
+        (
+          f"baseline: {args.against.name}",
+          build(Path(tmp), args.bits, [], "baseline", args.against),
+          True,
+        ),
+      )
     if args.stream:
       runs.append(("without the prefetch", exes["as shipped"], False))
     samples = {name: [] for name, _, _ in runs}
     for _ in range(args.rounds):
       for name, exe, prefetch in runs:
-        out = subprocess.run([str(exe), str(args.log2n), str(args.bucket), str(args.repeats),
-                              str(int(args.stream)), str(int(prefetch))],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+          [
+            str(exe),
+            str(args.log2n),
+            str(args.bucket),
+            str(args.repeats),
+            str(int(args.stream)),
+            str(int(prefetch)),
+          ],
+          capture_output=True,
+          text=True,
+          check=True,
+        ).stdout
         samples[name] += [float(t) for t in out.split()]
     times = {name: statistics.median(ts) for name, ts in samples.items()}
   source = "a fresh array" if args.stream else "one L1-resident bucket"
-  print(f"QsgdBucket<{args.bits}>, bucket {args.bucket}, n = 2^{args.log2n} from {source}, "
-        f"one thread, median of {args.rounds} x {args.repeats}")
+  print(
+    f"QsgdBucket<{args.bits}>, bucket {args.bucket}, n = 2^{args.log2n} from {source}, "
+    f"one thread, median of {args.rounds} x {args.repeats}"
+  )
   print("| build | ms | ns/value | vs shipped |")
   print("|---|---:|---:|---:|")
   for name, ms in times.items():

@@ -29,9 +29,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
 import numpy as np
 
-import jaxcomp as jc
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
+import jaxcomp as jc
 
 AXIS = train.AXIS
 
@@ -40,49 +40,64 @@ def _dgc(config, num_devices: int, steady: bool, *, clip="sum", warmup=None, **k
   """The demo's DGC with one change; ``steady``: without warm-up (for the byte count)."""
   clip_norm = {"sum": num_devices * config.grad_clip, "mean": config.grad_clip, None: None}[clip]
   warmup = config.warmup_steps if warmup is None else warmup
-  return jc.dgc(0.001, 0.9, nesterov=True, clip_norm=clip_norm, axis_name=AXIS,
-                warmup_steps=0 if steady else warmup, **kwargs)
+  return jc.dgc(
+    0.001,
+    0.9,
+    nesterov=True,
+    clip_norm=clip_norm,
+    axis_name=AXIS,
+    warmup_steps=0 if steady else warmup,
+    **kwargs,
+  )
 
 
 # name -> (method whose optimizer follows, exchange factory(config, K, steady))
 VARIANTS = {
-    # DGC: the demo's recipe is dgc_demo (clip_norm = K x the mean-gradient threshold).
-    "dgc_demo": ("dgc", lambda c, k, steady: _dgc(c, k, steady)),
-    "dgc_clip_mean": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip="mean")),
-    "dgc_no_clip": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip=None)),
-    "dgc_no_clip_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip=None, warmup=300)),
-    "dgc_warmup200": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=200)),
-    "dgc_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=300)),
-    "dgc_no_masking": ("dgc", lambda c, k, steady: _dgc(c, k, steady, momentum_masking=False)),
-    "dgc_dense_classifier": ("dgc", lambda c, k, steady: _dgc(
-        c, k, steady, filter=lambda path, x: x.ndim >= 2 and x.size >= 2048)),
-    # Wangni (greedy) at other densities; the demo row is 5%.
-    "wangni_1pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS)),
-    "wangni_2pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.02, axis_name=AXIS)),
-    "wangni_10pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.1, axis_name=AXIS)),
-    "wangni_1pct_ef": ("wangni", lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS,
-                                                          error_feedback=True)),
-    # MIPD ablation (the paper's Fig. 9 groups B-D; the demo row is mipd_full).
-    "mipd_half": ("mipd", lambda c, k, steady: jc.mipd(0.0, quantize=False, axis_name=AXIS)),
-    "mipd_half_drop": ("mipd", lambda c, k, steady: jc.mipd(0.5, quantize=False,
-                                                            axis_name=AXIS)),
-    "mipd_full": ("mipd", lambda c, k, steady: jc.mipd(0.5, axis_name=AXIS)),
-    "mipd_no_half": ("mipd", lambda c, k, steady: jc.mipd(0.5, half_update=False,
-                                                          axis_name=AXIS)),
-    # Quantization without drops (half update on): which module costs the accuracy.
-    "mipd_half_quant": ("mipd", lambda c, k, steady: jc.mipd(0.0, axis_name=AXIS)),
-    "mipd_no_compensation": ("mipd", lambda c, k, steady: jc.mipd(0.5, compensate=False,
-                                                                  axis_name=AXIS)),
-    "mipd_keep0": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.0, axis_name=AXIS)),
-    "mipd_keep10": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.1, axis_name=AXIS)),
-    "mipd_keep25": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.25, axis_name=AXIS)),
-    "mipd_alpha01": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.1, axis_name=AXIS)),
-    "mipd_alpha09": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.9, axis_name=AXIS)),
-    "mipd_beta1": ("mipd", lambda c, k, steady: jc.mipd(0.5, beta=1.0, axis_name=AXIS)),
-    "mipd_half_drop_predict_compensated": ("mipd", lambda c, k, steady: jc.mipd(
-        0.5, quantize=False, predict_from="compensated", axis_name=AXIS)),
-    "mipd_full_predict_compensated": ("mipd", lambda c, k, steady: jc.mipd(
-        0.5, predict_from="compensated", axis_name=AXIS)),
+  # DGC: the demo's recipe is dgc_demo (clip_norm = K x the mean-gradient threshold).
+  "dgc_demo": ("dgc", lambda c, k, steady: _dgc(c, k, steady)),
+  "dgc_clip_mean": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip="mean")),
+  "dgc_no_clip": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip=None)),
+  "dgc_no_clip_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip=None, warmup=300)),
+  "dgc_warmup200": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=200)),
+  "dgc_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=300)),
+  "dgc_no_masking": ("dgc", lambda c, k, steady: _dgc(c, k, steady, momentum_masking=False)),
+  "dgc_dense_classifier": (
+    "dgc",
+    lambda c, k, steady: _dgc(c, k, steady, filter=lambda path, x: x.ndim >= 2 and x.size >= 2048),
+  ),
+  # Wangni (greedy) at other densities; the demo row is 5%.
+  "wangni_1pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS)),
+  "wangni_2pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.02, axis_name=AXIS)),
+  "wangni_10pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.1, axis_name=AXIS)),
+  "wangni_1pct_ef": (
+    "wangni",
+    lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS, error_feedback=True),
+  ),
+  # MIPD ablation (the paper's Fig. 9 groups B-D; the demo row is mipd_full).
+  "mipd_half": ("mipd", lambda c, k, steady: jc.mipd(0.0, quantize=False, axis_name=AXIS)),
+  "mipd_half_drop": ("mipd", lambda c, k, steady: jc.mipd(0.5, quantize=False, axis_name=AXIS)),
+  "mipd_full": ("mipd", lambda c, k, steady: jc.mipd(0.5, axis_name=AXIS)),
+  "mipd_no_half": ("mipd", lambda c, k, steady: jc.mipd(0.5, half_update=False, axis_name=AXIS)),
+  # Quantization without drops (half update on): which module costs the accuracy.
+  "mipd_half_quant": ("mipd", lambda c, k, steady: jc.mipd(0.0, axis_name=AXIS)),
+  "mipd_no_compensation": (
+    "mipd",
+    lambda c, k, steady: jc.mipd(0.5, compensate=False, axis_name=AXIS),
+  ),
+  "mipd_keep0": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.0, axis_name=AXIS)),
+  "mipd_keep10": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.1, axis_name=AXIS)),
+  "mipd_keep25": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.25, axis_name=AXIS)),
+  "mipd_alpha01": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.1, axis_name=AXIS)),
+  "mipd_alpha09": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.9, axis_name=AXIS)),
+  "mipd_beta1": ("mipd", lambda c, k, steady: jc.mipd(0.5, beta=1.0, axis_name=AXIS)),
+  "mipd_half_drop_predict_compensated": (
+    "mipd",
+    lambda c, k, steady: jc.mipd(0.5, quantize=False, predict_from="compensated", axis_name=AXIS),
+  ),
+  "mipd_full_predict_compensated": (
+    "mipd",
+    lambda c, k, steady: jc.mipd(0.5, predict_from="compensated", axis_name=AXIS),
+  ),
 }
 
 
@@ -94,20 +109,31 @@ def run(names, seed: int, workdir: str) -> None:
   r = train.train_method("dense", config, **common)
   dense = r["test_accuracy"]
   changes = {"dense": r["layer_change"]}
-  rows = [f"| dense | {100 * dense:.1f} | | {r['bytes_received']:,.0f} | 1.0x |"
-          f" {r['train_time_s']:.1f} | |"]
+  rows = [
+    f"| dense | {100 * dense:.1f} | | {r['bytes_received']:,.0f} | 1.0x |"
+    f" {r['train_time_s']:.1f} | |"
+  ]
   for name in names:
     method, factory = VARIANTS[name]
-    r = train.train_method(method, config, exchange=factory(config, k, False),
-                           steady_exchange=factory(config, k, True), **common)
+    r = train.train_method(
+      method,
+      config,
+      exchange=factory(config, k, False),
+      steady_exchange=factory(config, k, True),
+      **common,
+    )
     acc = r["test_accuracy"]
     changes[name] = r["layer_change"]
-    rows.append(f"| {name} | {100 * acc:.1f} | {100 * (acc - dense):+.1f} |"
-                f" {r['bytes_received']:,.0f} | {r['ratio']:.1f}x | {r['train_time_s']:.1f} |"
-                f" {r['overflow_steps'] if r['overflow_steps'] is not None else ''} |")
+    rows.append(
+      f"| {name} | {100 * acc:.1f} | {100 * (acc - dense):+.1f} |"
+      f" {r['bytes_received']:,.0f} | {r['ratio']:.1f}x | {r['train_time_s']:.1f} |"
+      f" {r['overflow_steps'] if r['overflow_steps'] is not None else ''} |"
+    )
   print(f"\nseed {seed}, {k} devices, {config.num_steps} steps\n")
-  print("| variant | test acc (%) | vs dense (points) | bytes recv/device/step |"
-        " ratio vs dense | train time (s) | overflow steps |")
+  print(
+    "| variant | test acc (%) | vs dense (points) | bytes recv/device/step |"
+    " ratio vs dense | train time (s) | overflow steps |"
+  )
   print("|---|---:|---:|---:|---:|---:|---:|")
   print("\n".join(rows))
   # How far each kernel moved from its initialization: ||w_T - w_0|| / ||w_0||.
@@ -121,8 +147,9 @@ def run(names, seed: int, workdir: str) -> None:
 def _init_grads(workdir: str):
   """(parameters, gradient) of the demo's CNN at init on the first 256 examples."""
   _, data, model, params = train.setup(default.get_config(), workdir)
-  return params, jax.grad(lambda p: train.cross_entropy(
-      model, p, data["x"][:256], data["y"][:256]))(params)
+  return params, jax.grad(
+    lambda p: train.cross_entropy(model, p, data["x"][:256], data["y"][:256])
+  )(params)
 
 
 def saturation(workdir: str) -> None:
@@ -136,8 +163,11 @@ def saturation(workdir: str) -> None:
     for kappa in (0.01, 0.05, 0.1):
       p, _ = jc.codecs.UnbiasedSparsifier(density=kappa).probabilities(jnp.asarray(g))
       shares.append(float(np.sum(np.asarray(p) >= 1)) / (kappa * g.size))
-    print(f"| {jax.tree_util.keystr(path)} | {g.size:,} | "
-          + " | ".join(f"{x:.3f}" for x in shares) + " |")
+    print(
+      f"| {jax.tree_util.keystr(path)} | {g.size:,} | "
+      + " | ".join(f"{x:.3f}" for x in shares)
+      + " |"
+    )
 
 
 def mipd_drops(workdir: str) -> None:
@@ -147,35 +177,50 @@ def mipd_drops(workdir: str) -> None:
   with the prediction still 0, so the ESP rate compares each layer's whole gradient.
   """
   from jaxcomp._src import mipd  # pylint: disable=import-outside-toplevel
+
   params, grads = _init_grads(workdir)
-  sel = [(jax.tree_util.keystr(path), g, w) for (path, g), w in zip(
-      jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params))
-         if jc.default_filter(path, g)]
+  sel = [
+    (jax.tree_util.keystr(path), g, w)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params))
+    if jc.default_filter(path, g)
+  ]
   sizes = [int(g.size) for _, g, _ in sel]
   print("\n| group | layer | entries | rate r_i | dropped (min_keep=0) | dropped (min_keep=0.1) |")
   print("|---:|---|---:|---:|---:|---:|")
   for gi, half in enumerate(mipd.balanced_halves(sizes)):
     sz = [sizes[i] for i in half]
-    rates = mipd.drop_rates(jnp.stack([jnp.linalg.norm(sel[i][2]) for i in half]),
-                            jnp.stack([jnp.linalg.norm(sel[i][1]) for i in half]), 0.5)
+    rates = mipd.drop_rates(
+      jnp.stack([jnp.linalg.norm(sel[i][2]) for i in half]),
+      jnp.stack([jnp.linalg.norm(sel[i][1]) for i in half]),
+      0.5,
+    )
     total = round(0.5 * sum(sz))
     paper = mipd.allocate_drops(rates, sz, total)
     floor = mipd.allocate_drops(rates, [s - math.ceil(0.1 * s) for s in sz], total)
     for j, i in enumerate(half):
-      print(f"| {gi + 1} | {sel[i][0]} | {sizes[i]:,} | {float(rates[j]):.3f} |"
-            f" {int(paper[j]):,} | {int(floor[j]):,} |")
+      print(
+        f"| {gi + 1} | {sel[i][0]} | {sizes[i]:,} | {float(rates[j]):.3f} |"
+        f" {int(paper[j]):,} | {int(floor[j]):,} |"
+      )
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--variants", default="dgc_demo",
-                      help=f"comma-separated, or 'all': {', '.join(VARIANTS)}")
+  parser.add_argument(
+    "--variants", default="dgc_demo", help=f"comma-separated, or 'all': {', '.join(VARIANTS)}"
+  )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--workdir", default=os.path.join("runs", "mnist1d"))
-  parser.add_argument("--saturation", action="store_true",
-                      help="print the Wangni saturation shares instead of training")
-  parser.add_argument("--mipd-drops", action="store_true",
-                      help="print MIPD's per-layer drop counts at init instead of training")
+  parser.add_argument(
+    "--saturation",
+    action="store_true",
+    help="print the Wangni saturation shares instead of training",
+  )
+  parser.add_argument(
+    "--mipd-drops",
+    action="store_true",
+    help="print MIPD's per-layer drop counts at init instead of training",
+  )
   args = parser.parse_args(argv)
   if args.saturation:
     saturation(args.workdir)

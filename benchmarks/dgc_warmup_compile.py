@@ -20,26 +20,34 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 # pylint: disable=wrong-import-position
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
+import optax
 
-import jaxcomp as jc
 from examples.mnist1d import models
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
+import jaxcomp as jc
 
 
 def compile_seconds(warmup_steps: int, *, model, params, mesh, config) -> float:
   k = mesh.size
-  exchange = jc.dgc(0.001, 0.9, nesterov=True, clip_norm=k * config.grad_clip,
-                    warmup_steps=warmup_steps, axis_name=train.AXIS)
+  exchange = jc.dgc(
+    0.001,
+    0.9,
+    nesterov=True,
+    clip_norm=k * config.grad_clip,
+    warmup_steps=warmup_steps,
+    axis_name=train.AXIS,
+  )
   tx = optax.chain(jc.per_device_state(exchange), train.make_optimizer(config, momentum=False))
   specs = jc.state_specs(tx, params, axis_name=train.AXIS, num_devices=k)
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
   per_device = jax.NamedSharding(mesh, P(train.AXIS))
   b = config.per_device_batch_size
-  batch = (jax.ShapeDtypeStruct((k, b, 40), jnp.float32, sharding=per_device),
-           jax.ShapeDtypeStruct((k, b), jnp.int32, sharding=per_device))
+  batch = (
+    jax.ShapeDtypeStruct((k, b, 40), jnp.float32, sharding=per_device),
+    jax.ShapeDtypeStruct((k, b), jnp.int32, sharding=per_device),
+  )
   start = time.perf_counter()
   train.make_train_step(model, tx, mesh, specs).lower(params, state, batch).compile()
   return time.perf_counter() - start

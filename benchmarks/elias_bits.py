@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxcomp as jc
 from benchmarks._timing import median_time
+import jaxcomp as jc
 from jaxcomp._src import elias
 
 C = jc.codecs
@@ -62,9 +62,11 @@ def _bound_bits(codec, n: int) -> float | None:
 
 def gaussian_table(log2n: list[int], num_keys: int) -> str:
   keys = jax.random.split(jax.random.key(0), num_keys)
-  lines = ["| n | s | Elias bits/coord | Theorem 3.2 bits/coord | fixed bits/coord "
-           "| Elias / fixed | ≤ 2.8n + 32 |",
-           "|---:|---:|---:|---:|---:|---:|:---:|"]
+  lines = [
+    "| n | s | Elias bits/coord | Theorem 3.2 bits/coord | fixed bits/coord "
+    "| Elias / fixed | ≤ 2.8n + 32 |",
+    "|---:|---:|---:|---:|---:|---:|:---:|",
+  ]
   for e in log2n:
     n = 2**e
     x = np.random.default_rng(e).standard_normal(n).astype(np.float32)
@@ -75,16 +77,20 @@ def gaussian_table(log2n: list[int], num_keys: int) -> str:
       fixed = codec.wire_bits((n,))
       dense = ("yes" if bits <= 2.8 * n + 32 else "**no**") if s == root else ""
       label = f"{s} (√n)" if s == root else str(s)
-      lines.append(f"| 2^{e} | {label} | {bits / n:.3f} | "
-                   f"{elias.theorem_3_2_bound(n, s) / n:.3f} | {fixed / n:.3f} | "
-                   f"{bits / fixed:.3f} | {dense} |")
+      lines.append(
+        f"| 2^{e} | {label} | {bits / n:.3f} | "
+        f"{elias.theorem_3_2_bound(n, s) / n:.3f} | {fixed / n:.3f} | "
+        f"{bits / fixed:.3f} | {dense} |"
+      )
   return "\n".join(lines)
 
 
 def cnn_gradients(workdir: str, batch: int = 256):
   """{leaf path: gradient} of the demo CNN at init, for the leaves compressed by default."""
   # pylint: disable=import-outside-toplevel  (flax and mnist1d only for this table)
-  from examples.mnist1d import input_pipeline, models, train
+  from examples.mnist1d import input_pipeline
+  from examples.mnist1d import models
+  from examples.mnist1d import train
   from examples.mnist1d.configs import default
 
   config = default.get_config()
@@ -94,15 +100,18 @@ def cnn_gradients(workdir: str, batch: int = 256):
   params = jax.jit(model.init)(jax.random.key(config.seed), x[:1])["params"]
   grads = jax.jit(jax.grad(lambda p: train.cross_entropy(model, p, x, y)))(params)
   leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-  return {jax.tree_util.keystr(path): np.asarray(g, np.float32) for path, g in leaves
-          if jc.default_filter(path, g)}
+  return {
+    jax.tree_util.keystr(path): np.asarray(g, np.float32)
+    for path, g in leaves
+    if jc.default_filter(path, g)
+  }
 
 
 CNN_CODECS = {
-    "paper dense: l2, one bucket, s = round(√n)": None,
-    "l2, one bucket, s = 7": C.QSGD(7, bucket_size=None, norm="l2"),
-    "demo qsgd4: max, buckets of 512, s = 7": C.QSGD(7, bucket_size=512, norm="max"),
-    "demo qsgd2: max, buckets of 128, s = 1": C.QSGD(1, bucket_size=128, norm="max"),
+  "paper dense: l2, one bucket, s = round(√n)": None,
+  "l2, one bucket, s = 7": C.QSGD(7, bucket_size=None, norm="l2"),
+  "demo qsgd4: max, buckets of 512, s = 7": C.QSGD(7, bucket_size=512, norm="max"),
+  "demo qsgd2: max, buckets of 128, s = 1": C.QSGD(1, bucket_size=128, norm="max"),
 }
 
 
@@ -110,9 +119,12 @@ def cnn_tables(grads: dict[str, np.ndarray], num_keys: int) -> str:
   keys = jax.random.split(jax.random.key(1), num_keys)
   out = []
   for name, fixed_codec in CNN_CODECS.items():
-    lines = [f"**{name}**", "",
-             "| leaf | n | Elias bits/coord | Theorem 3.2 bits/coord | fixed bits/coord "
-             "| Elias / fixed |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+      f"**{name}**",
+      "",
+      "| leaf | n | Elias bits/coord | Theorem 3.2 bits/coord | fixed bits/coord | Elias / fixed |",
+      "|---|---:|---:|---:|---:|---:|",
+    ]
     tot = {"n": 0, "elias": 0.0, "bound": 0.0, "fixed": 0}
     for path, g in grads.items():
       n = g.size
@@ -126,13 +138,18 @@ def cnn_tables(grads: dict[str, np.ndarray], num_keys: int) -> str:
       tot["bound"] += bound or 0.0
       shown = "–" if bound is None else f"{bound / n:.3f}"
       label = path + (f" (s={codec.levels})" if fixed_codec is None else "")
-      lines.append(f"| {label} {tuple(g.shape)} | {n} | {bits / n:.3f} | {shown} | "
-                   f"{fixed / n:.3f} | {bits / fixed:.3f} |")
+      lines.append(
+        f"| {label} {tuple(g.shape)} | {n} | {bits / n:.3f} | {shown} | "
+        f"{fixed / n:.3f} | {bits / fixed:.3f} |"
+      )
     n = tot["n"]
-    shown = "–" if fixed_codec is not None and fixed_codec.norm != "l2" else (
-        f"{tot['bound'] / n:.3f}")
-    lines.append(f"| **all compressed leaves** | {n} | {tot['elias'] / n:.3f} | {shown} | "
-                 f"{tot['fixed'] / n:.3f} | {tot['elias'] / tot['fixed']:.3f} |")
+    shown = (
+      "–" if fixed_codec is not None and fixed_codec.norm != "l2" else (f"{tot['bound'] / n:.3f}")
+    )
+    lines.append(
+      f"| **all compressed leaves** | {n} | {tot['elias'] / n:.3f} | {shown} | "
+      f"{tot['fixed'] / n:.3f} | {tot['elias'] / tot['fixed']:.3f} |"
+    )
     out.append("\n".join(lines))
   return "\n\n".join(out)
 
@@ -140,14 +157,19 @@ def cnn_tables(grads: dict[str, np.ndarray], num_keys: int) -> str:
 def throughput_table(log2n: int, repeats: int) -> str:
   n = 2**log2n
   x = jnp.asarray(np.random.default_rng(0).standard_normal(n).astype(np.float32))
-  configs = [C.QSGD(round(math.sqrt(n)), bucket_size=None, norm="l2"),
-             C.QSGD(7, bucket_size=None, norm="l2"),
-             C.QSGD(7, bucket_size=512, norm="max"),
-             C.QSGD(1, bucket_size=128, norm="max")]
-  lines = [f"n = 2^{log2n}, median of {repeats} runs",
-           "", "| codec | bits/coord | encode values/s | encode MB/s (string, float32 input) "
-           "| decode values/s | decode MB/s (string, float32 input) |",
-           "|---|---:|---:|---:|---:|---:|"]
+  configs = [
+    C.QSGD(round(math.sqrt(n)), bucket_size=None, norm="l2"),
+    C.QSGD(7, bucket_size=None, norm="l2"),
+    C.QSGD(7, bucket_size=512, norm="max"),
+    C.QSGD(1, bucket_size=128, norm="max"),
+  ]
+  lines = [
+    f"n = 2^{log2n}, median of {repeats} runs",
+    "",
+    "| codec | bits/coord | encode values/s | encode MB/s (string, float32 input) "
+    "| decode values/s | decode MB/s (string, float32 input) |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
   for codec in configs:
     payload = jax.jit(lambda v, k, c=codec: c.encode(v, key=k))(x, jax.random.key(0))
     payload = jax.tree.map(np.asarray, payload)
@@ -157,19 +179,26 @@ def throughput_table(log2n: int, repeats: int) -> str:
     enc = median_time(lambda c=codec, p=payload: elias.qsgd_to_bytes(c, p), repeats=repeats)
     dec = median_time(lambda c=codec, d=data: elias.qsgd_from_bytes(c, d, (n,)), repeats=repeats)
     mb = len(data) / 1e6
-    name = (f"s={codec.levels}, {codec.norm}, "
-            f"{'one bucket' if codec.bucket_size is None else f'buckets of {codec.bucket_size}'}")
-    lines.append(f"| {name} | {8 * (len(data) - 4) / n:.3f} | {n / enc:,.0f} | "
-                 f"{mb / enc:.2f}, {4 * n / 1e6 / enc:.1f} | {n / dec:,.0f} | "
-                 f"{mb / dec:.2f}, {4 * n / 1e6 / dec:.1f} |")
+    name = (
+      f"s={codec.levels}, {codec.norm}, "
+      f"{'one bucket' if codec.bucket_size is None else f'buckets of {codec.bucket_size}'}"
+    )
+    lines.append(
+      f"| {name} | {8 * (len(data) - 4) / n:.3f} | {n / enc:,.0f} | "
+      f"{mb / enc:.2f}, {4 * n / 1e6 / enc:.1f} | {n / dec:,.0f} | "
+      f"{mb / dec:.2f}, {4 * n / 1e6 / dec:.1f} |"
+    )
   return "\n".join(lines)
 
 
 def spread_table(log2n: list[int], draws: int) -> str:
   """Mean and spread of the string length at s = sqrt(n) over ``draws`` quantizations."""
-  lines = [f"s = round(sqrt(n)), l2, one bucket; {draws} draws of the quantization", "",
-           "| n | mean bits/coord | std bits/coord | max bits/coord | share > 2.8n + 32 |",
-           "|---:|---:|---:|---:|---:|"]
+  lines = [
+    f"s = round(sqrt(n)), l2, one bucket; {draws} draws of the quantization",
+    "",
+    "| n | mean bits/coord | std bits/coord | max bits/coord | share > 2.8n + 32 |",
+    "|---:|---:|---:|---:|---:|",
+  ]
   for e in log2n:
     n = 2**e
     codec = C.QSGD(round(math.sqrt(n)), bucket_size=None, norm="l2")
@@ -177,15 +206,19 @@ def spread_table(log2n: list[int], draws: int) -> str:
     payloads = _encoder(codec)(jnp.asarray(x), jax.random.split(jax.random.key(1), draws))
     bits = np.array([elias.stream_bits(codec, p) for p in _rows(payloads, draws)]) / n
     over = np.mean(bits * n > 2.8 * n + 32)
-    lines.append(f"| 2^{e} | {bits.mean():.3f} | {bits.std():.3f} | {bits.max():.3f} |"
-                 f" {over:.2f} |")
+    lines.append(
+      f"| 2^{e} | {bits.mean():.3f} | {bits.std():.3f} | {bits.max():.3f} | {over:.2f} |"
+    )
   return "\n".join(lines)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--log2n", default="10,12,14,16,18,20",
-                      help="comma-separated exponents of n for the Gaussian table")
+  parser.add_argument(
+    "--log2n",
+    default="10,12,14,16,18,20",
+    help="comma-separated exponents of n for the Gaussian table",
+  )
   parser.add_argument("--keys", type=int, default=3, help="quantizations averaged per row")
   parser.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
   parser.add_argument("--workdir", default="/tmp/elias_data", help="MNIST-1D cache")
@@ -194,8 +227,10 @@ def main() -> None:
   args = parser.parse_args()
   log2n = [int(e) for e in args.log2n.split(",")]
 
-  print(f"jax {jax.__version__}, {jax.devices()[0].platform}; bits/coord = bits / n; "
-        f"fixed = codec.bits per value + 32 per bucket; Theorem 3.2 without its o(1)\n")
+  print(
+    f"jax {jax.__version__}, {jax.devices()[0].platform}; bits/coord = bits / n; "
+    f"fixed = codec.bits per value + 32 per bucket; Theorem 3.2 without its o(1)\n"
+  )
   print("### Gaussian vectors, one l2 bucket\n")
   print(gaussian_table(log2n, args.keys))
   if not args.no_cnn:

@@ -16,8 +16,8 @@ import math
 
 import jax
 
-import jaxcomp as jc
 from benchmarks._timing import median_time
+import jaxcomp as jc
 
 
 def main(argv=None) -> None:
@@ -27,8 +27,10 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; one bucket, l2, s = sqrt(n)")
   print()
-  print("| n | fixed encode (Mval/s) | Elias encode (Mval/s) | Elias/fixed time |"
-        " Elias decode, host (Mval/s) | bits/value (Elias / fixed) |")
+  print(
+    "| n | fixed encode (Mval/s) | Elias encode (Mval/s) | Elias/fixed time |"
+    " Elias decode, host (Mval/s) | bits/value (Elias / fixed) |"
+  )
   print("|---:|---:|---:|---:|---:|---:|")
   for e in (int(s) for s in args.sizes.split(",")):
     n = 2**e
@@ -45,9 +47,12 @@ def main(argv=None) -> None:
     payload = enc_elias(x, key)
     t_dec = median_time(dec_elias, payload, repeats=args.repeats)
     used = int(payload.arrays["used_bits"])
-    print(f"| 2^{e} | {n / t_fixed / 1e6:.1f} | {n / t_elias / 1e6:.1f} |"
-          f" {t_elias / t_fixed:.2f}x | {n / t_dec / 1e6:.2f} |"
-          f" {used / n:.3f} / {fixed.wire_bits((n,)) / n:.3f} |", flush=True)
+    print(
+      f"| 2^{e} | {n / t_fixed / 1e6:.1f} | {n / t_elias / 1e6:.1f} |"
+      f" {t_elias / t_fixed:.2f}x | {n / t_dec / 1e6:.2f} |"
+      f" {used / n:.3f} / {fixed.wire_bits((n,)) / n:.3f} |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -38,17 +38,26 @@ from jaxcomp.kernels import sign_pack
 _F32 = jnp.float32
 
 
-def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args,
-              repeats: int) -> dict:
+def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args, repeats: int) -> dict:
   """One row: GB/s (``nbytes`` per call) of a kernel and of the XLA path, same run."""
   t_kernel = median_time(jax.jit(kernel_fn), *args, repeats=repeats)
   t_xla = median_time(jax.jit(xla_fn), *args, repeats=repeats)
-  return {"kernel": name, "n": n, "pallas_gbs": nbytes / t_kernel / 1e9,
-          "xla_gbs": nbytes / t_xla / 1e9}
+  return {
+    "kernel": name,
+    "n": n,
+    "pallas_gbs": nbytes / t_kernel / 1e9,
+    "xla_gbs": nbytes / t_xla / 1e9,
+  }
 
 
-def quantize_rows(sizes=(2**20, 2**22, 2**24), *, levels: int = 7, bucket_size: int = 512,
-                  repeats: int = 20, interpret: bool | None = None) -> list[dict]:
+def quantize_rows(
+  sizes=(2**20, 2**22, 2**24),
+  *,
+  levels: int = 7,
+  bucket_size: int = 512,
+  repeats: int = 20,
+  interpret: bool | None = None,
+) -> list[dict]:
   """GB/s of the quantize kernel and of the XLA codec, without and with fused EF.
 
   Bytes counted: the float32 input (and residual) read, the payload (and new residual)
@@ -61,21 +70,43 @@ def quantize_rows(sizes=(2**20, 2**22, 2**24), *, levels: int = 7, bucket_size: 
     x = jax.random.normal(jax.random.key(1), (n,), _F32)
     e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
     payload = sum(a.nbytes for a in quantize.quantize_reference(x, key, **q))
-    rows.append(bench_row(
-        "quantize", n, 4 * n + payload,
+    rows.append(
+      bench_row(
+        "quantize",
+        n,
+        4 * n + payload,
         lambda x, k: quantize.quantize(x, k, **q, interpret=interpret),
-        lambda x, k: quantize.quantize_reference(x, k, **q), x, key, repeats=repeats))
-    rows.append(bench_row(
-        "quantize+ef", n, 12 * n + payload,
+        lambda x, k: quantize.quantize_reference(x, k, **q),
+        x,
+        key,
+        repeats=repeats,
+      )
+    )
+    rows.append(
+      bench_row(
+        "quantize+ef",
+        n,
+        12 * n + payload,
         lambda x, k, e: quantize.quantize(x, k, e, **q, interpret=interpret),
-        lambda x, k, e: quantize.quantize_reference(x, k, e, **q), x, key, e,
-        repeats=repeats))
+        lambda x, k, e: quantize.quantize_reference(x, k, e, **q),
+        x,
+        key,
+        e,
+        repeats=repeats,
+      )
+    )
   return rows
 
 
-def dequantize_rows(sizes=(2**20, 2**22, 2**24), *, k: int = 8, levels: int = 7,
-                    bucket_size: int = 512, repeats: int = 20,
-                    interpret: bool | None = None) -> list[dict]:
+def dequantize_rows(
+  sizes=(2**20, 2**22, 2**24),
+  *,
+  k: int = 8,
+  levels: int = 7,
+  bucket_size: int = 512,
+  repeats: int = 20,
+  interpret: bool | None = None,
+) -> list[dict]:
   """GB/s of the fused decode-sum of ``k`` QSGD payloads and of the XLA path.
 
   Bytes counted: the K payloads read plus the float32 sum written.
@@ -86,16 +117,29 @@ def dequantize_rows(sizes=(2**20, 2**22, 2**24), *, k: int = 8, levels: int = 7,
     x = jax.random.normal(jax.random.key(1), (n,), _F32)
     words, scales = quantize.quantize_reference(x, jax.random.key(0), **q)
     words, scales = jnp.stack([words] * k), jnp.stack([scales] * k)
-    rows.append(bench_row(
-        f"dequantize_sum K={k}", n, words.nbytes + scales.nbytes + 4 * n,
+    rows.append(
+      bench_row(
+        f"dequantize_sum K={k}",
+        n,
+        words.nbytes + scales.nbytes + 4 * n,
         lambda w, s: dequantize.dequantize_sum(w, s, n=n, **q, interpret=interpret),
-        lambda w, s: dequantize.dequantize_sum_reference(w, s, n=n, **q), words, scales,
-        repeats=repeats))
+        lambda w, s: dequantize.dequantize_sum_reference(w, s, n=n, **q),
+        words,
+        scales,
+        repeats=repeats,
+      )
+    )
   return rows
 
 
-def sign_pack_rows(sizes=(2**20, 2**22, 2**24), *, k: int = 8, bucket_size: int = 512,
-                   repeats: int = 20, interpret: bool | None = None) -> list[dict]:
+def sign_pack_rows(
+  sizes=(2**20, 2**22, 2**24),
+  *,
+  k: int = 8,
+  bucket_size: int = 512,
+  repeats: int = 20,
+  interpret: bool | None = None,
+) -> list[dict]:
   """GB/s of ``sign_pack`` (without and with fused EF) and of the K-payload decode-sum,
   each next to the XLA codec."""
   rows = []
@@ -105,20 +149,41 @@ def sign_pack_rows(sizes=(2**20, 2**22, 2**24), *, k: int = 8, bucket_size: int 
     e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
     payload = sign_pack.sign_pack_reference(x, **b)
     nbytes = sum(a.nbytes for a in payload)
-    rows.append(bench_row(
-        "sign_pack", n, 4 * n + nbytes,
+    rows.append(
+      bench_row(
+        "sign_pack",
+        n,
+        4 * n + nbytes,
         lambda x: sign_pack.sign_pack(x, **b, interpret=interpret),
-        lambda x: sign_pack.sign_pack_reference(x, **b), x, repeats=repeats))
-    rows.append(bench_row(
-        "sign_pack+ef", n, 12 * n + nbytes,
+        lambda x: sign_pack.sign_pack_reference(x, **b),
+        x,
+        repeats=repeats,
+      )
+    )
+    rows.append(
+      bench_row(
+        "sign_pack+ef",
+        n,
+        12 * n + nbytes,
         lambda x, e: sign_pack.sign_pack(x, e, **b, interpret=interpret),
-        lambda x, e: sign_pack.sign_pack_reference(x, e, **b), x, e, repeats=repeats))
+        lambda x, e: sign_pack.sign_pack_reference(x, e, **b),
+        x,
+        e,
+        repeats=repeats,
+      )
+    )
     stacked = [jnp.stack([a] * k) for a in payload]
-    rows.append(bench_row(
-        f"sign_unpack_sum K={k}", n, k * nbytes + 4 * n,
+    rows.append(
+      bench_row(
+        f"sign_unpack_sum K={k}",
+        n,
+        k * nbytes + 4 * n,
         lambda w, p, m: sign_pack.sign_unpack_sum(w, p, m, n=n, **b, interpret=interpret),
-        lambda w, p, m: sign_pack.sign_unpack_sum_reference(w, p, m, n=n, **b), *stacked,
-        repeats=repeats))
+        lambda w, p, m: sign_pack.sign_unpack_sum_reference(w, p, m, n=n, **b),
+        *stacked,
+        repeats=repeats,
+      )
+    )
   return rows
 
 
@@ -129,8 +194,7 @@ def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
     x = jax.random.normal(jax.random.key(1), (n,), _F32)
     t_copy = median_time(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
     common = dict(sizes=(n,), repeats=repeats, interpret=interpret)
-    found = (quantize_rows(**common) + dequantize_rows(k=k, **common)
-             + sign_pack_rows(k=k, **common))
+    found = quantize_rows(**common) + dequantize_rows(k=k, **common) + sign_pack_rows(k=k, **common)
     for row in found:
       row["copy_gbs"] = 8 * n / t_copy / 1e9
     rows += found
@@ -138,35 +202,46 @@ def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+  lines = [
+    "| kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
   for r in rows:
     lines.append(
-        f"| {r['kernel']} | 2^{r['n'].bit_length() - 1} | {r['pallas_gbs']:.1f} | "
-        f"{r['xla_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['pallas_gbs'] / r['xla_gbs']:.2f}x | "
-        f"{100 * r['pallas_gbs'] / r['copy_gbs']:.0f}% |")
+      f"| {r['kernel']} | 2^{r['n'].bit_length() - 1} | {r['pallas_gbs']:.1f} | "
+      f"{r['xla_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['pallas_gbs'] / r['xla_gbs']:.2f}x | "
+      f"{100 * r['pallas_gbs'] / r['copy_gbs']:.0f}% |"
+    )
   return "\n".join(lines)
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--sizes", default="20,22,24,26,28",
-                      help="comma-separated log2 sizes (default 2^20..2^28)")
+  parser.add_argument(
+    "--sizes", default="20,22,24,26,28", help="comma-separated log2 sizes (default 2^20..2^28)"
+  )
   parser.add_argument("--k", type=int, default=8, help="payloads summed by the decoders")
   parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument("--interpret", action="store_true",
-                      help="run the kernels in interpret mode (a smoke run, not a timing)")
+  parser.add_argument(
+    "--interpret",
+    action="store_true",
+    help="run the kernels in interpret mode (a smoke run, not a timing)",
+  )
   args = parser.parse_args(argv)
   if not cuda_available() and not args.interpret:
-    print("no CUDA GPU: the kernels would run in interpret mode, whose timings mean "
-          "nothing; pass --interpret to run anyway", file=sys.stderr)
+    print(
+      "no CUDA GPU: the kernels would run in interpret mode, whose timings mean "
+      "nothing; pass --interpret to run anyway",
+      file=sys.stderr,
+    )
     return 2
   sizes = [2 ** int(s) for s in args.sizes.split(",")]
   device = jax.devices()[0]
-  print(f"# device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-        f"interpret={args.interpret}")
-  rows = run(sizes, k=args.k, repeats=args.repeats,
-             interpret=True if args.interpret else None)
+  print(
+    f"# device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+    f"interpret={args.interpret}"
+  )
+  rows = run(sizes, k=args.k, repeats=args.repeats, interpret=True if args.interpret else None)
   print(table(rows))
   return 0
 

@@ -35,6 +35,9 @@ Python API: :func:`launch` (spawn, collect, return the workers' results),
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
 import dataclasses
 import hashlib
 import importlib
@@ -48,18 +51,18 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
-import jaxcomp as jc
 from examples.mnist1d import configs as example_configs
 from examples.mnist1d import input_pipeline
 from examples.mnist1d import train
+import jaxcomp as jc
 
 MODULE = "benchmarks.launch"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,8 +87,9 @@ def parse_methods(text: str) -> tuple[str, ...]:
   methods = tuple(m.strip() for m in text.split(",") if m.strip())
   unknown = [m for m in methods if m not in train.ALL_METHODS]
   if unknown or not methods:
-    raise ValueError(f"--method: unknown {unknown} in {text!r}; "
-                     f"choose from {','.join(train.ALL_METHODS)}")
+    raise ValueError(
+      f"--method: unknown {unknown} in {text!r}; choose from {','.join(train.ALL_METHODS)}"
+    )
   if len(set(methods)) != len(methods):
     raise ValueError(f"--method: repeated method in {text!r}")
   return methods
@@ -101,8 +105,9 @@ def config_names() -> list[str]:
   return sorted(set(_benchmark_config_names()) | set(example_configs.names()))
 
 
-def load_config(name: str, *, steps: int | None = None, seed: int | None = None,
-                batch: int | None = None):
+def load_config(
+  name: str, *, steps: int | None = None, seed: int | None = None, batch: int | None = None
+):
   """The config ``name``'s ``get_config()`` with the command-line overrides applied.
 
   ``name`` is a module of ``benchmarks/configs`` or (when not found there) of
@@ -115,8 +120,10 @@ def load_config(name: str, *, steps: int | None = None, seed: int | None = None,
   elif name in example_configs.names():
     module = example_configs.load(name)
   else:
-    raise ValueError(f"--config: unknown {name!r}; choose from {','.join(config_names())} "
-                     "or give the path of a config file")
+    raise ValueError(
+      f"--config: unknown {name!r}; choose from {','.join(config_names())} "
+      "or give the path of a config file"
+    )
   config = module.get_config()
   overrides = {}
   if steps is not None:
@@ -142,9 +149,14 @@ def cpu_platform_selected() -> bool:
   return not names or "cpu" in names
 
 
-def init_distributed(coordinator: str, num_processes: int, process_id: int, *,
-                     devices_per_process: int | None = None,
-                     initialization_timeout: int = 300) -> None:
+def init_distributed(
+  coordinator: str,
+  num_processes: int,
+  process_id: int,
+  *,
+  devices_per_process: int | None = None,
+  initialization_timeout: int = 300,
+) -> None:
   """Joins ``jax.distributed``; must run before anything initialises JAX's backends.
 
   When JAX may use the CPU, first gives the CPU backend ``devices_per_process`` devices
@@ -165,8 +177,10 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int, *,
   """
   check_coordinator(coordinator)
   if num_processes < 1 or not 0 <= process_id < num_processes:
-    raise ValueError(f"need 0 <= process_id < num_processes, got process_id "
-                     f"{process_id}, num_processes {num_processes}")
+    raise ValueError(
+      f"need 0 <= process_id < num_processes, got process_id "
+      f"{process_id}, num_processes {num_processes}"
+    )
   if devices_per_process is not None and devices_per_process < 1:
     raise ValueError(f"devices_per_process must be positive, got {devices_per_process}")
   if cpu_platform_selected():
@@ -175,15 +189,24 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int, *,
       if devices_per_process is not None:
         jax.config.update("jax_num_cpu_devices", devices_per_process)
     except RuntimeError as e:
-      raise RuntimeError("init_distributed must run before JAX initialises its backends "
-                         "(before any jax.devices() or computation)") from e
-  jax.distributed.initialize(coordinator, num_processes=num_processes,
-                             process_id=process_id,
-                             initialization_timeout=initialization_timeout)
-  if (devices_per_process is not None and jax.default_backend() == "cpu"
-      and jax.local_device_count() != devices_per_process):
-    raise ValueError(f"asked for {devices_per_process} CPU devices per process, got "
-                     f"{jax.local_device_count()}")
+      raise RuntimeError(
+        "init_distributed must run before JAX initialises its backends "
+        "(before any jax.devices() or computation)"
+      ) from e
+  jax.distributed.initialize(
+    coordinator,
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=initialization_timeout,
+  )
+  if (
+    devices_per_process is not None
+    and jax.default_backend() == "cpu"
+    and jax.local_device_count() != devices_per_process
+  ):
+    raise ValueError(
+      f"asked for {devices_per_process} CPU devices per process, got {jax.local_device_count()}"
+    )
 
 
 def host_to_global(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -255,13 +278,16 @@ def overflow_steps(opt_state, mesh) -> int | None:
   jax.tree.map(visit, opt_state, is_leaf=lambda x: hasattr(x, "overflow_count"))
   if not counts:
     return None
-  top = jax.jit(lambda cs: jnp.max(jnp.stack([jnp.max(c) for c in cs])),
-                out_shardings=jax.NamedSharding(mesh, P()))(counts)
+  top = jax.jit(
+    lambda cs: jnp.max(jnp.stack([jnp.max(c) for c in cs])),
+    out_shardings=jax.NamedSharding(mesh, P()),
+  )(counts)
   return int(top.addressable_data(0))
 
 
-def train_method(method: str, config, *, model, init_params, data, mesh,
-                 evaluate: bool = False, profile: int = 0) -> dict[str, Any]:
+def train_method(
+  method: str, config, *, model, init_params, data, mesh, evaluate: bool = False, profile: int = 0
+) -> dict[str, Any]:
   """Trains ``method`` from ``init_params`` on a mesh that may span processes.
 
   Every process must call it with the same arguments (each jitted call is a collective).
@@ -284,15 +310,19 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
 
   state_specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
   params = jax.tree.map(lambda a: host_to_global(a, replicated), init_params)
-  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                                    out_specs=state_specs))(params)
+  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
+    params
+  )
   batches = input_pipeline.train_batches(
-      data["x"], data["y"], num_devices=k,
-      per_device_batch_size=config.per_device_batch_size, seed=config.seed)
+    data["x"],
+    data["y"],
+    num_devices=k,
+    per_device_batch_size=config.per_device_batch_size,
+    seed=config.seed,
+  )
 
   start = time.perf_counter()
-  step = train.compile_train_step(model, tx, mesh, state_specs, params, opt_state, config,
-                                  data)
+  step = train.compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, data)
   compile_time = time.perf_counter() - start
 
   step_times, losses = [], []
@@ -306,36 +336,42 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
 
   accuracy = None
   if evaluate:
-    test = tuple(host_to_global(a, per_device)
-                 for a in input_pipeline.eval_shards(data["x_test"], data["y_test"], k))
+    test = tuple(
+      host_to_global(a, per_device)
+      for a in input_pipeline.eval_shards(data["x_test"], data["y_test"], k)
+    )
     accuracy = float(train.make_eval_step(model, mesh)(params, *test).addressable_data(0))
 
   final = local_leaves(params)
-  change = np.sqrt(sum(np.sum((f.astype(np.float64) - np.asarray(i, np.float64)) ** 2)
-                       for f, i in zip(final, jax.tree.leaves(init_params))))
+  change = np.sqrt(
+    sum(
+      np.sum((f.astype(np.float64) - np.asarray(i, np.float64)) ** 2)
+      for f, i in zip(final, jax.tree.leaves(init_params))
+    )
+  )
   # DGC's bytes are its steady state, as in the demo; other methods have no warm-up.
   report = train.wire_report(
-      train.make_tx(method, config, train.make_exchange(method, config, warmup=False)),
-      init_params, k)
+    train.make_tx(method, config, train.make_exchange(method, config, warmup=False)), init_params, k
+  )
   record = {
-      "method": method,
-      "num_steps": config.num_steps,
-      "step_times_s": step_times,
-      "median_step_time_s": statistics.median(step_times[1:] or step_times),
-      "compile_time_s": compile_time,
-      "losses": losses,
-      "final_loss": losses[-1],
-      "params_sha256": _sha256(final),
-      "params_checksum": float(sum(np.sum(f, dtype=np.float64) for f in final)),
-      "local_copies_identical": local_copies_identical(params),
-      "params_change_l2": float(change),
-      "overflow_steps": overflow_steps(opt_state, mesh),
-      "bytes_received": None if report is None else report.bytes_received,
-      "dense_bytes": None if report is None else report.dense_bytes,
-      "ratio": None if report is None else report.ratio,
-      "wire_report": None if report is None else str(report),
-      "test_accuracy": accuracy,
-      "phases": None,
+    "method": method,
+    "num_steps": config.num_steps,
+    "step_times_s": step_times,
+    "median_step_time_s": statistics.median(step_times[1:] or step_times),
+    "compile_time_s": compile_time,
+    "losses": losses,
+    "final_loss": losses[-1],
+    "params_sha256": _sha256(final),
+    "params_checksum": float(sum(np.sum(f, dtype=np.float64) for f in final)),
+    "local_copies_identical": local_copies_identical(params),
+    "params_change_l2": float(change),
+    "overflow_steps": overflow_steps(opt_state, mesh),
+    "bytes_received": None if report is None else report.bytes_received,
+    "dense_bytes": None if report is None else report.dense_bytes,
+    "ratio": None if report is None else report.ratio,
+    "wire_report": None if report is None else str(report),
+    "test_accuracy": accuracy,
+    "phases": None,
   }
   if profile:
     carry = [params, opt_state]
@@ -347,15 +383,18 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
 
     run()
     prof = jc.profile_phases(run, step, calls=profile)
-    record["phases"] = {"step_ms": 1e3 * prof.step_s, "calls": prof.calls,
-                        **{p: 1e3 * t for p, t in prof.phases.items()},
-                        "top_ops_ms": {p: [[n, 1e3 * t] for n, t in ops]
-                                       for p, ops in prof.top_ops.items()}}
+    record["phases"] = {
+      "step_ms": 1e3 * prof.step_s,
+      "calls": prof.calls,
+      **{p: 1e3 * t for p, t in prof.phases.items()},
+      "top_ops_ms": {p: [[n, 1e3 * t] for n, t in ops] for p, ops in prof.top_ops.items()},
+    }
   return record
 
 
-def train_worker(config, methods: Sequence[str], workdir: str, *,
-                 evaluate: bool = False, profile: int = 0) -> dict[str, Any]:
+def train_worker(
+  config, methods: Sequence[str], workdir: str, *, evaluate: bool = False, profile: int = 0
+) -> dict[str, Any]:
   """This process's part of training every method in turn; ``jax.distributed`` is up.
 
   Returns:
@@ -366,24 +405,34 @@ def train_worker(config, methods: Sequence[str], workdir: str, *,
   mesh, data, model, init_params = train.setup(config, workdir)
   pid = jax.process_index()
   result = {
-      "process_id": pid,
-      "num_processes": jax.process_count(),
-      "num_devices": jax.device_count(),
-      "local_devices": jax.local_device_count(),
-      "platform": jax.default_backend(),
-      "num_params": int(sum(p.size for p in jax.tree.leaves(init_params))),
-      "global_batch": jax.device_count() * config.per_device_batch_size,
-      "init_params_sha256": params_digest(init_params),
-      "methods": {},
+    "process_id": pid,
+    "num_processes": jax.process_count(),
+    "num_devices": jax.device_count(),
+    "local_devices": jax.local_device_count(),
+    "platform": jax.default_backend(),
+    "num_params": int(sum(p.size for p in jax.tree.leaves(init_params))),
+    "global_batch": jax.device_count() * config.per_device_batch_size,
+    "init_params_sha256": params_digest(init_params),
+    "methods": {},
   }
   for method in methods:
-    r = train_method(method, config, model=model, init_params=init_params, data=data,
-                     mesh=mesh, evaluate=evaluate, profile=profile)
+    r = train_method(
+      method,
+      config,
+      model=model,
+      init_params=init_params,
+      data=data,
+      mesh=mesh,
+      evaluate=evaluate,
+      profile=profile,
+    )
     result["methods"][method] = r
-    print(f"[process {pid}] {method}: {r['num_steps']} steps, final loss "
-          f"{r['final_loss']:.4f}, median step {1e3 * r['median_step_time_s']:.1f} ms, "
-          f"compile {r['compile_time_s']:.1f} s, params {r['params_sha256'][:16]}",
-          flush=True)
+    print(
+      f"[process {pid}] {method}: {r['num_steps']} steps, final loss "
+      f"{r['final_loss']:.4f}, median step {1e3 * r['median_step_time_s']:.1f} ms, "
+      f"compile {r['compile_time_s']:.1f} s, params {r['params_sha256'][:16]}",
+      flush=True,
+    )
   return result
 
 
@@ -400,10 +449,13 @@ def run_worker(args: argparse.Namespace) -> None:
   """Worker mode: join the job, train, report, leave together with the others."""
   config = load_config(args.config, steps=args.steps, seed=args.seed, batch=args.batch)
   methods = parse_methods(args.method)
-  init_distributed(args.coordinator, args.num_processes, args.process_id,
-                   devices_per_process=args.devices_per_process)
-  result = train_worker(config, methods, args.workdir, evaluate=args.eval,
-                        profile=args.profile)
+  init_distributed(
+    args.coordinator,
+    args.num_processes,
+    args.process_id,
+    devices_per_process=args.devices_per_process,
+  )
+  result = train_worker(config, methods, args.workdir, evaluate=args.eval, profile=args.profile)
   write_result(result, args.workdir)
   jax.distributed.shutdown()  # a barrier: no process leaves while others still run
 
@@ -455,11 +507,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def worker_args(methods: Sequence[str] | str, *, config: str = "default",
-                devices_per_process: int | None = None, steps: int | None = None,
-                seed: int | None = None, batch: int | None = None,
-                workdir: str | None = None, evaluate: bool = False,
-                profile: int = 0) -> list[str]:
+def worker_args(
+  methods: Sequence[str] | str,
+  *,
+  config: str = "default",
+  devices_per_process: int | None = None,
+  steps: int | None = None,
+  seed: int | None = None,
+  batch: int | None = None,
+  workdir: str | None = None,
+  evaluate: bool = False,
+  profile: int = 0,
+) -> list[str]:
   """The flags of the worker command line shared by all processes (for :func:`launch`)."""
   methods = methods if isinstance(methods, str) else ",".join(methods)
   parse_methods(methods)
@@ -467,22 +526,42 @@ def worker_args(methods: Sequence[str] | str, *, config: str = "default",
     config = os.path.abspath(config)  # a path the workers find wherever they start
   load_config(config, steps=steps, seed=seed, batch=batch)  # fail here, not N times
   args = ["--method", methods, "--config", config]
-  for flag, value in (("--devices-per-process", devices_per_process), ("--steps", steps),
-                      ("--seed", seed), ("--batch", batch), ("--workdir", workdir)):
+  for flag, value in (
+    ("--devices-per-process", devices_per_process),
+    ("--steps", steps),
+    ("--seed", seed),
+    ("--batch", batch),
+    ("--workdir", workdir),
+  ):
     if value is not None:
       args += [flag, str(value)]
   if profile < 0:
     raise ValueError(f"--profile must be >= 0, got {profile}")
-  return (args + (["--eval"] if evaluate else [])
-          + (["--profile", str(profile)] if profile else []))
+  return args + (["--eval"] if evaluate else []) + (["--profile", str(profile)] if profile else [])
 
 
-def worker_command(args: Sequence[str], *, process_id: int, num_processes: int,
-                   coordinator: str, prefix: Prefix | None = None) -> list[str]:
+def worker_command(
+  args: Sequence[str],
+  *,
+  process_id: int,
+  num_processes: int,
+  coordinator: str,
+  prefix: Prefix | None = None,
+) -> list[str]:
   """``[*prefix(i), python, -m, benchmarks.launch, *args, --worker, ...]``."""
-  command = [sys.executable, "-m", MODULE, *args, "--worker",
-             "--process-id", str(process_id), "--num-processes", str(num_processes),
-             "--coordinator", coordinator]
+  command = [
+    sys.executable,
+    "-m",
+    MODULE,
+    *args,
+    "--worker",
+    "--process-id",
+    str(process_id),
+    "--num-processes",
+    str(num_processes),
+    "--coordinator",
+    coordinator,
+  ]
   return [*(prefix(process_id) if prefix is not None else ()), *command]
 
 
@@ -534,9 +613,14 @@ def _kill(procs: Sequence[subprocess.Popen], grace: float = 2.0) -> None:
       return
 
 
-def run_processes(commands: Sequence[Sequence[str]], *, env: Env | None = None,
-                  timeout: float | None = None, stream: bool = False,
-                  poll_interval: float = 0.05) -> list[WorkerOutput]:
+def run_processes(
+  commands: Sequence[Sequence[str]],
+  *,
+  env: Env | None = None,
+  timeout: float | None = None,
+  stream: bool = False,
+  poll_interval: float = 0.05,
+) -> list[WorkerOutput]:
   """Runs ``commands[i]`` as worker ``i``; all succeed, or all are killed.
 
   Each worker runs in its own session (Ctrl-C reaches only this process, which then
@@ -551,15 +635,27 @@ def run_processes(commands: Sequence[Sequence[str]], *, env: Env | None = None,
   procs, readers = [], []
   try:
     for out in outputs:
-      p = subprocess.Popen(out.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
-                           env=worker_env(out.process_id, env), start_new_session=True)
+      p = subprocess.Popen(
+        out.command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        env=worker_env(out.process_id, env),
+        start_new_session=True,
+      )
       procs.append(p)
-      for pipe, lines, echo in ((p.stdout, out.stdout, sys.stdout),
-                                (p.stderr, out.stderr, sys.stderr)):
-        t = threading.Thread(target=_read_lines, daemon=True,
-                             args=(pipe, lines, echo if stream else None,
-                                   f"[w{out.process_id}]"))
+      for pipe, lines, echo in (
+        (p.stdout, out.stdout, sys.stdout),
+        (p.stderr, out.stderr, sys.stderr),
+      ):
+        t = threading.Thread(
+          target=_read_lines,
+          daemon=True,
+          args=(pipe, lines, echo if stream else None, f"[w{out.process_id}]"),
+        )
         t.start()
         readers.append(t)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -568,15 +664,18 @@ def run_processes(commands: Sequence[Sequence[str]], *, env: Env | None = None,
       failed = next((o for o, p in zip(outputs, procs) if p.poll()), None)
       if failed is None and deadline is not None and time.monotonic() > deadline:
         _finish(procs, readers, outputs)
-        raise LaunchError(f"workers timed out after {timeout:g} s; last output:\n"
-                          + _tails(outputs), outputs)
+        raise LaunchError(
+          f"workers timed out after {timeout:g} s; last output:\n" + _tails(outputs), outputs
+        )
       time.sleep(poll_interval)
     failed = failed or next((o for o, p in zip(outputs, procs) if p.poll()), None)
     _finish(procs, readers, outputs)
     if failed is not None:
-      raise LaunchError(f"worker {failed.process_id} exited with code "
-                        f"{failed.returncode}; its output ends with:\n{failed.tail()}",
-                        outputs)
+      raise LaunchError(
+        f"worker {failed.process_id} exited with code "
+        f"{failed.returncode}; its output ends with:\n{failed.tail()}",
+        outputs,
+      )
     return outputs
   finally:
     _kill(procs)  # on any exception (Ctrl-C included) no worker outlives the launcher
@@ -592,23 +691,34 @@ def _finish(procs, readers, outputs) -> None:
 
 
 def _tails(outputs: Sequence[WorkerOutput]) -> str:
-  return "\n".join(f"--- worker {o.process_id} (exit {o.returncode}) ---\n{o.tail(10)}"
-                   for o in outputs)
+  return "\n".join(
+    f"--- worker {o.process_id} (exit {o.returncode}) ---\n{o.tail(10)}" for o in outputs
+  )
 
 
 def parse_result(output: WorkerOutput) -> dict[str, Any]:
   """The JSON of the worker's last :data:`RESULT_MARKER` line."""
   for line in reversed(output.stdout):
     if line.startswith(RESULT_MARKER):
-      return json.loads(line[len(RESULT_MARKER):])
-  raise LaunchError(f"worker {output.process_id} exited without a result line; its "
-                    f"output ends with:\n{output.tail()}", [output])
+      return json.loads(line[len(RESULT_MARKER) :])
+  raise LaunchError(
+    f"worker {output.process_id} exited without a result line; its "
+    f"output ends with:\n{output.tail()}",
+    [output],
+  )
 
 
-def launch(args: Sequence[str], *, processes: int, prefix: Prefix | None = None,
-           env: Env | None = None, coordinator: str | None = None,
-           coordinator_host: str = "127.0.0.1", timeout: float | None = 600.0,
-           stream: bool = False) -> list[dict[str, Any]]:
+def launch(
+  args: Sequence[str],
+  *,
+  processes: int,
+  prefix: Prefix | None = None,
+  env: Env | None = None,
+  coordinator: str | None = None,
+  coordinator_host: str = "127.0.0.1",
+  timeout: float | None = 600.0,
+  stream: bool = False,
+) -> list[dict[str, Any]]:
   """Runs ``processes`` workers of this module and returns their results.
 
   Args:
@@ -639,9 +749,12 @@ def launch(args: Sequence[str], *, processes: int, prefix: Prefix | None = None,
   if coordinator is None:
     coordinator = f"{coordinator_host}:{free_port(coordinator_host)}"
   check_coordinator(coordinator)
-  commands = [worker_command(args, process_id=i, num_processes=processes,
-                             coordinator=coordinator, prefix=prefix)
-              for i in range(processes)]
+  commands = [
+    worker_command(
+      args, process_id=i, num_processes=processes, coordinator=coordinator, prefix=prefix
+    )
+    for i in range(processes)
+  ]
   outputs = run_processes(commands, env=env, timeout=timeout, stream=stream)
   return [parse_result(o) for o in outputs]
 
@@ -653,35 +766,38 @@ def check_identical(results: Sequence[dict[str, Any]]) -> None:
     digests = {r["process_id"]: r["methods"][method]["params_sha256"] for r in results}
     if len(set(digests.values())) != 1:
       raise ParamsMismatchError(f"{method}: the processes' parameters differ: {digests}")
-    split = [r["process_id"] for r in results
-             if not r["methods"][method]["local_copies_identical"]]
+    split = [r["process_id"] for r in results if not r["methods"][method]["local_copies_identical"]]
     if split:
-      raise ParamsMismatchError(f"{method}: the devices of processes {split} hold "
-                                "different parameters")
+      raise ParamsMismatchError(
+        f"{method}: the devices of processes {split} hold different parameters"
+      )
 
 
 def summary(results: Sequence[dict[str, Any]]) -> str:
   """A Markdown table: one row per method, with the step times of every process."""
   r0 = results[0]
   lines = [
-      f"{len(results)} processes x {r0['local_devices']} {r0['platform']} devices, "
-      f"{r0['num_params']:,} parameters, global batch {r0['global_batch']}. Median step:"
-      " wall time of the steps after the first, in process order.",
-      "",
-      "| method | final loss | test acc (%) | median step (ms) | bytes recv/device/step |"
-      " ratio vs dense | params sha256 | identical |",
-      "|---|---:|---:|---:|---:|---:|---|---|",
+    f"{len(results)} processes x {r0['local_devices']} {r0['platform']} devices, "
+    f"{r0['num_params']:,} parameters, global batch {r0['global_batch']}. Median step:"
+    " wall time of the steps after the first, in process order.",
+    "",
+    "| method | final loss | test acc (%) | median step (ms) | bytes recv/device/step |"
+    " ratio vs dense | params sha256 | identical |",
+    "|---|---:|---:|---:|---:|---:|---|---|",
   ]
   for method, m in r0["methods"].items():
     runs = [r["methods"][method] for r in results]
     times = " / ".join(f"{1e3 * run['median_step_time_s']:.1f}" for run in runs)
-    same = (len({run["params_sha256"] for run in runs}) == 1
-            and all(run["local_copies_identical"] for run in runs))
+    same = len({run["params_sha256"] for run in runs}) == 1 and all(
+      run["local_copies_identical"] for run in runs
+    )
     acc = "n/a" if m["test_accuracy"] is None else f"{100 * m['test_accuracy']:.1f}"
     recv = "n/a" if m["bytes_received"] is None else f"{m['bytes_received']:,.0f}"
     ratio = "n/a" if m["ratio"] is None else f"{m['ratio']:.1f}x"
-    lines.append(f"| {method} | {m['final_loss']:.4f} | {acc} | {times} | {recv} | {ratio} |"
-                 f" {m['params_sha256'][:16]} | {'yes' if same else 'NO'} |")
+    lines.append(
+      f"| {method} | {m['final_loss']:.4f} | {acc} | {times} | {recv} | {ratio} |"
+      f" {m['params_sha256'][:16]} | {'yes' if same else 'NO'} |"
+    )
   return "\n".join(lines) + phase_table(results)
 
 
@@ -695,15 +811,25 @@ def phase_table(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
       ph = r["methods"][method].get("phases")
       if ph:
-        rows.append(f"| {method} | {r['process_id']} | {ph['step_ms']:.1f} | " + " | ".join(
-            f"{ph[c]:.1f}" for c in PHASE_COLUMNS) + " |")
+        rows.append(
+          f"| {method} | {r['process_id']} | {ph['step_ms']:.1f} | "
+          + " | ".join(f"{ph[c]:.1f}" for c in PHASE_COLUMNS)
+          + " |"
+        )
   if not rows:
     return ""
-  return "\n".join([
-      "", "", "Where a step's time goes (ms per step, jc.profile_phases over the profiled "
-      "steps; exchange includes waiting for the other processes):", "",
+  return "\n".join(
+    [
+      "",
+      "",
+      "Where a step's time goes (ms per step, jc.profile_phases over the profiled "
+      "steps; exchange includes waiting for the other processes):",
+      "",
       "| method | process | step | " + " | ".join(PHASE_COLUMNS) + " |",
-      "|---|---:|---:|" + "---:|" * len(PHASE_COLUMNS), *rows])
+      "|---|---:|---:|" + "---:|" * len(PHASE_COLUMNS),
+      *rows,
+    ]
+  )
 
 
 # ----------------------------------------------------------------------------- main
@@ -713,37 +839,58 @@ def parse_args(argv=None) -> argparse.Namespace:
   """Command-line flags of both modes."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--processes", type=int, default=2, help="N worker processes")
-  parser.add_argument("--devices-per-process", type=int, default=1,
-                      help="CPU devices per process (not used on GPU)")
-  parser.add_argument("--method", default="dense",
-                      help=f"comma-separated methods of {','.join(train.ALL_METHODS)}, "
-                      "trained in turn")
-  parser.add_argument("--config", default="default",
-                      help=f"one of {','.join(config_names())} (benchmarks/configs, "
-                      "examples/mnist1d/configs), or the path of a .py file providing "
-                      "get_config()")
+  parser.add_argument(
+    "--devices-per-process", type=int, default=1, help="CPU devices per process (not used on GPU)"
+  )
+  parser.add_argument(
+    "--method",
+    default="dense",
+    help=f"comma-separated methods of {','.join(train.ALL_METHODS)}, trained in turn",
+  )
+  parser.add_argument(
+    "--config",
+    default="default",
+    help=f"one of {','.join(config_names())} (benchmarks/configs, "
+    "examples/mnist1d/configs), or the path of a .py file providing "
+    "get_config()",
+  )
   parser.add_argument("--steps", type=int, default=None, help="override num_steps")
-  parser.add_argument("--batch", type=int, default=None,
-                      help="override per_device_batch_size")
-  parser.add_argument("--seed", type=int, default=None,
-                      help="override the init/shuffling seed (the data set stays fixed)")
-  parser.add_argument("--workdir", default="runs/mnist1d_launch",
-                      help="output directory (worker{i}.json, data cache)")
-  parser.add_argument("--eval", action="store_true",
-                      help="evaluate test accuracy after each method")
-  parser.add_argument("--timeout", type=float, default=600.0,
-                      help="seconds before all workers are killed")
-  parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                      help="after training, profile STEPS more steps and split their "
-                      "time into gradient/encode/exchange/decode/update")
-  parser.add_argument("--coordinator", default=None,
-                      help="HOST:PORT of the coordinator (default: 127.0.0.1, free port)")
+  parser.add_argument("--batch", type=int, default=None, help="override per_device_batch_size")
+  parser.add_argument(
+    "--seed",
+    type=int,
+    default=None,
+    help="override the init/shuffling seed (the data set stays fixed)",
+  )
+  parser.add_argument(
+    "--workdir", default="runs/mnist1d_launch", help="output directory (worker{i}.json, data cache)"
+  )
+  parser.add_argument(
+    "--eval", action="store_true", help="evaluate test accuracy after each method"
+  )
+  parser.add_argument(
+    "--timeout", type=float, default=600.0, help="seconds before all workers are killed"
+  )
+  parser.add_argument(
+    "--profile",
+    type=int,
+    default=0,
+    metavar="STEPS",
+    help="after training, profile STEPS more steps and split their "
+    "time into gradient/encode/exchange/decode/update",
+  )
+  parser.add_argument(
+    "--coordinator",
+    default=None,
+    help="HOST:PORT of the coordinator (default: 127.0.0.1, free port)",
+  )
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
   parser.add_argument("--num-processes", type=int, default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
-  if args.worker and (args.process_id is None or args.num_processes is None
-                      or args.coordinator is None):
+  if args.worker and (
+    args.process_id is None or args.num_processes is None or args.coordinator is None
+  ):
     parser.error("--worker needs --process-id, --num-processes and --coordinator")
   return args
 
@@ -751,16 +898,30 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_launcher(args: argparse.Namespace) -> list[dict[str, Any]]:
   """Launcher mode: start the workers, check their parameters, print a summary."""
   workdir = os.path.abspath(args.workdir)
-  forwarded = worker_args(args.method, config=args.config,
-                          devices_per_process=args.devices_per_process, steps=args.steps,
-                          seed=args.seed, batch=args.batch, workdir=workdir,
-                          evaluate=args.eval, profile=args.profile)
+  forwarded = worker_args(
+    args.method,
+    config=args.config,
+    devices_per_process=args.devices_per_process,
+    steps=args.steps,
+    seed=args.seed,
+    batch=args.batch,
+    workdir=workdir,
+    evaluate=args.eval,
+    profile=args.profile,
+  )
   start = time.perf_counter()
-  results = launch(forwarded, processes=args.processes, coordinator=args.coordinator,
-                   timeout=args.timeout, stream=True)
+  results = launch(
+    forwarded,
+    processes=args.processes,
+    coordinator=args.coordinator,
+    timeout=args.timeout,
+    stream=True,
+  )
   print(summary(results))
-  print(f"wall time {time.perf_counter() - start:.1f} s; results in "
-        f"{os.path.join(workdir, 'worker*.json')}")
+  print(
+    f"wall time {time.perf_counter() - start:.1f} s; results in "
+    f"{os.path.join(workdir, 'worker*.json')}"
+  )
   check_identical(results)
   return results
 

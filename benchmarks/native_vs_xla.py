@@ -27,28 +27,38 @@ import jax  # pylint: disable=wrong-import-position
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import numpy as np  # pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
 
-import jaxcomp as jc  # pylint: disable=wrong-import-position
-from examples.mnist1d import input_pipeline, train  # pylint: disable=wrong-import-position
+from examples.mnist1d import input_pipeline  # pylint: disable=wrong-import-position
+from examples.mnist1d import train  # pylint: disable=wrong-import-position
 from examples.mnist1d.configs import default  # pylint: disable=wrong-import-position
+import jaxcomp as jc  # pylint: disable=wrong-import-position
 from jaxcomp.kernels import cpu  # pylint: disable=wrong-import-position
 
 
 def run(impl: str, args, config, mesh, data, model, init_params):
   """(parameters after each checked step, the compiled step's HLO text)."""
   k = mesh.size
-  exchange = jc.qsgd(bits=args.bits, bucket_size=args.bucket, axis_name=train.AXIS,
-                     collective="auto", implementation=impl)
+  exchange = jc.qsgd(
+    bits=args.bits,
+    bucket_size=args.bucket,
+    axis_name=train.AXIS,
+    collective="auto",
+    implementation=impl,
+  )
   tx = train.make_tx("qsgd4", config, exchange)
   specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
   params = jax.device_put(init_params, jax.NamedSharding(mesh, P()))
   opt = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
   step = train.compile_train_step(model, tx, mesh, specs, params, opt, config, data)
-  batches = input_pipeline.train_batches(data["x"], data["y"], num_devices=k,
-                                         per_device_batch_size=config.per_device_batch_size,
-                                         seed=config.seed)
+  batches = input_pipeline.train_batches(
+    data["x"],
+    data["y"],
+    num_devices=k,
+    per_device_batch_size=config.per_device_batch_size,
+    seed=config.seed,
+  )
   checked = {}
   for i in range(1, args.steps + 1):
     batch = jax.device_put(next(batches), jax.NamedSharding(mesh, P(train.AXIS)))
@@ -78,15 +88,20 @@ def main(argv=None) -> None:
   mesh, data, model, init_params = train.setup(config, args.workdir)
   native, _ = run("native", args, config, mesh, data, model, init_params)
   xla, hlo = run("xla", args, config, mesh, data, model, init_params)
-  print(f"XLA's compiled step: {encode_divisions(hlo, args.bucket)} divisions over arrays "
-        f"of bucket values in jaxcomp_encode")
+  print(
+    f"XLA's compiled step: {encode_divisions(hlo, args.bucket)} divisions over arrays "
+    f"of bucket values in jaxcomp_encode"
+  )
   total = sum(a.size for a in next(iter(native.values())))
   for i in sorted(native):
     differ = sum(int(np.sum(a != b)) for a, b in zip(native[i], xla[i]))
     if differ:
-      print(f"first difference at a checked step: step {i}, {differ} of {total} values "
-            f"(identical at step {i - args.every})" if i > args.every else
-            f"first difference at step {i}: {differ} of {total} values")
+      print(
+        f"first difference at a checked step: step {i}, {differ} of {total} values "
+        f"(identical at step {i - args.every})"
+        if i > args.every
+        else f"first difference at step {i}: {differ} of {total} values"
+      )
       return
   print(f"identical through step {args.steps} ({total} values)")
 

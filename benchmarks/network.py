@@ -30,6 +30,7 @@ malloc that reuses large buffers; the results record which.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 import contextlib
 import json
 import os
@@ -40,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from benchmarks import _timing
 
@@ -50,8 +51,18 @@ ADDRESSES = ("10.231.77.1", "10.231.77.2")
 PREFIX_LEN = 24
 RATES = ("none", "10gbit", "1gbit", "100mbit")
 CONFIGS = ("params2m", "params20m")
-METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd", "powersgd",
-           "ef_signsgd", "onebit_adam")
+METHODS = (
+  "dense",
+  "qsgd4",
+  "qsgd2",
+  "onebit",
+  "dgc",
+  "wangni",
+  "mipd",
+  "powersgd",
+  "ef_signsgd",
+  "onebit_adam",
+)
 PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes per device
 RESULT_MARKER = "JAXCOMP_PSUM_RESULT "
 BURST_MS = 1.0  # tbf bucket: this many ms of traffic at the rate...
@@ -91,7 +102,7 @@ def rate_bytes_per_s(rate: str) -> float | None:
   units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
   for unit, scale in units.items():
     if rate.endswith(unit):
-      return float(rate[:-len(unit)]) * scale / 8
+      return float(rate[: -len(unit)]) * scale / 8
   raise ValueError(f"rate must look like 100mbit, 1gbit or none; got {rate!r}")
 
 
@@ -114,7 +125,7 @@ class Link(contextlib.AbstractContextManager):
     self.created_dirs: list[str] = []
     self.created_netns_root = False
 
-  def __enter__(self) -> "Link":
+  def __enter__(self) -> Link:
     try:
       self._setup()
     except BaseException:
@@ -129,13 +140,15 @@ class Link(contextlib.AbstractContextManager):
     existing = _run(["ip", "netns", "list"]).stdout.split()
     clash = [n for n in NAMESPACES if n in existing]
     if clash:
-      raise RuntimeError(f"network namespaces {clash} exist already (a previous run that "
-                         f"was killed?): remove them with `ip netns del NAME`")
+      raise RuntimeError(
+        f"network namespaces {clash} exist already (a previous run that "
+        f"was killed?): remove them with `ip netns del NAME`"
+      )
     host = socket.gethostname()
     if not os.path.isdir("/etc/netns"):
       os.makedirs("/etc/netns")
       self.created_netns_root = True
-    for ns, veth, addr in zip(NAMESPACES, VETHS, ADDRESSES):
+    for ns, _veth, addr in zip(NAMESPACES, VETHS, ADDRESSES):
       _run(["ip", "netns", "add", ns])
       self.created_netns.append(ns)
       d = os.path.join("/etc/netns", ns)
@@ -169,8 +182,24 @@ class Link(contextlib.AbstractContextManager):
       self.exec(ns, ["tc", "qdisc", "del", "dev", veth, "root"], check=False)
       if bps is None:
         continue
-      self.exec(ns, ["tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate,
-                     "burst", str(burst), "latency", "100ms"])
+      self.exec(
+        ns,
+        [
+          "tc",
+          "qdisc",
+          "add",
+          "dev",
+          veth,
+          "root",
+          "tbf",
+          "rate",
+          rate,
+          "burst",
+          str(burst),
+          "latency",
+          "100ms",
+        ],
+      )
     return burst
 
   def teardown(self) -> None:
@@ -188,8 +217,15 @@ class Link(contextlib.AbstractContextManager):
   @staticmethod
   def prefix(process_id: int) -> list[str]:
     """Worker ``i`` runs in namespace ``i``, pinned to core ``i``."""
-    return ["ip", "netns", "exec", NAMESPACES[process_id], "taskset", "-c",
-            str(process_id % (os.cpu_count() or 1))]
+    return [
+      "ip",
+      "netns",
+      "exec",
+      NAMESPACES[process_id],
+      "taskset",
+      "-c",
+      str(process_id % (os.cpu_count() or 1)),
+    ]
 
 
 # ----------------------------------------------------------------------------- psum timing
@@ -203,17 +239,21 @@ def psum_worker(args: argparse.Namespace) -> None:
   link of its own.
   """
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
-  launch.init_distributed(args.coordinator, args.num_processes, args.process_id,
-                          devices_per_process=1)
+
+  launch.init_distributed(
+    args.coordinator, args.num_processes, args.process_id, devices_per_process=1
+  )
   import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   from jax import lax  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
 
   mesh = jax.make_mesh((jax.device_count(),), ("b",))
-  ops = {"psum": lambda x: lax.psum(x, "b"),
-         "all_gather": lambda x: lax.all_gather(x, "b", tiled=True)}
+  ops = {
+    "psum": lambda x: lax.psum(x, "b"),
+    "all_gather": lambda x: lax.all_gather(x, "b", tiled=True),
+  }
   result: dict[str, Any] = {"process_id": args.process_id}
   for name, op in ops.items():
     f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("b"), out_specs=P("b")))
@@ -229,8 +269,11 @@ def psum_worker(args: argparse.Namespace) -> None:
       # How many timed collectives fit the budget: process 0's estimate, broadcast, so
       # that both processes issue the same number (each deciding from its own clock,
       # one could start a collective the other never joins, and hang).
-      repeats = int(multihost_utils.broadcast_one_to_all(
-          np.int32(min(15, max(3, int(2 * args.seconds_per_size / warm))))))
+      repeats = int(
+        multihost_utils.broadcast_one_to_all(
+          np.int32(min(15, max(3, int(2 * args.seconds_per_size / warm))))
+        )
+      )
       times = []
       for _ in range(repeats):
         start = time.perf_counter()
@@ -246,15 +289,32 @@ def time_collectives(sizes: Sequence[int], seconds_per_size: float, timeout: flo
   """Runs :func:`psum_worker` in the two namespaces; process 0's timings, by collective
   (``"psum"``, ``"all_gather"``)."""
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
+
   coordinator = f"{ADDRESSES[0]}:{free_port()}"
-  commands = [[*Link.prefix(i), sys.executable, "-m", "benchmarks.network", "--psum-worker",
-               "--process-id", str(i), "--num-processes", "2", "--coordinator", coordinator,
-               "--psum-sizes", ",".join(map(str, sizes)),
-               "--seconds-per-size", str(seconds_per_size)] for i in range(2)]
+  commands = [
+    [
+      *Link.prefix(i),
+      sys.executable,
+      "-m",
+      "benchmarks.network",
+      "--psum-worker",
+      "--process-id",
+      str(i),
+      "--num-processes",
+      "2",
+      "--coordinator",
+      coordinator,
+      "--psum-sizes",
+      ",".join(map(str, sizes)),
+      "--seconds-per-size",
+      str(seconds_per_size),
+    ]
+    for i in range(2)
+  ]
   outputs = launch.run_processes(commands, timeout=timeout)
   for line in outputs[0].stdout:
     if line.startswith(RESULT_MARKER):
-      result = json.loads(line[len(RESULT_MARKER):])
+      result = json.loads(line[len(RESULT_MARKER) :])
       return {"psum": result["psum"], "all_gather": result["all_gather"]}
   raise RuntimeError("the psum worker gave no result:\n" + outputs[0].tail())
 
@@ -268,14 +328,27 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- training
 
 
-def train_on_link(config: str, methods: Sequence[str], steps: int | None,
-                  timeout: float, workdir: str, profile: int = 0) -> dict[str, Any]:
+def train_on_link(
+  config: str,
+  methods: Sequence[str],
+  steps: int | None,
+  timeout: float,
+  workdir: str,
+  profile: int = 0,
+) -> dict[str, Any]:
   """The 2-process trainer across the namespaces; process 0's result (checked equal)."""
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
-  args = launch.worker_args(methods, config=config, devices_per_process=1, steps=steps,
-                            workdir=workdir, profile=profile)
-  results = launch.launch(args, processes=2, prefix=Link.prefix,
-                          coordinator=f"{ADDRESSES[0]}:{free_port()}", timeout=timeout)
+
+  args = launch.worker_args(
+    methods, config=config, devices_per_process=1, steps=steps, workdir=workdir, profile=profile
+  )
+  results = launch.launch(
+    args,
+    processes=2,
+    prefix=Link.prefix,
+    coordinator=f"{ADDRESSES[0]}:{free_port()}",
+    timeout=timeout,
+  )
   launch.check_identical(results)
   return results[0]
 
@@ -301,16 +374,20 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
   traffic at the psum's bandwidth would take. :func:`report` fits both ways.
   """
   import jax  # pylint: disable=import-outside-toplevel
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-  from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
+
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
   from examples.mnist1d import models  # pylint: disable=import-outside-toplevel
+  from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
 
-  links = {rate: jc.network.fit_link([("psum", s["bytes"], 2, s["median_s"]) for s in ps])
-           for rate, ps in psums.items()}
-  gather_links = {rate: jc.network.fit_link([("all_gather", s["bytes"], 2, s["median_s"])
-                                              for s in gs])
-                  for rate, gs in (gathers or {}).items()}
+  links = {
+    rate: jc.network.fit_link([("psum", s["bytes"], 2, s["median_s"]) for s in ps])
+    for rate, ps in psums.items()
+  }
+  gather_links = {
+    rate: jc.network.fit_link([("all_gather", s["bytes"], 2, s["median_s"]) for s in gs])
+    for rate, gs in (gathers or {}).items()
+  }
 
   def per_primitive(rate: str) -> dict | None:
     return {"all_gather": gather_links[rate]} if rate in gather_links else None
@@ -318,8 +395,12 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
   def as_json(ls):
     return {r: {"latency_s": l.latency_s, "bandwidth_Bps": l.bandwidth} for r, l in ls.items()}
 
-  out: dict[str, Any] = {"links": as_json(links), "gather_links": as_json(gather_links),
-                         "predictions": {}, "scaling": {}}
+  out: dict[str, Any] = {
+    "links": as_json(links),
+    "gather_links": as_json(gather_links),
+    "predictions": {},
+    "scaling": {},
+  }
   for config_name, by_rate in runs.items():
     config = launch.load_config(config_name)
     model = models.create_model(config)
@@ -333,26 +414,34 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
     for method in base["methods"]:
       tx = train.make_tx(method, config, train.make_exchange(method, config, warmup=False))
       report2 = jc.wire_report(tx, params, axis_name=train.AXIS, num_devices=2)
-      compute = jc.network.compute_time(step_time(base["methods"][method]),
-                                        report2, links["none"], links=per_primitive("none"))
+      compute = jc.network.compute_time(
+        step_time(base["methods"][method]), report2, links["none"], links=per_primitive("none")
+      )
       preds[method] = {"compute_s": compute}
       for rate, run in by_rate.items():
         if rate == "none" or method not in run["methods"]:
           continue
-        predicted = jc.network.predict_step_time(compute, report2, links[rate],
-                                                 links=per_primitive(rate))
+        predicted = jc.network.predict_step_time(
+          compute, report2, links[rate], links=per_primitive(rate)
+        )
         measured = step_time(run["methods"][method])
-        preds[method][rate] = {"predicted_s": predicted, "measured_s": measured,
-                               "error": predicted / measured - 1}
+        preds[method][rate] = {
+          "predicted_s": predicted,
+          "measured_s": measured,
+          "error": predicted / measured - 1,
+        }
       # K up to 1024 at 1 Gbit/s with this link's fitted latency.
       ref = links.get("1gbit")
       if ref is not None:
         scaling[method] = {}
         for k in (2, 8, 64, 256, 1024):
           report = jc.wire_report(tx, params, axis_name=train.AXIS, num_devices=k)
-          scaling[method][k] = {"bytes": report.bytes_received,
-                                "step_s": jc.network.predict_step_time(
-                                    compute, report, ref, links=per_primitive("1gbit"))}
+          scaling[method][k] = {
+            "bytes": report.bytes_received,
+            "step_s": jc.network.predict_step_time(
+              compute, report, ref, links=per_primitive("1gbit")
+            ),
+          }
     out["predictions"][config_name] = preds
     out["scaling"][config_name] = scaling
   return out
@@ -366,11 +455,13 @@ def tables(runs: dict, model: dict) -> str:
   lines = []
   for config, by_rate in runs.items():
     any_run = next(iter(by_rate.values()))
-    lines += [f"### {config}: {any_run['num_params']:,} parameters, 2 processes x 1 CPU "
-              "device", "",
-              "| rate | method | mean step (ms) | speed-up vs dense | bytes/step (wire_report)"
-              " | final loss | predicted step (ms) | error |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+      f"### {config}: {any_run['num_params']:,} parameters, 2 processes x 1 CPU device",
+      "",
+      "| rate | method | mean step (ms) | speed-up vs dense | bytes/step (wire_report)"
+      " | final loss | predicted step (ms) | error |",
+      "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     preds = model["predictions"].get(config, {})
     for rate, run in by_rate.items():
       dense = run["methods"].get("dense")
@@ -381,42 +472,57 @@ def tables(runs: dict, model: dict) -> str:
         p = preds.get(method, {}).get(rate)
         pred = f"{1e3 * p['predicted_s']:.0f}" if p else ""
         err = f"{100 * p['error']:+.0f}%" if p else ""
-        lines.append(f"| {rate} | {method} | {1e3 * t:.0f} | {speedup} |"
-                     f" {r['bytes_received']:,.0f} | {r['final_loss']:.3f} | {pred} | {err} |")
+        lines.append(
+          f"| {rate} | {method} | {1e3 * t:.0f} | {speedup} |"
+          f" {r['bytes_received']:,.0f} | {r['final_loss']:.3f} | {pred} | {err} |"
+        )
     lines.append("")
     if preds and "dense" in preds:
       # Where the time goes: compute (from the unthrottled run, minus the modelled
       # exchange), the codec's cost over dense, and the exchange at each rate.
       rates = [r for r in by_rate if r != "none"]
       base = preds["dense"]["compute_s"]
-      lines += [f"Step time split ({config}): compute = unthrottled step minus the modelled "
-                "exchange; codec = compute minus dense's (encode, decode, error feedback,"
-                " top-k...); exchange = measured step minus compute.", "",
-                "| method | compute (ms) | codec vs dense (ms) | " + " | ".join(
-                    f"exchange {r} (ms)" for r in rates) + " |",
-                "|---|---:|---:|" + "---:|" * len(rates)]
+      lines += [
+        f"Step time split ({config}): compute = unthrottled step minus the modelled "
+        "exchange; codec = compute minus dense's (encode, decode, error feedback,"
+        " top-k...); exchange = measured step minus compute.",
+        "",
+        "| method | compute (ms) | codec vs dense (ms) | "
+        + " | ".join(f"exchange {r} (ms)" for r in rates)
+        + " |",
+        "|---|---:|---:|" + "---:|" * len(rates),
+      ]
       for method, p in preds.items():
         cells = []
         for r in rates:
           m = by_rate[r]["methods"].get(method)
-          cells.append("" if m is None else
-                       f"{1e3 * (step_time(m) - p['compute_s']):.0f}")
-        lines.append(f"| {method} | {1e3 * p['compute_s']:.0f} |"
-                     f" {1e3 * (p['compute_s'] - base):+.0f} | " + " | ".join(cells) + " |")
+          cells.append("" if m is None else f"{1e3 * (step_time(m) - p['compute_s']):.0f}")
+        lines.append(
+          f"| {method} | {1e3 * p['compute_s']:.0f} |"
+          f" {1e3 * (p['compute_s'] - base):+.0f} | " + " | ".join(cells) + " |"
+        )
       lines.append("")
     scaling = model["scaling"].get(config)
     if scaling:
       ks = list(next(iter(scaling.values())))
-      lines += [f"Predicted step time (ms) at 1 Gbit/s vs K ({config}, fitted α, β):", "",
-                "| method | " + " | ".join(f"K={k}" for k in ks) + " |",
-                "|---|" + "---:|" * len(ks)]
+      lines += [
+        f"Predicted step time (ms) at 1 Gbit/s vs K ({config}, fitted α, β):",
+        "",
+        "| method | " + " | ".join(f"K={k}" for k in ks) + " |",
+        "|---|" + "---:|" * len(ks),
+      ]
       for method, by_k in scaling.items():
-        lines.append(f"| {method} | " + " | ".join(
-            f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks) + " |")
+        lines.append(
+          f"| {method} | " + " | ".join(f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks) + " |"
+        )
       lines.append("")
     lines += phase_tables(config, by_rate)
-  lines += ["Fitted links (psum timings, least squares on relative error):", "",
-            "| rate | α (µs) | bandwidth (MB/s) |", "|---|---:|---:|"]
+  lines += [
+    "Fitted links (psum timings, least squares on relative error):",
+    "",
+    "| rate | α (µs) | bandwidth (MB/s) |",
+    "|---|---:|---:|",
+  ]
   for rate, l in model["links"].items():
     lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
   return "\n".join(lines) + "\n"
@@ -424,29 +530,43 @@ def tables(runs: dict, model: dict) -> str:
 
 def prediction_errors(model: dict) -> dict[tuple[str, str, str], float]:
   """``(config, rate, method) -> predicted / measured - 1`` of a fitted model."""
-  return {(config, rate, method): v["error"]
-          for config, preds in model["predictions"].items()
-          for method, p in preds.items()
-          for rate, v in p.items() if isinstance(v, dict) and "error" in v}
+  return {
+    (config, rate, method): v["error"]
+    for config, preds in model["predictions"].items()
+    for method, p in preds.items()
+    for rate, v in p.items()
+    if isinstance(v, dict) and "error" in v
+  }
 
 
 def error_comparison(model: dict, model_gather: dict) -> str:
   """Markdown: each point's error with the psum link and with the all-gather link."""
   a, b = prediction_errors(model), prediction_errors(model_gather)
-  lines = ["Prediction error with every collective on the psum link, and with the "
-           "all-gathers on their own fitted link:", "",
-           "| config | rate | method | psum link | all-gather link |", "|---|---|---|---:|---:|"]
+  lines = [
+    "Prediction error with every collective on the psum link, and with the "
+    "all-gathers on their own fitted link:",
+    "",
+    "| config | rate | method | psum link | all-gather link |",
+    "|---|---|---|---:|---:|",
+  ]
   for key in a:
     lines.append(f"| {' | '.join(key)} | {100 * a[key]:+.0f}% | {100 * b[key]:+.0f}% |")
   mean = lambda e: 100 * statistics.fmean(abs(v) for v in e.values()) if e else float("nan")
-  lines += ["", f"Mean |error|: psum link {mean(a):.1f}%, all-gather link {mean(b):.1f}% "
-            f"({len(a)} points).", ""]
+  lines += [
+    "",
+    f"Mean |error|: psum link {mean(a):.1f}%, all-gather link {mean(b):.1f}% ({len(a)} points).",
+    "",
+  ]
   return "\n".join(lines) + "\n"
 
 
 def gather_link_table(model_gather: dict) -> str:
-  lines = ["Fitted all-gather links:", "", "| rate | α (µs) | bandwidth (MB/s) |",
-           "|---|---:|---:|"]
+  lines = [
+    "Fitted all-gather links:",
+    "",
+    "| rate | α (µs) | bandwidth (MB/s) |",
+    "|---|---:|---:|",
+  ]
   for rate, l in model_gather.get("gather_links", {}).items():
     lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
   return "\n".join(lines) + "\n"
@@ -455,20 +575,29 @@ def gather_link_table(model_gather: dict) -> str:
 def phase_tables(config: str, by_rate: dict) -> list[str]:
   """Markdown rows of the measured step split (``--profile``), process 0; or none."""
   from benchmarks.launch import PHASE_COLUMNS  # pylint: disable=import-outside-toplevel
+
   rows = []
   for rate, run in by_rate.items():
     for method, r in run["methods"].items():
       ph = r.get("phases")
       if ph:
-        rows.append(f"| {rate} | {method} | {ph['step_ms']:.1f} | " + " | ".join(
-            f"{ph[c]:.1f}" for c in PHASE_COLUMNS) + " |")
+        rows.append(
+          f"| {rate} | {method} | {ph['step_ms']:.1f} | "
+          + " | ".join(f"{ph[c]:.1f}" for c in PHASE_COLUMNS)
+          + " |"
+        )
   if not rows:
     return []
-  return [f"Measured step split ({config}, process 0, `--profile`: ms per step from "
-          "jc.profile_phases over the extra profiled steps; exchange includes waiting "
-          "for the other process; idle is the step's wall time not covered by ops):", "",
-          "| rate | method | step | " + " | ".join(PHASE_COLUMNS) + " |",
-          "|---|---|---:|" + "---:|" * len(PHASE_COLUMNS), *rows, ""]
+  return [
+    f"Measured step split ({config}, process 0, `--profile`: ms per step from "
+    "jc.profile_phases over the extra profiled steps; exchange includes waiting "
+    "for the other process; idle is the step's wall time not covered by ops):",
+    "",
+    "| rate | method | step | " + " | ".join(PHASE_COLUMNS) + " |",
+    "|---|---|---:|" + "---:|" * len(PHASE_COLUMNS),
+    *rows,
+    "",
+  ]
 
 
 def plot(runs: dict, path: str) -> None:
@@ -502,29 +631,48 @@ def plot(runs: dict, path: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rates", default=",".join(RATES),
-                      help="tc tbf rates; 'none' (unthrottled) is always run first")
+  parser.add_argument(
+    "--rates",
+    default=",".join(RATES),
+    help="tc tbf rates; 'none' (unthrottled) is always run first",
+  )
   parser.add_argument("--configs", default=",".join(CONFIGS))
   parser.add_argument("--methods", default=",".join(METHODS))
   parser.add_argument("--steps", type=int, default=None, help="override the config's steps")
   parser.add_argument("--out", default="runs/network")
   parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
   parser.add_argument("--seconds-per-size", type=float, default=3.0)
-  parser.add_argument("--burst-ms", type=float, default=BURST_MS,
-                      help="tbf bucket in ms of traffic at the rate (at least 64 KiB)")
-  parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                      help="after each method's run, profile STEPS more steps "
-                      "(jc.profile_phases) and tabulate gradient/encode/exchange/decode")
-  parser.add_argument("--analyze", default=None, metavar="RESULTS_JSON",
-                      help="only fit the model and write the tables/plot from a "
-                           "results.json of an earlier run (no root needed)")
+  parser.add_argument(
+    "--burst-ms",
+    type=float,
+    default=BURST_MS,
+    help="tbf bucket in ms of traffic at the rate (at least 64 KiB)",
+  )
+  parser.add_argument(
+    "--profile",
+    type=int,
+    default=0,
+    metavar="STEPS",
+    help="after each method's run, profile STEPS more steps "
+    "(jc.profile_phases) and tabulate gradient/encode/exchange/decode",
+  )
+  parser.add_argument(
+    "--analyze",
+    default=None,
+    metavar="RESULTS_JSON",
+    help="only fit the model and write the tables/plot from a "
+    "results.json of an earlier run (no root needed)",
+  )
   # psum worker mode (internal).
   parser.add_argument("--psum-worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--num-processes", type=int, default=2, help=argparse.SUPPRESS)
   parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-  parser.add_argument("--psum-sizes", default=",".join(map(str, PSUM_SIZES)),
-                      help="bytes per device of the timed psums")
+  parser.add_argument(
+    "--psum-sizes",
+    default=",".join(map(str, PSUM_SIZES)),
+    help="bytes per device of the timed psums",
+  )
   args = parser.parse_args(argv)
   args.sizes = [int(s) for s in args.psum_sizes.split(",")]
   return args
@@ -538,8 +686,14 @@ def main(argv=None) -> int:
   if args.analyze:
     with open(args.analyze) as f:
       saved = json.load(f)
-    report(saved["runs"], saved["psums"], args.out, saved.get("malloc"), saved.get("bursts"),
-           saved.get("gathers"))
+    report(
+      saved["runs"],
+      saved["psums"],
+      args.out,
+      saved.get("malloc"),
+      saved.get("bursts"),
+      saved.get("gathers"),
+    )
     return 0
   if cannot_run("benchmarks/network.py"):
     return 2
@@ -551,6 +705,7 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so the link is torn down.
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
+
   signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
   runs: dict[str, dict[str, Any]] = {c: {} for c in configs}
   psums: dict[str, list] = {}
@@ -564,26 +719,41 @@ def main(argv=None) -> int:
       timed = time_collectives(args.sizes, args.seconds_per_size, args.timeout)
       psums[rate], gathers[rate] = timed["psum"], timed["all_gather"]
       for s, g in zip(psums[rate], gathers[rate]):
-        print(f"   {s['bytes']:>10,} B: psum {1e3 * s['median_s']:9.2f} ms, all_gather "
-              f"{1e3 * g['median_s']:9.2f} ms", flush=True)
+        print(
+          f"   {s['bytes']:>10,} B: psum {1e3 * s['median_s']:9.2f} ms, all_gather "
+          f"{1e3 * g['median_s']:9.2f} ms",
+          flush=True,
+        )
       for config in configs:
         print(f"== link {rate}, {config}: {','.join(methods)}", flush=True)
         start = time.perf_counter()
-        runs[config][rate] = train_on_link(config, methods, args.steps, args.timeout,
-                                           os.path.join(args.out, "data"), args.profile)
+        runs[config][rate] = train_on_link(
+          config, methods, args.steps, args.timeout, os.path.join(args.out, "data"), args.profile
+        )
         for m, r in runs[config][rate]["methods"].items():
-          print(f"   {m:>7}: mean step {1e3 * step_time(r):8.1f} ms, "
-                f"loss {r['final_loss']:.3f}", flush=True)
+          print(
+            f"   {m:>7}: mean step {1e3 * step_time(r):8.1f} ms, loss {r['final_loss']:.3f}",
+            flush=True,
+          )
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:  # partial results
-          json.dump({"runs": runs, "psums": psums, "gathers": gathers, "malloc": malloc,
-                     "bursts": bursts}, f, indent=2)
+          json.dump(
+            {"runs": runs, "psums": psums, "gathers": gathers, "malloc": malloc, "bursts": bursts},
+            f,
+            indent=2,
+          )
   report(runs, psums, args.out, malloc, bursts, gathers)
   return 0
 
 
-def report(runs: dict, psums: dict, out: str, malloc: str | None = None,
-           bursts: dict | None = None, gathers: dict | None = None) -> None:
+def report(
+  runs: dict,
+  psums: dict,
+  out: str,
+  malloc: str | None = None,
+  bursts: dict | None = None,
+  gathers: dict | None = None,
+) -> None:
   """Fits the model; writes results.json (with it), results.md and the plot.
 
   ``malloc`` says how the workers allocated (they inherit ``GLIBC_TUNABLES``; see
@@ -599,13 +769,25 @@ def report(runs: dict, psums: dict, out: str, malloc: str | None = None,
   model = fit_and_predict(runs, psums)
   model_gather = fit_and_predict(runs, psums, gathers) if gathers else None
   with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"runs": runs, "psums": psums, "gathers": gathers, "model": model,
-               "model_gather_links": model_gather, "malloc": malloc, "bursts": bursts},
-              f, indent=2)
-  burst_text = ("not recorded (10 ms of traffic at the rate, before 2026-11-22)" if bursts is None
-                else ", ".join(f"{r} {b:,} B" for r, b in bursts.items() if b is not None))
-  text = (f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n"
-          + tables(runs, model))
+    json.dump(
+      {
+        "runs": runs,
+        "psums": psums,
+        "gathers": gathers,
+        "model": model,
+        "model_gather_links": model_gather,
+        "malloc": malloc,
+        "bursts": bursts,
+      },
+      f,
+      indent=2,
+    )
+  burst_text = (
+    "not recorded (10 ms of traffic at the rate, before 2026-11-22)"
+    if bursts is None
+    else ", ".join(f"{r} {b:,} B" for r, b in bursts.items() if b is not None)
+  )
+  text = f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n" + tables(runs, model)
   if model_gather is not None:
     text += "\n" + error_comparison(model, model_gather) + gather_link_table(model_gather)
   with open(os.path.join(out, "results.md"), "w") as f:

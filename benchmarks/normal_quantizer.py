@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxcomp as jc
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
+import jaxcomp as jc
 
 
 def _uniform_minmax(x: np.ndarray, bits: int) -> np.ndarray:
@@ -49,7 +49,7 @@ def mses(x: np.ndarray, bits: int, key) -> tuple[float, float, float]:
   """(normal, qsgd, minmax) mean squared errors on the flat float32 ``x``."""
   xj = jnp.asarray(x)
   q = jc.codecs.NormalQuantizer(intervals=2**bits, outlier_fraction=1.0)
-  u = jc.codecs.QSGD(levels=2**(bits - 1) - 1, norm="max")
+  u = jc.codecs.QSGD(levels=2 ** (bits - 1) - 1, norm="max")
   e_n = float(jnp.mean((q.decode(q.encode(xj)) - xj) ** 2))
   e_q = float(jnp.mean((u.decode(u.encode(xj, key=key)) - xj) ** 2))
   e_m = float(np.mean((_uniform_minmax(x, bits) - x) ** 2))
@@ -60,18 +60,23 @@ def main() -> None:
   key = jax.random.key(0)
   x = np.asarray(jax.random.normal(key, (1 << 20,)))
   print("N(0, 1), 2^20 values: MSE")
-  print("| bits | normal | qsgd (stochastic) | minmax (nearest) | normal/qsgd | normal/minmax |"
-        " normal bits/value |")
+  print(
+    "| bits | normal | qsgd (stochastic) | minmax (nearest) | normal/qsgd | normal/minmax |"
+    " normal bits/value |"
+  )
   print("|---:|---:|---:|---:|---:|---:|---:|")
   for bits in (3, 4, 6, 8):
     n, q, m = mses(x, bits, jax.random.key(bits))
-    print(f"| {bits} | {n:.3g} | {q:.3g} | {m:.3g} | {n / q:.2f} | {n / m:.2f} |"
-          f" {normal_bits(x, bits):.2f} |")
+    print(
+      f"| {bits} | {n:.3g} | {q:.3g} | {m:.3g} | {n / q:.2f} | {n / m:.2f} |"
+      f" {normal_bits(x, bits):.2f} |"
+    )
 
   config = default.get_config()
   _, data, model, params = train.setup(config, os.path.join("runs", "mnist1d"))
-  grads = jax.grad(lambda p: train.cross_entropy(model, p, data["x"][:256],
-                                                 data["y"][:256]))(params)
+  grads = jax.grad(lambda p: train.cross_entropy(model, p, data["x"][:256], data["y"][:256]))(
+    params
+  )
   print("\nDemo CNN gradients at init (batch 256), 8-bit codes: MSE ratios")
   print("| kernel | n | subset | beyond 3σ | normal/qsgd | normal/minmax | normal bits/value |")
   print("|---|---:|---|---:|---:|---:|---:|")
@@ -79,12 +84,14 @@ def main() -> None:
     if not jc.default_filter(path, g):
       continue
     flat = np.asarray(g, np.float32).ravel()
-    top = flat[np.argsort(-np.abs(flat))[:flat.size // 2]]
+    top = flat[np.argsort(-np.abs(flat))[: flat.size // 2]]
     for name, v in (("all", flat), ("top 50%", top)):
       beyond = float(np.mean(np.abs(v - v.mean()) > 3 * v.std()))
       n, q, m = mses(v, 8, jax.random.key(1))
-      print(f"| {jax.tree_util.keystr(path)} | {v.size:,} | {name} | {100 * beyond:.2f}% |"
-            f" {n / q:.2f} | {n / m:.2f} | {normal_bits(v, 8):.2f} |")
+      print(
+        f"| {jax.tree_util.keystr(path)} | {v.size:,} | {name} | {100 * beyond:.2f}% |"
+        f" {n / q:.2f} | {n / m:.2f} | {normal_bits(v, 8):.2f} |"
+      )
 
 
 if __name__ == "__main__":

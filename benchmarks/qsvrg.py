@@ -24,11 +24,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+import numpy as np  # noqa: E402
 
 import jaxcomp as jc  # noqa: E402
 
@@ -74,10 +74,10 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
   ys = jax.device_put(jnp.asarray(y, jnp.float32), NamedSharding(mesh, P(AXIS)))
   params0 = {"w": jnp.zeros((d,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
   variants = {
-      "SVRG (dense, Identity codec)": dict(codec=jc.codecs.Identity()),
-      "QSVRG s=sqrt(n) (paper)": {},
-      "QSVRG s=sqrt(n), buckets of 8": dict(bucket_size=8),
-      "QSVRG s=1 (2 bits)": dict(levels=1),
+    "SVRG (dense, Identity codec)": dict(codec=jc.codecs.Identity()),
+    "QSVRG s=sqrt(n) (paper)": {},
+    "QSVRG s=sqrt(n), buckets of 8": dict(bucket_size=8),
+    "QSVRG s=1 (2 bits)": dict(levels=1),
   }
   rows = []
   for name, kw in variants.items():
@@ -88,8 +88,11 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
       idx = jax.random.randint(k, (steps, BATCH), 0, ROWS)
       return opt.epoch(params, state, (x, t), (x[idx], t[idx]))
 
-    step = jax.jit(jax.shard_map(epoch, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()),
-                                 out_specs=(P(), P())))
+    step = jax.jit(
+      jax.shard_map(
+        epoch, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P())
+      )
+    )
     params, state = jax.device_put((params0, opt.init(params0)), NamedSharding(mesh, P()))
     sub = [f(np.zeros(d), 0.0) - fstar]
     for p in range(epochs):
@@ -97,13 +100,23 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
       sub.append(f(np.asarray(params["w"], np.float64), params["b"]) - fstar)
     sub = np.maximum(np.array(sub), 1e-300)
     rate = float(np.exp(np.mean(np.log(sub[1:] / sub[:-1]))))
-    batch = (jax.ShapeDtypeStruct((BATCH, d), jnp.float32),
-             jax.ShapeDtypeStruct((BATCH,), jnp.float32))
-    report = qsvrg_wire_report(opt, params0, batch, axis_name=AXIS, num_devices=K,
-                               inner_steps=steps)
-    rows.append(dict(name=name, rate=rate, final=float(sub[-1] / sub[0]),
-                     bits=report.broadcast_bits_per_epoch, dense=report.dense_bits_per_epoch,
-                     bound=report.paper_bound_bits))
+    batch = (
+      jax.ShapeDtypeStruct((BATCH, d), jnp.float32),
+      jax.ShapeDtypeStruct((BATCH,), jnp.float32),
+    )
+    report = qsvrg_wire_report(
+      opt, params0, batch, axis_name=AXIS, num_devices=K, inner_steps=steps
+    )
+    rows.append(
+      dict(
+        name=name,
+        rate=rate,
+        final=float(sub[-1] / sub[0]),
+        bits=report.broadcast_bits_per_epoch,
+        dense=report.dense_bits_per_epoch,
+        bound=report.paper_bound_bits,
+      )
+    )
   return rows
 
 
@@ -116,13 +129,19 @@ def main():
   args = parser.parse_args()
   rows = run(args.dim, args.lam, args.epochs, args.eta_l)
   n = args.dim + 1
-  print(f"logistic regression, K={K}, n={n}, lambda={args.lam}, T={ROWS // BATCH}, "
-        f"eta={args.eta_l}/L, {args.epochs} epochs; bits per device per epoch")
-  print(f"{'variant':<32} {'rate/epoch':>10} {'final/initial':>14} {'bits/epoch':>11} "
-        f"{'vs dense':>9} {'Elias bound':>12}")
+  print(
+    f"logistic regression, K={K}, n={n}, lambda={args.lam}, T={ROWS // BATCH}, "
+    f"eta={args.eta_l}/L, {args.epochs} epochs; bits per device per epoch"
+  )
+  print(
+    f"{'variant':<32} {'rate/epoch':>10} {'final/initial':>14} {'bits/epoch':>11} "
+    f"{'vs dense':>9} {'Elias bound':>12}"
+  )
   for r in rows:
-    print(f"{r['name']:<32} {r['rate']:>10.4f} {r['final']:>14.2e} {r['bits']:>11,} "
-          f"{r['dense'] / r['bits']:>8.2f}x {r['bound']:>12,.0f}")
+    print(
+      f"{r['name']:<32} {r['rate']:>10.4f} {r['final']:>14.2e} {r['bits']:>11,} "
+      f"{r['dense'] / r['bits']:>8.2f}x {r['bound']:>12,.0f}"
+    )
 
 
 if __name__ == "__main__":

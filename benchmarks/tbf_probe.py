@@ -65,9 +65,23 @@ def peer(role: str, me: str, other: str, nbytes: int) -> None:
 
 def exchange_ms(nbytes: int) -> list[float]:
   """Milliseconds for each side to receive ``nbytes`` (both sending at once)."""
-  cmds = [["ip", "netns", "exec", ns, sys.executable, "-m", "benchmarks.tbf_probe", "--peer",
-           role, network.ADDRESSES[i], network.ADDRESSES[1 - i], str(nbytes)]
-          for i, (ns, role) in enumerate(zip(network.NAMESPACES, ("listen", "connect")))]
+  cmds = [
+    [
+      "ip",
+      "netns",
+      "exec",
+      ns,
+      sys.executable,
+      "-m",
+      "benchmarks.tbf_probe",
+      "--peer",
+      role,
+      network.ADDRESSES[i],
+      network.ADDRESSES[1 - i],
+      str(nbytes),
+    ]
+    for i, (ns, role) in enumerate(zip(network.NAMESPACES, ("listen", "connect")))
+  ]
   listener = subprocess.Popen(cmds[0], stdout=subprocess.PIPE, text=True)
   time.sleep(0.3)
   connector = subprocess.Popen(cmds[1], stdout=subprocess.PIPE, text=True)
@@ -92,8 +106,9 @@ def main(argv=None) -> int:
   parser.add_argument("--burst-ms", default="10,1", help="tbf buckets, ms of traffic")
   parser.add_argument("--sizes", default="262144,1048576,10485760", help="bytes each way")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--peer", nargs=4, metavar=("ROLE", "ME", "OTHER", "NBYTES"),
-                      help=argparse.SUPPRESS)
+  parser.add_argument(
+    "--peer", nargs=4, metavar=("ROLE", "ME", "OTHER", "NBYTES"), help=argparse.SUPPRESS
+  )
   args = parser.parse_args(argv)
   if args.peer:
     role, me, other, nbytes = args.peer
@@ -101,8 +116,10 @@ def main(argv=None) -> int:
     return 0
   if network.cannot_run("benchmarks/tbf_probe.py"):
     return 2
-  print("| rate | bucket (bytes) | bytes each way | ms (each run, both sides) | MB/s (median) "
-        "| line rate (MB/s) | drops |")
+  print(
+    "| rate | bucket (bytes) | bytes each way | ms (each run, both sides) | MB/s (median) "
+    "| line rate (MB/s) | drops |"
+  )
   print("|---|---:|---:|---|---:|---:|---:|")
   with network.Link() as link:
     for rate in args.rates.split(","):
@@ -112,9 +129,12 @@ def main(argv=None) -> int:
           before = drops(link)
           times = [t for _ in range(args.repeats) for t in exchange_ms(nbytes)]
           median = sorted(times)[len(times) // 2]
-          print(f"| {rate} | {bucket:,} | {nbytes:,} | {', '.join(f'{t:.0f}' for t in times)} "
-                f"| {nbytes / median / 1e3:.1f} | {network.rate_bytes_per_s(rate) / 1e6:.1f} "
-                f"| {drops(link) - before} |", flush=True)
+          print(
+            f"| {rate} | {bucket:,} | {nbytes:,} | {', '.join(f'{t:.0f}' for t in times)} "
+            f"| {nbytes / median / 1e3:.1f} | {network.rate_bytes_per_s(rate) / 1e6:.1f} "
+            f"| {drops(link) - before} |",
+            flush=True,
+          )
   return 0
 
 

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxcomp as jc
 from benchmarks._timing import median_time
+import jaxcomp as jc
 
 
 def _inputs(dist: str, n: int, seed: int) -> jax.Array:
@@ -50,36 +50,40 @@ def run(sizes_m, density: float, repeats: int) -> list[dict]:
         if dist == "gaussian":
           row[f"time_{method}"] = median_time(encode, x, key, repeats=repeats)
     rows.append(row)
-    print(f"n={n:>10,}: exact {row['time_exact'] * 1e3:7.1f} ms, blocked "
-          f"{row['time_blocked'] * 1e3:7.1f} ms, sampled {row['time_sampled'] * 1e3:7.1f} ms",
-          flush=True)
+    print(
+      f"n={n:>10,}: exact {row['time_exact'] * 1e3:7.1f} ms, blocked "
+      f"{row['time_blocked'] * 1e3:7.1f} ms, sampled {row['time_sampled'] * 1e3:7.1f} ms",
+      flush=True,
+    )
   return rows
 
 
 def table(rows: list[dict], density: float) -> str:
   lines = [
-      f"TopK encode on {jax.devices()[0].device_kind} ({jax.device_count()} device(s) "
-      f"visible, one used), density {density:g}, jax {jax.__version__}. Speed-up = "
-      "lax.top_k time / method time (same run). Recall = share of the exact top-k selected.",
-      "",
-      "| n | lax.top_k (ms) | blocked (ms) | speed-up | sampled (ms) | speed-up |"
-      " recall sampled (gauss / heavy) | recall blocked (gauss / heavy) |",
-      "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    f"TopK encode on {jax.devices()[0].device_kind} ({jax.device_count()} device(s) "
+    f"visible, one used), density {density:g}, jax {jax.__version__}. Speed-up = "
+    "lax.top_k time / method time (same run). Recall = share of the exact top-k selected.",
+    "",
+    "| n | lax.top_k (ms) | blocked (ms) | speed-up | sampled (ms) | speed-up |"
+    " recall sampled (gauss / heavy) | recall blocked (gauss / heavy) |",
+    "|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     lines.append(
-        f"| {r['n']:,} | {r['time_exact'] * 1e3:.1f} | {r['time_blocked'] * 1e3:.1f} |"
-        f" {r['time_exact'] / r['time_blocked']:.2f}x | {r['time_sampled'] * 1e3:.1f} |"
-        f" {r['time_exact'] / r['time_sampled']:.2f}x |"
-        f" {r['recall_sampled_gaussian']:.3f} / {r['recall_sampled_heavy_tailed']:.3f} |"
-        f" {r['recall_blocked_gaussian']:.3f} / {r['recall_blocked_heavy_tailed']:.3f} |")
+      f"| {r['n']:,} | {r['time_exact'] * 1e3:.1f} | {r['time_blocked'] * 1e3:.1f} |"
+      f" {r['time_exact'] / r['time_blocked']:.2f}x | {r['time_sampled'] * 1e3:.1f} |"
+      f" {r['time_exact'] / r['time_sampled']:.2f}x |"
+      f" {r['recall_sampled_gaussian']:.3f} / {r['recall_sampled_heavy_tailed']:.3f} |"
+      f" {r['recall_blocked_gaussian']:.3f} / {r['recall_blocked_heavy_tailed']:.3f} |"
+    )
   return "\n".join(lines)
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", default="1,2,4,8,16",
-                      help="comma-separated sizes in units of 2**20 values")
+  parser.add_argument(
+    "--sizes", default="1,2,4,8,16", help="comma-separated sizes in units of 2**20 values"
+  )
   parser.add_argument("--density", type=float, default=0.001)
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args(argv)

@@ -41,12 +41,12 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
-import jaxcomp as jc
 from benchmarks import _timing
 from benchmarks._timing import median_time
+import jaxcomp as jc
 from jaxcomp._src import bitpack
 from jaxcomp._src import codecs
 from jaxcomp._src import collectives
@@ -98,8 +98,13 @@ def _new_buffer_child(*, repeats: int, reuse: bool) -> tuple[float, float]:
   env["JAX_PLATFORMS"] = "cpu"
   if reuse:
     env["GLIBC_TUNABLES"] = _timing.REUSE_MALLOC
-  out = subprocess.run([sys.executable, "-c", _NEW_BUFFER.format(repeats=max(repeats, 10))], env=env,
-                       check=True, capture_output=True, text=True).stdout
+  out = subprocess.run(
+    [sys.executable, "-c", _NEW_BUFFER.format(repeats=max(repeats, 10))],
+    env=env,
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout
   ms, faults = out.split()[-2:]
   return float(ms), float(faults)
 
@@ -168,95 +173,172 @@ def main(argv=None) -> None:
   fused, decode_args = _decode_update(False)
   materialized, _ = _decode_update(True)
   rows = [
-      ("top_k(x, 235)[0][-1], n=1M", _ms(lambda a: lax.top_k(a, 235)[0][-1], m1, repeats=r)),
-      ("min(top_k(x, 235)[0]), n=1M", _ms(lambda a: jnp.min(lax.top_k(a, 235)[0]), m1,
-                                          repeats=r)),
-      ("sum(a >= t, int32), n=16M", _ms(lambda a, t: jnp.sum(a >= t, dtype=jnp.int32), m16, t,
-                                        repeats=r)),
-      ("sum(floor(min(a/t, 1))), n=16M", _ms(lambda a, t: jnp.sum(sparse.passes(a, t)), m16, t,
-                                             repeats=r)),
-      ("sum(floor(clip(a/t, 0, 1))), n=16M", _ms(
-          lambda a, t: jnp.sum(jnp.floor(jnp.clip(a * (1.0 / t), 0.0, 1.0))), m16, t, repeats=r)),
-      ("sum(a) (a read, for scale), n=1M", _ms(jnp.sum, m1, repeats=r)),
-      ("cumsum(a >= t), n=1M", _ms(lambda a, t: jnp.cumsum(a >= t, dtype=jnp.int32), m1, t,
-                                   repeats=r)),
-      ("nonzero(a >= t, size=2k), n=1M", _ms(
-          lambda a, t: jnp.nonzero(a >= t, size=2098, fill_value=a.size)[0], m1, t, repeats=r)),
-      ("sparse.compact(a >= t, 2k) (popcounts, binary search), n=1M", _ms(
-          lambda a, t: sparse.compact(a >= t, 2098), m1, t, repeats=r)),
-      ("sparse.compact(a >= 0.5, n/2) (popcounts, scatter of the set bits), n=1M", _ms(
-          lambda a: sparse.compact(a >= 0.5, 2**19), m1, repeats=r)),
-      ("a >= t & (cumsum(a >= t) <= 1000), n=1M", _ms(
-          lambda a, t: (a >= t) & (jnp.cumsum(a >= t, dtype=jnp.int32) <= 1000), m1, t,
-          repeats=r)),
-      ("sparse.first_trues(a >= t, 1000), n=1M", _ms(
-          lambda a, t: sparse.first_trues(a >= t, 1000), m1, t, repeats=r)),
-      ("MIPD top_mask k=1%, bisection + cumsum ties (before), n=1M", _ms(
-          lambda a: _bisection_top_mask(a, jnp.int32(10486)), m1, repeats=r)),
-      ("MIPD top_mask k=1%, 4-way search + first_trues, n=1M", _ms(
-          lambda a: mipd.top_mask(a, jnp.int32(10486)), m1, repeats=r)),
-      ("jnp.sort, n=1M", _ms(jnp.sort, m1, repeats=r)),
-      ("UnbiasedSparsifier exact λ (eps=1), n=1M", _ms(
-          lambda a: jc.codecs.UnbiasedSparsifier(epsilon=1.0, method="exact").probabilities(a)[1],
-          m1, repeats=r)),
-      # The quantizers' per-bucket reductions (buckets of 512, n=16M): XLA:CPU hands a
-      # plain reduction of an input to a library kernel, one with a prologue to its loop
-      # emitter.
-      ("max(x) per bucket of 512, n=16M", _ms(
-          lambda a: jnp.max(a.reshape(-1, 512), axis=1), s16, repeats=r)),
-      ("max(abs(x)) per bucket of 512, n=16M", _ms(
-          lambda a: jnp.max(jnp.abs(a.reshape(-1, 512)), axis=1), s16, repeats=r)),
-      ("max(max x, -min x) per bucket of 512, n=16M", _ms(
-          lambda a: jnp.maximum(jnp.max(a.reshape(-1, 512), axis=1),
-                                -jnp.min(a.reshape(-1, 512), axis=1)), s16, repeats=r)),
-      # QSGD's scale and NaN check: max, min and a sum as library reductions (three
-      # passes; the library max skips NaNs, hence the sum), or max and min in one
-      # NaN-propagating variadic reduction (codecs._row_max_min).
-      ("max, min and sum per bucket of 512 (three reductions), n=16M", _ms(
-          lambda a: (jnp.max(a.reshape(-1, 512), axis=1), jnp.min(a.reshape(-1, 512), axis=1),
-                     jnp.sum(a.reshape(-1, 512), axis=1)), s16, repeats=r)),
-      ("max and min per bucket of 512, one variadic reduction, n=16M", _ms(
-          lambda a: codecs._row_max_min(a.reshape(-1, 512)), s16, repeats=r)),  # pylint: disable=protected-access
-      ("sum(x*x) per bucket of 512, n=16M", _ms(
-          lambda a: jnp.sum(jnp.square(a.reshape(-1, 512)), axis=1), s16, repeats=r)),
-      # OneBit's bucket statistics (buckets of 1024, n=4M, the packed signs given): one
-      # variadic reduction of whole buckets, or two levels (rows of 32, then per bucket).
-      ("OneBit bucket sums, one reduction per bucket of 1024, n=4M", _ms(
-          lambda v, w: codecs._onebit_sums(v, w, two_level=False), *onebit_args,  # pylint: disable=protected-access
-          repeats=r)),
-      ("OneBit bucket sums, rows of 32 then per bucket, n=4M", _ms(
-          lambda v, w: codecs._onebit_sums(v, w, two_level=True), *onebit_args,  # pylint: disable=protected-access
-          repeats=r)),
-      # Writing a fresh 64 MB output (every decode does) vs the same loop in place.
-      ("x + 1 into a new buffer, n=16M", _ms(lambda a: a + 1.0, s16, repeats=r)),
-      ("x + 1 in place (donated), n=16M", _donated_ms(s16, repeats=r)),
-      # The new buffer's cost is glibc's: a block above its mmap threshold is mmapped per
-      # call and unmapped when freed. With REUSE_MALLOC (a child process) it is reused.
-      ("x + 1 into a new buffer, GLIBC_TUNABLES=REUSE_MALLOC, n=16M", reuse[0]),
-      # A decoded mean that the optimizer reads three times: XLA:CPU fuses the decode
-      # into each reader unless it is materialized (jaxcomp does, on CPU).
-      ("QSGD4 decode of 2 payloads + clip/momentum/update, fused, n=1.77M",
-       _ms(fused, *decode_args, repeats=r)),
-      ("the same, decode materialized (lax.cond), n=1.77M",
-       _ms(materialized, *decode_args, repeats=r)),
-      ("UnbiasedSparsifier greedy λ (1%), n=1M", _ms(
-          lambda a: jc.codecs.UnbiasedSparsifier(density=0.01).probabilities(a)[1], m1,
-          repeats=r)),
-      ("greedy λ rounds alone (1%), one variadic reduction of rows of 16, n=1M", _ms(
-          lambda a: jc.codecs.UnbiasedSparsifier(density=0.01)._lambda_normalized(  # pylint: disable=protected-access
-              a / jnp.max(a)), m1, repeats=r)),
-      ("greedy λ rounds alone (1%), two jnp.sum per round (before), n=1M", _ms(
-          lambda a: _greedy_lambda_two_sums(a / jnp.max(a)), m1, repeats=r)),
+    ("top_k(x, 235)[0][-1], n=1M", _ms(lambda a: lax.top_k(a, 235)[0][-1], m1, repeats=r)),
+    ("min(top_k(x, 235)[0]), n=1M", _ms(lambda a: jnp.min(lax.top_k(a, 235)[0]), m1, repeats=r)),
+    (
+      "sum(a >= t, int32), n=16M",
+      _ms(lambda a, t: jnp.sum(a >= t, dtype=jnp.int32), m16, t, repeats=r),
+    ),
+    (
+      "sum(floor(min(a/t, 1))), n=16M",
+      _ms(lambda a, t: jnp.sum(sparse.passes(a, t)), m16, t, repeats=r),
+    ),
+    (
+      "sum(floor(clip(a/t, 0, 1))), n=16M",
+      _ms(lambda a, t: jnp.sum(jnp.floor(jnp.clip(a * (1.0 / t), 0.0, 1.0))), m16, t, repeats=r),
+    ),
+    ("sum(a) (a read, for scale), n=1M", _ms(jnp.sum, m1, repeats=r)),
+    (
+      "cumsum(a >= t), n=1M",
+      _ms(lambda a, t: jnp.cumsum(a >= t, dtype=jnp.int32), m1, t, repeats=r),
+    ),
+    (
+      "nonzero(a >= t, size=2k), n=1M",
+      _ms(lambda a, t: jnp.nonzero(a >= t, size=2098, fill_value=a.size)[0], m1, t, repeats=r),
+    ),
+    (
+      "sparse.compact(a >= t, 2k) (popcounts, binary search), n=1M",
+      _ms(lambda a, t: sparse.compact(a >= t, 2098), m1, t, repeats=r),
+    ),
+    (
+      "sparse.compact(a >= 0.5, n/2) (popcounts, scatter of the set bits), n=1M",
+      _ms(lambda a: sparse.compact(a >= 0.5, 2**19), m1, repeats=r),
+    ),
+    (
+      "a >= t & (cumsum(a >= t) <= 1000), n=1M",
+      _ms(lambda a, t: (a >= t) & (jnp.cumsum(a >= t, dtype=jnp.int32) <= 1000), m1, t, repeats=r),
+    ),
+    (
+      "sparse.first_trues(a >= t, 1000), n=1M",
+      _ms(lambda a, t: sparse.first_trues(a >= t, 1000), m1, t, repeats=r),
+    ),
+    (
+      "MIPD top_mask k=1%, bisection + cumsum ties (before), n=1M",
+      _ms(lambda a: _bisection_top_mask(a, jnp.int32(10486)), m1, repeats=r),
+    ),
+    (
+      "MIPD top_mask k=1%, 4-way search + first_trues, n=1M",
+      _ms(lambda a: mipd.top_mask(a, jnp.int32(10486)), m1, repeats=r),
+    ),
+    ("jnp.sort, n=1M", _ms(jnp.sort, m1, repeats=r)),
+    (
+      "UnbiasedSparsifier exact λ (eps=1), n=1M",
+      _ms(
+        lambda a: jc.codecs.UnbiasedSparsifier(epsilon=1.0, method="exact").probabilities(a)[1],
+        m1,
+        repeats=r,
+      ),
+    ),
+    # The quantizers' per-bucket reductions (buckets of 512, n=16M): XLA:CPU hands a
+    # plain reduction of an input to a library kernel, one with a prologue to its loop
+    # emitter.
+    (
+      "max(x) per bucket of 512, n=16M",
+      _ms(lambda a: jnp.max(a.reshape(-1, 512), axis=1), s16, repeats=r),
+    ),
+    (
+      "max(abs(x)) per bucket of 512, n=16M",
+      _ms(lambda a: jnp.max(jnp.abs(a.reshape(-1, 512)), axis=1), s16, repeats=r),
+    ),
+    (
+      "max(max x, -min x) per bucket of 512, n=16M",
+      _ms(
+        lambda a: jnp.maximum(
+          jnp.max(a.reshape(-1, 512), axis=1), -jnp.min(a.reshape(-1, 512), axis=1)
+        ),
+        s16,
+        repeats=r,
+      ),
+    ),
+    # QSGD's scale and NaN check: max, min and a sum as library reductions (three
+    # passes; the library max skips NaNs, hence the sum), or max and min in one
+    # NaN-propagating variadic reduction (codecs._row_max_min).
+    (
+      "max, min and sum per bucket of 512 (three reductions), n=16M",
+      _ms(
+        lambda a: (
+          jnp.max(a.reshape(-1, 512), axis=1),
+          jnp.min(a.reshape(-1, 512), axis=1),
+          jnp.sum(a.reshape(-1, 512), axis=1),
+        ),
+        s16,
+        repeats=r,
+      ),
+    ),
+    (
+      "max and min per bucket of 512, one variadic reduction, n=16M",
+      _ms(lambda a: codecs._row_max_min(a.reshape(-1, 512)), s16, repeats=r),
+    ),  # pylint: disable=protected-access
+    (
+      "sum(x*x) per bucket of 512, n=16M",
+      _ms(lambda a: jnp.sum(jnp.square(a.reshape(-1, 512)), axis=1), s16, repeats=r),
+    ),
+    # OneBit's bucket statistics (buckets of 1024, n=4M, the packed signs given): one
+    # variadic reduction of whole buckets, or two levels (rows of 32, then per bucket).
+    (
+      "OneBit bucket sums, one reduction per bucket of 1024, n=4M",
+      _ms(
+        lambda v, w: codecs._onebit_sums(v, w, two_level=False),
+        *onebit_args,  # pylint: disable=protected-access
+        repeats=r,
+      ),
+    ),
+    (
+      "OneBit bucket sums, rows of 32 then per bucket, n=4M",
+      _ms(
+        lambda v, w: codecs._onebit_sums(v, w, two_level=True),
+        *onebit_args,  # pylint: disable=protected-access
+        repeats=r,
+      ),
+    ),
+    # Writing a fresh 64 MB output (every decode does) vs the same loop in place.
+    ("x + 1 into a new buffer, n=16M", _ms(lambda a: a + 1.0, s16, repeats=r)),
+    ("x + 1 in place (donated), n=16M", _donated_ms(s16, repeats=r)),
+    # The new buffer's cost is glibc's: a block above its mmap threshold is mmapped per
+    # call and unmapped when freed. With REUSE_MALLOC (a child process) it is reused.
+    ("x + 1 into a new buffer, GLIBC_TUNABLES=REUSE_MALLOC, n=16M", reuse[0]),
+    # A decoded mean that the optimizer reads three times: XLA:CPU fuses the decode
+    # into each reader unless it is materialized (jaxcomp does, on CPU).
+    (
+      "QSGD4 decode of 2 payloads + clip/momentum/update, fused, n=1.77M",
+      _ms(fused, *decode_args, repeats=r),
+    ),
+    (
+      "the same, decode materialized (lax.cond), n=1.77M",
+      _ms(materialized, *decode_args, repeats=r),
+    ),
+    (
+      "UnbiasedSparsifier greedy λ (1%), n=1M",
+      _ms(lambda a: jc.codecs.UnbiasedSparsifier(density=0.01).probabilities(a)[1], m1, repeats=r),
+    ),
+    (
+      "greedy λ rounds alone (1%), one variadic reduction of rows of 16, n=1M",
+      _ms(
+        lambda a: jc.codecs.UnbiasedSparsifier(density=0.01)._lambda_normalized(  # pylint: disable=protected-access
+          a / jnp.max(a)
+        ),
+        m1,
+        repeats=r,
+      ),
+    ),
+    (
+      "greedy λ rounds alone (1%), two jnp.sum per round (before), n=1M",
+      _ms(lambda a: _greedy_lambda_two_sums(a / jnp.max(a)), m1, repeats=r),
+    ),
   ]
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, malloc: "
-        f"{_timing.malloc_label()}, median of {r}\n")
+  print(
+    f"jax {jax.__version__}, {jax.devices()[0].device_kind}, malloc: "
+    f"{_timing.malloc_label()}, median of {r}\n"
+  )
   print("| operation | ms |")
   print("|---|---:|")
   for name, ms in rows:
     print(f"| {name} | {ms:.1f} |")
-  print(f"\nMinor page faults per call of x + 1 into a new 64 MB buffer (child processes; "
-        f"16,384 pages of 4 KiB): glibc default {default[1]:,.0f} ({default[0]:.1f} ms), "
-        f"GLIBC_TUNABLES=REUSE_MALLOC {reuse[1]:,.0f} ({reuse[0]:.1f} ms).")
+  print(
+    f"\nMinor page faults per call of x + 1 into a new 64 MB buffer (child processes; "
+    f"16,384 pages of 4 KiB): glibc default {default[1]:,.0f} ({default[0]:.1f} ms), "
+    f"GLIBC_TUNABLES=REUSE_MALLOC {reuse[1]:,.0f} ({reuse[0]:.1f} ms)."
+  )
 
 
 if __name__ == "__main__":

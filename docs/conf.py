@@ -20,12 +20,12 @@ release = jaxcomp.__version__
 version = release
 
 extensions = [
-    "myst_parser",
-    "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
-    "sphinx.ext.mathjax",
-    "sphinx.ext.napoleon",
-    "sphinx.ext.viewcode",
+  "myst_parser",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.mathjax",
+  "sphinx.ext.napoleon",
+  "sphinx.ext.viewcode",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -60,7 +60,7 @@ nitpicky = False
 html_theme = "sphinx_book_theme"
 html_title = f"jaxcomp {release}"
 html_theme_options = {
-    "show_toc_level": 2,
-    "navigation_with_keys": False,
+  "show_toc_level": 2,
+  "navigation_with_keys": False,
 }
 html_static_path = []

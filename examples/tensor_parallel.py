@@ -29,12 +29,12 @@ if os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu"):
 # pylint: disable=wrong-import-position
 import argparse
 
-import jax.numpy as jnp
-import numpy as np
-import optax
 from jax import lax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
 
 import jaxcomp as jc
 
@@ -43,10 +43,12 @@ DATA, MODEL, EXPERT = "data", "model", "expert"
 
 def init_params(key, d_in=64, hidden=256, d_out=10):
   k1, k2 = jax.random.split(key)
-  return {"w1": jax.random.normal(k1, (d_in, hidden)) / np.sqrt(d_in),
-          "b1": jnp.zeros((hidden,)),
-          "w2": jax.random.normal(k2, (hidden, d_out)) / np.sqrt(hidden),
-          "b2": jnp.zeros((d_out,))}
+  return {
+    "w1": jax.random.normal(k1, (d_in, hidden)) / np.sqrt(d_in),
+    "b1": jnp.zeros((hidden,)),
+    "w2": jax.random.normal(k2, (hidden, d_out)) / np.sqrt(hidden),
+    "b2": jnp.zeros((d_out,)),
+  }
 
 
 def param_specs(three_axes: bool):
@@ -73,24 +75,35 @@ def make_data(n, key, d_in=64, classes=10):
 def train(mesh_shape=(4, 2), steps=20, accumulate=2, nan_at=-1, seed=0, log=print):
   """Trains and returns ``(losses, notfinite_count, params)``."""
   three = len(mesh_shape) == 3
-  names = (DATA, MODEL, EXPERT)[:len(mesh_shape)]
-  mesh = jax.make_mesh(tuple(mesh_shape), names,
-                       devices=jax.devices()[:int(np.prod(mesh_shape))])
+  names = (DATA, MODEL, EXPERT)[: len(mesh_shape)]
+  mesh = jax.make_mesh(tuple(mesh_shape), names, devices=jax.devices()[: int(np.prod(mesh_shape))])
   tp_axes = names[1:]
   specs = param_specs(three)
   k = mesh.shape[DATA]
 
   tx = jc.multi_steps(
-      jc.skip_nonfinite(optax.chain(
-          jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=DATA)),
-          optax.adam(3e-3)), axis_name=DATA),
-      every_k_schedule=accumulate)
-  state_specs = jc.state_specs(tx, init_params(jax.random.key(seed)), axis_name=DATA,
-                               num_devices=k, param_specs=specs, mesh=mesh)
-  params = jax.device_put(init_params(jax.random.key(seed)),
-                          jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,),
-                                    out_specs=state_specs))(params)
+    jc.skip_nonfinite(
+      optax.chain(
+        jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=DATA)), optax.adam(3e-3)
+      ),
+      axis_name=DATA,
+    ),
+    every_k_schedule=accumulate,
+  )
+  state_specs = jc.state_specs(
+    tx,
+    init_params(jax.random.key(seed)),
+    axis_name=DATA,
+    num_devices=k,
+    param_specs=specs,
+    mesh=mesh,
+  )
+  params = jax.device_put(
+    init_params(jax.random.key(seed)), jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  )
+  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=state_specs))(
+    params
+  )
 
   def train_step(params, opt_state, batch, poison):
     grads = jax.grad(loss_fn)(jc.vary(params, DATA), batch, tp_axes)
@@ -101,16 +114,22 @@ def train(mesh_shape=(4, 2), steps=20, accumulate=2, nan_at=-1, seed=0, log=prin
     loss = lax.pmean(loss_fn(params, batch, tp_axes), DATA)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  step = jax.jit(jax.shard_map(
-      train_step, mesh=mesh, in_specs=(specs, state_specs, P(DATA), P()),
-      out_specs=(specs, state_specs, P())))
+  step = jax.jit(
+    jax.shard_map(
+      train_step,
+      mesh=mesh,
+      in_specs=(specs, state_specs, P(DATA), P()),
+      out_specs=(specs, state_specs, P()),
+    )
+  )
   x, y = make_data(2048, jax.random.key(seed + 1))
   per_step = 16 * k
   losses = []
   for t in range(steps):
     lo = (t * per_step) % (x.shape[0] - per_step + 1)
-    batch = jax.device_put((x[lo:lo + per_step], y[lo:lo + per_step]),
-                           NamedSharding(mesh, P(DATA)))
+    batch = jax.device_put(
+      (x[lo : lo + per_step], y[lo : lo + per_step]), NamedSharding(mesh, P(DATA))
+    )
     params, opt_state, loss = step(params, opt_state, batch, jnp.int32(t == nan_at))
     losses.append(float(loss))
     if t % 5 == 0 or t == steps - 1:
@@ -125,8 +144,12 @@ def main(argv=None):
   parser.add_argument("--mesh", default="4,2", help="data,model[,expert] axis sizes")
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--accumulate", type=int, default=2, help="mini-steps per update")
-  parser.add_argument("--nan-at", type=int, default=-1,
-                      help="mini-step at which one device's gradient is NaN (-1: never)")
+  parser.add_argument(
+    "--nan-at",
+    type=int,
+    default=-1,
+    help="mini-step at which one device's gradient is NaN (-1: never)",
+  )
   args = parser.parse_args(argv)
   shape = tuple(int(s) for s in args.mesh.split(","))
   if len(shape) not in (2, 3):

@@ -29,16 +29,16 @@ from jaxcomp._src.qsvrg import QSVRGState
 from jaxcomp._src.qsvrg import QSVRGWireReport
 from jaxcomp._src.qsvrg import qsvrg
 from jaxcomp._src.qsvrg import qsvrg_wire_report
+from jaxcomp._src.specs import state_specs
 from jaxcomp._src.transforms import CompressState
+from jaxcomp._src.transforms import PerDeviceState
 from jaxcomp._src.transforms import compress
 from jaxcomp._src.transforms import default_filter
 from jaxcomp._src.transforms import ef_signsgd
 from jaxcomp._src.transforms import onebit_sgd
-from jaxcomp._src.transforms import PerDeviceState
 from jaxcomp._src.transforms import per_device_state
 from jaxcomp._src.transforms import qsgd
 from jaxcomp._src.transforms import sparsify
-from jaxcomp._src.specs import state_specs
 from jaxcomp._src.wire import CollectiveOp
 from jaxcomp._src.wire import WireReport
 from jaxcomp._src.wire import wire_report
@@ -49,45 +49,45 @@ from jaxcomp._src.wrappers import skip_nonfinite
 __version__ = "0.1.0"
 
 __all__ = [
-    "CollectiveOp",
-    "CompressState",
-    "DGCState",
-    "MIPDState",
-    "OneBitAdamState",
-    "PerDeviceState",
-    "PhaseProfile",
-    "PowerSGDState",
-    "QSVRG",
-    "QSVRGState",
-    "QSVRGWireReport",
-    "SkipNonfiniteState",
-    "WireReport",
-    "codecs",
-    "compress",
-    "default_filter",
-    "ef_signsgd",
-    "elias",
-    "kernels",
-    "dgc",
-    "dgc_density_schedule",
-    "mipd",
-    "multi_steps",
-    "network",
-    "onebit_adam",
-    "onebit_sgd",
-    "per_device_state",
-    "pmean_tree",
-    "powersgd",
-    "profile_phases",
-    "qsgd",
-    "qsvrg",
-    "qsvrg_wire_report",
-    "restore_target",
-    "skip_nonfinite",
-    "sparsify",
-    "state_specs",
-    "unwrap_keys",
-    "vary",
-    "wire_report",
-    "wrap_keys",
+  "CollectiveOp",
+  "CompressState",
+  "DGCState",
+  "MIPDState",
+  "OneBitAdamState",
+  "PerDeviceState",
+  "PhaseProfile",
+  "PowerSGDState",
+  "QSVRG",
+  "QSVRGState",
+  "QSVRGWireReport",
+  "SkipNonfiniteState",
+  "WireReport",
+  "codecs",
+  "compress",
+  "default_filter",
+  "ef_signsgd",
+  "elias",
+  "kernels",
+  "dgc",
+  "dgc_density_schedule",
+  "mipd",
+  "multi_steps",
+  "network",
+  "onebit_adam",
+  "onebit_sgd",
+  "per_device_state",
+  "pmean_tree",
+  "powersgd",
+  "profile_phases",
+  "qsgd",
+  "qsvrg",
+  "qsvrg_wire_report",
+  "restore_target",
+  "skip_nonfinite",
+  "sparsify",
+  "state_specs",
+  "unwrap_keys",
+  "vary",
+  "wire_report",
+  "wrap_keys",
 ]

@@ -29,6 +29,17 @@ from jaxcomp._src.elias import stream_bits
 from jaxcomp._src.elias import theorem_3_2_bound
 from jaxcomp._src.elias import words_to_bytes
 
-__all__ = ["bytes_to_words", "decode_stream", "dense_bound", "encode_stream", "omega_decode",
-           "omega_encode", "omega_length", "qsgd_from_bytes", "qsgd_to_bytes", "stream_bits",
-           "theorem_3_2_bound", "words_to_bytes"]
+__all__ = [
+  "bytes_to_words",
+  "decode_stream",
+  "dense_bound",
+  "encode_stream",
+  "omega_decode",
+  "omega_encode",
+  "omega_length",
+  "qsgd_from_bytes",
+  "qsgd_to_bytes",
+  "stream_bits",
+  "theorem_3_2_bound",
+  "words_to_bytes",
+]

@@ -23,5 +23,12 @@ from jaxcomp._src.network import predict_step_time
 from jaxcomp._src.network import steps
 from jaxcomp._src.network import traffic
 
-__all__ = ["Link", "compute_time", "exchange_time", "fit_link", "predict_step_time",
-           "steps", "traffic"]
+__all__ = [
+  "Link",
+  "compute_time",
+  "exchange_time",
+  "fit_link",
+  "predict_step_time",
+  "steps",
+  "traffic",
+]

@@ -26,7 +26,7 @@ from . import cpu
 from . import dequantize
 from . import quantize
 from . import sign_pack
-from ._common import cuda_available
 from ._common import LaunchConfig
+from ._common import cuda_available
 
 __all__ = ["LaunchConfig", "cpu", "cuda_available", "dequantize", "quantize", "sign_pack"]

@@ -71,7 +71,8 @@ def resolve_interpret(interpret: bool | None) -> bool:
 def check_implementation(implementation) -> None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
-        f"implementation must be None, 'xla', 'pallas' or 'native', got {implementation!r}")
+      f"implementation must be None, 'xla', 'pallas' or 'native', got {implementation!r}"
+    )
 
 
 def use_pallas(implementation: str | None) -> bool:
@@ -143,8 +144,9 @@ def sum_shift(count: int) -> int:
   return (max(int(count), 1) - 1).bit_length() + 1
 
 
-def side_mean(total: Array, scaled_total: Array, count: Array, shift: int, *,
-              exact_asm: bool = False) -> Array:
+def side_mean(
+  total: Array, scaled_total: Array, count: Array, shift: int, *, exact_asm: bool = False
+) -> Array:
   """OneBit's mean of one sign's values in a bucket, ``total / count`` (0 when empty).
 
   ``total`` is their float32 sum, which overflows to ``±inf`` once it passes
@@ -158,8 +160,9 @@ def side_mean(total: Array, scaled_total: Array, count: Array, shift: int, *,
   """
   safe = jnp.maximum(count, 1.0)
   plain = div(total, safe, exact_asm=exact_asm)
-  rescued = jnp.clip(div(scaled_total, safe, exact_asm=exact_asm) * np.float32(2.0**shift),
-                     -FLT_MAX, FLT_MAX)
+  rescued = jnp.clip(
+    div(scaled_total, safe, exact_asm=exact_asm) * np.float32(2.0**shift), -FLT_MAX, FLT_MAX
+  )
   mean = jnp.where(jnp.isinf(total) & jnp.isfinite(scaled_total), rescued, plain)
   return jnp.where(count > 0, mean, 0.0)
 
@@ -218,6 +221,7 @@ class LaunchConfig:
 
   def compiler_params(self):
     from jax.experimental.pallas import triton as pltriton
+
     return pltriton.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
@@ -226,10 +230,15 @@ def div(x: Array, y: Array, *, exact_asm: bool) -> Array:
   if not exact_asm:
     return x / y
   from jax.experimental.pallas import triton as pltriton
+
   x, y = jnp.broadcast_arrays(x, y)
   [out] = pltriton.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=f,f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    "div.rn.f32 $0, $1, $2;",
+    args=[x, y],
+    constraints="=f,f,f",
+    pack=1,
+    result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+  )
   return out
 
 
@@ -238,15 +247,21 @@ def sqrt(x: Array, *, exact_asm: bool) -> Array:
   if not exact_asm:
     return jnp.sqrt(x)
   from jax.experimental.pallas import triton as pltriton
+
   [out] = pltriton.elementwise_inline_asm(
-      "sqrt.rn.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    "sqrt.rn.f32 $0, $1;",
+    args=[x],
+    constraints="=f,f",
+    pack=1,
+    result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+  )
   return out
 
 
 def key_words_array(key: Array) -> Array:
   """The two uint32 hash seeds of ``key`` (:func:`jaxcomp._src.rng.key_words`) as ``(2,)``."""
   from jaxcomp._src import rng
+
   k0, k1 = rng.key_words(key)
   return jnp.stack([k0, k1])
 
@@ -277,13 +292,15 @@ def check_interpretable(interpret: bool, *arrays: Array) -> None:
   if not interpret:
     return
   from jaxcomp._src.collectives import varying_axes  # (collectives imports the codecs)
+
   axes = frozenset().union(*(varying_axes(a) for a in arrays if a is not None))
   if axes:
     raise ValueError(
-        f"jaxcomp's Pallas kernels run in interpret mode here (no CUDA GPU), and Pallas's "
-        f"interpreter cannot run on values that vary over the manual axes {sorted(axes)} "
-        f"of a jax.shard_map with check_vma=True. Use implementation='xla' (bit-identical "
-        f"payloads), jax.shard_map(..., check_vma=False), or jax.pmap.")
+      f"jaxcomp's Pallas kernels run in interpret mode here (no CUDA GPU), and Pallas's "
+      f"interpreter cannot run on values that vary over the manual axes {sorted(axes)} "
+      f"of a jax.shard_map with check_vma=True. Use implementation='xla' (bit-identical "
+      f"payloads), jax.shard_map(..., check_vma=False), or jax.pmap."
+    )
 
 
 def load_buckets(x_ref, e_ref, *, n: int, rows: int, bucket: int):
@@ -297,9 +314,13 @@ def load_buckets(x_ref, e_ref, *, n: int, rows: int, bucket: int):
   """
   from jax import lax
   from jax.experimental import pallas as pl
+
   start = pl.program_id(0) * (rows * bucket)
-  idx = (lax.broadcasted_iota(jnp.int32, (rows, bucket), 0) * bucket
-         + lax.broadcasted_iota(jnp.int32, (rows, bucket), 1) + start)
+  idx = (
+    lax.broadcasted_iota(jnp.int32, (rows, bucket), 0) * bucket
+    + lax.broadcasted_iota(jnp.int32, (rows, bucket), 1)
+    + start
+  )
   x = x_ref[...].reshape(rows, bucket)
   x32 = None
   if e_ref is not None:
@@ -310,8 +331,18 @@ def load_buckets(x_ref, e_ref, *, n: int, rows: int, bucket: int):
   return start, idx, jnp.where(idx < n, v, 0.0), x32
 
 
-def call_encoder(body, x: Array, residual: Array | None, *, name: str, bucket: int,
-                 config: LaunchConfig, interpret: bool, outputs, lead=()) -> tuple[Array, ...]:
+def call_encoder(
+  body,
+  x: Array,
+  residual: Array | None,
+  *,
+  name: str,
+  bucket: int,
+  config: LaunchConfig,
+  interpret: bool,
+  outputs,
+  lead=(),
+) -> tuple[Array, ...]:
   """Runs an encoding kernel over ``x``'s buckets, one program per ``config.rows`` buckets.
 
   ``body(*lead_refs, x_ref, [e_ref], *output_refs, [new_e_ref])`` sees each ``lead``
@@ -321,9 +352,11 @@ def call_encoder(body, x: Array, residual: Array | None, *, name: str, bucket: i
   result is the new float32 residual in ``x``'s shape.
   """
   from jax.experimental import pallas as pl
+
   if residual is not None and (residual.shape != x.shape or residual.dtype != jnp.float32):
-    raise ValueError(f"residual must be float32 of shape {x.shape}, got "
-                     f"{residual.dtype} {residual.shape}")
+    raise ValueError(
+      f"residual must be float32 of shape {x.shape}, got {residual.dtype} {residual.shape}"
+    )
   n = x.size
   rows = config.rows(bucket)
   nb = -(-n // bucket)
@@ -338,17 +371,32 @@ def call_encoder(body, x: Array, residual: Array | None, *, name: str, bucket: i
     out_shape.append(out_struct(x, (n,), jnp.float32))
     out_specs.append(flat)
   outs = pl.pallas_call(
-      body, out_shape=tuple(out_shape), grid=(-(-nb // rows),), in_specs=in_specs,
-      out_specs=tuple(out_specs), interpret=interpret,
-      compiler_params=None if interpret else config.compiler_params(), name=name)(*args)
+    body,
+    out_shape=tuple(out_shape),
+    grid=(-(-nb // rows),),
+    in_specs=in_specs,
+    out_specs=tuple(out_specs),
+    interpret=interpret,
+    compiler_params=None if interpret else config.compiler_params(),
+    name=name,
+  )(*args)
   if residual is not None:
     return (*outs[:-1], outs[-1].reshape(x.shape))
   return tuple(outs)
 
 
-def call_decoder(decode, words: Array, per_bucket: dict[str, Array], *, n: int, bits: int,
-                 bucket: int, name: str, config: LaunchConfig,
-                 interpret: bool | None) -> Array:
+def call_decoder(
+  decode,
+  words: Array,
+  per_bucket: dict[str, Array],
+  *,
+  n: int,
+  bits: int,
+  bucket: int,
+  name: str,
+  config: LaunchConfig,
+  interpret: bool | None,
+) -> Array:
   """Sums K stacked payloads decoded block by block: one pass, adds in rank order.
 
   ``words`` is uint32 ``(K, ceil(n * bits / 32))`` (lanes layout), each array of
@@ -360,7 +408,9 @@ def call_decoder(decode, words: Array, per_bucket: dict[str, Array], *, n: int, 
   """
   from jax import lax
   from jax.experimental import pallas as pl
+
   from jaxcomp._src import bitpack
+
   want = bitpack.num_words(n, bits)
   if words.ndim != 2 or words.shape[1] != want or words.dtype != jnp.uint32:
     raise ValueError(f"words must be uint32 (K, {want}), got {words.dtype} {words.shape}")
@@ -381,17 +431,26 @@ def call_decoder(decode, words: Array, per_bucket: dict[str, Array], *, n: int, 
     *row_refs, out_ref = refs
 
     def one(j):
-      return decode(words_ref[j, :], *(r[j, :] for r in row_refs), rows=rows, bucket=bucket,
-                    exact_asm=not interpret)
+      return decode(
+        words_ref[j, :],
+        *(r[j, :] for r in row_refs),
+        rows=rows,
+        bucket=bucket,
+        exact_asm=not interpret,
+      )
 
     acc = lax.fori_loop(1, k, lambda j, acc: acc + one(j), one(0))
     out_ref[...] = acc.reshape(length)
 
   rows_spec = pl.BlockSpec((kp, rows), lambda i: (0, i))
   return pl.pallas_call(
-      body, out_shape=out_struct(words, (n,), jnp.float32), grid=(-(-nb // rows),),
-      in_specs=[pl.BlockSpec((kp, length * bits // 32), lambda i: (0, i))]
-      + [rows_spec] * len(per_bucket),
-      out_specs=pl.BlockSpec((length,), lambda i: (i,)), interpret=interpret,
-      compiler_params=None if interpret else config.compiler_params(),
-      name=name)(words, *per_bucket.values())
+    body,
+    out_shape=out_struct(words, (n,), jnp.float32),
+    grid=(-(-nb // rows),),
+    in_specs=[pl.BlockSpec((kp, length * bits // 32), lambda i: (0, i))]
+    + [rows_spec] * len(per_bucket),
+    out_specs=pl.BlockSpec((length,), lambda i: (i,)),
+    interpret=interpret,
+    compiler_params=None if interpret else config.compiler_params(),
+    name=name,
+  )(words, *per_bucket.values())

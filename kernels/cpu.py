@@ -51,21 +51,22 @@ import ctypes
 import functools
 import hashlib
 import os
+from pathlib import Path
 import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
-from jax import lax
 
 from jaxcomp._src import bitpack
+
 from . import _common
 from . import quantize as _quantize
 from . import sign_pack as _sign_pack
@@ -75,13 +76,21 @@ _F32 = jnp.float32
 _U32 = jnp.uint32
 
 SOURCE = Path(__file__).with_name("cpu_codecs.cc")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-std=c++17",
-         "-shared", "-fPIC", "-pthread")
+FLAGS = (
+  "-O3",
+  "-march=native",
+  "-ffp-contract=off",
+  "-fno-trapping-math",
+  "-std=c++17",
+  "-shared",
+  "-fPIC",
+  "-pthread",
+)
 _TARGETS = {
-    "jaxcomp_cpu_qsgd_encode": "JaxcompQsgdEncode",
-    "jaxcomp_cpu_qsgd_decode_sum": "JaxcompQsgdDecodeSum",
-    "jaxcomp_cpu_onebit_encode": "JaxcompOneBitEncode",
-    "jaxcomp_cpu_onebit_decode_sum": "JaxcompOneBitDecodeSum",
+  "jaxcomp_cpu_qsgd_encode": "JaxcompQsgdEncode",
+  "jaxcomp_cpu_qsgd_decode_sum": "JaxcompQsgdDecodeSum",
+  "jaxcomp_cpu_onebit_encode": "JaxcompOneBitEncode",
+  "jaxcomp_cpu_onebit_decode_sum": "JaxcompOneBitDecodeSum",
 }
 
 
@@ -109,20 +118,30 @@ def _cpu_id() -> str:
 def _compiler() -> list[str]:
   cxx = os.environ.get("CXX", "c++").split()
   if not cxx or shutil.which(cxx[0]) is None:
-    raise BuildError(f"no C++ compiler: {cxx[0] if cxx else '$CXX is empty'} not found "
-                     "(set CXX, or install g++ or clang++)")
+    raise BuildError(
+      f"no C++ compiler: {cxx[0] if cxx else '$CXX is empty'} not found "
+      "(set CXX, or install g++ or clang++)"
+    )
   return cxx
 
 
 def library_path() -> Path:
   """The cached library, built first when missing (raises :class:`BuildError`)."""
   cxx = _compiler()
-  version = subprocess.run([*cxx, "--version"], capture_output=True, text=True,
-                           check=False).stdout
-  digest = hashlib.sha256("\0".join([
-      SOURCE.read_text(), " ".join(cxx), " ".join(FLAGS), version, jaxlib.__version__,
-      platform.machine(), _cpu_id(),
-  ]).encode()).hexdigest()[:20]
+  version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, check=False).stdout
+  digest = hashlib.sha256(
+    "\0".join(
+      [
+        SOURCE.read_text(),
+        " ".join(cxx),
+        " ".join(FLAGS),
+        version,
+        jaxlib.__version__,
+        platform.machine(),
+        _cpu_id(),
+      ]
+    ).encode()
+  ).hexdigest()[:20]
   path = cache_dir() / f"cpu_codecs-{digest}.so"
   if path.exists():
     try:
@@ -140,8 +159,10 @@ def library_path() -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
       errors = [l for l in done.stderr.splitlines() if "error" in l][:20]
-      raise BuildError(f"building the native CPU kernels failed ({' '.join(cmd)}):\n"
-                       + "\n".join(errors or done.stderr.splitlines()[-20:]))
+      raise BuildError(
+        f"building the native CPU kernels failed ({' '.join(cmd)}):\n"
+        + "\n".join(errors or done.stderr.splitlines()[-20:])
+      )
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):
@@ -182,8 +203,7 @@ def _load() -> str | None:
   try:
     lib = ctypes.cdll.LoadLibrary(str(library_path()))
     for target, symbol in _TARGETS.items():
-      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                  platform="cpu")
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
   except (BuildError, OSError, AttributeError) as e:
     return str(e)
   return None
@@ -209,8 +229,12 @@ def require() -> None:
 def use_by_default() -> bool:
   """What ``implementation=None`` means off a CUDA GPU: these kernels when jax's default
   backend is the CPU, they are not turned off, and they build here."""
-  return (jax.default_backend() == "cpu" and enabled_by_default()
-          and not _common.cuda_available() and available())
+  return (
+    jax.default_backend() == "cpu"
+    and enabled_by_default()
+    and not _common.cuda_available()
+    and available()
+  )
 
 
 def _flat32(x: Array) -> Array:
@@ -232,20 +256,30 @@ def _residual_arg(x: Array, residual: Array | None) -> Array:
 def _call(target: str, outs, *args, **attrs):
   require()
   results = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(
-      *args, **{k: np.int64(v) for k, v in attrs.items()})
+    *args, **{k: np.int64(v) for k, v in attrs.items()}
+  )
   # Under shard_map (check_vma), an FFI call's results carry no varying axes; they vary
   # wherever an input does (the kernel runs per device), so say so.
   from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+
   vma = frozenset().union(*(collectives.varying_axes(a) for a in args))
   if vma:
     cast = lambda r: lax.pcast(r, tuple(sorted(vma)), to="varying")
-    results = tuple(cast(r) for r in results) if isinstance(results, (tuple, list)) else cast(
-        results)
+    results = (
+      tuple(cast(r) for r in results) if isinstance(results, (tuple, list)) else cast(results)
+    )
   return results
 
 
-def quantize(x: Array, key: Array, residual: Array | None = None, *, levels: int,
-             bucket_size: int, norm: str = "max") -> tuple[Array, ...]:
+def quantize(
+  x: Array,
+  key: Array,
+  residual: Array | None = None,
+  *,
+  levels: int,
+  bucket_size: int,
+  norm: str = "max",
+) -> tuple[Array, ...]:
   """QSGD's ``(words, scales)`` of ``x`` (plus the new residual when ``residual`` is
   given): :func:`jaxcomp.kernels.quantize.quantize`'s contract, on the CPU."""
   if norm not in ("max", "l2"):
@@ -256,26 +290,40 @@ def quantize(x: Array, key: Array, residual: Array | None = None, *, levels: int
     raise ValueError(f"the native quantize kernel does not handle this input: {why}")
   e = _residual_arg(x, residual)
   bits = _quantize.bits_per_value(levels)
-  outs = (jax.ShapeDtypeStruct((bitpack.num_words(n, bits),), _U32),
-          jax.ShapeDtypeStruct((-(-n // bucket_size),), _F32),
-          jax.ShapeDtypeStruct(e.shape, _F32))
-  words, scales, new_e = _call("jaxcomp_cpu_qsgd_encode", outs, _flat32(x), e,
-                               _common.key_words_array(key), levels=levels,
-                               bucket=bucket_size, l2=int(norm == "l2"))
+  outs = (
+    jax.ShapeDtypeStruct((bitpack.num_words(n, bits),), _U32),
+    jax.ShapeDtypeStruct((-(-n // bucket_size),), _F32),
+    jax.ShapeDtypeStruct(e.shape, _F32),
+  )
+  words, scales, new_e = _call(
+    "jaxcomp_cpu_qsgd_encode",
+    outs,
+    _flat32(x),
+    e,
+    _common.key_words_array(key),
+    levels=levels,
+    bucket=bucket_size,
+    l2=int(norm == "l2"),
+  )
   if residual is None:
     return words, scales
   return words, scales, new_e.reshape(x.shape)
 
 
-def dequantize_sum(words: Array, scales: Array, *, n: int, levels: int,
-                   bucket_size: int) -> Array:
+def dequantize_sum(words: Array, scales: Array, *, n: int, levels: int, bucket_size: int) -> Array:
   """Flat float32 sum of K QSGD payloads (``words (K, W)``, ``scales (K, buckets)``),
   decoded in rank order: :func:`jaxcomp.kernels.dequantize.dequantize_sum`'s contract."""
   why = _quantize.unsupported(n, levels=levels, bucket_size=bucket_size, dtype=_F32)
   if why is not None:
     raise ValueError(f"the native dequantize kernel does not handle this payload: {why}")
-  return _call("jaxcomp_cpu_qsgd_decode_sum", jax.ShapeDtypeStruct((n,), _F32),
-               words.astype(_U32), scales.astype(_F32), levels=levels, bucket=bucket_size)
+  return _call(
+    "jaxcomp_cpu_qsgd_decode_sum",
+    jax.ShapeDtypeStruct((n,), _F32),
+    words.astype(_U32),
+    scales.astype(_F32),
+    levels=levels,
+    bucket=bucket_size,
+  )
 
 
 def sign_pack(x: Array, residual: Array | None = None, *, bucket_size: int) -> tuple[Array, ...]:
@@ -287,24 +335,34 @@ def sign_pack(x: Array, residual: Array | None = None, *, bucket_size: int) -> t
     raise ValueError(f"the native sign_pack kernel does not handle this input: {why}")
   e = _residual_arg(x, residual)
   nb = -(-n // bucket_size)
-  outs = (jax.ShapeDtypeStruct((-(-n // 32),), _U32), jax.ShapeDtypeStruct((nb,), _F32),
-          jax.ShapeDtypeStruct((nb,), _F32), jax.ShapeDtypeStruct(e.shape, _F32))
-  words, pos, neg, new_e = _call("jaxcomp_cpu_onebit_encode", outs, _flat32(x), e,
-                                 bucket=bucket_size)
+  outs = (
+    jax.ShapeDtypeStruct((-(-n // 32),), _U32),
+    jax.ShapeDtypeStruct((nb,), _F32),
+    jax.ShapeDtypeStruct((nb,), _F32),
+    jax.ShapeDtypeStruct(e.shape, _F32),
+  )
+  words, pos, neg, new_e = _call(
+    "jaxcomp_cpu_onebit_encode", outs, _flat32(x), e, bucket=bucket_size
+  )
   if residual is None:
     return words, pos, neg
   return words, pos, neg, new_e.reshape(x.shape)
 
 
-def sign_unpack_sum(words: Array, pos: Array, neg: Array, *, n: int,
-                    bucket_size: int) -> Array:
+def sign_unpack_sum(words: Array, pos: Array, neg: Array, *, n: int, bucket_size: int) -> Array:
   """Flat float32 sum of K OneBit payloads, decoded in rank order:
   :func:`jaxcomp.kernels.sign_pack.sign_unpack_sum`'s contract."""
   why = _sign_pack.unsupported(n, bucket_size=bucket_size)
   if why is not None:
     raise ValueError(f"the native sign_unpack_sum kernel does not handle this payload: {why}")
-  return _call("jaxcomp_cpu_onebit_decode_sum", jax.ShapeDtypeStruct((n,), _F32),
-               words.astype(_U32), pos.astype(_F32), neg.astype(_F32), bucket=bucket_size)
+  return _call(
+    "jaxcomp_cpu_onebit_decode_sum",
+    jax.ShapeDtypeStruct((n,), _F32),
+    words.astype(_U32),
+    pos.astype(_F32),
+    neg.astype(_F32),
+    bucket=bucket_size,
+  )
 
 
 if __name__ == "__main__":  # python -m jaxcomp.kernels.cpu: build and say where

@@ -23,8 +23,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 from . import _common
 from . import quantize as quantize_lib
@@ -52,15 +52,20 @@ def _decode_block(words, scale, *, rows, bucket, levels, exact_asm):
 
 def unsupported(n: int, *, levels: int, bucket_size: int | None) -> str | None:
   """Why the kernel cannot decode this payload (``None`` when it can)."""
-  return quantize_lib.unsupported(n, levels=levels, bucket_size=bucket_size,
-                                  dtype=jnp.float32)
+  return quantize_lib.unsupported(n, levels=levels, bucket_size=bucket_size, dtype=jnp.float32)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("n", "levels", "bucket_size", "config", "interpret"))
-def dequantize_sum(words: Array, scales: Array, *, n: int, levels: int, bucket_size: int,
-                   config: DequantizeConfig = DequantizeConfig(),
-                   interpret: bool | None = None) -> Array:
+@functools.partial(jax.jit, static_argnames=("n", "levels", "bucket_size", "config", "interpret"))
+def dequantize_sum(
+  words: Array,
+  scales: Array,
+  *,
+  n: int,
+  levels: int,
+  bucket_size: int,
+  config: DequantizeConfig = DequantizeConfig(),
+  interpret: bool | None = None,
+) -> Array:
   """Sum of K QSGD payloads, decoded in one pass.
 
   Args:
@@ -78,14 +83,23 @@ def dequantize_sum(words: Array, scales: Array, *, n: int, levels: int, bucket_s
   if why is not None:
     raise ValueError(f"the dequantize kernel does not handle this payload: {why}")
   return _common.call_decoder(
-      functools.partial(_decode_block, levels=levels), words, {"scales": scales}, n=n,
-      bits=quantize_lib.bits_per_value(levels), bucket=bucket_size,
-      name="jaxcomp_dequantize_sum", config=config, interpret=interpret)
+    functools.partial(_decode_block, levels=levels),
+    words,
+    {"scales": scales},
+    n=n,
+    bits=quantize_lib.bits_per_value(levels),
+    bucket=bucket_size,
+    name="jaxcomp_dequantize_sum",
+    config=config,
+    interpret=interpret,
+  )
 
 
-def dequantize_sum_reference(words: Array, scales: Array, *, n: int, levels: int,
-                             bucket_size: int) -> Array:
+def dequantize_sum_reference(
+  words: Array, scales: Array, *, n: int, levels: int, bucket_size: int
+) -> Array:
   """The XLA path: :meth:`jaxcomp.codecs.QSGD.decode_sum` of the stacked payload."""
   from jaxcomp._src import codecs
+
   codec = codecs.QSGD(levels, bucket_size, "max", implementation="xla")
   return codec.decode_sum(codecs.Payload({"words": words, "scales": scales}, (n,), _F32))

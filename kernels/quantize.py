@@ -51,11 +51,12 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
+
 from . import _common
 
 Array = jax.Array
@@ -85,8 +86,7 @@ def unsupported(n: int, *, levels: int, bucket_size: int | None, dtype) -> str |
   return _common.unsupported_bucketing(n, bucket_size, dtype)
 
 
-def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_asm,
-                     has_residual):
+def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_asm, has_residual):
   if has_residual:
     e_ref, words_ref, scales_ref, new_e_ref = refs
   else:
@@ -120,8 +120,9 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
   positive = scale > 0
   safe = jnp.where(positive, scale, 1.0)
   inv, k = _common.inverse_scale(safe, exact_asm=exact_asm)
-  r = jnp.where(positive[:, None],
-                _common.level_ratio(jnp.abs(v), inv[:, None], k[:, None], levels), 0.0)
+  r = jnp.where(
+    positive[:, None], _common.level_ratio(jnp.abs(v), inv[:, None], k[:, None], levels), 0.0
+  )
   low = jnp.floor(r)
   u24 = rng.hash_bits(idx.astype(_U32), kw_ref[0], kw_ref[1]) >> 8
   up = u24.astype(_F32) < (r - low) * jnp.float32(2.0**24)
@@ -143,12 +144,19 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("levels", "bucket_size", "norm", "config", "interpret"))
-def quantize(x: Array, key: Array, residual: Array | None = None, *, levels: int,
-             bucket_size: int, norm: str = "max",
-             config: QuantizeConfig = QuantizeConfig(),
-             interpret: bool | None = None) -> tuple[Array, ...]:
+  jax.jit, static_argnames=("levels", "bucket_size", "norm", "config", "interpret")
+)
+def quantize(
+  x: Array,
+  key: Array,
+  residual: Array | None = None,
+  *,
+  levels: int,
+  bucket_size: int,
+  norm: str = "max",
+  config: QuantizeConfig = QuantizeConfig(),
+  interpret: bool | None = None,
+) -> tuple[Array, ...]:
   """Quantizes ``x`` into QSGD's packed words and per-bucket scales in one pass.
 
   Args:
@@ -177,19 +185,43 @@ def quantize(x: Array, key: Array, residual: Array | None = None, *, levels: int
   bits = bits_per_value(levels)
   rows = config.rows(bucket_size)
   kernel = functools.partial(
-      _quantize_kernel, n=n, bucket=bucket_size, rows=rows, levels=levels, norm=norm,
-      exact_asm=not interpret, has_residual=residual is not None)
+    _quantize_kernel,
+    n=n,
+    bucket=bucket_size,
+    rows=rows,
+    levels=levels,
+    norm=norm,
+    exact_asm=not interpret,
+    has_residual=residual is not None,
+  )
   return _common.call_encoder(
-      kernel, x, residual, name="jaxcomp_quantize", bucket=bucket_size, config=config,
-      interpret=interpret, lead=(_common.key_words_array(key),),
-      outputs=[((bitpack.num_words(n, bits),), _U32, rows * bucket_size * bits // 32),
-               ((-(-n // bucket_size),), _F32, rows)])
+    kernel,
+    x,
+    residual,
+    name="jaxcomp_quantize",
+    bucket=bucket_size,
+    config=config,
+    interpret=interpret,
+    lead=(_common.key_words_array(key),),
+    outputs=[
+      ((bitpack.num_words(n, bits),), _U32, rows * bucket_size * bits // 32),
+      ((-(-n // bucket_size),), _F32, rows),
+    ],
+  )
 
 
-def quantize_reference(x: Array, key: Array, residual: Array | None = None, *,
-                       levels: int, bucket_size: int, norm: str = "max") -> tuple[Array, ...]:
+def quantize_reference(
+  x: Array,
+  key: Array,
+  residual: Array | None = None,
+  *,
+  levels: int,
+  bucket_size: int,
+  norm: str = "max",
+) -> tuple[Array, ...]:
   """The XLA path: :class:`jaxcomp.codecs.QSGD`'s encode (and decode for the residual)."""
   from jaxcomp._src import codecs
+
   codec = codecs.QSGD(levels, bucket_size, norm, implementation="xla")
   if residual is None:
     p = codec.encode(x, key=key)

@@ -29,9 +29,9 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from . import _common
 
@@ -70,8 +70,9 @@ def _sign_pack_kernel(x_ref, *refs, n, bucket, rows, exact_asm, has_residual):
   down = np.float32(2.0**-shift)
 
   def mean(part, c):
-    return _common.side_mean(jnp.sum(part, axis=1), jnp.sum(part * down, axis=1), c, shift,
-                             exact_asm=exact_asm)
+    return _common.side_mean(
+      jnp.sum(part, axis=1), jnp.sum(part * down, axis=1), c, shift, exact_asm=exact_asm
+    )
 
   pos = mean(pos_part, pos_count)
   negm = mean(neg_part, neg_count)
@@ -86,9 +87,14 @@ def _sign_pack_kernel(x_ref, *refs, n, bucket, rows, exact_asm, has_residual):
 
 
 @functools.partial(jax.jit, static_argnames=("bucket_size", "config", "interpret"))
-def sign_pack(x: Array, residual: Array | None = None, *, bucket_size: int,
-              config: SignPackConfig = SignPackConfig(),
-              interpret: bool | None = None) -> tuple[Array, ...]:
+def sign_pack(
+  x: Array,
+  residual: Array | None = None,
+  *,
+  bucket_size: int,
+  config: SignPackConfig = SignPackConfig(),
+  interpret: bool | None = None,
+) -> tuple[Array, ...]:
   """Packs the signs of ``x`` and computes its per-bucket means, in one pass.
 
   Args:
@@ -111,19 +117,36 @@ def sign_pack(x: Array, residual: Array | None = None, *, bucket_size: int,
   _common.check_interpretable(interpret, x, residual)
   rows = config.rows(bucket_size)
   nb = -(-n // bucket_size)
-  kernel = functools.partial(_sign_pack_kernel, n=n, bucket=bucket_size, rows=rows,
-                             exact_asm=not interpret, has_residual=residual is not None)
+  kernel = functools.partial(
+    _sign_pack_kernel,
+    n=n,
+    bucket=bucket_size,
+    rows=rows,
+    exact_asm=not interpret,
+    has_residual=residual is not None,
+  )
   return _common.call_encoder(
-      kernel, x, residual, name="jaxcomp_sign_pack", bucket=bucket_size, config=config,
-      interpret=interpret,
-      outputs=[((-(-n // 32),), _U32, rows * bucket_size // 32), ((nb,), _F32, rows),
-               ((nb,), _F32, rows)])
+    kernel,
+    x,
+    residual,
+    name="jaxcomp_sign_pack",
+    bucket=bucket_size,
+    config=config,
+    interpret=interpret,
+    outputs=[
+      ((-(-n // 32),), _U32, rows * bucket_size // 32),
+      ((nb,), _F32, rows),
+      ((nb,), _F32, rows),
+    ],
+  )
 
 
-def sign_pack_reference(x: Array, residual: Array | None = None, *,
-                        bucket_size: int) -> tuple[Array, ...]:
+def sign_pack_reference(
+  x: Array, residual: Array | None = None, *, bucket_size: int
+) -> tuple[Array, ...]:
   """The XLA path: :class:`jaxcomp.codecs.OneBit`'s encode (and decode for the residual)."""
   from jaxcomp._src import codecs
+
   codec = codecs.OneBit(bucket_size, implementation="xla")
   if residual is None:
     p = codec.encode(x)
@@ -142,9 +165,16 @@ def _unpack_block(words, pos, neg, *, rows, bucket, exact_asm):
 
 
 @functools.partial(jax.jit, static_argnames=("n", "bucket_size", "config", "interpret"))
-def sign_unpack_sum(words: Array, pos: Array, neg: Array, *, n: int, bucket_size: int,
-                    config: SignPackConfig = SignPackConfig(),
-                    interpret: bool | None = None) -> Array:
+def sign_unpack_sum(
+  words: Array,
+  pos: Array,
+  neg: Array,
+  *,
+  n: int,
+  bucket_size: int,
+  config: SignPackConfig = SignPackConfig(),
+  interpret: bool | None = None,
+) -> Array:
   """Sum of K OneBit payloads, decoded in one pass (rank order).
 
   Args:
@@ -160,14 +190,23 @@ def sign_unpack_sum(words: Array, pos: Array, neg: Array, *, n: int, bucket_size
   if why is not None:
     raise ValueError(f"the sign_unpack_sum kernel does not handle this payload: {why}")
   return _common.call_decoder(
-      _unpack_block, words, {"pos": pos, "neg": neg}, n=n, bits=1, bucket=bucket_size,
-      name="jaxcomp_sign_unpack_sum", config=config, interpret=interpret)
+    _unpack_block,
+    words,
+    {"pos": pos, "neg": neg},
+    n=n,
+    bits=1,
+    bucket=bucket_size,
+    name="jaxcomp_sign_unpack_sum",
+    config=config,
+    interpret=interpret,
+  )
 
 
-def sign_unpack_sum_reference(words: Array, pos: Array, neg: Array, *, n: int,
-                              bucket_size: int) -> Array:
+def sign_unpack_sum_reference(
+  words: Array, pos: Array, neg: Array, *, n: int, bucket_size: int
+) -> Array:
   """The XLA path: :meth:`jaxcomp.codecs.OneBit.decode_sum` of the stacked payload."""
   from jaxcomp._src import codecs
+
   codec = codecs.OneBit(bucket_size, implementation="xla")
-  return codec.decode_sum(
-      codecs.Payload({"words": words, "pos": pos, "neg": neg}, (n,), _F32))
+  return codec.decode_sum(codecs.Payload({"words": words, "pos": pos, "neg": neg}, (n,), _F32))

@@ -5,6 +5,9 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/setup.sh")" || exit 1
 cd "$root"
+# Lint and format check first (ruff, configured in pyproject.toml): cheap, and it fails fast.
+"$py" -m ruff check . || exit 1
+"$py" -m ruff format --check . || exit 1
 # One pytest worker per core (pytest-xdist); JAXCOMP_TEST_WORKERS=0 runs in one process.
 "$py" -m pytest -q -n "${JAXCOMP_TEST_WORKERS:-auto}" "$@"
 code=$?

@@ -12,5 +12,6 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 import hypothesis  # noqa: E402
 
 hypothesis.settings.register_profile(
-    "ci", max_examples=25, deadline=None, derandomize=True, print_blob=True)
+  "ci", max_examples=25, deadline=None, derandomize=True, print_blob=True
+)
 hypothesis.settings.load_profile("ci")

@@ -13,8 +13,9 @@ K = 8
 
 
 def mesh(k: int = K):
-  return jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
-                       devices=jax.devices()[:k])
+  return jax.make_mesh(
+    (k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:k]
+  )
 
 
 def shard(tree, m):
@@ -36,15 +37,16 @@ def shard_map_update(tx, m, params):
     grads = jax.tree.map(lambda x: x[0], grads)
     return tx.update(grads, state)
 
-  return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs),
-                               out_specs=(P(), specs)))
+  return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
 
 
 def per_device_grads(key, shapes, k: int = K, dtype=jnp.float32):
   """A dict of per-device gradients: leaf ``name`` has shape ``(k, *shapes[name])``."""
   keys = jax.random.split(key, len(shapes))
-  return {name: jax.random.normal(kk, (k, *shape), dtype)
-          for kk, (name, shape) in zip(keys, sorted(shapes.items()))}
+  return {
+    name: jax.random.normal(kk, (k, *shape), dtype)
+    for kk, (name, shape) in zip(keys, sorted(shapes.items()))
+  }
 
 
 def kernel_vs_xla_under_pmap(make, impl: str, *, bitwise_outputs: bool):
@@ -56,13 +58,13 @@ def kernel_vs_xla_under_pmap(make, impl: str, *, bitwise_outputs: bool):
   contracts ``x - q * step`` into an FMA in some fusions and not in others).
   """
   import chex  # pylint: disable=import-outside-toplevel
+
   eps = float(jnp.finfo(jnp.float32).eps)
   params = {"w": jnp.zeros((40, 50)), "b": jnp.zeros((64,))}
   grads = per_device_grads(jax.random.key(0), {"w": (40, 50), "b": (64,)})
 
   def run(codec):
-    tx = jc.compress(codec, axis_name=AXIS, error_feedback=True,
-                     filter=lambda path, leaf: True)
+    tx = jc.compress(codec, axis_name=AXIS, error_feedback=True, filter=lambda path, leaf: True)
     state = jax.pmap(lambda _: tx.init(params), axis_name=AXIS)(jnp.arange(K))
     step = jax.pmap(tx.update, axis_name=AXIS)
     out, state = step(grads, state)
@@ -83,11 +85,12 @@ def kernel_vs_xla_under_pmap(make, impl: str, *, bitwise_outputs: bool):
 
 def collective_counts(hlo: str) -> dict[str, int]:
   """How many all-gathers, all-reduces and all-to-alls compiled HLO text holds."""
-  return {name: len(re.findall(rf"\b{name}(?:-start)?\(", hlo))
-          for name in ("all-gather", "all-reduce", "all-to-all")}
+  return {
+    name: len(re.findall(rf"\b{name}(?:-start)?\(", hlo))
+    for name in ("all-gather", "all-reduce", "all-to-all")
+  }
 
 
 def all_reduce_operands(hlo: str) -> list[int]:
   """Operand count of every all-reduce in compiled HLO text (gloo runs one per operand)."""
-  return [len(args.split(",")) for args in
-          re.findall(r"all-reduce(?:-start)?\(([^)]*)\)", hlo)]
+  return [len(args.split(",")) for args in re.findall(r"all-reduce(?:-start)?\(([^)]*)\)", hlo)]

@@ -1,11 +1,11 @@
 """Smoke tests of benchmark-script options that change how the process runs."""
 
 import os
+from pathlib import Path
 import platform
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,9 +19,25 @@ def _codecs(*flags: str) -> str:
   env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
   env["JAX_PLATFORMS"] = "cpu"
   return subprocess.run(
-      [sys.executable, "-m", "benchmarks.codecs", "--sizes", "10", "--codecs", "qsgd4",
-       "--repeats", "1", *flags], cwd=ROOT, env=env, check=True, capture_output=True,
-      text=True, timeout=300).stdout
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.codecs",
+      "--sizes",
+      "10",
+      "--codecs",
+      "qsgd4",
+      "--repeats",
+      "1",
+      *flags,
+    ],
+    cwd=ROOT,
+    env=env,
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  ).stdout
 
 
 @glibc_only
@@ -38,25 +54,35 @@ def test_reuse_malloc_restarts_the_benchmark_with_the_tunables():
 
 def test_rounds_print_the_median_share_of_the_roof_and_its_range():
   from benchmarks import codecs  # pylint: disable=import-outside-toplevel
+
   assert codecs.share_cell([0.254]) == "25"
   assert codecs.share_cell([0.30, 0.21, 0.26]) == "26 (21–30)"
   out = _codecs("--rounds", "3")
   assert "% read roof: median (range) of 3 rounds" in out, out
   row = next(line for line in out.splitlines() if line.startswith("| 2^10 | qsgd4 |"))
   assert re.fullmatch(r"\d+ \(\d+–\d+\)", row.split("|")[7].strip()), row  # 3 shares
-  bad = subprocess.run([sys.executable, "-m", "benchmarks.codecs", "--rounds", "0"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+  bad = subprocess.run(
+    [sys.executable, "-m", "benchmarks.codecs", "--rounds", "0"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert bad.returncode == 2 and "--rounds must be at least 1" in bad.stderr
 
 
 def test_native_vs_xla_counts_divisions_over_bucket_values_only():
   from benchmarks import native_vs_xla  # pylint: disable=import-outside-toplevel
-  hlo = "\n".join([
+
+  hlo = "\n".join(
+    [
       'a = f32[64,512]{1,0} divide(x, y), metadata={op_name="jit(s)/jaxcomp_encode/div"}',
       'b = f32[8,4,512]{2,1,0} divide(x, y), metadata={op_name="s/jaxcomp_encode/div"}',
       'c = f32[8,4]{1,0} divide(x, y), metadata={op_name="s/jaxcomp_encode/div"}',  # 1/scale
       'd = f32[64,512]{1,0} multiply(x, y), metadata={op_name="s/jaxcomp_encode/mul"}',
-      'e = f32[64,512]{1,0} divide(x, y), metadata={op_name="s/loss/div"}'])
+      'e = f32[64,512]{1,0} divide(x, y), metadata={op_name="s/loss/div"}',
+    ]
+  )
   assert native_vs_xla.encode_divisions(hlo, 512) == 2
   assert native_vs_xla.encode_divisions(hlo, 128) == 0
 
@@ -73,6 +99,7 @@ def test_malloc_label_names_the_tunables(monkeypatch):
 
 def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
   from benchmarks import network  # pylint: disable=import-outside-toplevel
+
   # 1 ms at the rate: at 1 Gbit/s a 1 MB payload no longer fits in the bucket's credit
   assert network.tbf_burst("1gbit") == 125_000
   assert network.tbf_burst("10gbit") == 1_250_000
@@ -84,12 +111,24 @@ def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
 
 
 COMMANDS = (
-    "benchmarks.codecs", "benchmarks.collective_probe", "benchmarks.cpu_kernel_loop",
-    "benchmarks.compile_time", "benchmarks.demo_variants", "benchmarks.dgc_warmup_compile",
-    "benchmarks.elias_bits", "benchmarks.elias_device", "benchmarks.kernels",
-    "benchmarks.launch", "benchmarks.native_vs_xla", "benchmarks.network", "benchmarks.qsvrg",
-    "benchmarks.tbf_probe", "benchmarks.topk", "benchmarks.xla_cpu_pitfalls",
-    "examples.mnist1d.main")
+  "benchmarks.codecs",
+  "benchmarks.collective_probe",
+  "benchmarks.cpu_kernel_loop",
+  "benchmarks.compile_time",
+  "benchmarks.demo_variants",
+  "benchmarks.dgc_warmup_compile",
+  "benchmarks.elias_bits",
+  "benchmarks.elias_device",
+  "benchmarks.kernels",
+  "benchmarks.launch",
+  "benchmarks.native_vs_xla",
+  "benchmarks.network",
+  "benchmarks.qsvrg",
+  "benchmarks.tbf_probe",
+  "benchmarks.topk",
+  "benchmarks.xla_cpu_pitfalls",
+  "examples.mnist1d.main",
+)
 
 _HELP_ALL = """
 import contextlib, io, runpy, sys
@@ -111,12 +150,21 @@ def test_every_command_line_prints_its_help():
   # argparse formats help strings with %: a literal % in one (a codec called 'topk0.1%')
   # crashed `--help` of benchmarks.codecs
   assert {m.split(".")[0] for m in COMMANDS} == {"benchmarks", "examples"}
-  scripts = {f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py")
-             if "argparse" in p.read_text()}
+  scripts = {
+    f"benchmarks.{p.stem}"
+    for p in (ROOT / "benchmarks").glob("*.py")
+    if "argparse" in p.read_text()
+  }
   assert scripts <= set(COMMANDS), scripts - set(COMMANDS)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", _HELP_ALL, *COMMANDS], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+  out = subprocess.run(
+    [sys.executable, "-c", _HELP_ALL, *COMMANDS],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   rows = [line.split("\t") for line in out.stdout.splitlines() if "\t" in line]
   assert rows == [[m, "0", "True"] for m in COMMANDS], (rows, out.stderr[-3000:])
@@ -125,18 +173,43 @@ def test_every_command_line_prints_its_help():
 @pytest.mark.slow
 def test_cpu_kernel_loop_builds_and_prices_the_hash():
   from jaxcomp.kernels import cpu  # pylint: disable=import-outside-toplevel
+
   if not cpu.available():
     pytest.skip("no C++ compiler here")
   # --against the shipped source itself: a baseline row, built from a copy.
-  out = subprocess.run([sys.executable, "-m", "benchmarks.cpu_kernel_loop", "--log2n", "16",
-                        "--repeats", "3", "--rounds", "2", "--stream", "--against",
-                        str(cpu.SOURCE)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600, check=True).stdout
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.cpu_kernel_loop",
+      "--log2n",
+      "16",
+      "--repeats",
+      "3",
+      "--rounds",
+      "2",
+      "--stream",
+      "--against",
+      str(cpu.SOURCE),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=True,
+  ).stdout
   assert "from a fresh array" in out and "median of 2 x 3" in out, out
-  rows = {line.split("|")[1].strip(): line for line in out.splitlines()
-          if line.startswith("| ") and "---" not in line and "build" not in line}
-  assert set(rows) == {"as shipped", "baseline: cpu_codecs.cc", "without the hash",
-                       "without the prefetch"}, out
+  rows = {
+    line.split("|")[1].strip(): line
+    for line in out.splitlines()
+    if line.startswith("| ") and "---" not in line and "build" not in line
+  }
+  assert set(rows) == {
+    "as shipped",
+    "baseline: cpu_codecs.cc",
+    "without the hash",
+    "without the prefetch",
+  }, out
   assert rows["as shipped"].rstrip().endswith("| 1.00 |")
 
 
@@ -145,10 +218,17 @@ def test_kernel_benchmark_runs(capsys):
   """benchmarks.kernels runs end to end (interpret mode: a smoke run, no timing)."""
   from benchmarks import kernels as bench  # pylint: disable=import-outside-toplevel
   from jaxcomp.kernels import cuda_available  # pylint: disable=import-outside-toplevel
+
   assert bench.main(["--interpret", "--sizes", "10", "--repeats", "1", "--k", "2"]) == 0
   out = capsys.readouterr().out
-  for name in ("quantize", "quantize+ef", "dequantize_sum K=2", "sign_pack", "sign_pack+ef",
-               "sign_unpack_sum K=2"):
+  for name in (
+    "quantize",
+    "quantize+ef",
+    "dequantize_sum K=2",
+    "sign_pack",
+    "sign_pack+ef",
+    "sign_unpack_sum K=2",
+  ):
     assert f"| {name} | 2^10 |" in out
   if not cuda_available():
     assert bench.main(["--sizes", "10"]) == 2  # refuses to time interpret mode

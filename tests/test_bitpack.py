@@ -58,9 +58,9 @@ def _reference_pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 @hypothesis.given(
-    bits=st.integers(1, 32),
-    n=st.integers(1, 300),
-    seed=st.integers(0, 2**31 - 1),
+  bits=st.integers(1, 32),
+  n=st.integers(1, 300),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_round_trip_property(bits, n, seed):
   codes = _random_codes(n, bits, seed)
@@ -85,10 +85,22 @@ def test_round_trip_every_width_and_layout(bits):
   np.testing.assert_array_equal(np.asarray(back), codes)
 
 
-@pytest.mark.parametrize("n, bits, expected", [
-    (1, 1, 1), (32, 1, 1), (33, 1, 2), (64, 3, 6), (65, 3, 9), (100, 4, 13), (100, 5, 20), (64, 4, 8),
-    (1000, 32, 1000), (1000, 31, 32 * 31), (0, 5, 0),
-])
+@pytest.mark.parametrize(
+  "n, bits, expected",
+  [
+    (1, 1, 1),
+    (32, 1, 1),
+    (33, 1, 2),
+    (64, 3, 6),
+    (65, 3, 9),
+    (100, 4, 13),
+    (100, 5, 20),
+    (64, 4, 8),
+    (1000, 32, 1000),
+    (1000, 31, 32 * 31),
+    (0, 5, 0),
+  ],
+)
 def test_num_words(n, bits, expected):
   assert bitpack.num_words(n, bits) == expected
   codes = jax.ShapeDtypeStruct((n,), jnp.uint32)
@@ -148,7 +160,8 @@ def test_under_jit_and_vmap():
   chex.assert_shape(words, (4, bitpack.num_words(n, bits)))
   for row in range(4):
     np.testing.assert_array_equal(
-        np.asarray(words[row]), np.asarray(_round_trip(jnp.asarray(codes[row]), bits)[0]))
+      np.asarray(words[row]), np.asarray(_round_trip(jnp.asarray(codes[row]), bits)[0])
+    )
   back = jax.jit(jax.vmap(lambda w: bitpack.unpack_bits(w, bits, n)))(words)
   np.testing.assert_array_equal(np.asarray(back), codes)
 

@@ -15,15 +15,16 @@ import shutil
 import chex
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src import checkpoint
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -32,11 +33,12 @@ N, M = 3, 2
 BATCH = 4
 
 EXCHANGES = {
-    "onebit_sgd": lambda: jc.per_device_state(jc.onebit_sgd(axis_name=AXIS)),
-    "dgc": lambda: jc.per_device_state(jc.dgc(0.01, 0.9, axis_name=AXIS, warmup_steps=2)),
-    "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),  # replicated state
-    "qsgd_two_phase": lambda: jc.per_device_state(
-        jc.qsgd(axis_name=AXIS, collective="two_phase", error_feedback=True)),
+  "onebit_sgd": lambda: jc.per_device_state(jc.onebit_sgd(axis_name=AXIS)),
+  "dgc": lambda: jc.per_device_state(jc.dgc(0.01, 0.9, axis_name=AXIS, warmup_steps=2)),
+  "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),  # replicated state
+  "qsgd_two_phase": lambda: jc.per_device_state(
+    jc.qsgd(axis_name=AXIS, collective="two_phase", error_feedback=True)
+  ),
 }
 
 
@@ -53,17 +55,23 @@ class Run:
     params = {n: jnp.full(s, 0.01, jnp.float32) for n, s in SHAPES.items()}
     self.params0 = jax.device_put(params, jax.NamedSharding(self.mesh, P()))
     self.specs = jc.state_specs(self.tx, params, axis_name=AXIS, num_devices=K)
-    self.init = jax.jit(jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=P(),
-                                      out_specs=self.specs))
+    self.init = jax.jit(
+      jax.shard_map(self.tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs)
+    )
 
     def step(params, state, x, y):
       grads = jax.grad(_loss)(jc.vary(params, AXIS), x[0], y[0])
       updates, state = self.tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state
 
-    self.step = jax.jit(jax.shard_map(
-        step, mesh=self.mesh, in_specs=(P(), self.specs, P(AXIS), P(AXIS)),
-        out_specs=(P(), self.specs)))
+    self.step = jax.jit(
+      jax.shard_map(
+        step,
+        mesh=self.mesh,
+        in_specs=(P(), self.specs, P(AXIS), P(AXIS)),
+        out_specs=(P(), self.specs),
+      )
+    )
 
   def batch(self, t):
     kx, ky = jax.random.split(jax.random.key(100 + t))
@@ -79,9 +87,12 @@ class Run:
   def target(self):
     """Abstract (params, state): shapes, dtypes and shardings, no live arrays."""
     params = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), self.params0)
-    return {"params": params, "opt_state": jc.restore_target(
-        self.tx, params, mesh=self.mesh, specs=self.specs)}
+      lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding), self.params0
+    )
+    return {
+      "params": params,
+      "opt_state": jc.restore_target(self.tx, params, mesh=self.mesh, specs=self.specs),
+    }
 
 
 def _save(path, params, state):
@@ -102,9 +113,11 @@ def _comparable(tree):
 
 def _per_device_leaves(state):
   """Leaves of the ``per_device_state`` parts of a state."""
-  parts = [x for x in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, jc.PerDeviceState))
-           if isinstance(x, jc.PerDeviceState)]
+  parts = [
+    x
+    for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, jc.PerDeviceState))
+    if isinstance(x, jc.PerDeviceState)
+  ]
   return jax.tree.leaves(parts)
 
 
@@ -121,8 +134,9 @@ def test_resumed_run_is_bit_identical(name, tmp_path):
   p_mid, s_mid = r.steps(r.params0, r.init(r.params0), 0, N)
   _save(tmp_path / "ckpt", p_mid, s_mid)
   restored = _restore(tmp_path / "ckpt", r.target())
-  chex.assert_trees_all_equal(_comparable(restored),
-                              _comparable({"params": p_mid, "opt_state": s_mid}))
+  chex.assert_trees_all_equal(
+    _comparable(restored), _comparable({"params": p_mid, "opt_state": s_mid})
+  )
   p_res, s_res = r.steps(restored["params"], restored["opt_state"], N, N + M)
 
   chex.assert_trees_all_equal(_comparable(p_res), _comparable(params))
@@ -138,8 +152,9 @@ def test_resumed_run_is_bit_identical(name, tmp_path):
     assert leaf.sharding == jax.NamedSharding(r.mesh, P(AXIS)), leaf.sharding
   for leaf in jax.tree.leaves(restored["params"]):
     assert leaf.sharding == jax.NamedSharding(r.mesh, P()), leaf.sharding
-  keys = [x for x in jax.tree.leaves(restored) if jax.dtypes.issubdtype(
-      x.dtype, jax.dtypes.prng_key)]
+  keys = [
+    x for x in jax.tree.leaves(restored) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  ]
   assert len(keys) == (0 if name == "mipd" else 1)
   assert all(jax.random.key_impl(k) == jax.random.key_impl(jax.random.key(0)) for k in keys)
   # The per-device residuals really differ between devices (so a replicated restore
@@ -159,8 +174,9 @@ def test_zeroed_residual_differs(tmp_path):
   _save(tmp_path / "ckpt", p_mid, s_mid)
   restored = _restore(tmp_path / "ckpt", r.target())
   inner = restored["opt_state"][0].inner
-  zeroed = restored["opt_state"][0]._replace(inner=inner._replace(
-      residual=jax.tree.map(jnp.zeros_like, inner.residual)))
+  zeroed = restored["opt_state"][0]._replace(
+    inner=inner._replace(residual=jax.tree.map(jnp.zeros_like, inner.residual))
+  )
   p_res, _ = r.steps(restored["params"], (zeroed, *restored["opt_state"][1:]), N, N + M)
   with pytest.raises(AssertionError):
     chex.assert_trees_all_equal(_comparable(p_res), _comparable(params))
@@ -170,13 +186,15 @@ def test_wrap_keys_keeps_the_implementation(tmp_path):
   """A non-default key implementation (rbg) and a batch of keys, sharded over the axis,
   round-trip through Orbax as raw data."""
   m = helpers.mesh()
-  keys = jax.device_put(jax.random.split(jax.random.key(7, impl="rbg"), K),
-                        jax.NamedSharding(m, P(AXIS)))
+  keys = jax.device_put(
+    jax.random.split(jax.random.key(7, impl="rbg"), K), jax.NamedSharding(m, P(AXIS))
+  )
   tree = {"keys": keys, "masked": optax.MaskedNode(), "count": jnp.int32(3)}
-  target = {"keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=keys.sharding),
-            "masked": optax.MaskedNode(),
-            "count": jax.ShapeDtypeStruct((), jnp.int32,
-                                          sharding=jax.NamedSharding(m, P()))}
+  target = {
+    "keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=keys.sharding),
+    "masked": optax.MaskedNode(),
+    "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.NamedSharding(m, P())),
+  }
   abstract = jc.unwrap_keys(target)["keys"]
   assert abstract.dtype == jnp.uint32 and abstract.shape == (K, 4)
   assert abstract.sharding == jax.NamedSharding(m, P(AXIS, None))
@@ -198,14 +216,15 @@ def test_docstring_examples():  # tests/test_docs.py's list predates the module
 
 def test_train_batches_resume_where_the_run_was():
   from examples.mnist1d import input_pipeline  # pylint: disable=import-outside-toplevel
+
   x = np.arange(103 * 3, dtype=np.float32).reshape(103, 3)  # 8 batches of 12 per epoch
   y = np.arange(103, dtype=np.int32)
   batches = lambda start: input_pipeline.train_batches(
-      x, y, num_devices=4, per_device_batch_size=3, seed=5, start_step=start)
+    x, y, num_devices=4, per_device_batch_size=3, seed=5, start_step=start
+  )
   full = list(itertools.islice(batches(0), 30))
   for start in (1, 8, 13, 16):  # within the first epoch, at and across epoch ends
-    chex.assert_trees_all_equal(list(itertools.islice(batches(start), 30 - start)),
-                                full[start:])
+    chex.assert_trees_all_equal(list(itertools.islice(batches(start), 30 - start)), full[start:])
 
 
 def test_example_trainer_resumes_bit_identical(tmp_path):
@@ -218,8 +237,9 @@ def test_example_trainer_resumes_bit_identical(tmp_path):
 
   # Checkpoints at 2, 4, 6; evaluations at 3 and 6, so the losses of step 4 are pending
   # at the checkpoint the second run resumes from.
-  config = dataclasses.replace(quick.get_config(), methods=("onebit",), num_steps=6,
-                               eval_every=3, checkpoint_every=2)
+  config = dataclasses.replace(
+    quick.get_config(), methods=("onebit",), num_steps=6, eval_every=3, checkpoint_every=2
+  )
   ckpts = tmp_path / "run" / "checkpoints" / "onebit"
   first = train.train_and_evaluate(config, str(tmp_path / "run"))["onebit"]
   assert sorted(p.name for p in ckpts.iterdir()) == ["4", "6"]  # the two latest
@@ -231,24 +251,26 @@ def test_example_trainer_resumes_bit_identical(tmp_path):
   for key in ("history", "test_accuracy", "layer_change"):  # NaN where undefined
     np.testing.assert_equal(second[key], first[key], err_msg=key)
   with ocp.StandardCheckpointer() as ckptr:  # params and opt_state at step 6
-    chex.assert_trees_all_equal(ckptr.restore(ckpts / "6" / "state"),
-                                ckptr.restore(tmp_path / "uninterrupted6" / "state"))
+    chex.assert_trees_all_equal(
+      ckptr.restore(ckpts / "6" / "state"), ckptr.restore(tmp_path / "uninterrupted6" / "state")
+    )
 
 
 def test_restore_target_with_tensor_parallel_params():
   """On a (4, 2) data x model mesh, the target matches the live state's shapes, dtypes
   and shardings leaf for leaf (param_specs: w1's columns, b1 and w2's rows over model)."""
   from examples import tensor_parallel as tp  # pylint: disable=import-outside-toplevel
+
   mesh = jax.make_mesh((4, 2), (tp.DATA, tp.MODEL), devices=jax.devices()[:8])
   pspecs = tp.param_specs(False)
   raw = tp.init_params(jax.random.key(0))
-  tx = optax.chain(jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=tp.DATA)),
-                   optax.sgd(0.1, momentum=0.9))
-  specs = jc.state_specs(tx, raw, axis_name=tp.DATA, num_devices=4, param_specs=pspecs,
-                         mesh=mesh)
+  tx = optax.chain(
+    jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=tp.DATA)),
+    optax.sgd(0.1, momentum=0.9),
+  )
+  specs = jc.state_specs(tx, raw, axis_name=tp.DATA, num_devices=4, param_specs=pspecs, mesh=mesh)
   params = jax.device_put(raw, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), pspecs))
-  live = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,),
-                               out_specs=specs))(params)
+  live = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=specs))(params)
   abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), raw)
   target = jc.restore_target(tx, abstract, mesh=mesh, specs=specs, param_specs=pspecs)
   got = jax.tree.leaves(jc.unwrap_keys(target))

@@ -38,11 +38,10 @@ def _keys(m: int, seed: int = 0):
 # codec and the tests reuse a few codecs and shapes.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sampler(codec):
   """jit(vmap over keys) of decode(encode(x, key))."""
-  return jax.jit(jax.vmap(lambda x, k: codec.decode(codec.encode(x, key=k)),
-                          in_axes=(None, 0)))
+  return jax.jit(jax.vmap(lambda x, k: codec.decode(codec.encode(x, key=k)), in_axes=(None, 0)))
 
 
 def _samples(codec, x, m: int, seed: int = 0):
@@ -51,12 +50,12 @@ def _samples(codec, x, m: int, seed: int = 0):
   return np.asarray(out, np.float64).reshape(m, -1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _round_trip_fn(codec):
   return jax.jit(lambda x, k: codec.decode(codec.encode(x, key=k)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _encode_fn(codec):
   return jax.jit(lambda x, k: codec.encode(x, key=k))
 
@@ -133,7 +132,7 @@ def _unbiasedness_check(samples, x, p, z_max=5.0):
   t = float(np.sum(err**2))
   et = float(var.sum() / m)
   sd_t = float(np.sqrt(2.0 * np.sum(var**2)) / m)
-  fp_tol = float(np.sum((4 * F32_EPS * x)**2))  # float32 resolution of the grid values
+  fp_tol = float(np.sum((4 * F32_EPS * x) ** 2))  # float32 resolution of the grid values
   agg_ok = t <= et + z_max * sd_t + fp_tol
   sel = (p > 0.05) & (p < 0.95)
   assert sel.sum() >= 10, "test vector has too few coordinates with 0.05 < p < 0.95"
@@ -141,17 +140,21 @@ def _unbiasedness_check(samples, x, p, z_max=5.0):
   coord_ok = bool(np.all(np.abs(err[sel]) <= z_max * se))
   with np.errstate(divide="ignore", invalid="ignore"):
     worst_z = float(np.max(np.abs(err[sel]) / se))
-  msg = (f"T={t:.4g} vs E[T]={et:.4g} + {z_max}*sd {sd_t:.4g}; "
-         f"max per-coordinate |z|={worst_z:.3g} over {sel.sum()} coordinates")
+  msg = (
+    f"T={t:.4g} vs E[T]={et:.4g} + {z_max}*sd {sd_t:.4g}; "
+    f"max per-coordinate |z|={worst_z:.3g} over {sel.sum()} coordinates"
+  )
   return bool(agg_ok and coord_ok), msg
 
 
 UNBIASED_CASES = {
-    # name: (codec, x)
-    "l2-2levels-n512": (C.QSGD(2), _normal(512, seed=1)),
-    "l2-3levels-buckets100-n250": (C.QSGD(3, bucket_size=100), _normal(250, seed=2)),
-    "max-7levels-buckets512-n1300": (C.QSGD(7, bucket_size=512, norm="max"),
-                                     _bucketed_normal(1300, 512, seed=3)),
+  # name: (codec, x)
+  "l2-2levels-n512": (C.QSGD(2), _normal(512, seed=1)),
+  "l2-3levels-buckets100-n250": (C.QSGD(3, bucket_size=100), _normal(250, seed=2)),
+  "max-7levels-buckets512-n1300": (
+    C.QSGD(7, bucket_size=512, norm="max"),
+    _bucketed_normal(1300, 512, seed=3),
+  ),
 }
 M_STAT = 4000
 
@@ -168,7 +171,7 @@ def test_qsgd_unbiased(name):
 HANDMADE_KINDS = ("correct", "floor", "nearest", "p+0.02", "no_sign", "scale*1.1")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _handmade_quantizer(levels: int):
   """A jnp re-implementation of one-bucket l2 QSGD: correct or deliberately wrong.
 
@@ -185,13 +188,13 @@ def _handmade_quantizer(levels: int):
     up = lambda prob: (u < prob).astype(jnp.float32)
     sign = jnp.sign(x)
     variants = [
-        sign * scale * (low + up(r - low)) / s,  # correct
-        sign * scale * low / s,  # floor
-        sign * scale * jnp.round(r) / s,  # round to nearest
-        # stochastic, but rounded up slightly too often
-        sign * scale * (low + up(jnp.clip(r - low + 0.02, 0.0, 1.0))) / s,
-        scale * (low + up(r - low)) / s,  # sign forgotten
-        sign * (1.1 * scale) * (low + up(r - low)) / s,  # wrong scale
+      sign * scale * (low + up(r - low)) / s,  # correct
+      sign * scale * low / s,  # floor
+      sign * scale * jnp.round(r) / s,  # round to nearest
+      # stochastic, but rounded up slightly too often
+      sign * scale * (low + up(jnp.clip(r - low + 0.02, 0.0, 1.0))) / s,
+      scale * (low + up(r - low)) / s,  # sign forgotten
+      sign * (1.1 * scale) * (low + up(r - low)) / s,  # wrong scale
     ]
     return jnp.stack(variants)[kind]
 
@@ -206,8 +209,9 @@ def test_unbiasedness_check_rejects_biased_quantizers(kind):
   because of their bias, not because they differ from the codec in some other way.
   """
   x = UNBIASED_CASES["l2-2levels-n512"][1]
-  samples = np.asarray(_handmade_quantizer(2)(jnp.asarray(x), _keys(M_STAT),
-                                              HANDMADE_KINDS.index(kind)), np.float64)
+  samples = np.asarray(
+    _handmade_quantizer(2)(jnp.asarray(x), _keys(M_STAT), HANDMADE_KINDS.index(kind)), np.float64
+  )
   _, p, _ = _rounding_reference(x, 2)
   ok, msg = _unbiasedness_check(samples, x, p)
   assert ok == (kind == "correct"), msg
@@ -225,7 +229,7 @@ def _variance_check(samples, x, p, step, z_max=5.0):
   """
   x = np.asarray(x, np.float64).reshape(-1)
   m = samples.shape[0]
-  sq = (samples - x)**2
+  sq = (samples - x) ** 2
   exact = p * (1 - p) * step**2
   # aggregate: the squared error of the whole vector, one number per key
   tot = sq.sum(axis=1)
@@ -236,9 +240,11 @@ def _variance_check(samples, x, p, step, z_max=5.0):
   sel = (p > 0.05) & (p < 0.95)
   mse = sq[:, sel].mean(axis=0)
   se = sq[:, sel].std(axis=0, ddof=1) / np.sqrt(m)
-  coord_ok = bool(np.all(np.abs(mse - exact[sel]) <= z_max * se + 1e-5 * step[sel]**2))
-  msg = (f"E||Q-x||^2: empirical {tot.mean():.5g} vs exact {exact.sum():.5g} "
-         f"(z={agg_z:.3g}); per-coordinate ok={coord_ok}")
+  coord_ok = bool(np.all(np.abs(mse - exact[sel]) <= z_max * se + 1e-5 * step[sel] ** 2))
+  msg = (
+    f"E||Q-x||^2: empirical {tot.mean():.5g} vs exact {exact.sum():.5g} "
+    f"(z={agg_z:.3g}); per-coordinate ok={coord_ok}"
+  )
   return bool(agg_ok and coord_ok), msg
 
 
@@ -292,10 +298,10 @@ def test_qsgd_rounding_independent_across_values_and_buckets():
 
 # (n, s, vector kind): which term of min(n/s^2, sqrt(n)/s) is active is noted.
 BOUND_CASES = [
-    (1024, 2, "signs"),   # sqrt(n)/s = 16 active (n/s^2 = 256); exact ratio 15: near tight
-    (4096, 1, "normal"),  # sqrt(n)/s = 64 active
-    (16, 8, "normal"),    # n/s^2 = 0.25 active (sqrt(n)/s = 0.5)
-    (64, 12, "signs"),    # n/s^2 = 0.44 active; every p = 1/2 (r = 1.5)
+  (1024, 2, "signs"),  # sqrt(n)/s = 16 active (n/s^2 = 256); exact ratio 15: near tight
+  (4096, 1, "normal"),  # sqrt(n)/s = 64 active
+  (16, 8, "normal"),  # n/s^2 = 0.25 active (sqrt(n)/s = 0.5)
+  (64, 12, "signs"),  # n/s^2 = 0.44 active; every p = 1/2 (r = 1.5)
 ]
 M_BOUND = 2000
 
@@ -310,7 +316,7 @@ def test_qsgd_lemma_3_1_variance_bound(n, s, kind):
   samples = _samples(C.QSGD(s), x, M_BOUND, seed=3)
   x64 = x.astype(np.float64)
   norm2 = float(np.sum(x64**2))
-  ratio = np.sum((samples - x64)**2, axis=1) / norm2  # ||Q(v) - v||^2 / ||v||^2 per key
+  ratio = np.sum((samples - x64) ** 2, axis=1) / norm2  # ||Q(v) - v||^2 / ||v||^2 per key
   emp, se = ratio.mean(), ratio.std(ddof=1) / np.sqrt(M_BOUND)
   bound = min(n / s**2, math.sqrt(n) / s)
   assert emp <= bound + 4 * se, (emp, se, bound)
@@ -325,8 +331,9 @@ def test_qsgd_lemma_3_1_variance_bound(n, s, kind):
 
 
 # (the same codecs and shapes as BOUND_CASES: no new compilation)
-@pytest.mark.parametrize("n, s, kind", [(4096, 1, "signs"), (4096, 1, "normal"),
-                                        (1024, 2, "signs"), (1024, 2, "normal")])
+@pytest.mark.parametrize(
+  "n, s, kind", [(4096, 1, "signs"), (4096, 1, "normal"), (1024, 2, "signs"), (1024, 2, "normal")]
+)
 def test_qsgd_lemma_3_1_sparsity_bound(n, s, kind):
   bound = s * (s + math.sqrt(n))
   assert bound < n / 10  # informative (the l0 norm could be up to n)
@@ -361,8 +368,10 @@ def test_qsgd_of_zero_is_zero(name):
   assert np.all(out[:, x == 0] == 0.0)
 
 
-MAX_CASES = [(C.QSGD(7, bucket_size=512, norm="max"), 1300),
-             (C.QSGD(1, bucket_size=128, norm="max"), 1000)]
+MAX_CASES = [
+  (C.QSGD(7, bucket_size=512, norm="max"), 1300),
+  (C.QSGD(1, bucket_size=128, norm="max"), 1000),
+]
 
 
 @pytest.mark.parametrize("codec, n", MAX_CASES, ids=lambda v: str(v))
@@ -391,8 +400,9 @@ def test_qsgd_max_norm_exact_properties(codec, n):
   if s == 1:
     np.testing.assert_array_equal(out[:, arg], np.broadcast_to(x64[arg], (m, nb)))
   else:
-    np.testing.assert_allclose(out[:, arg], np.broadcast_to(x64[arg], (m, nb)),
-                               rtol=2 * F32_EPS, atol=0)
+    np.testing.assert_allclose(
+      out[:, arg], np.broadcast_to(x64[arg], (m, nb)), rtol=2 * F32_EPS, atol=0
+    )
   # the payload's scales are the bucket maxima, exactly
   payload = _encode_fn(codec)(jnp.asarray(x), jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(payload.arrays["scales"], np.float64), bmax)
@@ -402,8 +412,9 @@ def test_qsgd_l2_payload_scales_are_bucket_norms():
   codec, x = UNBIASED_CASES["l2-3levels-buckets100-n250"]
   payload = _encode_fn(codec)(jnp.asarray(x), jax.random.key(0))
   x64 = np.pad(x.astype(np.float64), (0, 50)).reshape(3, 100)
-  np.testing.assert_allclose(np.asarray(payload.arrays["scales"]),
-                             np.sqrt(np.sum(x64**2, axis=1)), rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(payload.arrays["scales"]), np.sqrt(np.sum(x64**2, axis=1)), rtol=1e-6
+  )
 
 
 def test_qsgd_reproducible_and_key_dependent():
@@ -436,19 +447,29 @@ def _onebit_bits_expected(codec, n):
   return -(-n // 32) * 32 + 64 * nb
 
 
-WIRE_SHAPES = [(1,), (31,), (32,), (33,), (512,), (1000,), (1300,), (7, 300), (2, 3, 5),
-               (64, 64)]
-WIRE_CODECS = [C.QSGD(1), C.QSGD(3, 128), C.QSGD(7, 512, "max"), C.QSGD(15, 100),
-               C.QSGD(127, 512), C.QSGD(255, 1000, "max"), C.OneBit(), C.OneBit(128),
-               C.OneBit(100)]
+WIRE_SHAPES = [(1,), (31,), (32,), (33,), (512,), (1000,), (1300,), (7, 300), (2, 3, 5), (64, 64)]
+WIRE_CODECS = [
+  C.QSGD(1),
+  C.QSGD(3, 128),
+  C.QSGD(7, 512, "max"),
+  C.QSGD(15, 100),
+  C.QSGD(127, 512),
+  C.QSGD(255, 1000, "max"),
+  C.OneBit(),
+  C.OneBit(128),
+  C.OneBit(100),
+]
 
 
 @pytest.mark.parametrize("codec", WIRE_CODECS, ids=str)
 def test_wire_bits_formula_and_payload_bytes(codec):
   for shape in WIRE_SHAPES:
     n = math.prod(shape)
-    expected = (_qsgd_bits_expected(codec, n) if isinstance(codec, C.QSGD)
-                else _onebit_bits_expected(codec, n))
+    expected = (
+      _qsgd_bits_expected(codec, n)
+      if isinstance(codec, C.QSGD)
+      else _onebit_bits_expected(codec, n)
+    )
     assert codec.wire_bits(shape) == expected, shape
   # QSGD/OneBit payloads do not depend on the input dtype
   assert codec.wire_bits((7, 300), jnp.bfloat16) == codec.wire_bits((7, 300))
@@ -462,10 +483,10 @@ def test_wire_bits_dense_codecs():
 
 
 @hypothesis.given(
-    n=st.integers(1, 5000),
-    bucket=st.one_of(st.none(), st.integers(1, 700)),
-    levels=st.integers(1, 300),
-    norm=st.sampled_from(["l2", "max"]),
+  n=st.integers(1, 5000),
+  bucket=st.one_of(st.none(), st.integers(1, 700)),
+  levels=st.integers(1, 300),
+  norm=st.sampled_from(["l2", "max"]),
 )
 def test_wire_bits_property(n, bucket, levels, norm):
   q = C.QSGD(levels, bucket, norm)
@@ -475,14 +496,28 @@ def test_wire_bits_property(n, bucket, levels, norm):
   assert o.wire_bits((n,)) == _onebit_bits_expected(o, n)
 
 
-@pytest.mark.parametrize("codec, n", [
-    (C.QSGD(7, 512, "max"), 1300), (C.QSGD(3, 100), 250), (C.OneBit(100), 777),
-    (C.OneBit(), 777), (C.OneBit(per_column=True), 777), (C.ScaledSign(100), 777),
-    (C.Cast(jnp.float16), 777), (C.Identity(), 777)], ids=str)
+@pytest.mark.parametrize(
+  "codec, n",
+  [
+    (C.QSGD(7, 512, "max"), 1300),
+    (C.QSGD(3, 100), 250),
+    (C.OneBit(100), 777),
+    (C.OneBit(), 777),
+    (C.OneBit(per_column=True), 777),
+    (C.ScaledSign(100), 777),
+    (C.Cast(jnp.float16), 777),
+    (C.Identity(), 777),
+  ],
+  ids=str,
+)
 def test_payload_shapes_do_not_depend_on_data(codec, n):
-  datas = [_normal(n, seed=9), np.zeros(n, np.float32), np.full(n, 1e30, np.float32),
-           np.where(np.arange(n) % 3 == 0, np.nan, 1.0).astype(np.float32),
-           np.where(np.arange(n) < 100, -np.inf, 0.0).astype(np.float32)]
+  datas = [
+    _normal(n, seed=9),
+    np.zeros(n, np.float32),
+    np.full(n, 1e30, np.float32),
+    np.where(np.arange(n) % 3 == 0, np.nan, 1.0).astype(np.float32),
+    np.where(np.arange(n) < 100, -np.inf, 0.0).astype(np.float32),
+  ]
   enc = _encode_fn(codec)
   payloads = [enc(jnp.asarray(d), jax.random.key(i)) for i, d in enumerate(datas)]
   for p in payloads:
@@ -494,8 +529,15 @@ def test_payload_shapes_do_not_depend_on_data(codec, n):
 
 # ----------------------------------------------------------------------------- dtypes, jit, vmap
 
-DTYPE_CODECS = [C.Identity(), C.Cast(jnp.bfloat16), C.Cast(jnp.float16), C.QSGD(3),
-                C.QSGD(7, 64, "max"), C.OneBit(), C.OneBit(64)]
+DTYPE_CODECS = [
+  C.Identity(),
+  C.Cast(jnp.bfloat16),
+  C.Cast(jnp.float16),
+  C.QSGD(3),
+  C.QSGD(7, 64, "max"),
+  C.OneBit(),
+  C.OneBit(64),
+]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
@@ -513,19 +555,27 @@ def test_decode_shape_and_dtype(codec, dtype):
   assert out.shape == shape and out.dtype == dtype
   out = jax.eval_shape(lambda x: round_trip(x, jnp.float32), spec)
   assert out.shape == shape and out.dtype == jnp.float32
-  stacked = jax.eval_shape(jax.vmap(lambda x, k: codec.encode(x, key=k)),
-                           jax.ShapeDtypeStruct((3, *shape), dtype),
-                           jax.eval_shape(lambda: _keys(3)))
+  stacked = jax.eval_shape(
+    jax.vmap(lambda x, k: codec.encode(x, key=k)),
+    jax.ShapeDtypeStruct((3, *shape), dtype),
+    jax.eval_shape(lambda: _keys(3)),
+  )
   out = jax.eval_shape(jax.vmap(codec.decode), stacked)
   assert out.shape == (3, *shape) and out.dtype == dtype
 
 
-@pytest.mark.parametrize("codec, dtype", [
-    (C.Identity(), jnp.float32), (C.Cast(jnp.float16), jnp.bfloat16),
+@pytest.mark.parametrize(
+  "codec, dtype",
+  [
+    (C.Identity(), jnp.float32),
+    (C.Cast(jnp.float16), jnp.bfloat16),
     (C.QSGD(7, 64, "max"), jnp.bfloat16),
-    (C.OneBit(64), jnp.float16), (C.OneBit(per_column=True), jnp.bfloat16),
+    (C.OneBit(64), jnp.float16),
+    (C.OneBit(per_column=True), jnp.bfloat16),
     (C.ScaledSign(64), jnp.float16),
-], ids=str)
+  ],
+  ids=str,
+)
 def test_jit_vmap_on_stacked_payload_equals_per_payload(codec, dtype):
   """Under jit: encode several (vmap), decode the stacked payload (vmap) == one by one.
 
@@ -538,12 +588,18 @@ def test_jit_vmap_on_stacked_payload_equals_per_payload(codec, dtype):
   def run(xs, keys):
     stacked = jax.vmap(lambda x, key: codec.encode(x, key=key))(xs, keys)
     singles = [codec.encode(xs[i], key=keys[i]) for i in range(k)]
-    return (stacked, jax.vmap(codec.decode)(stacked), singles,
-            [codec.decode(p) for p in singles], [codec.decode(p, jnp.float32) for p in singles])
+    return (
+      stacked,
+      jax.vmap(codec.decode)(stacked),
+      singles,
+      [codec.decode(p) for p in singles],
+      [codec.decode(p, jnp.float32) for p in singles],
+    )
 
   # (compared in numpy: eager indexing of jax arrays would compile more)
   stacked, decoded, singles, single_decoded, single_f32 = jax.tree.map(
-      np.asarray, run(xs, _keys(k, seed=12)))
+    np.asarray, run(xs, _keys(k, seed=12))
+  )
   assert decoded.shape == (k, *shape) and decoded.dtype == dtype
   for i in range(k):
     assert singles[i].arrays.keys() == stacked.arrays.keys()
@@ -551,11 +607,13 @@ def test_jit_vmap_on_stacked_payload_equals_per_payload(codec, dtype):
       assert a.dtype == stacked.arrays[name].dtype
       np.testing.assert_array_equal(a, stacked.arrays[name][i], err_msg=name)
     assert single_decoded[i].shape == shape and single_decoded[i].dtype == dtype
-    np.testing.assert_array_equal(single_decoded[i].astype(np.float32),
-                                  decoded[i].astype(np.float32))
+    np.testing.assert_array_equal(
+      single_decoded[i].astype(np.float32), decoded[i].astype(np.float32)
+    )
     assert single_f32[i].dtype == np.float32
-    np.testing.assert_array_equal(single_decoded[i].astype(np.float32),
-                                  single_f32[i].astype(dtype).astype(np.float32))
+    np.testing.assert_array_equal(
+      single_decoded[i].astype(np.float32), single_f32[i].astype(dtype).astype(np.float32)
+    )
     x64 = np.asarray(xs[i], np.float64)
     err = np.abs(single_f32[i].astype(np.float64) - x64)
     amax = float(np.max(np.abs(x64)))
@@ -566,24 +624,35 @@ def test_jit_vmap_on_stacked_payload_equals_per_payload(codec, dtype):
 
 
 def test_degenerate_shapes():
-  codecs = [C.QSGD(3), C.QSGD(3, 4, "max"), C.OneBit(), C.OneBit(4), C.Identity(),
-            C.Cast(jnp.float16)]
+  codecs = [
+    C.QSGD(3),
+    C.QSGD(3, 4, "max"),
+    C.OneBit(),
+    C.OneBit(4),
+    C.Identity(),
+    C.Cast(jnp.float16),
+  ]
   shapes = [(), (1,), (0,), (3, 0)]
 
   @jax.jit  # one compilation for all of them
   def run(key):
-    return {(str(c), s): c.decode(c.encode(jnp.full(s, -0.75, jnp.float32), key=key))
-            for c in codecs for s in shapes}
+    return {
+      (str(c), s): c.decode(c.encode(jnp.full(s, -0.75, jnp.float32), key=key))
+      for c in codecs
+      for s in shapes
+    }
 
   for (name, shape), out in run(jax.random.key(0)).items():
     chex.assert_shape(out, shape)
     # a single value is its own bucket: every codec sends it exactly
-    np.testing.assert_array_equal(np.asarray(out), np.full(shape, -0.75, np.float32),
-                                  err_msg=f"{name} {shape}")
+    np.testing.assert_array_equal(
+      np.asarray(out), np.full(shape, -0.75, np.float32), err_msg=f"{name} {shape}"
+    )
 
 
-@pytest.mark.parametrize("codec", [C.QSGD(3), C.OneBit(), C.Identity(),
-                                   C.Cast(jnp.bfloat16), C.Cast(jnp.float16)], ids=str)
+@pytest.mark.parametrize(
+  "codec", [C.QSGD(3), C.OneBit(), C.Identity(), C.Cast(jnp.bfloat16), C.Cast(jnp.float16)], ids=str
+)
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32, jnp.bool_])
 def test_non_float_input_raises_type_error(codec, dtype):
   x = jnp.zeros((10,), dtype)
@@ -591,12 +660,23 @@ def test_non_float_input_raises_type_error(codec, dtype):
     codec.encode(x, key=jax.random.key(0))
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(levels=0), dict(levels=-1), dict(levels=1.5), dict(levels=True),
-    dict(levels=2.0), dict(levels=None), dict(levels=3, bucket_size=0),
-    dict(levels=3, bucket_size=-4), dict(levels=3, bucket_size=True),
-    dict(levels=3, bucket_size=64.0), dict(levels=3, norm="l1"), dict(levels=3, norm="L2"),
-])
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(levels=0),
+    dict(levels=-1),
+    dict(levels=1.5),
+    dict(levels=True),
+    dict(levels=2.0),
+    dict(levels=None),
+    dict(levels=3, bucket_size=0),
+    dict(levels=3, bucket_size=-4),
+    dict(levels=3, bucket_size=True),
+    dict(levels=3, bucket_size=64.0),
+    dict(levels=3, norm="l1"),
+    dict(levels=3, norm="L2"),
+  ],
+)
 def test_qsgd_bad_arguments_raise(kwargs):
   with pytest.raises(ValueError):
     C.QSGD(**kwargs)
@@ -621,10 +701,27 @@ def test_qsgd_needs_a_key():
 
 
 def test_codecs_are_hashable_static_arguments():
-  codecs = [C.QSGD(3, 64, "max"), C.OneBit(32), C.Cast(jnp.float16), C.Identity(),
-            C.OneBit(per_column=True), C.ScaledSign(64)]
-  assert len({*codecs, C.QSGD(3, 64, "max"), C.OneBit(32), C.Cast(np.float16),
-              C.OneBit(per_column=True), C.ScaledSign(64)}) == 6
+  codecs = [
+    C.QSGD(3, 64, "max"),
+    C.OneBit(32),
+    C.Cast(jnp.float16),
+    C.Identity(),
+    C.OneBit(per_column=True),
+    C.ScaledSign(64),
+  ]
+  assert (
+    len(
+      {
+        *codecs,
+        C.QSGD(3, 64, "max"),
+        C.OneBit(32),
+        C.Cast(np.float16),
+        C.OneBit(per_column=True),
+        C.ScaledSign(64),
+      }
+    )
+    == 6
+  )
   assert C.Cast(jnp.float16) == C.Cast(np.float16)
   assert C.QSGD(3, 64, "max") != C.QSGD(3, 64, "l2")
   f = jax.jit(lambda x, codec: x * codec.wire_bits(x.shape), static_argnums=1)
@@ -643,19 +740,19 @@ def _onebit_reference(x, bucket_size):
   pos = np.zeros(n)
   neg = np.zeros(n)
   for start in range(0, n, b):
-    v = x[start:start + b]
-    pos[start:start + b] = v[v >= 0].mean() if np.any(v >= 0) else 0.0
-    neg[start:start + b] = v[v < 0].mean() if np.any(v < 0) else 0.0
+    v = x[start : start + b]
+    pos[start : start + b] = v[v >= 0].mean() if np.any(v >= 0) else 0.0
+    neg[start : start + b] = v[v < 0].mean() if np.any(v < 0) else 0.0
   return pos, neg
 
 
 @hypothesis.settings(max_examples=12)  # each example compiles (~0.3 s on 2 cores)
 @hypothesis.given(
-    n=st.integers(1, 600),
-    bucket=st.one_of(st.none(), st.integers(1, 200)),
-    seed=st.integers(0, 2**31 - 1),
-    zero_frac=st.sampled_from([0.0, 0.1, 0.5]),
-    offset=st.sampled_from([0.0, 1.5, -1.5]),
+  n=st.integers(1, 600),
+  bucket=st.one_of(st.none(), st.integers(1, 200)),
+  seed=st.integers(0, 2**31 - 1),
+  zero_frac=st.sampled_from([0.0, 0.1, 0.5]),
+  offset=st.sampled_from([0.0, 1.5, -1.5]),
 )
 def test_onebit_properties(n, bucket, seed, zero_frac, offset):
   rng = np.random.default_rng(seed)
@@ -667,7 +764,7 @@ def test_onebit_properties(n, bucket, seed, zero_frac, offset):
   x64 = x.astype(np.float64)
   b = n if bucket is None else min(bucket, n)
   for start in range(0, n, b):  # including a last partial bucket
-    xb, ob = x64[start:start + b], out[start:start + b]
+    xb, ob = x64[start : start + b], out[start : start + b]
     # the bucket sum is preserved
     assert abs(ob.sum() - xb.sum()) <= 1e-5 * np.abs(xb).sum() + 1e-30
     # at most two values per bucket
@@ -688,9 +785,9 @@ def test_onebit_word_aligned_buckets(bucket, n):
   # bucket, and with -0.0 (not negative) in it.
   rng = np.random.default_rng(n + (bucket or 0))
   x = rng.standard_normal(n).astype(np.float32)
-  x[:300] = -np.abs(x[:300]) - 1000.0   # all negative but one tiny positive value
+  x[:300] = -np.abs(x[:300]) - 1000.0  # all negative but one tiny positive value
   x[17] = 1e-6
-  x[300:600] = np.abs(x[300:600])        # all non-negative, with zeros and -0.0
+  x[300:600] = np.abs(x[300:600])  # all non-negative, with zeros and -0.0
   x[310:320] = 0.0
   x[320:330] = -0.0
   out = np.asarray(_round_trip(C.OneBit(bucket), x), np.float64)
@@ -705,6 +802,7 @@ def test_onebit_sums_two_levels_match_one_reduction():
   # counts, sums equal up to the order of the float32 additions.
   from jaxcomp._src import bitpack  # pylint: disable=import-outside-toplevel
   from jaxcomp._src import codecs as codecs_lib  # pylint: disable=import-outside-toplevel
+
   x = _normal(64 * 40 - 13, seed=21) + np.float32(0.2)  # a ragged last bucket of 64
   v = jnp.pad(jnp.asarray(x), (0, 13)).reshape(40, 64)
   words = bitpack.pack_bits(jnp.asarray(x < 0).astype(jnp.uint32), 1)
@@ -748,8 +846,9 @@ def test_onebit_zeros_and_determinism():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_identity_exact(dtype):
-  x = jnp.asarray(np.array([0.0, -0.0, 1.5, -3.25e3, np.inf, -np.inf, np.nan, 1e-3],
-                           np.float32).astype(dtype))
+  x = jnp.asarray(
+    np.array([0.0, -0.0, 1.5, -3.25e3, np.inf, -np.inf, np.nan, 1e-3], np.float32).astype(dtype)
+  )
   out = _round_trip(C.Identity(), x)
   chex.assert_type(out, dtype)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(x, np.float32))
@@ -783,8 +882,9 @@ def test_cast_float16_scaled_relative_error(magnitude):
     assert np.max(np.abs(plain - x64)) > 2.0**-5 * amax
 
 
-@pytest.mark.parametrize("codec", [C.Identity(), C.Cast(jnp.bfloat16), C.Cast(jnp.float16)],
-                         ids=str)
+@pytest.mark.parametrize(
+  "codec", [C.Identity(), C.Cast(jnp.bfloat16), C.Cast(jnp.float16)], ids=str
+)
 def test_cast_nan_and_inf_propagate(codec):
   x = _normal(100, seed=19)
   x[5], x[40] = np.nan, np.inf
@@ -798,8 +898,9 @@ def test_cast_nan_and_inf_propagate(codec):
 # ----------------------------------------------------------------------------- decode_sum
 
 
-@pytest.mark.parametrize("codec", [C.Identity(), C.QSGD(7, 128, "max"), C.OneBit(64),
-                                   C.ScaledSign(64)], ids=str)
+@pytest.mark.parametrize(
+  "codec", [C.Identity(), C.QSGD(7, 128, "max"), C.OneBit(64), C.ScaledSign(64)], ids=str
+)
 def test_decode_sum_equals_sum_of_decodes(codec):
   k, n = 5, 300
   xs = _normal(k * n, seed=20).reshape(k, n) * (10.0 ** np.arange(k, dtype=np.float32))[:, None]
@@ -816,8 +917,12 @@ def test_decode_sum_equals_sum_of_decodes(codec):
   chex.assert_shape(total, (n,))
   chex.assert_type(total, jnp.float32)
   each = np.asarray(each)
-  np.testing.assert_allclose(np.asarray(total), each.astype(np.float64).sum(axis=0),
-                             rtol=1e-5, atol=1e-6 * float(np.abs(each).max()))
+  np.testing.assert_allclose(
+    np.asarray(total),
+    each.astype(np.float64).sum(axis=0),
+    rtol=1e-5,
+    atol=1e-6 * float(np.abs(each).max()),
+  )
   np.testing.assert_array_equal(np.asarray(first), each[0])  # K = 1
 
 
@@ -828,8 +933,11 @@ def test_decode_sum_identity_is_sequential_float32_addition(dtype):
   xs = (rng.standard_normal((k, n)) * 10.0 ** rng.uniform(-4, 4, (k, 1))).astype(np.float32)
   xs_in = xs.astype(dtype)
   xs = xs_in.astype(np.float32)
-  total = np.asarray(jax.jit(lambda xs: C.Identity().decode_sum(
-      jax.vmap(C.Identity().encode)(xs)))(jnp.asarray(xs_in)))
+  total = np.asarray(
+    jax.jit(lambda xs: C.Identity().decode_sum(jax.vmap(C.Identity().encode)(xs)))(
+      jnp.asarray(xs_in)
+    )
+  )
   acc = xs[0].copy()
   for i in range(1, k):
     acc = (acc + xs[i]).astype(np.float32)
@@ -843,8 +951,14 @@ def test_decode_sum_identity_is_sequential_float32_addition(dtype):
 
 # ----------------------------------------------------------------------------- non-finite
 
-NONFINITE_CODECS = [C.QSGD(2, 64), C.QSGD(7, 64, "max"), C.OneBit(64), C.OneBit(),
-                    C.OneBit(per_column=True), C.ScaledSign(64)]
+NONFINITE_CODECS = [
+  C.QSGD(2, 64),
+  C.QSGD(7, 64, "max"),
+  C.OneBit(64),
+  C.OneBit(),
+  C.OneBit(per_column=True),
+  C.ScaledSign(64),
+]
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=str)
@@ -892,8 +1006,7 @@ def test_qsgd_scale_is_nan_for_a_non_finite_value_at_any_position(bucket, norm):
 
   scales = np.asarray(all_scales(v))
   clean = np.pad(x.astype(np.float64), (0, 3 * bucket - n)).reshape(3, bucket)
-  want = (np.max(np.abs(clean), axis=1) if norm == "max"
-          else np.sqrt(np.sum(clean * clean, axis=1)))
+  want = np.max(np.abs(clean), axis=1) if norm == "max" else np.sqrt(np.sum(clean * clean, axis=1))
   for row, (pos, _) in enumerate(cases):
     hit = pos // bucket
     assert np.isnan(scales[row, hit]), (pos, scales[row])
@@ -909,7 +1022,7 @@ def test_qsgd_scale_is_nan_for_a_non_finite_value_at_any_position(bucket, norm):
 @pytest.mark.parametrize("magnitude", [3e19, 1e-20])
 def test_qsgd_l2_finite_extreme_magnitudes(magnitude):
   """The l2 norm neither overflows (NaN for finite input) nor underflows (all zeros)."""
-  x = (np.array([1.0, -1.0, 0.5, 0.25], np.float32) * np.float32(magnitude))
+  x = np.array([1.0, -1.0, 0.5, 0.25], np.float32) * np.float32(magnitude)
   x64 = x.astype(np.float64)
   out = _samples(C.QSGD(4), x, 64)
   assert np.all(np.isfinite(out))
@@ -962,10 +1075,11 @@ def test_qsgd_huge_bucket_is_not_sent_as_zeros(norm):
   zero, and the bucket went out as all zeros. kernels/_common.inverse_scale scales it."""
   if norm == "max":
     big = np.float32(np.finfo(np.float32).max)
-    x = np.array([big, -big / 2, big / 3, 1e38, -2.0**126, 1.0, 0.0, -1e37], np.float32)
+    x = np.array([big, -big / 2, big / 3, 1e38, -(2.0**126), 1.0, 0.0, -1e37], np.float32)
   else:  # an l2 norm that float32 holds: 2**126 * 1.17
-    x = np.array([2.0**126, -2.0**125, 2.0**124, 3e37, -2.0**120, 1.0, 0.0, 2.0**125],
-                 np.float32)
+    x = np.array(
+      [2.0**126, -(2.0**125), 2.0**124, 3e37, -(2.0**120), 1.0, 0.0, 2.0**125], np.float32
+    )
   x64 = x.astype(np.float64)
   codec = C.QSGD(7, norm=norm)
   payload = codec.encode(jnp.asarray(x), key=jax.random.key(3))
@@ -1011,8 +1125,9 @@ def test_qsgd_levels_argument():
   assert np.max(np.abs(q * 16 - np.round(q * 16))) > 0.1
   # the wire: 16 levels take 5 magnitude bits and a sign
   params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
-  report = jc.wire_report(jc.qsgd(levels=16, bucket_size=512, axis_name="batch"), params,
-                          axis_name="batch", num_devices=8)
+  report = jc.wire_report(
+    jc.qsgd(levels=16, bucket_size=512, axis_name="batch"), params, axis_name="batch", num_devices=8
+  )
   assert report.bytes_received == 7 * (1024 * 1024 * 6 // 8 + 2048 * 4)
   for bad in (0, -3, 2**24, 1.5, True):
     with pytest.raises(ValueError):
@@ -1024,20 +1139,20 @@ def test_qsgd_docs_table_is_the_codecs():
   codec's (from its payload arrays), and the bound is Lemma 3.1's min(d/s^2, sqrt(d)/s)."""
   import os  # pylint: disable=import-outside-toplevel
   import re  # pylint: disable=import-outside-toplevel
+
   path = os.path.join(os.path.dirname(__file__), "..", "docs", "methods", "qsgd.md")
   with open(path, encoding="utf-8") as f:
-    rows = re.findall(r"^\| `(.+?)` \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", f.read(),
-                      re.MULTILINE)
+    rows = re.findall(
+      r"^\| `(.+?)` \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$", f.read(), re.MULTILINE
+    )
   assert len(rows) >= 6
   n = 2**20
   for arg, s, bits, wire, bound in rows:
     kwargs = dict(kv.split("=") for kv in arg.split(", "))
     d = int(kwargs["bucket_size"])
-    levels = (int(kwargs["levels"]) if "levels" in kwargs
-              else 2 ** (int(kwargs["bits"]) - 1) - 1)
+    levels = int(kwargs["levels"]) if "levels" in kwargs else 2 ** (int(kwargs["bits"]) - 1) - 1
     codec = C.QSGD(levels, d, "max")
     assert levels == int(s), arg
     assert codec.bits == int(bits), arg
     assert codec.wire_bits((n,)) / n == pytest.approx(float(wire), abs=1e-4), arg
-    assert min(d / levels**2, math.sqrt(d) / levels) == pytest.approx(float(bound),
-                                                                       rel=1e-3), arg
+    assert min(d / levels**2, math.sqrt(d) / levels) == pytest.approx(float(bound), rel=1e-3), arg

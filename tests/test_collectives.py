@@ -2,16 +2,17 @@
 
 import chex
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 SHAPES = {"w": (48, 96), "b": (96,)}  # w compressed (4608 values), b dense
 PARAMS = {name: jnp.zeros(shape) for name, shape in SHAPES.items()}
@@ -37,9 +38,14 @@ def test_identity_equals_pmean_exactly_shard_map(collective):
   updates, _ = _shard_map_run(tx, grads)
   dense = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
   # lax.pmean on CPU adds in rank order; so does the codecs' decode_sum.
-  expected = jax.jit(jax.shard_map(
-      lambda g: jax.tree.map(lambda x: lax.pmean(x[0], AXIS), g), mesh=helpers.mesh(),
-      in_specs=P(AXIS), out_specs=P()))(helpers.shard(grads, helpers.mesh()))
+  expected = jax.jit(
+    jax.shard_map(
+      lambda g: jax.tree.map(lambda x: lax.pmean(x[0], AXIS), g),
+      mesh=helpers.mesh(),
+      in_specs=P(AXIS),
+      out_specs=P(),
+    )
+  )(helpers.shard(grads, helpers.mesh()))
   chex.assert_trees_all_equal(updates, expected)
   chex.assert_trees_all_close(updates, dense, rtol=1e-6, atol=1e-6)
 
@@ -49,20 +55,23 @@ def test_identity_equals_pmean_exactly_pmap(collective):
   grads = helpers.per_device_grads(jax.random.key(1), SHAPES)
   tx = jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective=collective)
   updates, _ = _pmap_run(tx, grads)
-  expected = jax.pmap(lambda g: jax.tree.map(lambda x: lax.pmean(x, AXIS), g),
-                      axis_name=AXIS)(grads)
+  expected = jax.pmap(lambda g: jax.tree.map(lambda x: lax.pmean(x, AXIS), g), axis_name=AXIS)(
+    grads
+  )
   chex.assert_trees_all_equal(updates, expected)
 
 
 TRANSFORMS = {
-    "qsgd4_allgather": lambda: jc.qsgd(bits=4, axis_name=AXIS),
-    "qsgd2_two_phase": lambda: jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS,
-                                       collective="two_phase"),
-    "qsgd4_ef_two_phase": lambda: jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase",
-                                          error_feedback=True),
-    "onebit": lambda: jc.onebit_sgd(axis_name=AXIS),
-    "onebit_allgather": lambda: jc.onebit_sgd(axis_name=AXIS, collective="allgather"),
-    "fp16": lambda: jc.compress(jc.codecs.Cast(jnp.float16), axis_name=AXIS),
+  "qsgd4_allgather": lambda: jc.qsgd(bits=4, axis_name=AXIS),
+  "qsgd2_two_phase": lambda: jc.qsgd(
+    bits=2, bucket_size=128, axis_name=AXIS, collective="two_phase"
+  ),
+  "qsgd4_ef_two_phase": lambda: jc.qsgd(
+    bits=4, axis_name=AXIS, collective="two_phase", error_feedback=True
+  ),
+  "onebit": lambda: jc.onebit_sgd(axis_name=AXIS),
+  "onebit_allgather": lambda: jc.onebit_sgd(axis_name=AXIS, collective="allgather"),
+  "fp16": lambda: jc.compress(jc.codecs.Cast(jnp.float16), axis_name=AXIS),
 }
 
 
@@ -85,8 +94,9 @@ def test_outputs_identical_on_every_device_shard_map(name):
     u, _ = tx.update(jax.tree.map(lambda x: x[0], g), s)
     return jax.tree.map(lambda x: x[None], u)  # one row per device
 
-  rows = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), P(AXIS)),
-                               out_specs=P(AXIS)))(helpers.shard(grads, m), state)
+  rows = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS)))(
+    helpers.shard(grads, m), state
+  )
   for leaf in jax.tree.leaves(rows):
     leaf = np.asarray(leaf)
     np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[0], leaf.shape))
@@ -108,7 +118,8 @@ def _mean_over_keys(tx, grads, num_keys):
     return jax.vmap(one)(keys)
 
   return jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), P(AXIS)), out_specs=P()))(
-      helpers.shard(grads, m), state)
+    helpers.shard(grads, m), state
+  )
 
 
 def _chi2_ratio(samples, truth):
@@ -136,7 +147,8 @@ def test_compressed_mean_is_unbiased(collective):
   assert abs(ratio - 1.0) < 5 * np.sqrt(2 / truth.size), ratio
   # Negative control: the same statistic rejects 1-bit without error feedback (biased).
   biased = _mean_over_keys(
-      jc.compress(jc.codecs.OneBit(128), axis_name=AXIS, collective=collective), grads, 4)
+    jc.compress(jc.codecs.OneBit(128), axis_name=AXIS, collective=collective), grads, 4
+  )
   biased = biased + 1e-3 * jax.random.normal(jax.random.key(0), biased.shape)  # var > 0
   assert _chi2_ratio(biased, truth) > 10
 
@@ -147,9 +159,10 @@ def test_devices_draw_independent_bits():
   grads = {"w": jnp.broadcast_to(g, (K, *g.shape)), "b": jnp.zeros((K, 96))}
   tx = jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS)
   updates, _ = _shard_map_run(tx, grads)
-  single, _ = jc.qsgd(bits=2, bucket_size=128).update({"w": g, "b": jnp.zeros(96)},
-                                                       jc.qsgd(bits=2, bucket_size=128).init(
-                                                           {"w": g, "b": jnp.zeros(96)}))
+  single, _ = jc.qsgd(bits=2, bucket_size=128).update(
+    {"w": g, "b": jnp.zeros(96)},
+    jc.qsgd(bits=2, bucket_size=128).init({"w": g, "b": jnp.zeros(96)}),
+  )
   err_k = float(jnp.sum((updates["w"] - g) ** 2))
   err_1 = float(jnp.sum((single["w"] - g) ** 2))
   assert err_k < 0.25 * err_1  # expected ratio 1/K = 0.125
@@ -167,8 +180,7 @@ def test_same_seed_same_run_different_seed_differs():
 def _ef_conservation(collective, steps=6):
   """Runs onebit EF for `steps` steps; returns (sum of outputs + held residual, sum in)."""
   m = helpers.mesh()
-  tx = jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=AXIS,
-                                         collective=collective))
+  tx = jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=AXIS, collective=collective))
   state = helpers.shard_map_init(tx, PARAMS, m)
   update = helpers.shard_map_update(tx, m, PARAMS)
   total_out = jnp.zeros(SHAPES["w"])
@@ -207,8 +219,9 @@ def test_unbound_axis_name_is_a_clear_error():
 def test_chains_with_optax_adam_under_shard_map():
   grads = helpers.per_device_grads(jax.random.key(7), SHAPES)
   m = helpers.mesh()
-  tx = optax.chain(jc.per_device_state(jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase")),
-                   optax.adam(1e-3))
+  tx = optax.chain(
+    jc.per_device_state(jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase")), optax.adam(1e-3)
+  )
   # optax.adam's bias correction (float ** int32 count) is not strict-promotion clean.
   with jax.numpy_dtype_promotion("standard"):
     state = helpers.shard_map_init(tx, PARAMS, m)
@@ -224,19 +237,37 @@ def test_chains_with_optax_adam_under_shard_map():
 
 def test_gather_tree_is_one_collective_and_exact_for_mixed_dtypes():
   from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
-  shapes = {"f32": ((10,), jnp.float32), "bits": ((7,), jnp.bool_), "u8": ((2, 3), jnp.uint8),
-            "bf16": ((5,), jnp.bfloat16), "i32": ((3,), jnp.int32), "u16": ((4,), jnp.uint16)}
+
+  shapes = {
+    "f32": ((10,), jnp.float32),
+    "bits": ((7,), jnp.bool_),
+    "u8": ((2, 3), jnp.uint8),
+    "bf16": ((5,), jnp.bfloat16),
+    "i32": ((3,), jnp.int32),
+    "u16": ((4,), jnp.uint16),
+  }
   keys = jax.random.split(jax.random.key(0), len(shapes))
   tree = {}
   for key, (name, (shape, dtype)) in zip(keys, shapes.items()):
     bits = jax.random.bits(key, (K, *shape), jnp.uint32)
-    tree[name] = (bits % 2 == 1) if dtype == jnp.bool_ else (
-        jax.random.normal(key, (K, *shape)).astype(dtype) if jnp.issubdtype(dtype, jnp.floating)
-        else bits.astype(dtype))
+    tree[name] = (
+      (bits % 2 == 1)
+      if dtype == jnp.bool_
+      else (
+        jax.random.normal(key, (K, *shape)).astype(dtype)
+        if jnp.issubdtype(dtype, jnp.floating)
+        else bits.astype(dtype)
+      )
+    )
   m = helpers.mesh()
-  f = jax.jit(jax.shard_map(lambda t: collectives.gather_tree(jax.tree.map(lambda x: x[0], t),
-                                                              AXIS),
-                            mesh=m, in_specs=P(AXIS), out_specs=P()))
+  f = jax.jit(
+    jax.shard_map(
+      lambda t: collectives.gather_tree(jax.tree.map(lambda x: x[0], t), AXIS),
+      mesh=m,
+      in_specs=P(AXIS),
+      out_specs=P(),
+    )
+  )
   tree = helpers.shard(tree, m)
   out = f(tree)
   for name, x in tree.items():
@@ -248,29 +279,37 @@ def test_gather_tree_is_one_collective_and_exact_for_mixed_dtypes():
 
 def test_all_to_all_tree_is_one_collective_and_exact_for_mixed_dtypes():
   from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+
   keys = jax.random.split(jax.random.key(2), 4)
   # Device d holds K slices per array; slice j goes to device j.
-  tree = {"f32": jax.random.normal(keys[0], (K, K, 3, 5)),
-          "bf16": jax.random.normal(keys[1], (K, K, 7)).astype(jnp.bfloat16),
-          "u8": jax.random.bits(keys[2], (K, K, 6), jnp.uint8),
-          "bits": jax.random.bits(keys[3], (K, K, 9), jnp.uint8) % 2 == 1}
+  tree = {
+    "f32": jax.random.normal(keys[0], (K, K, 3, 5)),
+    "bf16": jax.random.normal(keys[1], (K, K, 7)).astype(jnp.bfloat16),
+    "u8": jax.random.bits(keys[2], (K, K, 6), jnp.uint8),
+    "bits": jax.random.bits(keys[3], (K, K, 9), jnp.uint8) % 2 == 1,
+  }
   f = jax.pmap(lambda t: collectives.all_to_all_tree(t, AXIS), axis_name=AXIS)
   out = f(tree)
   for name, x in tree.items():
     assert out[name].dtype == x.dtype and out[name].shape == x.shape, name
     # Device d receives slice d of every device j, stacked in rank order.
-    np.testing.assert_array_equal(np.asarray(out[name]), np.swapaxes(np.asarray(x), 0, 1),
-                                  err_msg=name)
+    np.testing.assert_array_equal(
+      np.asarray(out[name]), np.swapaxes(np.asarray(x), 0, 1), err_msg=name
+    )
   assert f.lower(tree).compile().as_text().count("all-to-all(") == 1
 
 
 def test_psum_tree_sums_one_buffer_per_dtype_exactly():
   from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+
   keys = jax.random.split(jax.random.key(3), 5)
-  tree = {"a": jax.random.normal(keys[0], (K, 7, 3)), "b": jax.random.normal(keys[1], (K, 11)),
-          "c": jax.random.normal(keys[2], (K,)),
-          "h": jax.random.normal(keys[3], (K, 5)).astype(jnp.bfloat16),
-          "i": jax.random.bits(keys[4], (K, 4), jnp.uint32).astype(jnp.int32) % 1000}
+  tree = {
+    "a": jax.random.normal(keys[0], (K, 7, 3)),
+    "b": jax.random.normal(keys[1], (K, 11)),
+    "c": jax.random.normal(keys[2], (K,)),
+    "h": jax.random.normal(keys[3], (K, 5)).astype(jnp.bfloat16),
+    "i": jax.random.bits(keys[4], (K, 4), jnp.uint32).astype(jnp.int32) % 1000,
+  }
   fused = jax.pmap(lambda t: collectives.pmean_tree(t, AXIS), axis_name=AXIS)
   out = fused(tree)
   want = jax.pmap(lambda t: lax.pmean(t, AXIS), axis_name=AXIS)(tree)
@@ -311,27 +350,45 @@ def test_two_devices_send_dense_leaves_with_the_payloads(codec):
   hlo = update.lower(grads, state).compile().as_text()
   assert helpers.all_reduce_operands(hlo) == []
   assert hlo.count("all-gather(") + hlo.count("all-gather-start(") == 1
-  report = jc.wire_report(tx, {n: jnp.zeros(s) for n, s in shapes.items()},
-                          axis_name=AXIS, num_devices=2)
+  report = jc.wire_report(
+    tx, {n: jnp.zeros(s) for n, s in shapes.items()}, axis_name=AXIS, num_devices=2
+  )
   dense_bytes = 4 * (64 + 32 + 1)
-  payload = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(
-      lambda x: codec.encode(x, key=jax.random.key(0)), jnp.zeros((64, 64)))))
+  payload = sum(
+    a.size * a.dtype.itemsize
+    for a in jax.tree.leaves(
+      jax.eval_shape(lambda x: codec.encode(x, key=jax.random.key(0)), jnp.zeros((64, 64)))
+    )
+  )
   assert report.bytes_received == payload + dense_bytes  # as with a separate all-reduce
 
 
 def test_compressed_leaves_share_one_all_gather():
   params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros((32, 128)), "b": jnp.zeros((64,))}
   codec = jc.codecs.QSGD(7, 512, "max")
-  report = jc.wire_report(jc.compress(codec, axis_name=AXIS), params, axis_name=AXIS,
-                          num_devices=K)
+  report = jc.wire_report(jc.compress(codec, axis_name=AXIS), params, axis_name=AXIS, num_devices=K)
   gathers = [op for op in report.ops if "all_gather" in op.primitive]
-  per_leaf = [sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(jax.eval_shape(
-      lambda x: codec.encode(x, key=jax.random.key(0)), params[n]))) for n in ("v", "w")]
+  per_leaf = [
+    sum(
+      a.size * a.dtype.itemsize
+      for a in jax.tree.leaves(
+        jax.eval_shape(lambda x: codec.encode(x, key=jax.random.key(0)), params[n])
+      )
+    )
+    for n in ("v", "w")
+  ]
   assert [op.operand_bytes for op in gathers] == [sum(per_leaf)]
-  two_phase = jc.wire_report(jc.compress(codec, axis_name=AXIS, collective="two_phase"),
-                             params, axis_name=AXIS, num_devices=K)
-  prims = sorted(op.primitive.split("_invariant")[0] for op in two_phase.ops
-                 if not op.primitive.startswith(("psum", "pmax", "pmin")))
+  two_phase = jc.wire_report(
+    jc.compress(codec, axis_name=AXIS, collective="two_phase"),
+    params,
+    axis_name=AXIS,
+    num_devices=K,
+  )
+  prims = sorted(
+    op.primitive.split("_invariant")[0]
+    for op in two_phase.ops
+    if not op.primitive.startswith(("psum", "pmax", "pmin"))
+  )
   assert prims == ["all_gather", "all_to_all"]
 
 
@@ -341,8 +398,7 @@ def test_fused_exchange_returns_each_leaf_its_own_mean(collective):
   # split at the wrong offset, would show.
   shapes = {"w": (64, 64), "v": (32, 128), "u": (16, 48), "b": (64,)}
   grads = helpers.per_device_grads(jax.random.key(1), shapes)
-  tx = jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective=collective,
-                   error_feedback=True)
+  tx = jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective=collective, error_feedback=True)
   replicated = {n: jnp.zeros((K, *s)) for n, s in shapes.items()}
   state = jax.pmap(tx.init, axis_name=AXIS)(replicated)
   out, state = jax.pmap(tx.update, axis_name=AXIS)(grads, state)
@@ -370,8 +426,9 @@ def test_auto_collective_is_allgather_on_two_devices_else_two_phase(k, want):
     return out, state
 
   chex.assert_trees_all_equal(run("auto"), run(want))
-  report = jc.wire_report(jc.compress(codec, axis_name=AXIS, collective="auto"), params,
-                          axis_name=AXIS, num_devices=k)
+  report = jc.wire_report(
+    jc.compress(codec, axis_name=AXIS, collective="auto"), params, axis_name=AXIS, num_devices=k
+  )
   prims = {op.primitive.split("_invariant")[0] for op in report.ops}
   assert prims == ({"all_gather"} if want == "allgather" else {"all_gather", "all_to_all"})
   # Elias-coded QSGD has a fallback: "auto" is its all-gather at any K.
@@ -382,9 +439,12 @@ def test_cpu_decode_is_materialized_once_and_unchanged():
   # On XLA:CPU the decoded mean is computed inside a lax.cond (a fusion barrier) so the
   # optimizer's several readers do not each unpack the payloads again; values identical.
   from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+
   codec = jc.codecs.QSGD(7, 512, "max")
-  payloads = [codec.encode(jax.random.normal(jax.random.key(i), (64, 96)),
-                           key=jax.random.key(10 + i)) for i in range(2)]
+  payloads = [
+    codec.encode(jax.random.normal(jax.random.key(i), (64, 96)), key=jax.random.key(10 + i))
+    for i in range(2)
+  ]
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *payloads)
   decode_means = collectives._decode_means  # pylint: disable=protected-access
   barrier = jax.jit(lambda st: decode_means([codec], [st], 2))
@@ -398,7 +458,8 @@ def test_cpu_decode_is_materialized_once_and_unchanged():
   tx = jc.compress(codec, axis_name=AXIS, collective="auto")
   devices = jax.devices()[:2]
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(
-      {n: jnp.zeros((2, *s)) for n, s in shapes.items()})
+    {n: jnp.zeros((2, *s)) for n, s in shapes.items()}
+  )
   update = jax.pmap(tx.update, axis_name=AXIS, devices=devices)
   assert "conditional" in update.lower(grads, state).compile().as_text()
 

@@ -7,11 +7,11 @@ build that fails (no compiler): the default falls back to XLA, ``"native"`` says
 """
 
 import os
+from pathlib import Path
 import platform
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import chex
 import jax
@@ -44,13 +44,17 @@ def _codes(words, levels, n):
 
 # ------------------------------------------------------------------------------ QSGD
 
-@pytest.mark.parametrize("n,bucket,levels,dtype", [
-    (2000, 64, 7, jnp.float32),       # 4-bit, ragged
-    (1000, 128, 1, jnp.bfloat16),     # 2-bit codes (packed by PackLanes), bf16 input
-    (77, 512, 32767, jnp.float16),    # 16-bit codes; one short bucket
-    (4133, 32, 127, jnp.float32),     # 8-bit codes, the smallest bucket
-    (BIG, 512, 7, jnp.float32),       # several threads
-])
+
+@pytest.mark.parametrize(
+  "n,bucket,levels,dtype",
+  [
+    (2000, 64, 7, jnp.float32),  # 4-bit, ragged
+    (1000, 128, 1, jnp.bfloat16),  # 2-bit codes (packed by PackLanes), bf16 input
+    (77, 512, 32767, jnp.float16),  # 16-bit codes; one short bucket
+    (4133, 32, 127, jnp.float32),  # 8-bit codes, the smallest bucket
+    (BIG, 512, 7, jnp.float32),  # several threads
+  ],
+)
 def test_quantize_max_norm_is_bit_identical(n, bucket, levels, dtype):
   x, key = _x(n, dtype), jax.random.key(7)
   out = jax.jit(lambda x, k: cpu.quantize(x, k, levels=levels, bucket_size=bucket))(x, key)
@@ -64,7 +68,8 @@ def test_quantize_l2_norm_matches_up_to_sum_order():
   x, key = _x(n), jax.random.key(7)
   words, scales = cpu.quantize(x, key, levels=levels, bucket_size=bucket, norm="l2")
   ref_words, ref_scales = kernels.quantize.quantize_reference(
-      x, key, levels=levels, bucket_size=bucket, norm="l2")
+    x, key, levels=levels, bucket_size=bucket, norm="l2"
+  )
   np.testing.assert_allclose(scales, ref_scales, rtol=4 * EPS, atol=0)
   mine, ref = _codes(words, levels, n), _codes(ref_words, levels, n)
   mask = (1 << int(levels).bit_length()) - 1
@@ -72,8 +77,9 @@ def test_quantize_l2_norm_matches_up_to_sum_order():
   assert np.mean(mine != ref) <= 1e-3  # a flip needs u within ~1e-6 of the threshold
 
 
-@pytest.mark.parametrize("n,bucket,levels", [(2000, 64, 7), (BIG, 1024, 127), (300, 32, 1),
-                                             (4096, 512, 7)])  # whole buckets only
+@pytest.mark.parametrize(
+  "n,bucket,levels", [(2000, 64, 7), (BIG, 1024, 127), (300, 32, 1), (4096, 512, 7)]
+)  # whole buckets only
 def test_quantize_fused_error_feedback_is_bit_identical(n, bucket, levels):
   x, key = _x(n), jax.random.key(5)
   e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32)
@@ -90,11 +96,13 @@ def test_quantize_extreme_values_are_bit_identical(levels):
   tiny = np.float32(np.finfo(np.float32).smallest_subnormal)
   big = np.float32(np.finfo(np.float32).max)
   below = np.nextafter(np.float32(2.5), np.float32(0))
-  buckets = [np.where(np.arange(64) % 3 == 0, -2.5, 2.5),
-             np.concatenate([[1.0], tiny * np.arange(1, 64)]),
-             np.concatenate([[-0.0, 0.0, 1e-38], np.full(61, -1e-40)]),
-             np.concatenate([[big, -big], np.linspace(-1, 1, 62) * big]),
-             np.concatenate([[2.5], np.full(63, below)])]
+  buckets = [
+    np.where(np.arange(64) % 3 == 0, -2.5, 2.5),
+    np.concatenate([[1.0], tiny * np.arange(1, 64)]),
+    np.concatenate([[-0.0, 0.0, 1e-38], np.full(61, -1e-40)]),
+    np.concatenate([[big, -big], np.linspace(-1, 1, 62) * big]),
+    np.concatenate([[2.5], np.full(63, below)]),
+  ]
   x = jnp.asarray(np.concatenate(buckets).astype(np.float32))
   e = jnp.zeros_like(x)
   for key in (jax.random.key(0), jax.random.key(1)):
@@ -128,7 +136,8 @@ _ENCODE_HARNESS = r"""
 // argv: input.bin output.bin n bucket levels k0 k1. Writes the words, then the scales.
 int main(int argc, char** argv) {
   const int64_t n = std::atoll(argv[3]), bucket = std::atoll(argv[4]), levels = std::atoll(argv[5]);
-  const QsgdParams p{n, bucket, levels, false, static_cast<uint32_t>(std::strtoul(argv[6], nullptr, 10)),
+  const QsgdParams p{n, bucket, levels, false,
+                     static_cast<uint32_t>(std::strtoul(argv[6], nullptr, 10)),
                      static_cast<uint32_t>(std::strtoul(argv[7], nullptr, 10))};
   std::vector<float> x(n), scratch(bucket);
   FILE* in = std::fopen(argv[1], "rb");
@@ -175,21 +184,51 @@ def test_encode_without_avx512_matches_the_xla_path(tmp_path):
   flags = [f for f in cpu.FLAGS if f not in ("-shared", "-fPIC")]
   for name, extra in (("native", []), ("portable", ["-mno-avx512f"])):
     exe = tmp_path / name
-    subprocess.run([*cpu._compiler(), *flags, *extra, "-I", str(cpu.SOURCE.parent),  # pylint: disable=protected-access
-                    "-I", jax.ffi.include_dir(), str(src), "-o", str(exe)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+      [
+        *cpu._compiler(),
+        *flags,
+        *extra,
+        "-I",
+        str(cpu.SOURCE.parent),  # pylint: disable=protected-access
+        "-I",
+        jax.ffi.include_dir(),
+        str(src),
+        "-o",
+        str(exe),
+      ],
+      check=True,
+      capture_output=True,
+      timeout=300,
+    )
     for x, levels in cases:
       (tmp_path / "x.bin").write_bytes(x.tobytes())
-      subprocess.run([str(exe), str(tmp_path / "x.bin"), str(tmp_path / "out.bin"), str(n),
-                      str(bucket), str(levels), str(k0), str(k1)], check=True, timeout=60)
+      subprocess.run(
+        [
+          str(exe),
+          str(tmp_path / "x.bin"),
+          str(tmp_path / "out.bin"),
+          str(n),
+          str(bucket),
+          str(levels),
+          str(k0),
+          str(k1),
+        ],
+        check=True,
+        timeout=60,
+      )
       words, scales = kernels.quantize.quantize_reference(
-          jnp.asarray(x), key, levels=levels, bucket_size=bucket)
+        jnp.asarray(x), key, levels=levels, bucket_size=bucket
+      )
       got = np.fromfile(tmp_path / "out.bin", np.uint32)
-      np.testing.assert_array_equal(got[:words.size], np.asarray(words), err_msg=f"{name} {levels}")
-      np.testing.assert_array_equal(got[words.size:].view(np.float32), np.asarray(scales))
+      np.testing.assert_array_equal(
+        got[: words.size], np.asarray(words), err_msg=f"{name} {levels}"
+      )
+      np.testing.assert_array_equal(got[words.size :].view(np.float32), np.asarray(scales))
   # The crafted values all round up to magnitude 1 (the data test what they claim to).
-  ref = kernels.quantize.quantize_reference(jnp.asarray(cases[0][0]), key, levels=1,
-                                            bucket_size=bucket)
+  ref = kernels.quantize.quantize_reference(
+    jnp.asarray(cases[0][0]), key, levels=1, bucket_size=bucket
+  )
   crafted_at = (u24 < 2**23) & (np.arange(n) % bucket != 0)
   assert crafted_at.sum() > n // 3
   assert np.all((_codes(ref[0], 1, n) & 1)[crafted_at] == 1)
@@ -221,29 +260,42 @@ def test_quantize_nonfinite_bucket_is_marked_not_hidden():
   assert np.isnan(new_e[64:128]).all() and np.isfinite(new_e[:64]).all()
   # a zero bucket: zero scale, zero codes, the residual is the input
   z = cpu.quantize(jnp.zeros((64,)), jax.random.key(0), e[:64], levels=7, bucket_size=32)
-  chex.assert_trees_all_equal(z, kernels.quantize.quantize_reference(
-      jnp.zeros((64,)), jax.random.key(0), e[:64], levels=7, bucket_size=32))
+  chex.assert_trees_all_equal(
+    z,
+    kernels.quantize.quantize_reference(
+      jnp.zeros((64,)), jax.random.key(0), e[:64], levels=7, bucket_size=32
+    ),
+  )
 
 
-@pytest.mark.parametrize("k,n,bucket,levels", [(3, 2000, 64, 7), (5, 300, 32, 127),
-                                               (2, BIG, 512, 1), (1, 77, 512, 32767)])
+@pytest.mark.parametrize(
+  "k,n,bucket,levels", [(3, 2000, 64, 7), (5, 300, 32, 127), (2, BIG, 512, 1), (1, 77, 512, 32767)]
+)
 def test_dequantize_sum_is_the_ordered_sum_bit_for_bit(k, n, bucket, levels):
   xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
   keys = jax.random.split(jax.random.key(4), k)
-  words, scales = jax.vmap(lambda x, kk: kernels.quantize.quantize_reference(
-      x, kk, levels=levels, bucket_size=bucket))(xs, keys)
+  words, scales = jax.vmap(
+    lambda x, kk: kernels.quantize.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
+  )(xs, keys)
   out = cpu.dequantize_sum(words, scales, n=n, levels=levels, bucket_size=bucket)
-  ref = kernels.dequantize.dequantize_sum_reference(words, scales, n=n, levels=levels,
-                                                    bucket_size=bucket)
+  ref = kernels.dequantize.dequantize_sum_reference(
+    words, scales, n=n, levels=levels, bucket_size=bucket
+  )
   chex.assert_trees_all_equal(out, ref)
 
 
 # --------------------------------------------------------------------------- 1-bit SGD
 
-@pytest.mark.parametrize("n,bucket,dtype,feedback", [(2000, 64, jnp.float32, True),
-                                                     (1000, 128, jnp.bfloat16, False),
-                                                     (77, 512, jnp.float32, True),
-                                                     (BIG, 1024, jnp.float32, True)])
+
+@pytest.mark.parametrize(
+  "n,bucket,dtype,feedback",
+  [
+    (2000, 64, jnp.float32, True),
+    (1000, 128, jnp.bfloat16, False),
+    (77, 512, jnp.float32, True),
+    (BIG, 1024, jnp.float32, True),
+  ],
+)
 def test_sign_pack_matches_onebit(n, bucket, dtype, feedback):
   x = _x(n, dtype)
   e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32) if feedback else None
@@ -273,7 +325,8 @@ def test_sign_pack_nonfinite_and_signed_zero():
 def test_sign_unpack_sum_is_the_ordered_sum(k, n, bucket):
   xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
   words, pos, neg = jax.vmap(
-      lambda x: kernels.sign_pack.sign_pack_reference(x, bucket_size=bucket))(xs)
+    lambda x: kernels.sign_pack.sign_pack_reference(x, bucket_size=bucket)
+  )(xs)
   out = cpu.sign_unpack_sum(words, pos, neg, n=n, bucket_size=bucket)
   ref = kernels.sign_pack.sign_unpack_sum_reference(words, pos, neg, n=n, bucket_size=bucket)
   chex.assert_trees_all_equal(out, ref)
@@ -281,42 +334,55 @@ def test_sign_unpack_sum_is_the_ordered_sum(k, n, bucket):
 
 # ------------------------------------------------------------------- dispatch, checks
 
+
 def _has_native_call(fn, *args) -> bool:
   return "jaxcomp_cpu_" in jax.jit(fn).lower(*args).as_text()
 
 
 def test_codecs_pick_the_native_kernels_on_cpu():
   x, key = _x(1024), jax.random.key(0)
-  for codec_cls, kw in ((jc.codecs.QSGD, dict(levels=7, bucket_size=64, norm="max")),
-                        (jc.codecs.OneBit, dict(bucket_size=64))):
+  for codec_cls, kw in (
+    (jc.codecs.QSGD, dict(levels=7, bucket_size=64, norm="max")),
+    (jc.codecs.OneBit, dict(bucket_size=64)),
+  ):
     default = codec_cls(**kw)
     assert _has_native_call(lambda x: default.decode(default.encode(x, key=key)), x) == (
-        cpu.use_by_default())
-    assert _has_native_call(lambda x: codec_cls(**kw, implementation="native").encode(
-        x, key=key), x)
-    assert not _has_native_call(lambda x: codec_cls(**kw, implementation="xla").encode(
-        x, key=key), x)
+      cpu.use_by_default()
+    )
+    assert _has_native_call(
+      lambda x: codec_cls(**kw, implementation="native").encode(x, key=key), x
+    )
+    assert not _has_native_call(
+      lambda x: codec_cls(**kw, implementation="xla").encode(x, key=key), x
+    )
     native = codec_cls(**kw, implementation="native")
     assert native.fuses_feedback(1024, jnp.float32)
     assert not native.fuses_feedback(1024, jnp.bfloat16)  # fl_bf16(x + e): the unfused path
   # Shapes the kernels cannot handle fall back to XLA: the XLA path's payload and decode.
-  for make in (lambda impl: jc.codecs.QSGD(3, 64, "max", implementation=impl),   # 3-bit
-               lambda impl: jc.codecs.QSGD(7, 100, "max", implementation=impl),  # bucket
-               lambda impl: jc.codecs.OneBit(None, implementation=impl)):        # one bucket
+  for make in (
+    lambda impl: jc.codecs.QSGD(3, 64, "max", implementation=impl),  # 3-bit
+    lambda impl: jc.codecs.QSGD(7, 100, "max", implementation=impl),  # bucket
+    lambda impl: jc.codecs.OneBit(None, implementation=impl),
+  ):  # one bucket
     codec, xla = make("native"), make("xla")
     assert not _has_native_call(lambda x: codec.encode(x, key=key), x)
     payload = codec.encode(x, key=key)
     chex.assert_trees_all_equal(payload, xla.encode(x, key=key))
     chex.assert_trees_all_equal(codec.decode(payload), xla.decode(payload))
-  p = jc.codecs.QSGD(7, 128, "max", implementation="native").encode(_x(1500, jnp.bfloat16),
-                                                                  key=key)
-  chex.assert_trees_all_equal(p, jc.codecs.QSGD(7, 128, "max", implementation="xla").encode(
-      _x(1500, jnp.bfloat16), key=key))
+  p = jc.codecs.QSGD(7, 128, "max", implementation="native").encode(_x(1500, jnp.bfloat16), key=key)
+  chex.assert_trees_all_equal(
+    p, jc.codecs.QSGD(7, 128, "max", implementation="xla").encode(_x(1500, jnp.bfloat16), key=key)
+  )
   with pytest.raises(ValueError, match="does not handle"):
     cpu.quantize(x, key, levels=3, bucket_size=64)
   with pytest.raises(ValueError, match="does not handle"):
-    cpu.sign_unpack_sum(jnp.zeros((1, 32), jnp.uint32), jnp.zeros((1, 11)), jnp.zeros((1, 11)),
-                        n=1024, bucket_size=100)
+    cpu.sign_unpack_sum(
+      jnp.zeros((1, 32), jnp.uint32),
+      jnp.zeros((1, 11)),
+      jnp.zeros((1, 11)),
+      n=1024,
+      bucket_size=100,
+    )
   with pytest.raises(ValueError, match="float32 x"):
     cpu.quantize(x.astype(jnp.bfloat16), key, x, levels=7, bucket_size=64)
   with pytest.raises(ValueError, match="residual shape"):
@@ -325,27 +391,37 @@ def test_codecs_pick_the_native_kernels_on_cpu():
 
 def test_the_kernel_checks_payload_shapes():
   # Shapes that the Python wrapper would not produce reach the C++ checks.
-  bad = jax.ffi.ffi_call("jaxcomp_cpu_qsgd_decode_sum", jax.ShapeDtypeStruct((1000,),
-                                                                             jnp.float32))
+  bad = jax.ffi.ffi_call("jaxcomp_cpu_qsgd_decode_sum", jax.ShapeDtypeStruct((1000,), jnp.float32))
   with pytest.raises(Exception, match="payload shapes do not match"):
-    bad(jnp.zeros((1, 7), jnp.uint32), jnp.zeros((1, 16), jnp.float32),
-        levels=np.int64(7), bucket=np.int64(64)).block_until_ready()
+    bad(
+      jnp.zeros((1, 7), jnp.uint32),
+      jnp.zeros((1, 16), jnp.float32),
+      levels=np.int64(7),
+      bucket=np.int64(64),
+    ).block_until_ready()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [lambda impl: jc.codecs.QSGD(7, 64, "max", implementation=impl),
-                                  lambda impl: jc.codecs.OneBit(64, implementation=impl)],
-                         ids=["qsgd", "onebit"])
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda impl: jc.codecs.QSGD(7, 64, "max", implementation=impl),
+    lambda impl: jc.codecs.OneBit(64, implementation=impl),
+  ],
+  ids=["qsgd", "onebit"],
+)
 def test_compress_native_under_pmap_and_shard_map(make):
   """8 devices, fused error feedback + fused decode-sum vs the XLA path, two steps."""
   params, grads, _, _ = helpers.kernel_vs_xla_under_pmap(
-      make, "native", bitwise_outputs=isinstance(make("xla"), jc.codecs.QSGD))
+    make, "native", bitwise_outputs=isinstance(make("xla"), jc.codecs.QSGD)
+  )
 
   # shard_map (check_vma on): the same first step
   m = helpers.mesh()
   spec = jax.sharding.PartitionSpec(helpers.AXIS)
-  tx = jc.compress(make("native"), axis_name=helpers.AXIS, error_feedback=True,
-                   filter=lambda path, leaf: True)
+  tx = jc.compress(
+    make("native"), axis_name=helpers.AXIS, error_feedback=True, filter=lambda path, leaf: True
+  )
   state = jax.pmap(lambda _: tx.init(params), axis_name=helpers.AXIS)(jnp.arange(8))
 
   def one(g, s):
@@ -361,22 +437,25 @@ def test_compress_native_under_pmap_and_shard_map(make):
 def test_a_failed_build_falls_back_to_xla_and_native_says_why(tmp_path):
   """No compiler: the default codec runs the XLA path; "native" raises the reason."""
   script = (
-      "import jax, jax.numpy as jnp\n"
-      "import jaxcomp as jc\n"
-      "from jaxcomp.kernels import cpu\n"
-      "assert not cpu.available() and not cpu.use_by_default()\n"
-      "q = jc.codecs.QSGD(7, 64)\n"
-      "x = jnp.arange(256.0)\n"
-      "assert q.kernel_backend(256) is None\n"
-      "q.decode(q.encode(x, key=jax.random.key(0)))\n"
-      "try:\n"
-      "  jc.codecs.OneBit(64, implementation='native').encode(x)\n"
-      "except cpu.BuildError as e:\n"
-      "  print('BuildError:', e)\n")
-  env = dict(os.environ, CXX="no-such-compiler-jaxcomp", JAXCOMP_CACHE_DIR=str(tmp_path),
-             JAX_PLATFORMS="cpu")
-  done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=300)
+    "import jax, jax.numpy as jnp\n"
+    "import jaxcomp as jc\n"
+    "from jaxcomp.kernels import cpu\n"
+    "assert not cpu.available() and not cpu.use_by_default()\n"
+    "q = jc.codecs.QSGD(7, 64)\n"
+    "x = jnp.arange(256.0)\n"
+    "assert q.kernel_backend(256) is None\n"
+    "q.decode(q.encode(x, key=jax.random.key(0)))\n"
+    "try:\n"
+    "  jc.codecs.OneBit(64, implementation='native').encode(x)\n"
+    "except cpu.BuildError as e:\n"
+    "  print('BuildError:', e)\n"
+  )
+  env = dict(
+    os.environ, CXX="no-such-compiler-jaxcomp", JAXCOMP_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert "BuildError: no C++ compiler: no-such-compiler-jaxcomp not found" in done.stdout
 
@@ -384,9 +463,17 @@ def test_a_failed_build_falls_back_to_xla_and_native_says_why(tmp_path):
 def test_turned_off_by_environment():
   env = dict(os.environ, JAXCOMP_NATIVE="0", JAX_PLATFORMS="cpu")
   done = subprocess.run(
-      [sys.executable, "-c", "from jaxcomp.kernels import cpu\n"
-       "print(cpu.available(), cpu.use_by_default())"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      "-c",
+      "from jaxcomp.kernels import cpu\nprint(cpu.available(), cpu.use_by_default())",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.stdout.split() == ["True", "False"], done.stderr[-3000:]
 
 
@@ -408,8 +495,14 @@ def test_library_is_cached_by_content(tmp_path, monkeypatch):
 
 def test_prune_removes_only_stale_libraries(tmp_path):
   keep = tmp_path / "cpu_codecs-current.so"
-  names = ["cpu_codecs-stale.so", "cpu_codecs-recent.so", "tmpabc123.so", "tmpfresh.so",
-           "unrelated.so", "cpu_codecs-stale.txt"]
+  names = [
+    "cpu_codecs-stale.so",
+    "cpu_codecs-recent.so",
+    "tmpabc123.so",
+    "tmpfresh.so",
+    "unrelated.so",
+    "cpu_codecs-stale.txt",
+  ]
   for f in [keep, *(tmp_path / n for n in names)]:
     f.write_bytes(b"x")
   old = time.time() - cpu.PRUNE_AGE_S - 60
@@ -419,5 +512,11 @@ def test_prune_removes_only_stale_libraries(tmp_path):
   removed = cpu.prune(keep)
   assert sorted(f.name for f in removed) == ["cpu_codecs-stale.so", "tmpabc123.so"]
   assert sorted(f.name for f in tmp_path.iterdir()) == sorted(
-      ["cpu_codecs-current.so", "cpu_codecs-recent.so", "tmpfresh.so", "unrelated.so",
-       "cpu_codecs-stale.txt"])
+    [
+      "cpu_codecs-current.so",
+      "cpu_codecs-recent.so",
+      "tmpfresh.so",
+      "unrelated.so",
+      "cpu_codecs-stale.txt",
+    ]
+  )

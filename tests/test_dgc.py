@@ -10,7 +10,8 @@ import jaxcomp as jc
 from jaxcomp._src import dgc as dgc_lib
 from jaxcomp._src import sparse
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 SHAPES = {"w": (64, 48), "b": (48,)}
 PARAMS = {name: jnp.zeros(shape) for name, shape in SHAPES.items()}
@@ -33,8 +34,16 @@ def _run_sharded(tx, steps, seed=0):
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("collective", ["allgather", "chunked"])
 def test_density_one_is_momentum_sgd(nesterov, collective):
-  dgc = jc.dgc(1.0, 0.9, nesterov=nesterov, momentum_masking=False, method="exact",
-               axis_name=AXIS, collective=collective, chunk_size=64)
+  dgc = jc.dgc(
+    1.0,
+    0.9,
+    nesterov=nesterov,
+    momentum_masking=False,
+    method="exact",
+    axis_name=AXIS,
+    collective=collective,
+    chunk_size=64,
+  )
   tx = optax.chain(jc.per_device_state(dgc), optax.sgd(0.1))
   outs, grads, _ = _run_sharded(tx, 6)
   ref = optax.sgd(0.1, momentum=0.9, nesterov=nesterov)
@@ -65,16 +74,17 @@ def test_residual_conservation_and_masking(nesterov, masking):
   tx = jc.dgc(0.02, 0.9, nesterov=nesterov, momentum_masking=masking, method="exact")
   state = tx.init(PARAMS)
   for t in range(4):
-    g = {n: jax.random.normal(jax.random.key(t * 7 + i), s) for i, (n, s) in
-         enumerate(sorted(SHAPES.items()))}
+    g = {
+      n: jax.random.normal(jax.random.key(t * 7 + i), s)
+      for i, (n, s) in enumerate(sorted(SHAPES.items()))
+    }
     u0, v0 = state.momentum["w"], state.velocity["w"]
     out, state = _local_step(tx, g, state)
     u_new = 0.9 * (u0 + g["w"]) if nesterov else 0.9 * u0 + g["w"]
     v_in = v0 + u_new + (g["w"] if nesterov else 0.0)
     sent = np.asarray(out["w"])
     # What was sent plus what is held equals what came in, exactly.
-    np.testing.assert_allclose(sent + np.asarray(state.velocity["w"]), v_in, rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(sent + np.asarray(state.velocity["w"]), v_in, rtol=1e-6, atol=1e-6)
     mask = sent != 0
     assert mask.sum() == sparse.num_entries(0.02, 64 * 48)
     assert np.all(np.asarray(state.velocity["w"])[mask] == 0)
@@ -86,9 +96,11 @@ def test_residual_conservation_and_masking(nesterov, masking):
 
 def test_warmup_schedule_and_sent_counts():
   sched = jc.dgc_density_schedule(0.001, warmup_steps=8)
-  np.testing.assert_allclose([float(sched(s)) for s in range(10)], [
-      0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001],
-      rtol=1e-7)
+  np.testing.assert_allclose(
+    [float(sched(s)) for s in range(10)],
+    [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001],
+    rtol=1e-7,
+  )
   assert jc.dgc_density_schedule(0.3, warmup_steps=8)(0) == pytest.approx(0.3)
   assert float(jc.dgc_density_schedule(0.01, 0)(0)) == pytest.approx(0.01)
   tx = jc.dgc(0.001, 0.9, warmup_steps=8, method="exact")
@@ -111,8 +123,9 @@ def _clipped_reference(grads, clip_norm, mode, num):
   norm over all leaves ("global") or each by its own ("per_tensor")."""
   thr = clip_norm / np.sqrt(num)
   lead = next(iter(grads.values())).shape[0]
-  sq = {n: np.sum(np.asarray(g, np.float64).reshape(lead, -1) ** 2, axis=1)
-        for n, g in grads.items()}
+  sq = {
+    n: np.sum(np.asarray(g, np.float64).reshape(lead, -1) ** 2, axis=1) for n, g in grads.items()
+  }
   total = sum(sq.values())
   out = {}
   for n, g in grads.items():
@@ -132,8 +145,15 @@ def test_local_gradient_clipping_by_hand(mode, sharded):
   num = K if sharded else 1
   clip_norm = 20.0 * np.sqrt(num)
   params = {n: jnp.zeros(s) for n, s in CLIP_SHAPES.items()}
-  dgc = jc.dgc(1.0, 0.9, clip_norm=float(clip_norm), clip=mode, momentum_masking=False,
-               method="exact", axis_name=AXIS if sharded else None)
+  dgc = jc.dgc(
+    1.0,
+    0.9,
+    clip_norm=float(clip_norm),
+    clip=mode,
+    momentum_masking=False,
+    method="exact",
+    axis_name=AXIS if sharded else None,
+  )
   if sharded:
     m = helpers.mesh()
     tx = jc.per_device_state(dgc)
@@ -154,15 +174,21 @@ def test_local_gradient_clipping_by_hand(mode, sharded):
       np.testing.assert_allclose(out[name], u[name].mean(0), rtol=2e-5, atol=1e-6)
   # The two modes differ on this gradient (b is not clipped per tensor, w and v less).
   g = helpers.per_device_grads(jax.random.key(0), CLIP_SHAPES, k=num)
-  other = _clipped_reference(g, clip_norm, "global" if mode == "per_tensor" else "per_tensor",
-                             num)
+  other = _clipped_reference(g, clip_norm, "global" if mode == "per_tensor" else "per_tensor", num)
   mine = _clipped_reference(g, clip_norm, mode, num)
   assert not np.allclose(other["b"], mine["b"], rtol=1e-3)
 
 
 def test_chunked_sends_whole_chunks_chosen_by_summed_norms():
-  dgc = jc.dgc(0.05, 0.0, method="exact", axis_name=AXIS, collective="chunked",
-               chunk_size=64, momentum_masking=False)
+  dgc = jc.dgc(
+    0.05,
+    0.0,
+    method="exact",
+    axis_name=AXIS,
+    collective="chunked",
+    chunk_size=64,
+    momentum_masking=False,
+  )
   tx = jc.per_device_state(dgc)
   m = helpers.mesh()
   state = helpers.shard_map_init(tx, PARAMS, m)
@@ -174,13 +200,13 @@ def test_chunked_sends_whole_chunks_chosen_by_summed_norms():
   top = np.argsort(-chunks)[:n_chunks]
   want = np.zeros_like(flat_g[0])
   for c in top:
-    want[c * 64:(c + 1) * 64] = flat_g[:, c * 64:(c + 1) * 64].mean(0)
+    want[c * 64 : (c + 1) * 64] = flat_g[:, c * 64 : (c + 1) * 64].mean(0)
   np.testing.assert_allclose(np.asarray(out["w"]).reshape(-1), want, rtol=1e-5, atol=1e-6)
   # The velocity is zeroed on the sent chunks on every device, kept elsewhere.
   vel = np.asarray(state.inner.velocity["w"]).reshape(K, -1)
   sent = np.zeros(64 * 48, bool)
   for c in top:
-    sent[c * 64:(c + 1) * 64] = True
+    sent[c * 64 : (c + 1) * 64] = True
   assert np.all(vel[:, sent] == 0)
   np.testing.assert_allclose(vel[:, ~sent], flat_g[:, ~sent], rtol=1e-6)
 
@@ -189,10 +215,18 @@ def test_wire_bytes_chunked_flat_allgather_linear():
   params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
   n = 1024 * 1024
   ks = [2, 8, 64, 512]
-  gather = [jc.wire_report(jc.dgc(0.001, axis_name=AXIS), params, axis_name=AXIS,
-                           num_devices=k).bytes_received for k in ks]
-  chunked = [jc.wire_report(jc.dgc(0.001, axis_name=AXIS, collective="chunked"), params,
-                            axis_name=AXIS, num_devices=k) for k in ks]
+  gather = [
+    jc.wire_report(
+      jc.dgc(0.001, axis_name=AXIS), params, axis_name=AXIS, num_devices=k
+    ).bytes_received
+    for k in ks
+  ]
+  chunked = [
+    jc.wire_report(
+      jc.dgc(0.001, axis_name=AXIS, collective="chunked"), params, axis_name=AXIS, num_devices=k
+    )
+    for k in ks
+  ]
   k_entries = sparse.num_entries(0.001, n)
   for k, b in zip(ks, gather):  # (K-1) · k · (4 value + 4 index) bytes
     assert b == (k - 1) * k_entries * 8
@@ -256,8 +290,7 @@ def test_bad_arguments():
 def test_warmup_stage_rides_in_the_dense_all_reduce():
   # Under shard_map the step count is typed varying: the warm-up stage (the branch index)
   # is made invariant through the dense leaves' all-reduce, not a pmax of its own.
-  tx = jc.per_device_state(jc.dgc(0.01, 0.9, method="exact", axis_name=AXIS,
-                                  warmup_steps=4))
+  tx = jc.per_device_state(jc.dgc(0.01, 0.9, method="exact", axis_name=AXIS, warmup_steps=4))
   m = helpers.mesh()
   state = helpers.shard_map_init(tx, PARAMS, m)
   update = helpers.shard_map_update(tx, m, PARAMS)

@@ -11,7 +11,6 @@ import pytest
 import jaxcomp as jc
 from jaxcomp import codecs
 from jaxcomp import elias as elias_public
-from jaxcomp.kernels import quantize as quantize_kernel
 from jaxcomp._src import dgc
 from jaxcomp._src import elias
 from jaxcomp._src import normal
@@ -19,11 +18,14 @@ from jaxcomp._src import qsvrg
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
 from jaxcomp._src import wangni
+from jaxcomp.kernels import quantize as quantize_kernel
 
 
-@pytest.mark.parametrize("module", [codecs, elias_public, transforms, dgc, sparse,
-                                    wangni, elias, qsvrg, normal, quantize_kernel],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+  "module",
+  [codecs, elias_public, transforms, dgc, sparse, wangni, elias, qsvrg, normal, quantize_kernel],
+  ids=lambda m: m.__name__,
+)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
@@ -63,9 +65,11 @@ def _links(path):
       yield os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path, anchor
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks.md"]
-                         + sorted(os.path.relpath(p, ROOT)
-                                  for p in glob.glob(os.path.join(ROOT, "docs/guides/*.md"))))
+@pytest.mark.parametrize(
+  "page",
+  ["README.md", "docs/benchmarks.md"]
+  + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs/guides/*.md"))),
+)
 def test_links_resolve(page):
   for target, anchor in _links(os.path.join(ROOT, page)):
     assert os.path.exists(target), (page, target)
@@ -75,7 +79,8 @@ def test_links_resolve(page):
 
 def test_landing_guides_and_benchmarks_have_one_title():
   for path in [os.path.join(ROOT, "docs", p) for p in ("index.md", "benchmarks.md")] + glob.glob(
-      os.path.join(ROOT, "docs/guides/*.md")):
+    os.path.join(ROOT, "docs/guides/*.md")
+  ):
     with open(path, encoding="utf-8") as f:
       text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
     assert text.startswith("# "), path

@@ -24,8 +24,10 @@ DOCS = os.path.join(ROOT, "docs")
 API = os.path.join(DOCS, "api")
 
 # `.. autoclass:: Name` in .rst (or an {eval-rst} block), ```{autoclass} Name``` in MyST.
-_ENTRY = re.compile(r"(?:\.\.\s+|```\{)auto(function|class|data|module|exception)"
-                    r"(?:::|\})\s+([\w.]+)")
+_ENTRY = re.compile(
+  r"(?:\.\.\s+|```\{)auto(function|class|data|module|exception)"
+  r"(?:::|\})\s+([\w.]+)"
+)
 _MODULE = re.compile(r"(?:\.\.\s+|```\{)(?:current)?module(?:::|\})\s+([\w.]+)")
 _AUTOMODULE = re.compile(r"(?:\.\.\s+|```\{)automodule(?:::|\})\s+([\w.]+)")
 
@@ -65,8 +67,9 @@ def test_every_public_name_has_an_api_entry(module):
   entries = api_entries()
   missing = [name for name in _public(module) if name not in entries]
   assert not missing, (
-      f"no entry under docs/api/ for {missing}: add an autofunction/autoclass/automodule "
-      "directive for each (and a line in the summary table of docs/api/index.md)")
+    f"no entry under docs/api/ for {missing}: add an autofunction/autoclass/automodule "
+    "directive for each (and a line in the summary table of docs/api/index.md)"
+  )
 
 
 def test_every_api_entry_exists():
@@ -76,7 +79,8 @@ def test_every_api_entry_exists():
     else:
       module_name, _, attr = name.rpartition(".")
       assert hasattr(importlib.import_module(module_name), attr), (
-          f"{path} documents {name}, which does not exist")
+        f"{path} documents {name}, which does not exist"
+      )
 
 
 def test_api_index_lists_every_entry():
@@ -86,8 +90,10 @@ def test_api_index_lists_every_entry():
   listed = set()
   for block in re.findall(r"```\{eval-rst\}\n(.*?)```", index, re.S):
     module = re.search(r"currentmodule::\s+([\w.]+)", block).group(1)
-    listed |= {f"{module}.{name}" for name in
-               re.findall(r"^\s{3,}(\w+)\s*$", block.split("autosummary::", 1)[1], re.M)}
+    listed |= {
+      f"{module}.{name}"
+      for name in re.findall(r"^\s{3,}(\w+)\s*$", block.split("autosummary::", 1)[1], re.M)
+    }
   documented = {name for name, (kind, _) in api_entries().items() if kind != "module"}
   assert documented - listed == set(), "not in docs/api/index.md's tables"
   assert listed - documented == set(), "in docs/api/index.md's tables with no entry"
@@ -95,26 +101,46 @@ def test_api_index_lists_every_entry():
 
 def test_getting_started_has_the_readme_snippet():
   """docs/getting_started.md repeats the README's "Use" example word for word."""
+
   def use_snippet(path):
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
       text = f.read()
-    return re.search(r"```python\n(.*?)```", text[text.index("## Use"):], re.S).group(1)
+    return re.search(r"```python\n(.*?)```", text[text.index("## Use") :], re.S).group(1)
+
   assert use_snippet("docs/getting_started.md") == use_snippet("README.md")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("sphinx") is None
-                    or importlib.util.find_spec("myst_parser") is None,
-                    reason="Sphinx not installed (pip install -e '.[docs]'; the test extra "
-                           "includes it)")
+@pytest.mark.skipif(
+  importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_parser") is None,
+  reason="Sphinx not installed (pip install -e '.[docs]'; the test extra includes it)",
+)
 def test_docs_build_without_warnings(tmp_path):
   """What `bash scripts/docs.sh` runs, into a temporary directory."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   done = subprocess.run(
-      [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-       "-d", str(tmp_path / "doctrees"), DOCS, str(tmp_path / "html")],
-      env=env, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    [
+      sys.executable,
+      "-m",
+      "sphinx",
+      "-W",
+      "--keep-going",
+      "-q",
+      "-b",
+      "html",
+      "-d",
+      str(tmp_path / "doctrees"),
+      DOCS,
+      str(tmp_path / "html"),
+    ],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
   assert os.path.exists(tmp_path / "html" / "api" / "index.html")

@@ -12,16 +12,17 @@ import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 C = jc.codecs
 
@@ -33,12 +34,12 @@ def _scaled_sign(x, bucket_size):
   b = max(n, 1) if bucket_size is None else min(bucket_size, max(n, 1))
   out = np.empty(n)
   for start in range(0, n, b):
-    v = x[start:start + b]
-    out[start:start + b] = np.where(v < 0, -1.0, 1.0) * np.abs(v).sum() / v.size
+    v = x[start : start + b]
+    out[start : start + b] = np.where(v < 0, -1.0, 1.0) * np.abs(v).sum() / v.size
   return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _round_trip(codec):
   return jax.jit(lambda x: codec.decode(codec.encode(x), jnp.float32))
 
@@ -52,10 +53,10 @@ def _decode(codec, x):
 
 @hypothesis.settings(max_examples=10)  # each example compiles
 @hypothesis.given(
-    n=st.integers(1, 700),
-    bucket=st.sampled_from([None, 1, 32, 64, 100, 256]),
-    seed=st.integers(0, 2**31 - 1),
-    zero_frac=st.sampled_from([0.0, 0.2]),
+  n=st.integers(1, 700),
+  bucket=st.sampled_from([None, 1, 32, 64, 100, 256]),
+  seed=st.integers(0, 2**31 - 1),
+  zero_frac=st.sampled_from([0.0, 0.2]),
 )
 def test_decode_is_the_scaled_sign(n, bucket, seed, zero_frac):
   rng = np.random.default_rng(seed)
@@ -69,7 +70,7 @@ def test_decode_is_the_scaled_sign(n, bucket, seed, zero_frac):
   np.testing.assert_array_equal(out < 0, x < 0)
   b = n if bucket is None else min(bucket, n)
   for start in range(0, n, b):
-    mags = np.abs(out[start:start + b])
+    mags = np.abs(out[start : start + b])
     assert np.all(mags == mags[0])  # one float32 magnitude per bucket
   # The magnitude is the bucket's float32 ||v||_1 / d (a sum of <= 700 positive terms).
   np.testing.assert_allclose(out, want, rtol=4e-6, atol=0)
@@ -90,11 +91,13 @@ def test_compressor_property_holds_with_equality(kind, n):
   differs from ||x||_1/d by a relative rounding eps, which adds d (s - ||x||_1/d)^2:
   second order, eps^2 ||x||_1^2 / d; the float64 sums here are exact to ~1e-13."""
   rng = np.random.default_rng(n)
-  x = {"normal": rng.standard_normal(n),
-       "heavy": rng.standard_cauchy(n),
-       "sparse": np.where(rng.random(n) < 0.05, rng.standard_normal(n), 0.0),
-       "constant": np.full(n, -2.5),
-       "signs": np.where(rng.random(n) < 0.5, -3.0, 3.0)}[kind].astype(np.float32)
+  x = {
+    "normal": rng.standard_normal(n),
+    "heavy": rng.standard_cauchy(n),
+    "sparse": np.where(rng.random(n) < 0.05, rng.standard_normal(n), 0.0),
+    "constant": np.full(n, -2.5),
+    "signs": np.where(rng.random(n) < 0.5, -3.0, 3.0),
+  }[kind].astype(np.float32)
   out = _decode(C.ScaledSign(), x)
   err, bound = _compression_error(x, out)
   l1 = np.abs(x.astype(np.float64)).sum()
@@ -112,7 +115,7 @@ def test_compressor_property_per_bucket_and_a_negative_control():
   out = _decode(C.ScaledSign(128), x)
   deltas = []
   for start in range(0, 1000, 128):
-    xb, ob = x[start:start + 128], out[start:start + 128]
+    xb, ob = x[start : start + 128], out[start : start + 128]
     err, bound = _compression_error(xb, ob)
     l2sq = np.square(xb.astype(np.float64)).sum()
     assert err <= bound + 1e-12 * l2sq
@@ -142,9 +145,9 @@ def test_non_finite_and_huge_values():
   x[10] = np.nan
   x[70] = np.inf
   out = _decode(codec, x)
-  assert np.all(np.isnan(out[:64]))          # the NaN's bucket, never hidden
-  assert np.all(np.isinf(out[64:128]))       # the infinity's bucket
-  assert np.all(np.isfinite(out[128:]))      # the others untouched
+  assert np.all(np.isnan(out[:64]))  # the NaN's bucket, never hidden
+  assert np.all(np.isinf(out[64:128]))  # the infinity's bucket
+  assert np.all(np.isfinite(out[128:]))  # the others untouched
   np.testing.assert_allclose(out[128:], _scaled_sign(x[128:], 64), rtol=4e-6)
   # Finite values whose float32 l1 norm overflows: the scale is still their mean |x|.
   big = np.full(512, 1e36, np.float32)
@@ -176,15 +179,18 @@ def test_degenerate_shapes_and_dtypes():
 
   @jax.jit
   def run():
-    return {s: codec.decode(codec.encode(jnp.full(s, -0.75, jnp.float32)))
-            for s in [(), (1,), (0,), (3, 0)]}
+    return {
+      s: codec.decode(codec.encode(jnp.full(s, -0.75, jnp.float32)))
+      for s in [(), (1,), (0,), (3, 0)]
+    }
 
   for shape, out in run().items():
     chex.assert_shape(out, shape)
     np.testing.assert_array_equal(np.asarray(out), np.full(shape, -0.75, np.float32))
   for dtype in (jnp.bfloat16, jnp.float16):
-    out = jax.eval_shape(lambda x: codec.decode(codec.encode(x)),
-                         jax.ShapeDtypeStruct((5, 30), dtype))
+    out = jax.eval_shape(
+      lambda x: codec.decode(codec.encode(x)), jax.ShapeDtypeStruct((5, 30), dtype)
+    )
     assert out.shape == (5, 30) and out.dtype == dtype
   with pytest.raises(TypeError):
     codec.encode(jnp.zeros((4,), jnp.int32))
@@ -197,16 +203,19 @@ def test_degenerate_shapes_and_dtypes():
 
 # ----------------------------------------------------------------------------- the exchanges
 
-PARAMS = {"w": jnp.zeros((32, 44)),    # 1408 values: chunks of 192, the last one padded
-          "k": jnp.zeros((3, 8, 50)),  # 1200 values: chunks of 160
-          "b": jnp.zeros((96,))}       # chunks of 32: devices 3..7 own padding only
+PARAMS = {
+  "w": jnp.zeros((32, 44)),  # 1408 values: chunks of 192, the last one padded
+  "k": jnp.zeros((3, 8, 50)),  # 1200 values: chunks of 160
+  "b": jnp.zeros((96,)),
+}  # chunks of 32: devices 3..7 own padding only
 ALL = lambda path, leaf: True  # noqa: E731
 STEPS = 3
 
 
 def _grads(step):
-  g = helpers.per_device_grads(jax.random.key(60 + step),
-                               {name: p.shape for name, p in PARAMS.items()})
+  g = helpers.per_device_grads(
+    jax.random.key(60 + step), {name: p.shape for name, p in PARAMS.items()}
+  )
   g["w"] = g["w"] + 0.3
   return g
 
@@ -217,8 +226,9 @@ def _chunked(x, bucket, k):
   n = x.size
   c = C.ScaledSign(bucket).chunk_shape((n,), k)[0]
   padded = np.pad(x.reshape(-1), (0, k * c - n))
-  return np.concatenate([_scaled_sign(padded[j * c:(j + 1) * c], bucket)
-                         for j in range(k)])[:n].reshape(x.shape)
+  return np.concatenate([_scaled_sign(padded[j * c : (j + 1) * c], bucket) for j in range(k)])[
+    :n
+  ].reshape(x.shape)
 
 
 def _reference(collective, bucket, steps=STEPS):
@@ -243,27 +253,31 @@ def _reference(collective, bucket, steps=STEPS):
   return outs, e, r
 
 
-@pytest.mark.parametrize("collective, bucket", [("allgather", None), ("two_phase", None),
-                                                ("two_phase", 64), ("allgather", 100)])
+@pytest.mark.parametrize(
+  "collective, bucket",
+  [("allgather", None), ("two_phase", None), ("two_phase", 64), ("allgather", 100)],
+)
 def test_shard_map_matches_the_hand_computation(collective, bucket):
   m = helpers.mesh()
-  tx = jc.per_device_state(jc.ef_signsgd(bucket_size=bucket, axis_name=AXIS,
-                                         collective=collective, filter=ALL))
+  tx = jc.per_device_state(
+    jc.ef_signsgd(bucket_size=bucket, axis_name=AXIS, collective=collective, filter=ALL)
+  )
   state = helpers.shard_map_init(tx, PARAMS, m)
   update = helpers.shard_map_update(tx, m, PARAMS)
   outs, e, r = _reference(collective, bucket)
   for t in range(STEPS):
     out, state = update(helpers.shard(_grads(t), m), state)
     for n in PARAMS:
-      np.testing.assert_allclose(np.asarray(out[n], np.float64), outs[t][n], rtol=1e-5,
-                                 atol=1e-5, err_msg=f"{n} step {t}")
+      np.testing.assert_allclose(
+        np.asarray(out[n], np.float64), outs[t][n], rtol=1e-5, atol=1e-5, err_msg=f"{n} step {t}"
+      )
   inner = state.inner
   for n, p in PARAMS.items():
     np.testing.assert_allclose(np.asarray(inner.residual[n]), e[n], rtol=1e-5, atol=1e-5)
     if collective == "two_phase":
       cres = np.asarray(inner.chunk_residual[n]).reshape(-1)
-      np.testing.assert_allclose(cres[:p.size].reshape(p.shape), r[n], rtol=1e-5, atol=1e-5)
-      np.testing.assert_array_equal(cres[p.size:], 0.0)  # the padding stays zero
+      np.testing.assert_allclose(cres[: p.size].reshape(p.shape), r[n], rtol=1e-5, atol=1e-5)
+      np.testing.assert_array_equal(cres[p.size :], 0.0)  # the padding stays zero
 
 
 def test_local_and_pmap_match_the_hand_computation():
@@ -294,12 +308,14 @@ def test_wire_report():
   params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
   n = 1024 * 1024
   dense = 2 * (K - 1) / K * 4 * n
-  two_phase = jc.wire_report(jc.ef_signsgd(bucket_size=1024, axis_name=AXIS), params,
-                             axis_name=AXIS, num_devices=K)
+  two_phase = jc.wire_report(
+    jc.ef_signsgd(bucket_size=1024, axis_name=AXIS), params, axis_name=AXIS, num_devices=K
+  )
   assert two_phase.dense_bytes == dense
   assert two_phase.ratio == pytest.approx(32 / (1 + 32 / 1024), rel=1e-3)
-  gather = jc.wire_report(jc.ef_signsgd(axis_name=AXIS, collective="allgather"), params,
-                          axis_name=AXIS, num_devices=K)
+  gather = jc.wire_report(
+    jc.ef_signsgd(axis_name=AXIS, collective="allgather"), params, axis_name=AXIS, num_devices=K
+  )
   assert gather.bytes_received == (K - 1) * (n // 8 + 4)  # signs + one scale
 
 
@@ -317,8 +333,9 @@ def _least_squares(make_tx, steps):
   loss = lambda w, xb, yb: jnp.mean(jnp.sum((xb @ w - yb) ** 2, -1))  # noqa: E731
   optimum = float(loss(jnp.linalg.lstsq(xa, ya)[0], xa, ya))
   m = helpers.mesh()
-  tx = optax.chain(jc.per_device_state(make_tx()),
-                   optax.sgd(optax.cosine_decay_schedule(0.02, steps, alpha=0.0)))
+  tx = optax.chain(
+    jc.per_device_state(make_tx()), optax.sgd(optax.cosine_decay_schedule(0.02, steps, alpha=0.0))
+  )
   params = {"w": jnp.zeros((d, o))}
   specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=K)
   with jax.numpy_dtype_promotion("standard"):  # optax schedules mix int and float
@@ -334,8 +351,9 @@ def _least_squares(make_tx, steps):
       (params, state), _ = lax.scan(body, (params, state), None, length=steps)
       return params, state
 
-    run = jax.jit(jax.shard_map(train, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                                out_specs=(P(), specs)))
+    run = jax.jit(
+      jax.shard_map(train, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs))
+    )
     params, _ = run(params, state, helpers.shard(x, m), helpers.shard(y, m))
   return float(loss(params["w"], xa, ya)), optimum
 
@@ -354,12 +372,15 @@ def test_ef_signsgd_trains_to_sgds_loss():
   every = lambda path, leaf: True  # noqa: E731
   steps = 1600
   sgd, optimum = _least_squares(
-      lambda: jc.compress(C.Identity(), axis_name=AXIS, filter=every), steps)
+    lambda: jc.compress(C.Identity(), axis_name=AXIS, filter=every), steps
+  )
   assert sgd <= 1.001 * optimum, (sgd, optimum)
   for collective in ("auto", "allgather"):  # two-phase on 8 devices, and the all-gather
-    ef, _ = _least_squares(lambda c=collective: jc.ef_signsgd(axis_name=AXIS, collective=c,
-                                                               filter=every), steps)
+    ef, _ = _least_squares(
+      lambda c=collective: jc.ef_signsgd(axis_name=AXIS, collective=c, filter=every), steps
+    )
     assert ef - sgd <= 1e-3 * optimum, (collective, ef, sgd, optimum)
-  no_ef, _ = _least_squares(lambda: jc.compress(C.ScaledSign(), axis_name=AXIS,
-                                                collective="auto", filter=every), steps)
+  no_ef, _ = _least_squares(
+    lambda: jc.compress(C.ScaledSign(), axis_name=AXIS, collective="auto", filter=every), steps
+  )
   assert no_ef - sgd > 0.1 * optimum, (no_ef, sgd, optimum)

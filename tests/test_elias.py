@@ -70,7 +70,7 @@ def _bits_str(data, num_bits) -> str:
   return "".join(map(str, np.unpackbits(np.asarray(data, np.uint8))[:num_bits]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _encode_fn(codec):
   return jax.jit(lambda x, k: codec.encode(x, key=k))
 
@@ -79,7 +79,7 @@ def _payload(codec, x, seed=0):
   return _encode_fn(codec)(jnp.asarray(x), jax.random.key(seed))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decode_fn(codec):
   return jax.jit(codec.decode)
 
@@ -90,17 +90,30 @@ def _codes(codec, payload, n):
 
 
 def _same_payload(p, q) -> bool:
-  return (np.array_equal(np.asarray(p.arrays["words"]), np.asarray(q.arrays["words"]))
-          and np.array_equal(np.asarray(p.arrays["scales"]).view(np.uint32),
-                             np.asarray(q.arrays["scales"]).view(np.uint32)))
+  return np.array_equal(
+    np.asarray(p.arrays["words"]), np.asarray(q.arrays["words"])
+  ) and np.array_equal(
+    np.asarray(p.arrays["scales"]).view(np.uint32), np.asarray(q.arrays["scales"]).view(np.uint32)
+  )
 
 
 # ----------------------------------------------------------------------------- omega code
 
 
-KNOWN = {1: "0", 2: "100", 3: "110", 4: "101000", 5: "101010", 7: "101110", 8: "1110000",
-         15: "1111110", 16: "10100100000", 17: "10100100010", 100: "1011011001000",
-         2**32 - 1: "10" + "100" + "11111" + "1" * 32 + "0"}
+KNOWN = {
+  1: "0",
+  2: "100",
+  3: "110",
+  4: "101000",
+  5: "101010",
+  7: "101110",
+  8: "1110000",
+  15: "1111110",
+  16: "10100100000",
+  17: "10100100010",
+  100: "1011011001000",
+  2**32 - 1: "10" + "100" + "11111" + "1" * 32 + "0",
+}
 
 
 @pytest.mark.parametrize("k", sorted(KNOWN))
@@ -180,7 +193,8 @@ def test_stream_matches_reference_writer(case):
   assert data.dtype == np.uint8 and data.size == -(-num_bits // 8)
   assert _bits_str(data, 8 * data.size) == ref + "0" * (8 * data.size - num_bits)
   out_scales, out_mags, out_signs = elias.decode_stream(
-      data, num_bits, n=mags.size, levels=levels, bucket_size=bucket_size)
+    data, num_bits, n=mags.size, levels=levels, bucket_size=bucket_size
+  )
   np.testing.assert_array_equal(out_scales.view(np.uint32), scales.view(np.uint32))
   np.testing.assert_array_equal(out_mags, mags)
   np.testing.assert_array_equal(out_signs, np.where(mags > 0, signs, 0))
@@ -194,9 +208,16 @@ def test_long_gaps_and_levels():
   signs = np.zeros(n, np.uint32)
   signs[2**21] = 1
   data, num_bits = elias.encode_stream(np.float32([-3.0]), mags, signs)
-  expected = (format(int(np.float32(-3.0).view(np.uint32)), "032b")
-              + _omega_ref(2**21 + 1) + "1" + _omega_ref(2**24 - 1)
-              + _omega_ref(3) + "0" + _omega_ref(5) + _omega_ref(n - 2**21 - 3))
+  expected = (
+    format(int(np.float32(-3.0).view(np.uint32)), "032b")
+    + _omega_ref(2**21 + 1)
+    + "1"
+    + _omega_ref(2**24 - 1)
+    + _omega_ref(3)
+    + "0"
+    + _omega_ref(5)
+    + _omega_ref(n - 2**21 - 3)
+  )
   assert len(_omega_ref(2**21 + 1)) + 1 + len(_omega_ref(2**24 - 1)) > 64
   assert _bits_str(data, num_bits) == expected
   scales, out_mags, out_signs = elias.decode_stream(data, num_bits, n=n, levels=2**24 - 1)
@@ -217,8 +238,9 @@ def test_decode_across_segments(monkeypatch, segment):
     nb = -(-n // (bucket_size or n))
     scales = rng.standard_normal(nb).astype(np.float32)
     data, num_bits = elias.encode_stream(scales, mags, signs, bucket_size)
-    _, out_mags, out_signs = elias.decode_stream(data, num_bits, n=n, levels=8,
-                                                 bucket_size=bucket_size)
+    _, out_mags, out_signs = elias.decode_stream(
+      data, num_bits, n=n, levels=8, bucket_size=bucket_size
+    )
     np.testing.assert_array_equal(out_mags, mags)
     np.testing.assert_array_equal(out_signs, np.where(mags > 0, signs, 0))
 
@@ -226,38 +248,45 @@ def test_decode_across_segments(monkeypatch, segment):
 def test_stream_layout_small_example():
   # bucket of 5: levels (0, 2, 0, 0, 1), signs (-, -, +, +, +), scale 1.0
   data, num_bits = elias.encode_stream(np.float32([1.0]), [0, 2, 0, 0, 1], [1, 1, 0, 0, 0])
-  expected = (format(0x3F800000, "032b")
-              + "100" + "1" + "100"   # gap 2 (to position 1), negative, level 2
-              + "110" + "0" + "0"     # gap 3 (to position 4), positive, level 1
-              + "0")                  # sentinel: gap 1 to position 5 = b
+  expected = (
+    format(0x3F800000, "032b")
+    + "100"
+    + "1"
+    + "100"  # gap 2 (to position 1), negative, level 2
+    + "110"
+    + "0"
+    + "0"  # gap 3 (to position 4), positive, level 1
+    + "0"
+  )  # sentinel: gap 1 to position 5 = b
   assert _bits_str(data, num_bits) == expected
   zeros, zbits = elias.encode_stream(np.float32([0.0]), [0] * 5, [0] * 5)
   assert _bits_str(zeros, zbits) == "0" * 32 + _omega_ref(6)
 
 
 def test_words_and_bytes():
-  data, num_bits = elias.encode_stream(np.float32([1.5, -2.0]), np.arange(40) % 3,
-                                       np.arange(40) % 2, bucket_size=20)
+  data, num_bits = elias.encode_stream(
+    np.float32([1.5, -2.0]), np.arange(40) % 3, np.arange(40) % 2, bucket_size=20
+  )
   words = elias.bytes_to_words(data)
   assert words.dtype == np.uint32 and words.size == -(-num_bits // 32)
   bits = _bits_str(data, num_bits)
   for t in range(num_bits):  # bit t is bit 31 - t % 32 of word t // 32
     assert (int(words[t // 32]) >> (31 - t % 32)) & 1 == int(bits[t])
   np.testing.assert_array_equal(elias.words_to_bytes(words, num_bits), data)
-  assert words.astype(">u4").tobytes()[:data.size] == data.tobytes()
+  assert words.astype(">u4").tobytes()[: data.size] == data.tobytes()
 
 
 # ----------------------------------------------------------------------------- payloads
 
 
 ROUND_TRIP_CASES = [
-    # (levels, bucket_size, norm, shape)
-    (7, 512, "max", (1300,)),
-    (3, None, "l2", (10, 100)),
-    (1, 128, "l2", (257,)),
-    (32, None, "l2", (1024,)),
-    (5, 7, "max", (0,)),
-    (127, 16, "l2", (3, 5, 7)),
+  # (levels, bucket_size, norm, shape)
+  (7, 512, "max", (1300,)),
+  (3, None, "l2", (10, 100)),
+  (1, 128, "l2", (257,)),
+  (32, None, "l2", (1024,)),
+  (5, 7, "max", (0,)),
+  (127, 16, "l2", (3, 5, 7)),
 ]
 
 
@@ -278,18 +307,23 @@ def test_qsgd_bytes_round_trip(levels, bucket_size, norm, shape):
   assert restored.shape == tuple(shape) and restored.dtype == jnp.float32
   assert restored.arrays["words"].dtype == np.uint32
   assert restored.arrays["scales"].dtype == np.float32
-  np.testing.assert_array_equal(np.asarray(restored.arrays["scales"]).view(np.uint32),
-                                np.asarray(payload.arrays["scales"]).view(np.uint32))
+  np.testing.assert_array_equal(
+    np.asarray(restored.arrays["scales"]).view(np.uint32),
+    np.asarray(payload.arrays["scales"]).view(np.uint32),
+  )
   # QSGD payloads are canonical (zero codes carry no sign): back bit for bit.
   assert _same_payload(restored, payload)
-  np.testing.assert_array_equal(np.asarray(_decode_fn(codec)(restored)).view(np.uint32),
-                                np.asarray(_decode_fn(codec)(payload)).view(np.uint32))
+  np.testing.assert_array_equal(
+    np.asarray(_decode_fn(codec)(restored)).view(np.uint32),
+    np.asarray(_decode_fn(codec)(payload)).view(np.uint32),
+  )
   assert elias.qsgd_to_bytes(codec, restored) == data
   # the string matches the reference writer
   codes = _codes(codec, payload, n)
   mags = codes & ((1 << codec.magnitude_bits) - 1)
-  ref = _stream_ref(np.asarray(payload.arrays["scales"]), mags,
-                    codes >> codec.magnitude_bits, bucket_size)
+  ref = _stream_ref(
+    np.asarray(payload.arrays["scales"]), mags, codes >> codec.magnitude_bits, bucket_size
+  )
   assert _bits_str(np.frombuffer(data[4:], np.uint8), num_bits) == ref
 
 
@@ -314,7 +348,7 @@ _CODEC = C.QSGD(5, bucket_size=16)
 _N = 50
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _valid_bytes() -> bytes:
   x = np.random.default_rng(7).standard_normal(_N).astype(np.float32)
   return elias.qsgd_to_bytes(_CODEC, _payload(_CODEC, x))
@@ -439,7 +473,7 @@ def test_stream_bits_formula():
   mags = codes & 7
   total = 0
   for j in range(5):
-    m = mags[100 * j:100 * (j + 1)]
+    m = mags[100 * j : 100 * (j + 1)]
     nz = np.flatnonzero(m)
     gaps = np.diff(np.concatenate([[-1], nz, [m.size]]))
     total += 32 + sum(_omega_len_ref(int(g)) for g in gaps) + nz.size
@@ -472,12 +506,13 @@ def _expected_bits(x: np.ndarray, s: int) -> float:
   p = r - low
   lengths = np.array([0] + [_omega_len_ref(k) for k in range(1, max(n, s) + 2)], np.float64)
   li = low.astype(np.int64)
-  level_bits = np.sum(np.where(li >= 1, (1 - p) * (lengths[li] + 1), 0.0)
-                      + p * (lengths[li + 1] + 1))
+  level_bits = np.sum(
+    np.where(li >= 1, (1 - p) * (lengths[li] + 1), 0.0) + p * (lengths[li + 1] + 1)
+  )
   q = np.where(li >= 1, 1.0, p)
-  q_ext = np.concatenate([[1.0], q])    # q_ext[k + 1] is q_k, q_ext[0] the virtual -1
-  weight = np.concatenate([q, [1.0]])   # positions 0..n-1, then the sentinel
-  run = np.ones(n + 1)                  # prod of (1 - q) strictly between prev and i
+  q_ext = np.concatenate([[1.0], q])  # q_ext[k + 1] is q_k, q_ext[0] the virtual -1
+  weight = np.concatenate([q, [1.0]])  # positions 0..n-1, then the sentinel
+  run = np.ones(n + 1)  # prod of (1 - q) strictly between prev and i
   gap_bits = 0.0
   i = np.arange(n + 1)
   for d in range(1, n + 2):
@@ -491,7 +526,7 @@ def _expected_bits(x: np.ndarray, s: int) -> float:
   return 32.0 + level_bits + gap_bits
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lengths_sampler(n):
   codec = C.QSGD(round(math.sqrt(n)), bucket_size=None, norm="l2")
   return codec, jax.jit(jax.vmap(lambda x, k: codec.encode(x, key=k), in_axes=(None, 0)))
@@ -514,9 +549,13 @@ def test_dense_length_at_most_2_8n(n):
   for seed in range(2):
     x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
     payloads = sampler(jnp.asarray(x), keys)
-    lengths = np.array([
+    lengths = np.array(
+      [
         elias.stream_bits(codec, jax.tree.map(lambda a, i=i: a[i], payloads))
-        for i in range(len(keys))], np.float64)
+        for i in range(len(keys))
+      ],
+      np.float64,
+    )
     exact = _expected_bits(x, codec.levels)
     se = lengths.std(ddof=1) / math.sqrt(lengths.size)
     assert exact <= bound, (exact / n, bound / n)
@@ -537,7 +576,7 @@ def test_dense_bound_formula():
     s = math.sqrt(rho * n)
     assert elias.dense_bound(n, s * (1 - 1e-12)) == pytest.approx(elias.dense_bound(n, s))
     assert elias.dense_bound(n, s * (1 + 1e-12)) == pytest.approx(elias.dense_bound(n, s))
-  assert elias.dense_bound(n, 16) == pytest.approx(33 + 2 * n + n * 0.25)        # sqrt(rho)
+  assert elias.dense_bound(n, 16) == pytest.approx(33 + 2 * n + n * 0.25)  # sqrt(rho)
   assert elias.dense_bound(n, 128) == pytest.approx(33 + 2 * n + n * (2 * 2 - 1))  # 2sqrt - 1
   # below s ~ 0.79 sqrt(n) it is at most 2.8n + 33 (EliasQSGD's default capacity rule)
   assert elias.dense_bound(n, 0.788 * 64) <= 2.8 * n + 33 < elias.dense_bound(n, 0.79 * 64)
@@ -552,7 +591,7 @@ def test_flat_magnitudes_exceed_corollary_3_3(n):
   alternating magnitudes 2, 1 take (3 + sqrt(10))/2 · n + 33 on average, close to the
   format's bound 37n/12 + 33 (dense_bound), which Gaussian data stay far below."""
   codec, sampler = _lengths_sampler(n)
-  assert codec.levels ** 2 == n
+  assert codec.levels**2 == n
   keys = jax.random.split(jax.random.key(3), 8)
   signs = np.where(np.random.default_rng(n).random(n) < 0.5, -1.0, 1.0)
   flat = _sampled_lengths(codec, sampler, 0.37 * signs, keys)
@@ -583,8 +622,17 @@ def _string_lengths(codec, payloads, count) -> np.ndarray:
   return np.array(out, np.float64)
 
 
-FAMILIES = ("equal", "alternating", "one_hot", "uniform", "cauchy", "pareto", "gaussian",
-            "two_level", "sparse")
+FAMILIES = (
+  "equal",
+  "alternating",
+  "one_hot",
+  "uniform",
+  "cauchy",
+  "pareto",
+  "gaussian",
+  "two_level",
+  "sparse",
+)
 
 
 @st.composite
@@ -654,7 +702,7 @@ def test_string_lengths_against_theorem_3_2(case):
   assert abs(lengths.mean() - exact) <= 5 * se + 1, (lengths.mean(), exact, se)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _adversarial_sampler(codec):
   """jit(vmap over keys) of ``codec.quantize``: what the payload packs, per key."""
   return jax.jit(jax.vmap(lambda x, k: codec.quantize(x, key=k), in_axes=(None, 0)))

@@ -13,10 +13,11 @@ import jaxcomp as jc
 from jaxcomp._src import elias
 from jaxcomp._src import elias_codec
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _encode(codec):
   return jax.jit(lambda x, key: codec.encode_with_info(x, key=key))
 
@@ -27,14 +28,22 @@ def test_device_omega_code_matches_the_host_code(k):
   hi, lo, length = elias_codec.omega_code(jnp.asarray([k], jnp.uint32))
   bits = format(int(hi[0]), "032b") + format(int(lo[0]), "032b")
   want = "".join(str(int(b)) for b in elias.omega_encode(k))
-  assert bits[:int(length[0])] == want
+  assert bits[: int(length[0])] == want
   assert int(length[0]) == len(want) == elias.omega_length(k)
-  assert set(bits[int(length[0]):]) <= {"0"}
+  assert set(bits[int(length[0]) :]) <= {"0"}
 
 
-@pytest.mark.parametrize("n,bucket,levels,norm", [
-    (1000, None, 31, "l2"), (1000, 128, 3, "l2"), (5000, 512, 7, "max"), (70, 32, 1, "l2"),
-    (4096, None, 64, "l2"), (1, None, 1, "l2")])
+@pytest.mark.parametrize(
+  "n,bucket,levels,norm",
+  [
+    (1000, None, 31, "l2"),
+    (1000, 128, 3, "l2"),
+    (5000, 512, 7, "max"),
+    (70, 32, 1, "l2"),
+    (4096, None, 64, "l2"),
+    (1, None, 1, "l2"),
+  ],
+)
 def test_device_stream_is_bit_identical_to_the_host_stream(n, bucket, levels, norm):
   codec = jc.codecs.EliasQSGD(levels, bucket, norm, capacity=64.0)  # room for any stream
   x = jax.random.normal(jax.random.key(n), (n,))
@@ -98,8 +107,7 @@ def test_allgather_exchange_and_fallback_under_shard_map(capacity):
   params = {"w": jnp.zeros((64, 64))}
   codec = jc.codecs.EliasQSGD(64, capacity=capacity)
   tx = jc.per_device_state(jc.compress(codec, axis_name=AXIS, filter=lambda p, x: True))
-  ref = jc.per_device_state(jc.compress(codec.fallback, axis_name=AXIS,
-                                        filter=lambda p, x: True))
+  ref = jc.per_device_state(jc.compress(codec.fallback, axis_name=AXIS, filter=lambda p, x: True))
   grads = helpers.shard(helpers.per_device_grads(jax.random.key(0), {"w": (64, 64)}), m)
   out, state = helpers.shard_map_update(tx, m, params)(grads, helpers.shard_map_init(tx, params, m))
   want, _ = helpers.shard_map_update(ref, m, params)(grads, helpers.shard_map_init(ref, params, m))
@@ -110,8 +118,9 @@ def test_allgather_exchange_and_fallback_under_shard_map(capacity):
   report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=K)
   coded = codec.wire_bits((64, 64)) // 8
   fixed = codec.fallback.wire_bits((64, 64)) // 8
-  gathered = sum(op.bytes_received for op in report.ops
-                 if "all_gather" in op.primitive and not op.fallback)
+  gathered = sum(
+    op.bytes_received for op in report.ops if "all_gather" in op.primitive and not op.fallback
+  )
   assert gathered == (K - 1) * coded
   assert report.fallback_bytes == (K - 1) * fixed
   assert "fallback" in str(report)

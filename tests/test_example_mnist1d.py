@@ -63,10 +63,12 @@ def test_quick_run_writes_results(tmp_path):
 def test_config_by_name_or_path(tmp_path):
   from examples.mnist1d import configs  # pylint: disable=import-outside-toplevel
   from examples.mnist1d import main  # pylint: disable=import-outside-toplevel
+
   assert main.get_config(main.parse_args(["--quick"])) == quick.get_config()
   path = tmp_path / "tiny.py"
-  path.write_text("from examples.mnist1d.configs import quick\n"
-                  "def get_config():\n  return quick.get_config()\n")
+  path.write_text(
+    "from examples.mnist1d.configs import quick\ndef get_config():\n  return quick.get_config()\n"
+  )
   config = main.get_config(main.parse_args(["--config", str(path), "--steps", "2"]))
   assert config.num_steps == 2 and config.hidden == quick.get_config().hidden
   with pytest.raises(ValueError, match="unknown 'params2m'"):  # a benchmark's, not here

@@ -13,9 +13,9 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 import chex  # noqa: E402
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from examples.mnist1d import input_pipeline  # noqa: E402
 from examples.mnist1d import train as linen_train  # noqa: E402
@@ -74,11 +74,11 @@ def test_dense_matches_one_device_training(tmp_path):
   inside shard_map gives the psum, 8x the mean, and 8x steps. No clipping, which
   would hide that factor.
   """
-  config = dataclasses.replace(quick.get_config(), methods=("dense",), num_steps=4,
-                               grad_clip=0.0)
+  config = dataclasses.replace(quick.get_config(), methods=("dense",), num_steps=4, grad_clip=0.0)
   mesh, data, graphdef, init_state = train.setup(config, str(tmp_path))
-  trained, _ = train.train_method("dense", config, graphdef=graphdef,
-                                  init_state=init_state, data=data, mesh=mesh)
+  trained, _ = train.train_method(
+    "dense", config, graphdef=graphdef, init_state=init_state, data=data, mesh=mesh
+  )
 
   model = nnx.merge(graphdef, jax.device_put(init_state))  # fresh Variables
   optimizer = nnx.Optimizer(model, train.make_optimizer("dense", config), wrt=nnx.Param)
@@ -88,8 +88,12 @@ def test_dense_matches_one_device_training(tmp_path):
     optimizer.update(model, nnx.grad(train.loss_fn)(model, x, y))
 
   batches = input_pipeline.train_batches(
-      data["x"], data["y"], num_devices=mesh.size,
-      per_device_batch_size=config.per_device_batch_size, seed=config.seed)
+    data["x"],
+    data["y"],
+    num_devices=mesh.size,
+    per_device_batch_size=config.per_device_batch_size,
+    seed=config.seed,
+  )
   for _ in range(config.num_steps):
     x, y = next(batches)
     step(model, optimizer, x.reshape(-1, *x.shape[2:]), y.reshape(-1))
@@ -97,8 +101,7 @@ def test_dense_matches_one_device_training(tmp_path):
   want = jax.device_get(nnx.state(model, nnx.Param).to_pure_dict())
   got = jax.device_get(nnx.state(trained, nnx.Param).to_pure_dict())
   start = init_state.to_pure_dict()
-  moved = min(np.max(np.abs(w - s)) for w, s in zip(jax.tree.leaves(want),
-                                                     jax.tree.leaves(start)))
+  moved = min(np.max(np.abs(w - s)) for w, s in zip(jax.tree.leaves(want), jax.tree.leaves(start)))
   assert moved > 1e-3  # every parameter moved far beyond the tolerance below
   # Only the float32 summation order differs (per-device means, then their mean).
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)

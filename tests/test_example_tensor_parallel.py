@@ -13,8 +13,9 @@ def test_trains_and_skips_the_nan_step(shape):
   # The example's optax.adam raises an int32 step count to a float power: it runs under
   # standard dtype promotion, as users run it (the suite is strict, see conftest.py).
   with jax.numpy_dtype_promotion("standard"):
-    losses, skipped, params = tensor_parallel.train(shape, steps=8, accumulate=2,
-                                                    nan_at=3, log=lambda _: None)
+    losses, skipped, params = tensor_parallel.train(
+      shape, steps=8, accumulate=2, nan_at=3, log=lambda _: None
+    )
   assert skipped == 1  # the NaN mini-step poisoned one accumulated update: skipped
   assert all(np.isfinite(losses))
   start = tensor_parallel.init_params(jax.random.key(0))

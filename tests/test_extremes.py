@@ -95,8 +95,9 @@ def test_onebit_fused_feedback_with_large_values(impl):
   assert bool(ok) and bool(ref_ok)
   np.testing.assert_array_equal(payload.arrays["words"], ref_payload.arrays["words"])
   for side in ("pos", "neg"):
-    np.testing.assert_allclose(_f64(payload.arrays[side]), _f64(ref_payload.arrays[side]),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      _f64(payload.arrays[side]), _f64(ref_payload.arrays[side]), rtol=1e-6
+    )
   assert np.all(np.isfinite(np.asarray(res)))
   np.testing.assert_allclose(_f64(res), _f64(ref_res), rtol=1e-5, atol=1e31)
 
@@ -108,12 +109,17 @@ def test_qsgd_max_norm_payloads_agree_at_large_values(mag):
   its plain sum overflowed to inf - inf (values of both signs, near 1e38)."""
   x = _data(mag)
   key = jax.random.key(7)
-  payloads = {impl: C.QSGD(7, bucket_size=512, norm="max", implementation=impl)
-                    .encode(jnp.asarray(x), key=key) for impl in IMPLS}
+  payloads = {
+    impl: C.QSGD(7, bucket_size=512, norm="max", implementation=impl).encode(
+      jnp.asarray(x), key=key
+    )
+    for impl in IMPLS
+  }
   for impl in ("native", "pallas"):
     for name in ("words", "scales"):
-      np.testing.assert_array_equal(payloads[impl].arrays[name], payloads["xla"].arrays[name],
-                                    err_msg=f"{impl} {name}")
+      np.testing.assert_array_equal(
+        payloads[impl].arrays[name], payloads["xla"].arrays[name], err_msg=f"{impl} {name}"
+      )
   codec = C.QSGD(7, bucket_size=512, norm="max", implementation="xla")
   out = _f64(codec.decode(payloads["xla"]))
   scale = np.repeat(_f64(payloads["xla"].arrays["scales"]), 512)
@@ -176,8 +182,9 @@ def test_normal_proxies_per_entry_match_the_plain_formula_bit_for_bit():
   n = 20000
   codes = jnp.asarray(rng.integers(0, 256, n).astype(np.uint32))
   mu = jnp.asarray((rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)).astype(np.float32))
-  sigma = jnp.asarray((np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-6, 6, n))
-                      .astype(np.float32))
+  sigma = jnp.asarray(
+    (np.abs(rng.standard_normal(n)) * 10.0 ** rng.integers(-6, 6, n)).astype(np.float32)
+  )
   _, _, proxies = normal.intervals_table(256, 3.0)
   table = jnp.asarray(np.concatenate([proxies, -proxies]), jnp.float32)
   plain = jax.jit(lambda c, m, s: m + s * table[c.astype(jnp.int32)])(codes, mu, sigma)
@@ -198,8 +205,9 @@ def test_normal_proxies_clip_to_the_float32_range():
   assert np.all(np.isinf(np.asarray(out)))
 
 
-@pytest.mark.parametrize("make", [lambda: C.TopK(0.1), lambda: C.UnbiasedSparsifier(density=0.1)],
-                         ids=["topk", "wangni"])
+@pytest.mark.parametrize(
+  "make", [lambda: C.TopK(0.1), lambda: C.UnbiasedSparsifier(density=0.1)], ids=["topk", "wangni"]
+)
 def test_sparsifiers_at_large_values(make):
   x = _data(FLT_MAX)
   codec = make()

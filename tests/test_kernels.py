@@ -10,11 +10,11 @@ import re
 
 import chex
 import jax
+from jax import export
+from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
-from jax.experimental import pallas as pl
 
 import jaxcomp as jc
 from jaxcomp import kernels
@@ -24,9 +24,16 @@ from tests import helpers
 CFG = kernels.LaunchConfig(block_size=256)  # small blocks: several programs per test
 EPS = float(jnp.finfo(jnp.float32).eps)
 
-MODES = [pytest.param(True, id="interpret"),
-         pytest.param(False, id="compiled", marks=pytest.mark.skipif(
-             not kernels.cuda_available(), reason="compiled kernels need a CUDA GPU"))]
+MODES = [
+  pytest.param(True, id="interpret"),
+  pytest.param(
+    False,
+    id="compiled",
+    marks=pytest.mark.skipif(
+      not kernels.cuda_available(), reason="compiled kernels need a CUDA GPU"
+    ),
+  ),
+]
 
 
 def _x(n, dtype=jnp.float32, seed=1):
@@ -41,10 +48,10 @@ def _codes(words, levels, n):
 # ------------------------------------------------------------------------------ quantize
 
 QUANTIZE_CASES = [
-    # n, bucket, levels, dtype (interpret mode compiles per case: keep the list short)
-    (2000, 64, 7, jnp.float32),       # 4-bit; ragged: 31.25 buckets, 4 buckets/program
-    (1000, 128, 1, jnp.bfloat16),     # 2-bit codes, bf16 input
-    (77, 512, 32767, jnp.float16),    # 16-bit codes; one short bucket, past the block
+  # n, bucket, levels, dtype (interpret mode compiles per case: keep the list short)
+  (2000, 64, 7, jnp.float32),  # 4-bit; ragged: 31.25 buckets, 4 buckets/program
+  (1000, 128, 1, jnp.bfloat16),  # 2-bit codes, bf16 input
+  (77, 512, 32767, jnp.float16),  # 16-bit codes; one short bucket, past the block
 ]
 
 
@@ -53,9 +60,11 @@ QUANTIZE_CASES = [
 def test_quantize_max_norm_is_bit_identical(interpret, n, bucket, levels, dtype):
   x, key = _x(n, dtype), jax.random.key(7)
   words, scales = kernels.quantize.quantize(
-      x, key, levels=levels, bucket_size=bucket, norm="max", config=CFG, interpret=interpret)
+    x, key, levels=levels, bucket_size=bucket, norm="max", config=CFG, interpret=interpret
+  )
   ref_words, ref_scales = kernels.quantize.quantize_reference(
-      x, key, levels=levels, bucket_size=bucket, norm="max")
+    x, key, levels=levels, bucket_size=bucket, norm="max"
+  )
   chex.assert_trees_all_equal((words, scales), (ref_words, ref_scales))
   assert words.shape == (bitpack.num_words(n, kernels.quantize.bits_per_value(levels)),)
 
@@ -66,9 +75,11 @@ def test_quantize_l2_norm_matches_up_to_sum_order(interpret, n, bucket, levels):
   """The l2 scale is a sum: another order moves it by ulps, which can flip a rounding."""
   x, key = _x(n), jax.random.key(7)
   words, scales = kernels.quantize.quantize(
-      x, key, levels=levels, bucket_size=bucket, norm="l2", config=CFG, interpret=interpret)
+    x, key, levels=levels, bucket_size=bucket, norm="l2", config=CFG, interpret=interpret
+  )
   ref_words, ref_scales = kernels.quantize.quantize_reference(
-      x, key, levels=levels, bucket_size=bucket, norm="l2")
+    x, key, levels=levels, bucket_size=bucket, norm="l2"
+  )
   np.testing.assert_allclose(scales, ref_scales, rtol=4 * EPS, atol=0)
   mag_bits = int(levels).bit_length()
   mine, ref = _codes(words, levels, n), _codes(ref_words, levels, n)
@@ -83,28 +94,31 @@ def test_quantize_fused_error_feedback(interpret, n, bucket, levels, dtype):
   x, key = _x(n, dtype), jax.random.key(5)
   e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32)
   words, scales, new_e = kernels.quantize.quantize(
-      x, key, e, levels=levels, bucket_size=bucket, norm="max", config=CFG,
-      interpret=interpret)
+    x, key, e, levels=levels, bucket_size=bucket, norm="max", config=CFG, interpret=interpret
+  )
   ref_words, ref_scales, ref_e = kernels.quantize.quantize_reference(
-      x, key, e, levels=levels, bucket_size=bucket, norm="max")
+    x, key, e, levels=levels, bucket_size=bucket, norm="max"
+  )
   chex.assert_trees_all_equal((words, scales), (ref_words, ref_scales))
   x32 = x.astype(jnp.float32) + e
   # e' = x32 - q * step: one rounding of the product (or none, with an FMA).
   np.testing.assert_allclose(new_e, ref_e, rtol=0, atol=2 * EPS * float(jnp.max(jnp.abs(x32))))
   # Error feedback's invariant: what was sent plus what is kept is the input.
   sent = jc.codecs.QSGD(levels, bucket, "max").decode(
-      jc.codecs.Payload({"words": words, "scales": scales}, (n,), jnp.dtype(dtype)),
-      jnp.float32)
+    jc.codecs.Payload({"words": words, "scales": scales}, (n,), jnp.dtype(dtype)), jnp.float32
+  )
   if dtype == jnp.float32:
-    np.testing.assert_allclose(sent + new_e, x32, rtol=0,
-                               atol=2 * EPS * float(jnp.max(jnp.abs(x32))))
+    np.testing.assert_allclose(
+      sent + new_e, x32, rtol=0, atol=2 * EPS * float(jnp.max(jnp.abs(x32)))
+    )
 
 
 @pytest.mark.parametrize("interpret", MODES)
 def test_quantize_nonfinite_bucket_is_marked_not_hidden(interpret):
   x = _x(300).at[70].set(jnp.nan).at[200].set(jnp.inf)
   words, scales = kernels.quantize.quantize(
-      x, jax.random.key(0), levels=7, bucket_size=64, config=CFG, interpret=interpret)
+    x, jax.random.key(0), levels=7, bucket_size=64, config=CFG, interpret=interpret
+  )
   ref = kernels.quantize.quantize_reference(x, jax.random.key(0), levels=7, bucket_size=64)
   chex.assert_trees_all_equal((words, scales), ref)
   assert np.isnan(scales[1]) and np.isnan(scales[3])
@@ -116,13 +130,20 @@ def test_quantize_is_unbiased_over_keys():
   n, bucket, levels, draws = 256, 64, 1, 256
   x = _x(n)
   keys = jax.random.split(jax.random.key(11), draws)
-  words, scales = jax.vmap(lambda k: kernels.quantize.quantize(
-      x, k, levels=levels, bucket_size=bucket, config=CFG, interpret=True))(keys)
+  words, scales = jax.vmap(
+    lambda k: kernels.quantize.quantize(
+      x, k, levels=levels, bucket_size=bucket, config=CFG, interpret=True
+    )
+  )(keys)
   codec = jc.codecs.QSGD(levels, bucket, "max")
-  dec = jax.vmap(lambda w, s: codec.decode(
-      jc.codecs.Payload({"words": w, "scales": s}, (n,), jnp.dtype(jnp.float32))))(words, scales)
-  ref = jax.vmap(lambda k: kernels.quantize.quantize_reference(
-      x, k, levels=levels, bucket_size=bucket))(keys)
+  dec = jax.vmap(
+    lambda w, s: codec.decode(
+      jc.codecs.Payload({"words": w, "scales": s}, (n,), jnp.dtype(jnp.float32))
+    )
+  )(words, scales)
+  ref = jax.vmap(
+    lambda k: kernels.quantize.quantize_reference(x, k, levels=levels, bucket_size=bucket)
+  )(keys)
   chex.assert_trees_all_equal((words, scales), ref)  # batching keeps the global index
   # Each value is step * (floor(r) + Bernoulli(p)), p = frac(r): its SE is known. The
   # Bernoulli variance is floored at 1/draws, where the normal approximation of a rare
@@ -147,12 +168,15 @@ def test_quantize_is_unbiased_over_keys():
 def test_dequantize_sum_is_the_ordered_sum(interpret, k, n, bucket, levels):
   xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
   keys = jax.random.split(jax.random.key(4), k)
-  words, scales = jax.vmap(lambda x, kk: kernels.quantize.quantize_reference(
-      x, kk, levels=levels, bucket_size=bucket))(xs, keys)
-  out = kernels.dequantize.dequantize_sum(words, scales, n=n, levels=levels,
-                                          bucket_size=bucket, config=CFG, interpret=interpret)
-  ref = kernels.dequantize.dequantize_sum_reference(words, scales, n=n, levels=levels,
-                                                    bucket_size=bucket)
+  words, scales = jax.vmap(
+    lambda x, kk: kernels.quantize.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
+  )(xs, keys)
+  out = kernels.dequantize.dequantize_sum(
+    words, scales, n=n, levels=levels, bucket_size=bucket, config=CFG, interpret=interpret
+  )
+  ref = kernels.dequantize.dequantize_sum_reference(
+    words, scales, n=n, levels=levels, bucket_size=bucket
+  )
   # Same decodings, same order; XLA may fuse acc + q * step into one FMA in either
   # path, so each of the k adds may round differently: 2k ulps of sum_k |d_k| <=
   # sum_k scale_k (max norm: every decoded value is at most its bucket's scale).
@@ -175,9 +199,10 @@ def test_dequantize_sum_checks_its_inputs():
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("n,bucket,dtype,feedback", [(2000, 64, jnp.float32, True),
-                                                     (1000, 128, jnp.bfloat16, False),
-                                                     (77, 512, jnp.float32, True)])
+@pytest.mark.parametrize(
+  "n,bucket,dtype,feedback",
+  [(2000, 64, jnp.float32, True), (1000, 128, jnp.bfloat16, False), (77, 512, jnp.float32, True)],
+)
 def test_sign_pack_matches_onebit(interpret, n, bucket, dtype, feedback):
   x = _x(n, dtype)
   e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32) if feedback else None
@@ -195,9 +220,11 @@ def test_sign_pack_matches_onebit(interpret, n, bucket, dtype, feedback):
 def test_sign_unpack_sum_is_the_ordered_sum(interpret, k, n, bucket):
   xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
   words, pos, neg = jax.vmap(
-      lambda x: kernels.sign_pack.sign_pack_reference(x, bucket_size=bucket))(xs)
-  out = kernels.sign_pack.sign_unpack_sum(words, pos, neg, n=n, bucket_size=bucket,
-                                          config=CFG, interpret=interpret)
+    lambda x: kernels.sign_pack.sign_pack_reference(x, bucket_size=bucket)
+  )(xs)
+  out = kernels.sign_pack.sign_unpack_sum(
+    words, pos, neg, n=n, bucket_size=bucket, config=CFG, interpret=interpret
+  )
   ref = kernels.sign_pack.sign_unpack_sum_reference(words, pos, neg, n=n, bucket_size=bucket)
   chex.assert_trees_all_equal(out, ref)
 
@@ -211,20 +238,26 @@ def _has_pallas_call(fn, *args) -> bool:
 
 def test_implementation_dispatch_and_fallback():
   x, key = _x(1024), jax.random.key(0)
-  for codec_cls, kw in ((jc.codecs.QSGD, dict(levels=7, bucket_size=64, norm="max")),
-                        (jc.codecs.OneBit, dict(bucket_size=64))):
+  for codec_cls, kw in (
+    (jc.codecs.QSGD, dict(levels=7, bucket_size=64, norm="max")),
+    (jc.codecs.OneBit, dict(bucket_size=64)),
+  ):
     pallas = codec_cls(**kw, implementation="pallas")
     assert _has_pallas_call(lambda x: pallas.encode(x, key=key), x)
-    assert not _has_pallas_call(lambda x: codec_cls(**kw, implementation="xla").encode(
-        x, key=key), x)
+    assert not _has_pallas_call(
+      lambda x: codec_cls(**kw, implementation="xla").encode(x, key=key), x
+    )
     # None: the kernels only on a CUDA GPU.
     assert _has_pallas_call(lambda x: codec_cls(**kw).encode(x, key=key), x) == (
-        kernels.cuda_available())
+      kernels.cuda_available()
+    )
   # Shapes the kernels cannot handle fall back to XLA (and still encode correctly).
-  for codec in (jc.codecs.QSGD(3, 64, "max", implementation="pallas"),   # 3-bit codes
-                jc.codecs.QSGD(7, 100, "max", implementation="pallas"),  # bucket not 2**k
-                jc.codecs.QSGD(7, None, "max", implementation="pallas"),  # one bucket
-                jc.codecs.OneBit(None, implementation="pallas")):
+  for codec in (
+    jc.codecs.QSGD(3, 64, "max", implementation="pallas"),  # 3-bit codes
+    jc.codecs.QSGD(7, 100, "max", implementation="pallas"),  # bucket not 2**k
+    jc.codecs.QSGD(7, None, "max", implementation="pallas"),  # one bucket
+    jc.codecs.OneBit(None, implementation="pallas"),
+  ):
     assert not _has_pallas_call(lambda x: codec.encode(x, key=key), x)
     assert jax.eval_shape(lambda x: codec.decode(codec.encode(x, key=key)), x).shape == x.shape
   with pytest.raises(ValueError, match="implementation must be"):
@@ -246,18 +279,27 @@ def test_codec_payloads_identical_across_implementations():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make", [lambda impl: jc.codecs.QSGD(7, 64, "max", implementation=impl),
-                                  lambda impl: jc.codecs.OneBit(64, implementation=impl)],
-                         ids=["qsgd", "onebit"])
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda impl: jc.codecs.QSGD(7, 64, "max", implementation=impl),
+    lambda impl: jc.codecs.OneBit(64, implementation=impl),
+  ],
+  ids=["qsgd", "onebit"],
+)
 def test_compress_with_kernels_under_pmap(make):
   """8 devices, fused error feedback + fused decode-sum vs the XLA path, two steps."""
-  helpers.kernel_vs_xla_under_pmap(make, "pallas",
-                                   bitwise_outputs=isinstance(make("xla"), jc.codecs.QSGD))
+  helpers.kernel_vs_xla_under_pmap(
+    make, "pallas", bitwise_outputs=isinstance(make("xla"), jc.codecs.QSGD)
+  )
 
 
 def test_compress_with_kernels_keeps_residual_on_nonfinite():
-  tx = jc.compress(jc.codecs.QSGD(7, 64, "max", implementation="pallas"),
-                   error_feedback=True, filter=lambda path, leaf: True)
+  tx = jc.compress(
+    jc.codecs.QSGD(7, 64, "max", implementation="pallas"),
+    error_feedback=True,
+    filter=lambda path, leaf: True,
+  )
   params = {"w": jnp.zeros((256,))}
   state = tx.init(params)
   _, state = tx.update({"w": _x(256)}, state)
@@ -270,9 +312,12 @@ def test_compress_with_kernels_keeps_residual_on_nonfinite():
 def test_interpret_under_check_vma_raises_clearly():
   m = helpers.mesh()
   codec = jc.codecs.QSGD(7, 64, "max", implementation="pallas")
-  f = jax.shard_map(lambda x: codec.encode(x[0], key=jax.random.key(0)).arrays["scales"],
-                    mesh=m, in_specs=jax.sharding.PartitionSpec(helpers.AXIS),
-                    out_specs=jax.sharding.PartitionSpec(helpers.AXIS))
+  f = jax.shard_map(
+    lambda x: codec.encode(x[0], key=jax.random.key(0)).arrays["scales"],
+    mesh=m,
+    in_specs=jax.sharding.PartitionSpec(helpers.AXIS),
+    out_specs=jax.sharding.PartitionSpec(helpers.AXIS),
+  )
   x = helpers.shard(jnp.ones((8, 256)), m)
   if kernels.cuda_available():
     pytest.skip("compiled kernels run under check_vma")
@@ -295,8 +340,11 @@ def _export_cuda(fn, *args):
   h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
   mesh = jax.sharding.AbstractMesh((1,), ("export",), abstract_device=h100)
   with jax.sharding.use_abstract_mesh(mesh):
-    exp = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=[
-        export.DisabledSafetyCheck.custom_call(_TRITON)])(*args)
+    exp = export.export(
+      jax.jit(fn),
+      platforms=("cuda",),
+      disabled_checks=[export.DisabledSafetyCheck.custom_call(_TRITON)],
+    )(*args)
   return exp.mlir_module()
 
 
@@ -306,21 +354,28 @@ def test_kernels_lower_to_triton_for_cuda(norm):
   s = jax.ShapeDtypeStruct
   n, k = 1000, 6
   cases = {
-      "jaxcomp_quantize": (
-          lambda x, key, e: kernels.quantize.quantize(
-              x, key, e, levels=7, bucket_size=512, norm=norm, interpret=False),
-          (s((n,), jnp.bfloat16), jax.random.key(0), s((n,), jnp.float32))),
-      "jaxcomp_dequantize_sum": (
-          lambda w, sc: kernels.dequantize.dequantize_sum(
-              w, sc, n=n, levels=7, bucket_size=512, interpret=False),
-          (s((k, 125), jnp.uint32), s((k, 2), jnp.float32))),
-      "jaxcomp_sign_pack": (
-          lambda x, e: kernels.sign_pack.sign_pack(x, e, bucket_size=512, interpret=False),
-          (s((n,), jnp.float32), s((n,), jnp.float32))),
-      "jaxcomp_sign_unpack_sum": (
-          lambda w, p, q: kernels.sign_pack.sign_unpack_sum(
-              w, p, q, n=n, bucket_size=512, interpret=False),
-          (s((k, 32), jnp.uint32), s((k, 2), jnp.float32), s((k, 2), jnp.float32))),
+    "jaxcomp_quantize": (
+      lambda x, key, e: kernels.quantize.quantize(
+        x, key, e, levels=7, bucket_size=512, norm=norm, interpret=False
+      ),
+      (s((n,), jnp.bfloat16), jax.random.key(0), s((n,), jnp.float32)),
+    ),
+    "jaxcomp_dequantize_sum": (
+      lambda w, sc: kernels.dequantize.dequantize_sum(
+        w, sc, n=n, levels=7, bucket_size=512, interpret=False
+      ),
+      (s((k, 125), jnp.uint32), s((k, 2), jnp.float32)),
+    ),
+    "jaxcomp_sign_pack": (
+      lambda x, e: kernels.sign_pack.sign_pack(x, e, bucket_size=512, interpret=False),
+      (s((n,), jnp.float32), s((n,), jnp.float32)),
+    ),
+    "jaxcomp_sign_unpack_sum": (
+      lambda w, p, q: kernels.sign_pack.sign_unpack_sum(
+        w, p, q, n=n, bucket_size=512, interpret=False
+      ),
+      (s((k, 32), jnp.uint32), s((k, 2), jnp.float32), s((k, 2), jnp.float32)),
+    ),
   }
   for name, (fn, args) in cases.items():
     text = _export_cuda(fn, *args)
@@ -330,15 +385,19 @@ def test_kernels_lower_to_triton_for_cuda(norm):
 
 def test_cuda_lowering_check_can_fail():
   """The export above is a real check: a kernel with a non-power-of-two block fails."""
+
   def bad(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2.0
 
   def fn(x):
     return pl.pallas_call(
-        bad, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
-        in_specs=[pl.BlockSpec((100,), lambda i: (i,))],
-        out_specs=pl.BlockSpec((100,), lambda i: (i,)),
-        compiler_params=kernels.LaunchConfig().compiler_params())(x)
+      bad,
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      grid=(2,),
+      in_specs=[pl.BlockSpec((100,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((100,), lambda i: (i,)),
+      compiler_params=kernels.LaunchConfig().compiler_params(),
+    )(x)
 
   with pytest.raises(Exception, match="power of 2|power of two"):
     _export_cuda(fn, jax.ShapeDtypeStruct((200,), jnp.float32))

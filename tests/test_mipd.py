@@ -3,29 +3,32 @@ exchanges (all-gather and the two-phase sharded server), wire bytes."""
 
 import math
 
+from hypothesis import given
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from hypothesis import given
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src import mipd as mipd_lib
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 SHAPES = {"a": (64, 48), "b": (48,), "c": (40, 40), "d": (32, 64)}
 COMPRESSED = ("a", "c", "d")  # "b" is a bias: the default filter leaves it dense
-SIZES = (3072, 1600, 2048)    # N = 6720: at s = 0.5, 3360 entries are dropped
+SIZES = (3072, 1600, 2048)  # N = 6720: at s = 0.5, 3360 entries are dropped
 
 
 def _params(norms):
   """Constant leaves whose L2 norms are ``norms`` (1 where not given)."""
-  return {n: jnp.full(s, norms.get(n, 1.0) / math.sqrt(math.prod(s)), jnp.float32)
-          for n, s in SHAPES.items()}
+  return {
+    n: jnp.full(s, norms.get(n, 1.0) / math.sqrt(math.prod(s)), jnp.float32)
+    for n, s in SHAPES.items()
+  }
 
 
 # Parameter norms (1, 2, 4): eq. 1 gives r^MI = (1, 1/2, 1/4) / (7/4) = (4, 2, 1) / 7.
@@ -41,12 +44,12 @@ PARAMS = _params({"a": 1.0, "c": 2.0, "d": 4.0})
 #  β = 1:   r = r^MI, drops 480 · (4, 2, 1) = (1920, 960, 480)
 # No layer reaches its cap (it keeps >= ceil(0.1 · size) = 308, 160, 205).
 KEPT = {
-    (0.5, (2, 1, 1)): (1776, 448, 1136),
-    (0.5, (1, 1, 2)): (1440, 448, 1472),
-    (0.0, (2, 1, 1)): (2400, 256, 704),
-    (0.0, (1, 1, 2)): (1728, 256, 1376),
-    (1.0, (2, 1, 1)): (1152, 640, 1568),
-    (1.0, (1, 1, 2)): (1152, 640, 1568),
+  (0.5, (2, 1, 1)): (1776, 448, 1136),
+  (0.5, (1, 1, 2)): (1440, 448, 1472),
+  (0.0, (2, 1, 1)): (2400, 256, 704),
+  (0.0, (1, 1, 2)): (1728, 256, 1376),
+  (1.0, (2, 1, 1)): (1152, 640, 1568),
+  (1.0, (1, 1, 2)): (1152, 640, 1568),
 }
 ERRORS = ((2, 1, 1), (1, 1, 2))  # the prediction-error norms of alternate steps
 
@@ -85,33 +88,40 @@ def _step(tx, g, state, params=PARAMS):
 
 def test_rates_hand_computed():
   # W = (1, 2, 4) / 7; 1/W = (7, 3.5, 1.75); normalised: (4, 2, 1) / 7 (eq. 1).
-  np.testing.assert_allclose(mipd_lib.inverse_share_rates(jnp.array([1.0, 2.0, 4.0])),
-                             [4 / 7, 2 / 7, 1 / 7], rtol=1e-6)
+  np.testing.assert_allclose(
+    mipd_lib.inverse_share_rates(jnp.array([1.0, 2.0, 4.0])), [4 / 7, 2 / 7, 1 / 7], rtol=1e-6
+  )
   # eq. 7 with β = 0.25: 0.25 (4, 2, 1)/7 + 0.75 (1/3, 1/3, 1/3) for equal errors.
   r = mipd_lib.drop_rates(jnp.array([1.0, 2.0, 4.0]), jnp.array([5.0, 5.0, 5.0]), 0.25)
-  np.testing.assert_allclose(r, [0.25 * 4 / 7 + 0.25, 0.25 * 2 / 7 + 0.25,
-                                 0.25 * 1 / 7 + 0.25], rtol=1e-6)
+  np.testing.assert_allclose(
+    r, [0.25 * 4 / 7 + 0.25, 0.25 * 2 / 7 + 0.25, 0.25 * 1 / 7 + 0.25], rtol=1e-6
+  )
   # A layer whose gradient is predicted better (smaller error) drops more (eq. 6).
   r = mipd_lib.drop_rates(jnp.ones(2), jnp.array([1.0, 3.0]), 0.0)
   np.testing.assert_allclose(r, [0.75, 0.25], rtol=1e-6)
 
 
-@pytest.mark.parametrize("rates,sizes,total,want", [
+@pytest.mark.parametrize(
+  "rates,sizes,total,want",
+  [
     ([0.5, 0.3, 0.2], [100, 100, 100], 150, [75, 45, 30]),
-    ([0.9, 0.05, 0.05], [10, 100, 100], 100, [10, 45, 45]),       # capped, excess shared
-    ([1 / 3, 1 / 3, 1 / 3], [10, 10, 10], 10, [4, 3, 3]),         # largest remainder
-    ([0.38, 0.38, 0.24], [100, 100, 100], 5, [2, 2, 1]),          # (1.9, 1.9, 1.2): +1 each
-    ([0.98, 0.01, 0.01], [5, 5, 1000], 100, [5, 5, 90]),          # two rounds of capping
+    ([0.9, 0.05, 0.05], [10, 100, 100], 100, [10, 45, 45]),  # capped, excess shared
+    ([1 / 3, 1 / 3, 1 / 3], [10, 10, 10], 10, [4, 3, 3]),  # largest remainder
+    ([0.38, 0.38, 0.24], [100, 100, 100], 5, [2, 2, 1]),  # (1.9, 1.9, 1.2): +1 each
+    ([0.98, 0.01, 0.01], [5, 5, 1000], 100, [5, 5, 90]),  # two rounds of capping
     ([0.2, 0.8], [10, 10], 0, [0, 0]),
     ([0.2, 0.8], [10, 10], 20, [10, 10]),
-])
+  ],
+)
 def test_allocate_drops_hand_computed(rates, sizes, total, want):
   got = mipd_lib.allocate_drops(jnp.asarray(rates, jnp.float32), sizes, total)
   np.testing.assert_array_equal(got, want)
 
 
-@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 5000)), min_size=1,
-                max_size=8), st.floats(0.0, 1.0))
+@given(
+  st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(1, 5000)), min_size=1, max_size=8),
+  st.floats(0.0, 1.0),
+)
 def test_allocate_drops_sums_exactly(layers, frac):
   rates = np.asarray([r for r, _ in layers], np.float32)
   sizes = [s for _, s in layers]
@@ -140,8 +150,9 @@ def test_top_mask_exact_count_and_largest(k, ties):
 _top_mask = jax.jit(mipd_lib.top_mask)
 
 
-@given(st.integers(0, 400), st.sampled_from(["normal", "ties", "wide", "nan"]),
-       st.integers(0, 2**16))
+@given(
+  st.integers(0, 400), st.sampled_from(["normal", "ties", "wide", "nan"]), st.integers(0, 2**16)
+)
 def test_top_mask_is_the_stable_top_k(k, kind, seed):
   """Exactly the k largest |x|, ties taken by position (the first ones), NaN above
   every number: the 4-way search and first_trues against a stable sort."""
@@ -212,22 +223,26 @@ def test_drop_counts_are_the_hand_computed_ones(beta):
     for name in COMPRESSED:
       o, x = np.asarray(out[name]), np.asarray(g[name])
       kept = o != 0
-      np.testing.assert_array_equal(kept, sent[name])   # the counts of eqs. 1-7, by hand
-      np.testing.assert_array_equal(o[kept], x[kept])   # kept: exact
+      np.testing.assert_array_equal(kept, sent[name])  # the counts of eqs. 1-7, by hand
+      np.testing.assert_array_equal(o[kept], x[kept])  # kept: exact
     np.testing.assert_array_equal(out["b"], g["b"])  # the bias is untouched
 
 
-@pytest.mark.parametrize("min_keep,want", [
+@pytest.mark.parametrize(
+  "min_keep,want",
+  [
     # β = 1, parameter norms (4, 1, 4): r = (1/4, 1, 1/4) / (3/2) = (1/6, 2/3, 1/6), so
     # layer c (1600 entries) is handed 2/3 · 3360 = 2240 drops, more than it may drop.
-    (0.0, (2192, 0, 1168)),     # c drops all 1600; the other 1760 split 1:1 (880 each)
-    (0.1, (2112, 160, 1088)),   # c drops 1600 - 160 = 1440; 1920 left: 960 each
-    (0.3, (1952, 480, 928)),    # c drops 1600 - 480 = 1120; 2240 left: 1120 each
-])
+    (0.0, (2192, 0, 1168)),  # c drops all 1600; the other 1760 split 1:1 (880 each)
+    (0.1, (2112, 160, 1088)),  # c drops 1600 - 160 = 1440; 1920 left: 960 each
+    (0.3, (1952, 480, 928)),  # c drops 1600 - 480 = 1120; 2240 left: 1120 each
+  ],
+)
 def test_min_keep_caps_a_layers_drops(min_keep, want):
   params = _params({"a": 4.0, "c": 1.0, "d": 4.0})
-  tx = jc.mipd(0.5, beta=1.0, quantize=False, half_update=False, compensate=False,
-               min_keep=min_keep)
+  tx = jc.mipd(
+    0.5, beta=1.0, quantize=False, half_update=False, compensate=False, min_keep=min_keep
+  )
   g = _grads(0)
   out, _ = _step(tx, g, tx.init(params), params)
   kept = tuple(int(np.sum(np.asarray(out[n]) != 0)) for n in COMPRESSED)
@@ -249,8 +264,7 @@ def test_compensation_fills_dropped_entries_with_the_prediction():
 
 @pytest.mark.parametrize("predict_from", ["received", "compensated"])
 def test_prediction_smooths_the_received_or_the_compensated_mean(predict_from):
-  tx = jc.mipd(0.5, alpha=0.3, quantize=False, half_update=False,
-               predict_from=predict_from)
+  tx = jc.mipd(0.5, alpha=0.3, quantize=False, half_update=False, predict_from=predict_from)
   for t, g, sent, pred, out, state in _local_steps(tx):
     for name in COMPRESSED:
       m = sent[name].ravel()
@@ -332,10 +346,17 @@ def test_outlier_overflow_sends_the_same_selection_exactly_and_is_counted():
 
 
 def test_bad_arguments():
-  for kwargs in [dict(drop_rate=1.0), dict(drop_rate=-0.1), dict(beta=1.5),
-                 dict(alpha=0.0), dict(intervals=12), dict(predict_from="server"),
-                 dict(min_keep=-0.1), dict(drop_rate=0.5, min_keep=0.6),
-                 dict(collective="psum")]:
+  for kwargs in [
+    dict(drop_rate=1.0),
+    dict(drop_rate=-0.1),
+    dict(beta=1.5),
+    dict(alpha=0.0),
+    dict(intervals=12),
+    dict(predict_from="server"),
+    dict(min_keep=-0.1),
+    dict(drop_rate=0.5, min_keep=0.6),
+    dict(collective="psum"),
+  ]:
     with pytest.raises(ValueError):
       jc.mipd(**kwargs)
   with pytest.raises(TypeError):
@@ -354,7 +375,7 @@ def _hoeffding_bernstein_capacity(mean, m, k, bound=1e-6):
   log = math.log(2 * k * k / bound)
   t_h = math.sqrt(m * log / 2)
   var = min(mean, m / 4)
-  t_b = log / 3 + math.sqrt(log ** 2 / 9 + 2 * log * var)
+  t_b = log / 3 + math.sqrt(log**2 / 9 + 2 * log * var)
   return min(m, math.ceil(mean + min(t_h, t_b)))
 
 
@@ -369,14 +390,13 @@ def test_owner_index_deals_every_entry_once():
   bounds = np.cumsum([0] + list(sizes))
   cols = np.cumsum([0] + m)
   for i in range(len(sizes)):
-    block = idx[:, cols[i]:cols[i + 1]]
+    block = idx[:, cols[i] : cols[i + 1]]
     inside = block < sum(sizes)
     assert np.all((block[inside] >= bounds[i]) & (block[inside] < bounds[i + 1]))
   np.testing.assert_array_equal(mipd_lib.owner_index(sizes, k), idx)  # fixed (seeded)
 
 
-@pytest.mark.parametrize("pattern", ["first_rows", "every_other_column", "one_channel",
-                                     "random"])
+@pytest.mark.parametrize("pattern", ["first_rows", "every_other_column", "one_channel", "random"])
 def test_owners_split_a_structured_kept_set_like_a_random_sample(pattern):
   """The kept set's structure (the first rows of a kernel, a channel) does not reach the
   owners' counts: over K = 64 owners their variance is the hypergeometric's (a
@@ -392,7 +412,7 @@ def test_owners_split_a_structured_kept_set_like_a_random_sample(pattern):
   elif pattern == "one_channel":  # a block of channels at every position
     mask.reshape(64, 4, 96)[:, :2] = True
   else:
-    mask.ravel()[np.random.default_rng(0).permutation(n)[:n // 2]] = True
+    mask.ravel()[np.random.default_rng(0).permutation(n)[: n // 2]] = True
   kept = int(mask.sum())
   idx = mipd_lib.owner_index((n,), k)
   counts = np.concatenate([mask.ravel(), [False]])[idx].sum(axis=1)
@@ -403,6 +423,7 @@ def test_owners_split_a_structured_kept_set_like_a_random_sample(pattern):
   var = m * p * (1 - p) * (k * m - m) / (k * m - 1)
   stat = np.sum((counts - kept / k) ** 2) / var  # ~ chi-square with K - 1 dof
   import scipy.stats  # pylint: disable=import-outside-toplevel
+
   lo, hi = scipy.stats.chi2.ppf([0.0005, 0.9995], k - 1)
   assert lo < stat < hi, (stat, lo, hi)
   assert counts.max() <= _hoeffding_bernstein_capacity(kept / k, m, k)
@@ -412,14 +433,22 @@ def test_owners_split_a_structured_kept_set_like_a_random_sample(pattern):
     assert np.sum((contiguous - kept / k) ** 2) / var > 100 * hi
 
 
-@pytest.mark.parametrize("n,kept,k", [(262144, 131072, 8), (262144, 131072, 64),
-                                      (48000, 24000, 64), (6720, 3360, 8),
-                                      (262144, 7865, 64)])
+@pytest.mark.parametrize(
+  "n,kept,k",
+  [
+    (262144, 131072, 8),
+    (262144, 131072, 64),
+    (48000, 24000, 64),
+    (6720, 3360, 8),
+    (262144, 7865, 64),
+  ],
+)
 def test_capacity_bounds_the_hypergeometric_tail(n, kept, k):
   """For one layer the count is exactly Hypergeometric(n, kept, n/K): its tail beyond the
   capacity is below the per-pair budget 1e-6 / (2K²), and the margin is not loose: half
   of it would not do."""
   import scipy.stats  # pylint: disable=import-outside-toplevel
+
   m = n // k
   cap = mipd_lib._capacity(kept / k, m, k)  # pylint: disable=protected-access
   assert cap == _hoeffding_bernstein_capacity(kept / k, m, k)
@@ -447,8 +476,9 @@ def _shard_map_step(tx, per_device=False):
     return (jax.tree.map(lambda x: x[None], u) if per_device else u), state
 
   out_spec = P(AXIS) if per_device else P()
-  update = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs),
-                                 out_specs=(out_spec, specs)))
+  update = jax.jit(
+    jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs), out_specs=(out_spec, specs))
+  )
   return state, lambda g, s: update(helpers.shard(g, m), s)
 
 
@@ -464,8 +494,9 @@ def _shard_map_run(tx, steps, per_device=False):
 
 
 def test_no_drop_no_quantization_equals_pmean_on_8_devices():
-  outs, grads, _ = _shard_map_run(jc.mipd(0.0, quantize=False, half_update=False,
-                                          axis_name=AXIS), 2)
+  outs, grads, _ = _shard_map_run(
+    jc.mipd(0.0, quantize=False, half_update=False, axis_name=AXIS), 2
+  )
   for u, g in zip(outs, grads):
     for name in SHAPES:
       np.testing.assert_allclose(u[name], np.asarray(g[name]).mean(0), rtol=1e-6, atol=1e-7)
@@ -476,8 +507,7 @@ def test_compensation_counts_the_devices_that_dropped(collective):
   # Even devices' errors (2, 1, 1), odd ones' (1, 1, 2): at step 0 (ĝ = 0) they keep the
   # hand-computed counts of KEPT, and every entry's mean is the sum of what the devices
   # that kept it sent, over K. Float32 throughout (the two-phase pull too): exact.
-  tx = jc.mipd(0.5, quantize=False, half_update=False, axis_name=AXIS,
-               collective=collective)
+  tx = jc.mipd(0.5, quantize=False, half_update=False, axis_name=AXIS, collective=collective)
   state, update = _shard_map_step(tx)
   per_dev = [_with_errors(jax.random.key(d), ERRORS[d % 2]) for d in range(K)]
   g = jax.tree.map(lambda *xs: jnp.stack(xs), *per_dev)
@@ -509,14 +539,13 @@ def test_two_phase_equals_allgather_when_the_pull_is_float32():
   rounding, over half-update steps of both groups."""
   kw = dict(axis_name=AXIS, quantize_pull=False)
   for g, _, (out_a, st_a), (out_b, st_b) in _same_state_steps(
-      jc.mipd(0.5, collective="allgather", **kw), jc.mipd(0.5, collective="two_phase", **kw),
-      3):
+    jc.mipd(0.5, collective="allgather", **kw), jc.mipd(0.5, collective="two_phase", **kw), 3
+  ):
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g))
     tol = 16 * float(jnp.finfo(jnp.float32).eps) * scale
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=tol), out_a, out_b)
     for name in COMPRESSED:
-      np.testing.assert_allclose(st_a.prediction[name], st_b.prediction[name], rtol=0,
-                                 atol=tol)
+      np.testing.assert_allclose(st_a.prediction[name], st_b.prediction[name], rtol=0, atol=tol)
     assert int(st_b.overflow_count) == int(st_a.overflow_count) == 0
 
 
@@ -548,9 +577,11 @@ def test_two_phase_pull_error_is_within_the_normal_quantizers_bound():
   at most that of the received mean, times α after the first exchange."""
   kw = dict(axis_name=AXIS, half_update=False, alpha=0.5)
   q = jc.codecs.NormalQuantizer(256)
-  for t, (g, before, (out_a, st_a), (out_b, st_b)) in enumerate(_same_state_steps(
-      jc.mipd(0.5, collective="allgather", **kw), jc.mipd(0.5, collective="two_phase", **kw),
-      2)):
+  for t, (_g, before, (out_a, st_a), (out_b, st_b)) in enumerate(
+    _same_state_steps(
+      jc.mipd(0.5, collective="allgather", **kw), jc.mipd(0.5, collective="two_phase", **kw), 2
+    )
+  ):
     mean_a, mean_b = _flat(out_a), _flat(out_b)
     scale = float(np.max(np.abs(mean_a)))
     slack = 16 * float(jnp.finfo(jnp.float32).eps) * scale
@@ -565,8 +596,7 @@ def test_two_phase_pull_error_is_within_the_normal_quantizers_bound():
       received = 2 * received - p_prev
     factor = 1.0 if t == 0 else 0.5
     err_p = np.abs(_flat(st_b.prediction) - _flat(st_a.prediction))
-    assert np.all(err_p <= factor * _segment_bound(received, SIZES, K, q.max_error)
-                  + 4 * slack)
+    assert np.all(err_p <= factor * _segment_bound(received, SIZES, K, q.max_error) + 4 * slack)
     jax.tree.map(np.testing.assert_array_equal, st_a.observed, st_b.observed)
 
 
@@ -601,8 +631,9 @@ def test_outputs_and_state_identical_on_all_devices_shard_map_and_pmap(collectiv
 
 def test_state_specs_are_replicated_for_both_collectives():
   for collective in ("allgather", "two_phase"):
-    tx = optax.chain(jc.mipd(0.5, axis_name=AXIS, collective=collective),
-                     optax.sgd(0.1, momentum=0.9))
+    tx = optax.chain(
+      jc.mipd(0.5, axis_name=AXIS, collective=collective), optax.sgd(0.1, momentum=0.9)
+    )
     specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
     flat = jax.tree.leaves(specs[0], is_leaf=lambda x: isinstance(x, P))
     assert flat and all(s == P() for s in flat), specs[0]
@@ -622,7 +653,7 @@ def test_two_phase_capacity_overflow_falls_back_to_the_exact_allgather():
     off = 0
     for name, s in zip(COMPRESSED, SIZES):
       x = np.asarray(g[name]).reshape(K, -1)
-      x = np.where(big[off:off + s], 100.0 * np.sign(x) + x, x)
+      x = np.where(big[off : off + s], 100.0 * np.sign(x) + x, x)
       g[name] = jnp.asarray(x.reshape(g[name].shape))
       off += s
     return g
@@ -631,8 +662,11 @@ def test_two_phase_capacity_overflow_falls_back_to_the_exact_allgather():
   assert idx.size > capacity
   kw = dict(axis_name=AXIS, half_update=False)
   for _, _, (out_a, st_a), (out_b, st_b) in _same_state_steps(
-      jc.mipd(0.5, quantize=False, collective="allgather", **kw),
-      jc.mipd(0.5, collective="two_phase", **kw), 1, grads=grads):
+    jc.mipd(0.5, quantize=False, collective="allgather", **kw),
+    jc.mipd(0.5, collective="two_phase", **kw),
+    1,
+    grads=grads,
+  ):
     jax.tree.map(np.testing.assert_array_equal, out_a, out_b)
     assert int(st_b.overflow_count) == 1 and int(st_a.overflow_count) == 0
 
@@ -641,6 +675,7 @@ def test_two_phase_pull_overflow_falls_back_to_float32():
   """A heavy-tailed mean (5% of the entries at ±50 on every device) puts about 42 values
   beyond 3σ in each owner's share, past the pull's 13 slots (outlier_fraction=1e-4): the
   pull goes out as float32 instead, the same as quantize_pull=False, and is counted."""
+
   def grads(t):
     g = helpers.per_device_grads(jax.random.key(t), SHAPES)
     for name in COMPRESSED:
@@ -650,11 +685,12 @@ def test_two_phase_pull_overflow_falls_back_to_float32():
       g[name] = jnp.asarray(np.broadcast_to(x, (K, *x.shape)))
     return g
 
-  kw = dict(axis_name=AXIS, half_update=False, quantize=False, outlier_fraction=1e-4,
-            collective="two_phase")
+  kw = dict(
+    axis_name=AXIS, half_update=False, quantize=False, outlier_fraction=1e-4, collective="two_phase"
+  )
   for _, _, (out_a, st_a), (out_b, st_b) in _same_state_steps(
-      jc.mipd(0.5, quantize_pull=False, **kw), jc.mipd(0.5, quantize_pull=True, **kw), 1,
-      grads=grads):
+    jc.mipd(0.5, quantize_pull=False, **kw), jc.mipd(0.5, quantize_pull=True, **kw), 1, grads=grads
+  ):
     jax.tree.map(np.testing.assert_array_equal, out_a, out_b)
     assert int(st_b.overflow_count) == 1 and int(st_a.overflow_count) == 0
 
@@ -662,26 +698,29 @@ def test_two_phase_pull_overflow_falls_back_to_float32():
 # ----------------------------------------------------------------------------- wire
 
 
-WIRE_PARAMS = {"w": jax.ShapeDtypeStruct((512, 512), jnp.float32),
-               "v": jax.ShapeDtypeStruct((256, 512), jnp.float32),
-               "u": jax.ShapeDtypeStruct((256, 512), jnp.float32),
-               "b": jax.ShapeDtypeStruct((512,), jnp.float32)}
+WIRE_PARAMS = {
+  "w": jax.ShapeDtypeStruct((512, 512), jnp.float32),
+  "v": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+  "u": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+  "b": jax.ShapeDtypeStruct((512,), jnp.float32),
+}
 
 
 def _wire(k, params=WIRE_PARAMS, **kw):
-  return jc.wire_report(jc.mipd(0.5, axis_name=AXIS, **kw), params, axis_name=AXIS,
-                        num_devices=k)
+  return jc.wire_report(jc.mipd(0.5, axis_name=AXIS, **kw), params, axis_name=AXIS, num_devices=k)
 
 
 @pytest.mark.parametrize("k", [2, K])
 def test_allgather_wire_bytes_from_the_payload_arrays(k):
   n_group = 512 * 512  # balanced halves: {w} and {u, v}
   kept = n_group // 2
-  out_cap = int(np.ceil(0.03 * n_group))      # outlier_fraction of the group's entries
-  payload_w = (n_group // 8                     # bitmap of positions (cheaper than indices)
-               + kept                           # 8-bit codes
-               + 8 * 1                          # (μ, σ) of the group's one layer
-               + out_cap * (4 + 4))             # exact outliers: int32 index + float32
+  out_cap = int(np.ceil(0.03 * n_group))  # outlier_fraction of the group's entries
+  payload_w = (
+    n_group // 8  # bitmap of positions (cheaper than indices)
+    + kept  # 8-bit codes
+    + 8 * 1  # (μ, σ) of the group's one layer
+    + out_cap * (4 + 4)
+  )  # exact outliers: int32 index + float32
   payload_uv = n_group // 8 + kept + 8 * 2 + out_cap * 8
   report = _wire(k, collective="allgather")
   # The bias and the 4-byte non-finite flag share one all-reduce buffer.
@@ -716,16 +755,17 @@ def test_two_phase_wire_bytes_from_the_payload_arrays(k):
   assert ops["all_gather_invariant"].operand_bytes == pull
   dense_bias = 2 * (k - 1) / k * (512 + 1) * 4
   flags = 2 * 2 * (k - 1) / k * 4  # the push's and the pull's overflow pmax
-  assert report.bytes_received == pytest.approx((k - 1) * row + (k - 1) * pull
-                                                + dense_bias + flags)
+  assert report.bytes_received == pytest.approx((k - 1) * row + (k - 1) * pull + dense_bias + flags)
   # The push fallback: the all-gather of the float32 selection (bitmap + values).
   assert report.fallback_bytes == pytest.approx((k - 1) * (n_group // 8 + 4 * n_group // 2))
 
 
-THREE_M = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
-           "v": jax.ShapeDtypeStruct((512, 1024), jnp.float32),
-           "u": jax.ShapeDtypeStruct((512, 1024), jnp.float32),
-           "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+THREE_M = {
+  "w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+  "v": jax.ShapeDtypeStruct((512, 1024), jnp.float32),
+  "u": jax.ShapeDtypeStruct((512, 1024), jnp.float32),
+  "b": jax.ShapeDtypeStruct((1024,), jnp.float32),
+}
 
 
 def test_default_traffic_is_flat_in_k():
@@ -742,8 +782,9 @@ def test_default_traffic_is_flat_in_k():
 
 def test_auto_picks_the_cheaper_exchange():
   for k in (2, 3, 4, 8):
-    auto, ag, tp = (_wire(k, collective=c).bytes_received
-                    for c in ("auto", "allgather", "two_phase"))
+    auto, ag, tp = (
+      _wire(k, collective=c).bytes_received for c in ("auto", "allgather", "two_phase")
+    )
     assert auto == min(ag, tp)
     assert (auto == ag) == (k <= 3)  # with the defaults: the all-gather up to K = 3
 
@@ -758,8 +799,9 @@ def _flags_program(collective):
     u, state = tx.update(jax.tree.map(lambda x: x[0], grads), state, PARAMS)
     return jax.tree.map(lambda x: x[None], u), state
 
-  update = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs),
-                                 out_specs=(P(AXIS), specs)))
+  update = jax.jit(
+    jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs), out_specs=(P(AXIS), specs))
+  )
   return m, state, update
 
 
@@ -816,10 +858,12 @@ def test_two_phase_training_converges_like_dense():
   training loss falls like dense's."""
   x, y = _synthetic_mnist1d(4096 + 1024, jax.random.key(0))
   xtr, ytr, xte, yte = x[:4096], y[:4096], x[4096:], y[4096:]
-  init = {"w1": 0.2 * jax.random.normal(jax.random.key(1), (40, 128)),
-          "b1": jnp.zeros((128,)),
-          "w2": 0.1 * jax.random.normal(jax.random.key(2), (128, 10)),
-          "b2": jnp.zeros((10,))}
+  init = {
+    "w1": 0.2 * jax.random.normal(jax.random.key(1), (40, 128)),
+    "b1": jnp.zeros((128,)),
+    "w2": 0.1 * jax.random.normal(jax.random.key(2), (128, 10)),
+    "b2": jnp.zeros((10,)),
+  }
 
   def logits(p, x):
     return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
@@ -839,8 +883,11 @@ def test_two_phase_training_converges_like_dense():
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), s, jax.lax.pmean(value, AXIS)
 
-    f = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                              out_specs=(P(), specs, P())))
+    f = jax.jit(
+      jax.shard_map(
+        step, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs, P())
+      )
+    )
     p = jax.device_put(init, jax.NamedSharding(m, P()))
     losses = []
     for t in range(150):
@@ -852,7 +899,8 @@ def test_two_phase_training_converges_like_dense():
     return acc, np.mean(losses[:10]), np.mean(losses[-10:]), state
 
   dense = optax.GradientTransformation(
-      lambda p: optax.EmptyState(), lambda u, s, p=None: (jc.pmean_tree(u, AXIS), s))
+    lambda p: optax.EmptyState(), lambda u, s, p=None: (jc.pmean_tree(u, AXIS), s)
+  )
   dense_acc, d0, d1, _ = train(dense)
   mipd_acc, m0, m1, state = train(jc.mipd(0.5, axis_name=AXIS))
   assert dense_acc > 0.5
@@ -866,12 +914,13 @@ def test_two_phase_on_a_2d_mesh_equals_allgather_with_a_float32_pull():
   exchange over "data" runs per model shard, and with a float32 pull gives the
   all-gather's update to float32 rounding."""
   from tests import test_meshes  # pylint: disable=import-outside-toplevel
+
   ups = {}
   for collective in ("allgather", "two_phase"):
     tx = jc.mipd(0.5, axis_name=test_meshes.D, collective=collective, quantize_pull=False)
     _, state, ups[collective], _ = test_meshes.run_steps(
-        tx, test_meshes.mesh2d(), test_meshes.PARAMS, test_meshes.SPECS,
-        test_meshes.batches(1))
+      tx, test_meshes.mesh2d(), test_meshes.PARAMS, test_meshes.SPECS, test_meshes.batches(1)
+    )
     assert int(state.overflow_count) == 0
   for a, b in zip(jax.tree.leaves(ups["allgather"][0]), jax.tree.leaves(ups["two_phase"][0])):
     assert a.sharding.spec == b.sharding.spec

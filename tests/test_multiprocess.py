@@ -33,8 +33,9 @@ def test_two_processes_end_with_identical_params(tmp_path):
   # One launch trains the four methods in turn: the start-up (imports, data set,
   # jax.distributed) is paid once; compiling the four train steps dominates (~1 min).
   workdir = str(tmp_path)
-  args = launch.worker_args(METHODS, config="quick", devices_per_process=2, steps=STEPS,
-                            workdir=workdir, profile=2)
+  args = launch.worker_args(
+    METHODS, config="quick", devices_per_process=2, steps=STEPS, workdir=workdir, profile=2
+  )
   results = launch.launch(args, processes=2, timeout=400, env={"JAX_PLATFORMS": "cpu"})
 
   assert [r["process_id"] for r in results] == [0, 1]
@@ -76,14 +77,18 @@ def test_two_processes_end_with_identical_params(tmp_path):
   config = dataclasses.replace(launch.load_config("quick"), num_steps=STEPS)
   data = input_pipeline.load_dataset(config, workdir)  # the workers' cached copy
   model = models.create_model(config)
-  params = jax.device_get(
-      jax.jit(model.init)(jax.random.key(config.seed), data["x"][:1])["params"])
+  params = jax.device_get(jax.jit(model.init)(jax.random.key(config.seed), data["x"][:1])["params"])
   assert launch.params_digest(params) == results[0]["init_params_sha256"]
-  x, y = next(input_pipeline.train_batches(
-      data["x"], data["y"], num_devices=4,
-      per_device_batch_size=config.per_device_batch_size, seed=config.seed))
-  first = float(train.cross_entropy(model, params, x.reshape(-1, x.shape[-1]),
-                                    y.reshape(-1)))
+  x, y = next(
+    input_pipeline.train_batches(
+      data["x"],
+      data["y"],
+      num_devices=4,
+      per_device_batch_size=config.per_device_batch_size,
+      seed=config.seed,
+    )
+  )
+  first = float(train.cross_entropy(model, params, x.reshape(-1, x.shape[-1]), y.reshape(-1)))
   for method in METHODS:
     assert results[0]["methods"][method]["losses"][0] == pytest.approx(first, rel=1e-5)
 
@@ -93,8 +98,7 @@ def test_failing_worker_kills_the_others_and_reports_its_stderr():
     return ["sh", "-c", "echo boom >&2; exit 3"] if i == 0 else ["sh", "-c", "sleep 60"]
 
   start = time.monotonic()
-  with pytest.raises(launch.LaunchError, match=r"worker 0 exited with code 3(.|\n)*boom"
-                     ) as info:
+  with pytest.raises(launch.LaunchError, match=r"worker 0 exited with code 3(.|\n)*boom") as info:
     launch.launch(["--method", "dense"], processes=2, prefix=prefix, timeout=60)
   assert time.monotonic() - start < 30
   codes = [o.returncode for o in info.value.outputs]
@@ -119,13 +123,26 @@ def test_prefix_env_and_coordinator_reach_the_command():
   commands = []
   env = lambda i: {"WORKER_TAG": f"tag{i}"}
   for i in range(2):
-    commands.append(launch.worker_command(
-        ["--method", "dense"], process_id=i, num_processes=2,
-        coordinator="10.0.0.1:1234", prefix=lambda i: ["ip", "netns", "exec", f"ns{i}"]))
+    commands.append(
+      launch.worker_command(
+        ["--method", "dense"],
+        process_id=i,
+        num_processes=2,
+        coordinator="10.0.0.1:1234",
+        prefix=lambda i: ["ip", "netns", "exec", f"ns{i}"],
+      )
+    )
     assert launch.worker_env(i, env)["WORKER_TAG"] == f"tag{i}"
   assert commands[1][:4] == ["ip", "netns", "exec", "ns1"]
-  assert commands[1][-7:] == ["--worker", "--process-id", "1", "--num-processes", "2",
-                              "--coordinator", "10.0.0.1:1234"]
+  assert commands[1][-7:] == [
+    "--worker",
+    "--process-id",
+    "1",
+    "--num-processes",
+    "2",
+    "--coordinator",
+    "10.0.0.1:1234",
+  ]
   assert launch.REPO_ROOT.as_posix() in launch.worker_env(0, None)["PYTHONPATH"]
 
 
@@ -169,6 +186,7 @@ def test_free_port_is_bindable():
 @pytest.mark.slow
 def test_collective_probe_runs_across_two_processes(capsys):
   from benchmarks import collective_probe  # pylint: disable=import-outside-toplevel
+
   assert collective_probe.main(["--repeats", "1", "--sizes", "65536"]) == 0
   out = capsys.readouterr().out
   assert "| 65,536 |" in out and "all_gather (ms)" in out
@@ -182,14 +200,32 @@ def test_network_psum_worker_agrees_on_its_repeats():
   # number of psums (process 0 decides and broadcasts), or one would hang.
   import json  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
+
   from benchmarks import network  # pylint: disable=import-outside-toplevel
+
   coordinator = f"127.0.0.1:{launch.free_port()}"
-  commands = [[sys.executable, "-m", "benchmarks.network", "--psum-worker", "--process-id",
-               str(i), "--num-processes", "2", "--coordinator", coordinator,
-               "--psum-sizes", "4096,65536", "--seconds-per-size", "0.05"] for i in range(2)]
+  commands = [
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.network",
+      "--psum-worker",
+      "--process-id",
+      str(i),
+      "--num-processes",
+      "2",
+      "--coordinator",
+      coordinator,
+      "--psum-sizes",
+      "4096,65536",
+      "--seconds-per-size",
+      "0.05",
+    ]
+    for i in range(2)
+  ]
   outputs = launch.run_processes(commands, timeout=300, env={"JAX_PLATFORMS": "cpu"})
   line = next(x for x in outputs[0].stdout if x.startswith(network.RESULT_MARKER))
-  result = json.loads(line[len(network.RESULT_MARKER):])
+  result = json.loads(line[len(network.RESULT_MARKER) :])
   for name in ("psum", "all_gather"):  # the model fits a link to each
     samples = result[name]
     assert [s["bytes"] for s in samples] == [4096, 65536]
@@ -200,6 +236,7 @@ def test_xla_combines_all_reduces_not_all_gathers():
   # Why jaxcomp fuses payloads itself. If a jax release starts combining all-gathers on
   # CPU too, this fails and the docs' reason for gather_tree should be revisited.
   from benchmarks import collective_probe  # pylint: disable=import-outside-toplevel
+
   counts = collective_probe.combined_counts()
   assert counts["all-reduce"] == 1
   assert counts["all-gather"] == 6 and counts["all-to-all"] == 6

@@ -10,14 +10,23 @@ import jaxcomp as jc
 net = jc.network
 
 
-@pytest.mark.parametrize("primitive, k, want_steps, want_traffic", [
-    ("psum", 2, 2, 1000.0), ("psum", 8, 14, 1750.0),
-    ("all_gather", 8, 7, 7000.0), ("all_to_all", 8, 7, 875.0),
-    ("psum_scatter", 4, 3, 750.0), ("ppermute", 16, 1, 1000.0), ("pmax", 2, 2, 1000.0),
+@pytest.mark.parametrize(
+  "primitive, k, want_steps, want_traffic",
+  [
+    ("psum", 2, 2, 1000.0),
+    ("psum", 8, 14, 1750.0),
+    ("all_gather", 8, 7, 7000.0),
+    ("all_to_all", 8, 7, 875.0),
+    ("psum_scatter", 4, 3, 750.0),
+    ("ppermute", 16, 1, 1000.0),
+    ("pmax", 2, 2, 1000.0),
     # names jax also gives the same collectives (wire.canonical)
-    ("psum_invariant", 8, 14, 1750.0), ("psum2", 2, 2, 1000.0),
-    ("all_gather_invariant", 8, 7, 7000.0), ("reduce_scatter", 4, 3, 750.0),
-])
+    ("psum_invariant", 8, 14, 1750.0),
+    ("psum2", 2, 2, 1000.0),
+    ("all_gather_invariant", 8, 7, 7000.0),
+    ("reduce_scatter", 4, 3, 750.0),
+  ],
+)
 def test_steps_and_traffic(primitive, k, want_steps, want_traffic):
   assert net.steps(primitive, k) == want_steps
   assert net.traffic(primitive, 1000, k) == pytest.approx(want_traffic)
@@ -51,8 +60,7 @@ def test_fit_link_recovers_parameters():
   assert fit.bandwidth == pytest.approx(true.bandwidth, rel=1e-9)
   # With 3% multiplicative noise the fit stays within ~10% (30 samples).
   rng = np.random.default_rng(0)
-  noisy = [(p, b, k, t * (1 + 0.03 * rng.standard_normal()))
-           for p, b, k, t in samples * 4]
+  noisy = [(p, b, k, t * (1 + 0.03 * rng.standard_normal())) for p, b, k, t in samples * 4]
   fit = net.fit_link(noisy)
   assert fit.latency_s == pytest.approx(true.latency_s, rel=0.15)
   assert fit.bandwidth == pytest.approx(true.bandwidth, rel=0.05)
@@ -60,28 +68,33 @@ def test_fit_link_recovers_parameters():
 
 def test_fit_link_clips_negative_latency():
   # Timings proportional to bytes with a slight sub-linear start: alpha would be < 0.
-  samples = [("psum", b, 2, b / 1e8 * (0.9 if b < 2**12 else 1.0))
-             for b in (2**10, 2**11, 2**20, 2**22)]
+  samples = [
+    ("psum", b, 2, b / 1e8 * (0.9 if b < 2**12 else 1.0)) for b in (2**10, 2**11, 2**20, 2**22)
+  ]
   fit = net.fit_link(samples)
   assert fit.latency_s == 0.0
   assert fit.bandwidth == pytest.approx(1e8, rel=0.1)
 
 
 def test_exchange_time_prices_every_collective_of_a_report():
-  params = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32),
-            "b": jax.ShapeDtypeStruct((16,), jnp.float32)}
+  params = {
+    "w": jax.ShapeDtypeStruct((4096,), jnp.float32),
+    "b": jax.ShapeDtypeStruct((16,), jnp.float32),
+  }
   link = net.Link(latency_s=1e-5, bandwidth=1e9)
   tx = jc.qsgd(bits=4, axis_name="b", collective="two_phase")
   for k in (2, 8, 1024):
     report = jc.wire_report(tx, params, axis_name="b", num_devices=k)
-    want = sum(op.count * (net.steps(op.primitive, k) * 1e-5
-                           + net.traffic(op.primitive, op.operand_bytes, k) / 1e9)
-               for op in report.ops if not op.fallback)
+    want = sum(
+      op.count
+      * (net.steps(op.primitive, k) * 1e-5 + net.traffic(op.primitive, op.operand_bytes, k) / 1e9)
+      for op in report.ops
+      if not op.fallback
+    )
     assert net.exchange_time(report, link) == pytest.approx(want)
     # The traffic part is the report's byte count at the link's bandwidth.
     zero_latency = net.Link(0.0, 1e9)
-    assert net.exchange_time(report, zero_latency) == pytest.approx(
-        report.bytes_received / 1e9)
+    assert net.exchange_time(report, zero_latency) == pytest.approx(report.bytes_received / 1e9)
     step = net.predict_step_time(0.25, report, link)
     assert step == pytest.approx(0.25 + want)
     assert net.compute_time(step, report, link) == pytest.approx(0.25)
@@ -89,20 +102,22 @@ def test_exchange_time_prices_every_collective_of_a_report():
 
 def test_exchange_time_fallback_ops_are_apart():
   params = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
-  tx = jc.compress(jc.codecs.EliasQSGD(7, 512, "max"), axis_name="b",
-                  filter=lambda p, x: True)
+  tx = jc.compress(jc.codecs.EliasQSGD(7, 512, "max"), axis_name="b", filter=lambda p, x: True)
   report = jc.wire_report(tx, params, axis_name="b", num_devices=4)
   assert any(op.fallback for op in report.ops)
   link = net.Link(0.0, 1e9)
   regular = net.exchange_time(report, link)
   assert regular == pytest.approx(report.bytes_received / 1e9)
   assert net.exchange_time(report, link, fallback=True) == pytest.approx(
-      (report.bytes_received + report.fallback_bytes) / 1e9)
+    (report.bytes_received + report.fallback_bytes) / 1e9
+  )
 
 
 def test_links_per_primitive_price_only_their_collectives():
-  params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
-            "b": jax.ShapeDtypeStruct((16,), jnp.float32)}
+  params = {
+    "w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+    "b": jax.ShapeDtypeStruct((16,), jnp.float32),
+  }
   # two_phase at K=8: all_to_all and all_gather of the payloads, a psum of the bias
   tx = jc.qsgd(bits=4, axis_name="b", collective="two_phase")
   report = jc.wire_report(tx, params, axis_name="b", num_devices=8)
@@ -110,8 +125,12 @@ def test_links_per_primitive_price_only_their_collectives():
   gathers = {"all_gather", "all_gather_invariant"}  # jax names it either way
   assert primitives & gathers and primitives - gathers
   link, slow = net.Link(1e-5, 1e9), net.Link(3e-5, 2e8)
-  want = sum(op.count * (slow if op.primitive in gathers else link).collective_time(
-      op.primitive, op.operand_bytes, 8) for op in report.ops if not op.fallback)
+  want = sum(
+    op.count
+    * (slow if op.primitive in gathers else link).collective_time(op.primitive, op.operand_bytes, 8)
+    for op in report.ops
+    if not op.fallback
+  )
   got = net.exchange_time(report, link, links={"all_gather": slow})
   assert got == pytest.approx(want) and got > net.exchange_time(report, link)
   assert net.exchange_time(report, link, links={}) == net.exchange_time(report, link)

@@ -12,15 +12,17 @@ import jaxcomp as jc
 from jaxcomp._src import normal
 from jaxcomp._src import sparse
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 
 def _decode(q, x):
   return np.asarray(q.decode(q.encode(jnp.asarray(x))))
 
 
-@pytest.mark.parametrize("intervals,counts", [(256, (87, 36, 5)), (16, (5, 2, 1)),
-                                              (8, (2, 1, 1)), (64, (22, 9, 1))])
+@pytest.mark.parametrize(
+  "intervals,counts", [(256, (87, 36, 5)), (16, (5, 2, 1)), (8, (2, 1, 1)), (64, (22, 9, 1))]
+)
 def test_interval_counts_follow_the_3_sigma_rule(intervals, counts):
   c, edges, proxies = normal.intervals_table(intervals, 3.0)
   assert tuple(c) == counts and c.sum() == intervals // 2
@@ -29,7 +31,7 @@ def test_interval_counts_follow_the_3_sigma_rule(intervals, counts):
   assert edges[0] == 0 and edges[-1] == 3.0 and np.all(np.diff(edges) > 0)
   offset = 0
   for band, cb in enumerate(c):
-    widths = np.diff(edges[offset:offset + cb + 1])
+    widths = np.diff(edges[offset : offset + cb + 1])
     np.testing.assert_allclose(widths, 1.0 / cb, rtol=1e-12)
     assert edges[offset] == pytest.approx(band)
     offset += cb
@@ -56,8 +58,11 @@ def test_other_sigmas_share_by_normal_mass():
 def test_decode_error_within_interval_width_eq9_and_bound_eq10(dist, intervals):
   rng = np.random.default_rng(0)
   n = 20_000
-  x = {"normal": rng.standard_normal(n), "laplace": rng.laplace(size=n),
-       "shifted": 3.0 + 0.01 * rng.standard_normal(n)}[dist].astype(np.float32)
+  x = {
+    "normal": rng.standard_normal(n),
+    "laplace": rng.laplace(size=n),
+    "shifted": 3.0 + 0.01 * rng.standard_normal(n),
+  }[dist].astype(np.float32)
   q = jc.codecs.NormalQuantizer(intervals=intervals, outlier_fraction=0.05)
   y = _decode(q, x)
   mu, sigma = float(np.mean(x)), float(np.std(x))
@@ -68,8 +73,8 @@ def test_decode_error_within_interval_width_eq9_and_bound_eq10(dist, intervals):
   width = np.diff(edges)[j] * sigma
   tol = 1e-5 * (abs(mu) + sigma)
   err = np.abs(y - x)
-  assert np.all(err[inside] <= width[inside] + tol)                       # eq. (9)
-  assert np.max(err[inside]) <= q.max_error * sigma + tol                 # eq. (10)
+  assert np.all(err[inside] <= width[inside] + tol)  # eq. (9)
+  assert np.max(err[inside]) <= q.max_error * sigma + tol  # eq. (10)
   assert q.max_error == pytest.approx(np.max(np.diff(edges)))
   # The decoded value lies in the value's own interval (same code, same side of μ).
   zy = (y[inside] - mu) / sigma
@@ -89,7 +94,7 @@ def _uniform_minmax(x, bits):
 def test_mse_below_qsgd_with_the_same_bits_on_gaussian_data(bits):
   x = jax.random.normal(jax.random.key(1), (1 << 16,))
   q = jc.codecs.NormalQuantizer(intervals=2**bits)
-  uniform = jc.codecs.QSGD(levels=2**(bits - 1) - 1, norm="max")  # sign + bits-1 magnitude
+  uniform = jc.codecs.QSGD(levels=2 ** (bits - 1) - 1, norm="max")  # sign + bits-1 magnitude
   assert uniform.bits == q.bits
   e_normal = np.asarray(q.decode(q.encode(x)) - x) ** 2
   e_uniform = np.asarray(uniform.decode(uniform.encode(x, key=jax.random.key(2))) - x) ** 2
@@ -163,8 +168,9 @@ def test_in_compress_overflow_takes_the_exact_fallback_on_every_device():
   g = np.array(helpers.per_device_grads(jax.random.key(0), {"w": (64, 64)})["w"])
   g[3, ::7, ::5] *= 40.0  # device 3 has many outliers
   out, state = helpers.shard_map_update(tx, m, params)(helpers.shard({"w": g}, m), state)
-  want = np.mean([np.asarray(q.fallback.decode(q.fallback.encode(jnp.asarray(r))))
-                  for r in g], axis=0)
+  want = np.mean(
+    [np.asarray(q.fallback.decode(q.fallback.encode(jnp.asarray(r)))) for r in g], axis=0
+  )
   np.testing.assert_allclose(out["w"], want, rtol=1e-5, atol=1e-6)
   assert np.all(np.asarray(state.inner.overflow_count) == [int(d == 3) for d in range(K)])
   report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=K)
@@ -175,9 +181,17 @@ def test_in_compress_overflow_takes_the_exact_fallback_on_every_device():
 
 
 def test_bad_arguments():
-  for kwargs in [dict(intervals=12), dict(intervals=1), dict(intervals=2**17),
-                 dict(intervals=2), dict(sigmas=0.0), dict(sigmas=-1.0),
-                 dict(outlier_fraction=0.0), dict(outlier_fraction=1.5), dict(intervals=True)]:
+  for kwargs in [
+    dict(intervals=12),
+    dict(intervals=1),
+    dict(intervals=2**17),
+    dict(intervals=2),
+    dict(sigmas=0.0),
+    dict(sigmas=-1.0),
+    dict(outlier_fraction=0.0),
+    dict(outlier_fraction=1.5),
+    dict(intervals=True),
+  ]:
     with pytest.raises(ValueError):
       jc.codecs.NormalQuantizer(**kwargs)
   with pytest.raises(TypeError):

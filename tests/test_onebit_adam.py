@@ -5,18 +5,19 @@ import functools
 
 import chex
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src import onebit_adam as onebit_adam_lib
 from jaxcomp._src import wire
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 # "w" is compressed (6144 values: chunks of 768, no padding), "v" too (3300 values:
 # chunks of 416 = 13 words, the last chunk padded), "b" goes dense (default filter).
@@ -48,8 +49,9 @@ def _run(tx, steps: int, *, params=PARAMS, seed: int = 0):
   def step(p, s, g):
     return tx.update(jax.tree.map(lambda x: x[0], g), s, p)
 
-  update = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), specs, P(AXIS)),
-                                 out_specs=(P(), specs)))
+  update = jax.jit(
+    jax.shard_map(step, mesh=m, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
+  )
   outs, grads, states = [], [], []
   for t in range(steps):
     g = _grads(seed + t)
@@ -63,8 +65,14 @@ def _run(tx, steps: int, *, params=PARAMS, seed: int = 0):
 @functools.cache
 def _pmean_fn():
   m = helpers.mesh()
-  mean = jax.jit(jax.shard_map(lambda g: jc.pmean_tree(jax.tree.map(lambda x: x[0], g), AXIS),
-                               mesh=m, in_specs=P(AXIS), out_specs=P()))
+  mean = jax.jit(
+    jax.shard_map(
+      lambda g: jc.pmean_tree(jax.tree.map(lambda x: x[0], g), AXIS),
+      mesh=m,
+      in_specs=P(AXIS),
+      out_specs=P(),
+    )
+  )
   return lambda g: mean(helpers.shard(g, m))
 
 
@@ -93,8 +101,9 @@ def test_warmup_is_adam_on_the_mean_gradient(weight_decay):
   """Before freeze_step every leaf follows optax.adam(w) on the mean gradient, and the
   dense (filtered-out) leaf does so afterwards too (its v is never frozen)."""
   lr = optax.cosine_decay_schedule(1e-2, 10)
-  tx = jc.onebit_adam(lambda c: lr(c.astype(jnp.float32)), freeze_step=4,
-                      weight_decay=weight_decay, axis_name=AXIS)
+  tx = jc.onebit_adam(
+    lambda c: lr(c.astype(jnp.float32)), freeze_step=4, weight_decay=weight_decay, axis_name=AXIS
+  )
   params = jax.tree.map(lambda p: p + 0.5, PARAMS)  # weight decay has something to do
   outs, grads, _ = _run(tx, 7, params=params)
   ref = _adam_reference(grads, optax.adamw(lr, weight_decay=weight_decay), params)
@@ -102,8 +111,7 @@ def test_warmup_is_adam_on_the_mean_gradient(weight_decay):
     for name in SHAPES if t < 4 else ["b"]:
       # The same means. Each moment rounds to eps32 of its terms (not of its value, which
       # can cancel), and |m̂|/sqrt(v̂) is of order 1: agreement to a few eps32 times lr.
-      np.testing.assert_allclose(u[name], r[name], rtol=1e-6, atol=1e-6 * 1e-2,
-                                 err_msg=name)
+      np.testing.assert_allclose(u[name], r[name], rtol=1e-6, atol=1e-6 * 1e-2, err_msg=name)
   # After the freeze the compressed leaves depart from Adam (else the test is vacuous).
   assert not np.allclose(outs[5]["w"], ref[5]["w"], rtol=1e-3)
 
@@ -119,8 +127,7 @@ def test_bias_correction_false_is_deepspeeds_update():
     m = b1 * m + (1 - b1) * mean
     v = b2 * v + (1 - b2) * mean**2
     # float32 moments round to eps32 of their terms (see the test above).
-    np.testing.assert_allclose(u["w"], -lr * m / (np.sqrt(v) + eps), rtol=1e-6,
-                               atol=1e-6 * lr)
+    np.testing.assert_allclose(u["w"], -lr * m / (np.sqrt(v) + eps), rtol=1e-6, atol=1e-6 * lr)
   np.testing.assert_allclose(states[-1].v["w"], v, rtol=1e-6)
 
 
@@ -138,14 +145,15 @@ def _compress(rows, valid, bucket):
   out = np.zeros_like(rows)
   for r in range(rows.shape[0]):
     for s in range(0, rows.shape[1], bucket):
-      x, ok = rows[r, s:s + bucket], valid[r, s:s + bucket]
+      x, ok = rows[r, s : s + bucket], valid[r, s : s + bucket]
       scale = np.sqrt(np.sum(x[ok] ** 2) / ok.sum()) if ok.any() else 0.0
-      out[r, s:s + bucket] = np.where(ok, np.where(x < 0, -scale, scale), 0.0)
+      out[r, s : s + bucket] = np.where(ok, np.where(x < 0, -scale, scale), 0.0)
   return out
 
 
-def _reference(grads, *, freeze_step, lr, bucket_size, compress="momentum", b1=0.9,
-               b2=0.999, eps=1e-8):
+def _reference(
+  grads, *, freeze_step, lr, bucket_size, compress="momentum", b1=0.9, b2=0.999, eps=1e-8
+):
   """Algorithm 1 in float64 numpy for the leaf "w" on K devices: the updates.
 
   With ``compress="preconditioned"`` what is compressed is D·m, D = 1/(sqrt(v̂) + eps)
@@ -183,15 +191,17 @@ def _reference(grads, *, freeze_step, lr, bucket_size, compress="momentum", b1=0
   return out
 
 
-@pytest.mark.parametrize("bucket_size,compress", [(None, "momentum"), (100, "momentum"),
-                                                  (None, "preconditioned")])
+@pytest.mark.parametrize(
+  "bucket_size,compress", [(None, "momentum"), (100, "momentum"), (None, "preconditioned")]
+)
 def test_compression_stage_follows_algorithm_1(bucket_size, compress):
   """v frozen after freeze_step; m the decoded 1-bit average (|m|, or |m|·D with
   compress="preconditioned", constant per scale group); the updates equal a float64
   numpy implementation of Algorithm 1."""
   lr, freeze = 1e-2, 3
-  tx = jc.onebit_adam(lr, freeze_step=freeze, bucket_size=bucket_size, compress=compress,
-                      axis_name=AXIS)
+  tx = jc.onebit_adam(
+    lr, freeze_step=freeze, bucket_size=bucket_size, compress=compress, axis_name=AXIS
+  )
   outs, grads, states = _run(tx, 8)
   for s in states[freeze:]:
     for name in SHAPES:
@@ -206,22 +216,23 @@ def test_compression_stage_follows_algorithm_1(bucket_size, compress):
       m = m / (np.sqrt(states[t].v["w"].reshape(-1) / (1 - 0.999**freeze)) + 1e-8)
     for j in range(K):
       for s in range(0, lay.chunk, lay.bucket):
-        group = np.abs(m[j * lay.chunk + s:j * lay.chunk + min(s + lay.bucket, lay.chunk)])
+        group = np.abs(m[j * lay.chunk + s : j * lay.chunk + min(s + lay.bucket, lay.chunk)])
         np.testing.assert_allclose(group, group[0], rtol=1e-5)
     # The update is the frozen-v Adam step of the exchanged momentum.
     v_hat = states[t].v["w"] / (1 - 0.999**freeze)
     want = -lr * (states[t].m["w"] / (1 - 0.9 ** (t + 1))) / (np.sqrt(v_hat) + 1e-8)
     np.testing.assert_allclose(outs[t]["w"], want, rtol=1e-5)
-  ref = _reference(grads, freeze_step=freeze, lr=lr, bucket_size=bucket_size,
-                   compress=compress)
+  ref = _reference(grads, freeze_step=freeze, lr=lr, bucket_size=bucket_size, compress=compress)
   for t, (u, r) in enumerate(zip(outs, ref)):
     # float32 against float64: the errors carried over 5 steps, relative ~1e-6 each.
-    np.testing.assert_allclose(u["w"].reshape(-1), r, rtol=1e-4, atol=1e-4 * lr,
-                               err_msg=f"step {t}")
+    np.testing.assert_allclose(
+      u["w"].reshape(-1), r, rtol=1e-4, atol=1e-4 * lr, err_msg=f"step {t}"
+    )
 
 
-@pytest.mark.parametrize("bucket_size,compress", [(None, "momentum"), (64, "momentum"),
-                                                  (None, "preconditioned")])
+@pytest.mark.parametrize(
+  "bucket_size,compress", [(None, "momentum"), (64, "momentum"), (None, "preconditioned")]
+)
 def test_two_stage_error_feedback_carries_what_was_not_sent(bucket_size, compress):
   """Summed over the compressed steps, the applied momenta plus the errors still held
   (the devices' mean worker error, the owners' server errors) equal the devices' mean
@@ -236,8 +247,9 @@ def test_two_stage_error_feedback_carries_what_was_not_sent(bucket_size, compres
   while v is frozen (the errors are held in that space).
   """
   freeze, steps, b1 = 2, 10, 0.9
-  tx = jc.onebit_adam(1e-2, freeze_step=freeze, bucket_size=bucket_size, compress=compress,
-                      axis_name=AXIS)
+  tx = jc.onebit_adam(
+    1e-2, freeze_step=freeze, bucket_size=bucket_size, compress=compress, axis_name=AXIS
+  )
   _, grads, states = _run(tx, steps)
   for name in ("w", "u"):
     n = int(np.prod(SHAPES[name]))
@@ -303,8 +315,14 @@ def test_local_mode_is_one_device():
   mapped = jc.onebit_adam(lr, freeze_step=freeze, axis_name=AXIS)
   specs = jc.state_specs(mapped, params, axis_name=AXIS, num_devices=1)
   mstate = jax.jit(jax.shard_map(mapped.init, mesh=m1, in_specs=P(), out_specs=specs))(params)
-  mstep = jax.jit(jax.shard_map(lambda g, s: mapped.update({"w": g[0]}, s), mesh=m1,
-                                in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
+  mstep = jax.jit(
+    jax.shard_map(
+      lambda g, s: mapped.update({"w": g[0]}, s),
+      mesh=m1,
+      in_specs=(P(AXIS), specs),
+      out_specs=(P(), specs),
+    )
+  )
   m_prev = e_w = e_s = 0.0
   for t in range(5):
     g = jax.random.normal(jax.random.key(t), (40, 50)) + 1.0
@@ -320,8 +338,9 @@ def test_local_mode_is_one_device():
       back = np.sqrt(np.mean(y**2)) * np.where(y < 0, -1.0, 1.0)
       e_s = y - back
       np.testing.assert_allclose(state.m["w"].reshape(-1), back, rtol=1e-5)
-      np.testing.assert_allclose(state.worker_error.inner["w"][0].reshape(-1), e_w,
-                                 rtol=1e-4, atol=1e-6)
+      np.testing.assert_allclose(
+        state.worker_error.inner["w"][0].reshape(-1), e_w, rtol=1e-4, atol=1e-6
+      )
     m_prev = np.asarray(state.m["w"], np.float64).reshape(-1)
 
 
@@ -352,7 +371,8 @@ def _expected_bytes(shapes, bucket_size, k=K):
     if len(shape) < 2 or n < 1024:
       dense += 4 * n
       continue
-    chunk = max(32, -(-(-(-n // k)) // 32) * 32)
+    per_device = -(-n // k)  # ceil(n / k)
+    chunk = max(32, -(-per_device // 32) * 32)
     buckets = 1 if bucket_size is None else -(-chunk // bucket_size)
     per_chunk = chunk // 8 + 4 * buckets  # sign words + float32 scales
     a2a += k * per_chunk
@@ -367,9 +387,12 @@ def test_wire_bytes_of_the_compression_stage(bucket_size):
   compressed leaves move about 1/32 of their dense bytes. With a warm-up,
   jc.wire_report reports the costliest branch: the dense all-reduce."""
   a2a, ag, dense = _expected_bytes(SHAPES, bucket_size)
-  report = jc.wire_report(jc.onebit_adam(1e-3, freeze_step=0, bucket_size=bucket_size,
-                                         axis_name=AXIS), PARAMS, axis_name=AXIS,
-                          num_devices=K)
+  report = jc.wire_report(
+    jc.onebit_adam(1e-3, freeze_step=0, bucket_size=bucket_size, axis_name=AXIS),
+    PARAMS,
+    axis_name=AXIS,
+    num_devices=K,
+  )
   by_name = {wire.canonical(op.primitive): op for op in report.ops}
   assert set(by_name) == {"all_to_all", "all_gather", "psum"}, report.ops
   assert by_name["all_to_all"].operand_bytes == a2a
@@ -382,9 +405,12 @@ def test_wire_bytes_of_the_compression_stage(bucket_size):
   dense_compressed = 2 * (K - 1) / K * 4 * n
   # 1 bit per value, plus the scales and the padding of the 3300-value leaf's chunks.
   assert 25 < dense_compressed / compressed <= 32
-  warm = jc.wire_report(jc.onebit_adam(1e-3, freeze_step=10, bucket_size=bucket_size,
-                                       axis_name=AXIS), PARAMS, axis_name=AXIS,
-                        num_devices=K)
+  warm = jc.wire_report(
+    jc.onebit_adam(1e-3, freeze_step=10, bucket_size=bucket_size, axis_name=AXIS),
+    PARAMS,
+    axis_name=AXIS,
+    num_devices=K,
+  )
   assert warm.ratio == pytest.approx(1.0)
 
 
@@ -416,8 +442,15 @@ def test_state_specs_and_wrapping_errors():
   assert specs.nonfinite_count.inner == P(AXIS)
   assert isinstance(specs.worker_error.inner["b"], optax.MaskedNode)
   state = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=jax.sharding.AbstractMesh((K,), (AXIS,)), in_specs=P(),
-                    out_specs=P(), check_vma=False), PARAMS)
+    jax.shard_map(
+      tx.init,
+      mesh=jax.sharding.AbstractMesh((K,), (AXIS,)),
+      in_specs=P(),
+      out_specs=P(),
+      check_vma=False,
+    ),
+    PARAMS,
+  )
   assert state.worker_error.inner["w"].shape == (1, 64, 96)
   assert state.server_error.inner["u"].shape == (1, 416)  # ceil(3300/8) -> 13 words
 
@@ -443,8 +476,14 @@ def test_already_reduced_gradient_is_a_clear_error():
     return tx.update(grads, state, params)
 
   for use_vary in (True, False):
-    run = jax.jit(jax.shard_map(lambda p, s, x: step(p, s, x, use_vary), mesh=m,
-                                in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
+    run = jax.jit(
+      jax.shard_map(
+        lambda p, s, x: step(p, s, x, use_vary),
+        mesh=m,
+        in_specs=(P(), specs, P(AXIS)),
+        out_specs=(P(), specs),
+      )
+    )
     if use_vary:
       updates, _ = run(params, state, x)  # Adam's first step on the mean 3.5: -lr
       np.testing.assert_allclose(np.asarray(updates["w"]), -1e-3, rtol=1e-5)
@@ -479,18 +518,17 @@ def test_nonfinite_gradient_poisons_no_state(bad_step):
       assert np.all(np.isfinite(leaf))
   np.testing.assert_array_equal(after.m["w"], before.m["w"])  # kept, on every device
   np.testing.assert_array_equal(after.v["w"], before.v["w"])
-  assert not np.array_equal(after.m["b"], before.m["b"])      # finite leaves go on
+  assert not np.array_equal(after.m["b"], before.m["b"])  # finite leaves go on
   np.testing.assert_array_equal(after.nonfinite_count.inner, [0, 0, 0, 1, 0, 0, 0, 0])
   if bad_step >= 2:
     e1, e2 = before.worker_error.inner["w"], after.worker_error.inner["w"]
     np.testing.assert_array_equal(e2[3], e1[3])  # the bad device keeps its worker error
-    assert not np.array_equal(e2[0], e1[0])      # the others carry on
+    assert not np.array_equal(e2[0], e1[0])  # the others carry on
   np.testing.assert_array_equal(states[-1].nonfinite_count.inner, [0, 0, 0, 1, 0, 0, 0, 0])
 
 
 def test_skip_nonfinite_composes():
-  tx = jc.skip_nonfinite(jc.onebit_adam(1e-2, freeze_step=1, axis_name=AXIS),
-                         axis_name=AXIS)
+  tx = jc.skip_nonfinite(jc.onebit_adam(1e-2, freeze_step=1, axis_name=AXIS), axis_name=AXIS)
   m = helpers.mesh()
   state = helpers.shard_map_init(tx, PARAMS, m)
   update = helpers.shard_map_update(tx, m, PARAMS)
@@ -527,8 +565,9 @@ def _least_squares(tx, steps: int):
 
       def body(carry, step_key):
         params, state = carry
-        idx = jax.random.choice(jax.random.fold_in(step_key, lax.axis_index(AXIS)),
-                                rows, (16,), replace=False)
+        idx = jax.random.choice(
+          jax.random.fold_in(step_key, lax.axis_index(AXIS)), rows, (16,), replace=False
+        )
         grads = jax.grad(lambda p: loss(p["w"], x[idx], y[idx]))(jc.vary(params, AXIS))
         updates, state = tx.update(grads, state, params)
         return (optax.apply_updates(params, updates), state), None
@@ -536,10 +575,12 @@ def _least_squares(tx, steps: int):
       (params, state), _ = lax.scan(body, (params, state), jax.random.split(key, steps))
       return params, state
 
-    run = jax.jit(jax.shard_map(train, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS), P()),
-                                out_specs=(P(), specs)))
-    params, _ = run(params, state, helpers.shard(x, m), helpers.shard(y, m),
-                    jax.random.key(8))
+    run = jax.jit(
+      jax.shard_map(
+        train, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS), P()), out_specs=(P(), specs)
+      )
+    )
+    params, _ = run(params, state, helpers.shard(x, m), helpers.shard(y, m), jax.random.key(8))
   return float(loss(params["w"], xa, ya)), optimum
 
 
@@ -567,8 +608,7 @@ def test_converges_like_adam_on_least_squares():
   steps = 1000
   lr = optax.cosine_decay_schedule(0.05, steps)
   dense, optimum = _least_squares(_DenseAdam(lr), steps)
-  onebit, _ = _least_squares(jc.onebit_adam(lr, freeze_step=steps // 5, axis_name=AXIS),
-                             steps)
+  onebit, _ = _least_squares(jc.onebit_adam(lr, freeze_step=steps // 5, axis_name=AXIS), steps)
   assert dense <= 1.01 * optimum, (dense, optimum)
   assert onebit - optimum <= 2 * (dense - optimum), (onebit, dense, optimum)
 
@@ -576,7 +616,9 @@ def test_converges_like_adam_on_least_squares():
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("kwargs", [
+@pytest.mark.parametrize(
+  "kwargs",
+  [
     dict(freeze_step=-1),
     dict(freeze_step=1.5),
     dict(freeze_step=True),
@@ -587,7 +629,8 @@ def test_converges_like_adam_on_least_squares():
     dict(freeze_step=10, bucket_size=0),
     dict(freeze_step=10, bucket_size=12.5),
     dict(freeze_step=10, compress="gradient"),
-])
+  ],
+)
 def test_bad_arguments_raise_value_error(kwargs):
   with pytest.raises(ValueError):
     jc.onebit_adam(1e-3, **kwargs)

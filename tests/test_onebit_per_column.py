@@ -16,7 +16,8 @@ import pytest
 
 import jaxcomp as jc
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 C = jc.codecs
 PER_COLUMN = C.OneBit(per_column=True)
@@ -45,10 +46,10 @@ def _data(shape, seed):
   m, n = _matrix(shape)
   v = x.reshape(m, n)
   if n > 2:
-    v[:, 0] = -np.abs(v[:, 0]) - 100.0   # all negative
-    v[:, 1] = np.abs(v[:, 1])            # all non-negative
+    v[:, 0] = -np.abs(v[:, 0]) - 100.0  # all negative
+    v[:, 1] = np.abs(v[:, 1])  # all non-negative
     v[: m // 2, 2] = 0.0
-    v[m // 2:, 2] = -0.0
+    v[m // 2 :, 2] = -0.0
   return v.reshape(shape).astype(np.float32)
 
 
@@ -133,29 +134,33 @@ def test_chunks_are_blocks_of_whole_columns():
   assert PER_COLUMN.chunk_shape((5, 13), 4) == (5, 4)
   assert chunks.shape == (4, 5, 4)
   for j in range(4):
-    cols = np.asarray(x)[:, 4 * j:4 * j + 4]
+    cols = np.asarray(x)[:, 4 * j : 4 * j + 4]
     want = np.pad(cols, ((0, 0), (0, 4 - cols.shape[1])))  # zero columns past the end
     np.testing.assert_array_equal(np.asarray(chunks[j]), want)
   np.testing.assert_array_equal(np.asarray(PER_COLUMN.from_chunks(chunks, (5, 13))), x)
   y = jnp.arange(3 * 4 * 5, dtype=jnp.float32).reshape(3, 4, 5)
-  np.testing.assert_array_equal(np.asarray(PER_COLUMN.from_chunks(
-      PER_COLUMN.to_chunks(y, 8), y.shape)), y)
+  np.testing.assert_array_equal(
+    np.asarray(PER_COLUMN.from_chunks(PER_COLUMN.to_chunks(y, 8), y.shape)), y
+  )
   # The flat codecs keep their flat, aligned chunks.
   assert C.OneBit(64).chunk_shape((5, 13), 4) == (32,)
 
 
 # ----------------------------------------------------------------------------- the exchanges
 
-PARAMS = {"w": jnp.zeros((32, 44)),     # 44 columns on 8 devices: chunks of 6, 4 padded
-          "k": jnp.zeros((3, 8, 50)),   # rank 3: 400 columns of 3 values
-          "b": jnp.zeros((96,))}        # a vector: one column (device 0 owns it)
+PARAMS = {
+  "w": jnp.zeros((32, 44)),  # 44 columns on 8 devices: chunks of 6, 4 padded
+  "k": jnp.zeros((3, 8, 50)),  # rank 3: 400 columns of 3 values
+  "b": jnp.zeros((96,)),
+}  # a vector: one column (device 0 owns it)
 ALL = lambda path, leaf: True  # noqa: E731
 STEPS = 3
 
 
 def _grads(step):
-  g = helpers.per_device_grads(jax.random.key(40 + step),
-                               {name: p.shape for name, p in PARAMS.items()})
+  g = helpers.per_device_grads(
+    jax.random.key(40 + step), {name: p.shape for name, p in PARAMS.items()}
+  )
   g["w"] = g["w"] + 0.3  # columns with more of one sign
   return g
 
@@ -191,16 +196,18 @@ def _assemble(chunk_residual, shape):
 @pytest.mark.parametrize("collective", ["allgather", "two_phase"])
 def test_shard_map_matches_the_hand_computation(collective):
   m = helpers.mesh()
-  tx = jc.per_device_state(jc.onebit_sgd(per_column=True, axis_name=AXIS,
-                                         collective=collective, filter=ALL))
+  tx = jc.per_device_state(
+    jc.onebit_sgd(per_column=True, axis_name=AXIS, collective=collective, filter=ALL)
+  )
   state = helpers.shard_map_init(tx, PARAMS, m)
   update = helpers.shard_map_update(tx, m, PARAMS)
   outs, e, r = _reference(collective)
   for t in range(STEPS):
     out, state = update(helpers.shard(_grads(t), m), state)
     for n in PARAMS:
-      np.testing.assert_allclose(np.asarray(out[n], np.float64), outs[t][n], rtol=1e-5,
-                                 atol=1e-5, err_msg=f"{n} step {t}")
+      np.testing.assert_allclose(
+        np.asarray(out[n], np.float64), outs[t][n], rtol=1e-5, atol=1e-5, err_msg=f"{n} step {t}"
+      )
   inner = state.inner
   for n, p in PARAMS.items():
     np.testing.assert_allclose(np.asarray(inner.residual[n]), e[n], rtol=1e-5, atol=1e-5)
@@ -228,8 +235,7 @@ def test_local_matches_the_hand_computation():
       want = _qcol(x)
       e[n] = x - want
       np.testing.assert_allclose(np.asarray(out[n], np.float64), want, rtol=1e-5, atol=1e-5)
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, state.residual), e, rtol=1e-5,
-                              atol=1e-5)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, state.residual), e, rtol=1e-5, atol=1e-5)
 
 
 def test_pmap_equals_shard_map():
@@ -247,8 +253,9 @@ def test_pmap_equals_shard_map():
 
 def test_wire_report_counts_whole_columns():
   params = {"w": jax.ShapeDtypeStruct((256, 64), jnp.float32)}
-  report = jc.wire_report(jc.onebit_sgd(per_column=True, axis_name=AXIS), params,
-                          axis_name=AXIS, num_devices=K)
+  report = jc.wire_report(
+    jc.onebit_sgd(per_column=True, axis_name=AXIS), params, axis_name=AXIS, num_devices=K
+  )
   # Each of the two phases moves one chunk of 8 columns per device pair: 256 x 8 signs
   # and 16 float32 per chunk.
   chunk = 256 * 8 // 8 + 16 * 4

@@ -2,9 +2,9 @@
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src import phases
@@ -57,7 +57,7 @@ def test_op_phases_reads_scopes_collectives_and_autodiff():
   assert got["enc_fusion"] == "encode"  # two encode ops outvote a CSE'd decode constant
   assert got["dec_fusion"] == "decode"  # the innermost jaxcomp scope counts
   assert got["grad_fusion"] == "gradient"
-  assert got["cond"] == "exchange"      # a conditional that runs an all-reduce
+  assert got["cond"] == "exchange"  # a conditional that runs an all-reduce
   assert got["ar"] == "exchange"
   assert got["copy"] == "update"
 
@@ -79,15 +79,18 @@ def _qsgd_step():
   def step(p, s, x):
     def loss(p):
       return jnp.mean(jnp.tanh(x[0] @ p["w"] + p["b"]) ** 2)
+
     g = jax.grad(loss)(jc.vary(p, AXIS))
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)),
-                            out_specs=(P(), specs)))
+  f = jax.jit(
+    jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
+  )
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-  x = jax.device_put(jax.random.normal(jax.random.key(0), (2, 32, 256)),
-                     jax.NamedSharding(mesh, P(AXIS)))
+  x = jax.device_put(
+    jax.random.normal(jax.random.key(0), (2, 32, 256)), jax.NamedSharding(mesh, P(AXIS))
+  )
   compiled = f.lower(params, state, x).compile()
   return (lambda: jax.block_until_ready(compiled(params, state, x))), compiled
 
@@ -122,10 +125,12 @@ def test_profile_phases_checks_its_arguments():
 
 @pytest.mark.parametrize("name", ["onebit", "dgc", "mipd", "sparsify"])
 def test_every_method_scopes_its_encode_and_decode(name):
-  tx = {"onebit": lambda: jc.onebit_sgd(axis_name=AXIS),
-        "dgc": lambda: jc.dgc(0.01, 0.9, axis_name=AXIS),
-        "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),
-        "sparsify": lambda: jc.sparsify(density=0.05, axis_name=AXIS)}[name]()
+  tx = {
+    "onebit": lambda: jc.onebit_sgd(axis_name=AXIS),
+    "dgc": lambda: jc.dgc(0.01, 0.9, axis_name=AXIS),
+    "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),
+    "sparsify": lambda: jc.sparsify(density=0.05, axis_name=AXIS),
+  }[name]()
   devices = jax.devices()[:2]
   params = {"w": jnp.ones((2, 64, 96)), "v": jnp.ones((2, 48, 64)), "b": jnp.ones((2, 96))}
   grads = jax.tree.map(lambda p: p * 0.1, params)
@@ -137,8 +142,10 @@ def test_every_method_scopes_its_encode_and_decode(name):
 
 def test_codec_benchmark_lists_the_costliest_ops():
   from benchmarks import codecs as codec_bench  # pylint: disable=import-outside-toplevel
+
   x = jax.random.normal(jax.random.key(0), (1 << 14,))
   step, ops = codec_bench.top_ops(jc.codecs.OneBit(1024), x, jax.random.key(1))
   assert step > 0 and 0 < len(ops) <= 5
   assert all(t > 0 for _, t in ops) and [t for _, t in ops] == sorted(
-      (t for _, t in ops), reverse=True)
+    (t for _, t in ops), reverse=True
+  )

@@ -4,17 +4,18 @@ import doctest
 
 import chex
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src import powersgd as powersgd_lib
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 EPS = float(jnp.finfo(jnp.float32).eps)
 SHAPES = {"w": (48, 96), "k": (4, 8, 32), "b": (96,)}  # "k": a 3-D kernel, viewed (32, 32)
@@ -37,8 +38,10 @@ def _reference(ms, q):
 
 
 def _rel(a, b):
-  return float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-               / np.linalg.norm(np.asarray(b, np.float64)))
+  return float(
+    np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+    / np.linalg.norm(np.asarray(b, np.float64))
+  )
 
 
 def test_docstring_example():
@@ -52,8 +55,9 @@ def test_docstring_example():
 @pytest.mark.parametrize("warm_start", [True, False])
 def test_full_rank_equals_the_dense_mean(warm_start):
   """r >= min(m, n): P̂ is a basis of the whole column space, P̂ P̂ᵀ M̄ = M̄."""
-  tx = jc.per_device_state(jc.powersgd(96, axis_name=AXIS, min_compression=0,
-                                       warm_start=warm_start, filter=EVERY))
+  tx = jc.per_device_state(
+    jc.powersgd(96, axis_name=AXIS, min_compression=0, warm_start=warm_start, filter=EVERY)
+  )
   state, update, m = _sharded(tx)
   for t in range(3):
     g = helpers.per_device_grads(jax.random.key(t), SHAPES)
@@ -73,8 +77,9 @@ def test_rank_r_mean_recovered_exactly_although_each_device_is_full_rank(error_f
   gradient is full rank (a rank-r mean plus deviations that cancel across devices)."""
   r, (mm, nn) = 3, SHAPES["w"]
   ka, kb, kd = jax.random.split(jax.random.key(0), 3)
-  tx = jc.per_device_state(jc.powersgd(r, axis_name=AXIS, error_feedback=error_feedback,
-                                       filter=EVERY))
+  tx = jc.per_device_state(
+    jc.powersgd(r, axis_name=AXIS, error_feedback=error_feedback, filter=EVERY)
+  )
   state, update, m = _sharded(tx, {"w": PARAMS["w"]})
   # With error feedback the residual's mean is rounding error that the next step adds
   # to a new rank-r mean (whose row space is unrelated to the warm Q): one step is the
@@ -129,9 +134,9 @@ def test_fresh_q_is_redrawn_every_step_and_reproducible():
   assert isinstance(state.q["w"], optax.MaskedNode)
   a, state1 = jax.jit(tx.update)(g, state)
   b, _ = jax.jit(tx.update)(g, state1)
-  assert not np.allclose(a["w"], b["w"])   # another projection
+  assert not np.allclose(a["w"], b["w"])  # another projection
   a2, _ = jax.jit(tx.update)(g, tx.init(g))
-  chex.assert_trees_all_equal(a, a2)       # the same seed, the same draw
+  chex.assert_trees_all_equal(a, a2)  # the same seed, the same draw
 
 
 # ----------------------------------------------------------------------------- error feedback
@@ -140,8 +145,7 @@ def test_fresh_q_is_redrawn_every_step_and_reproducible():
 @pytest.mark.parametrize("warm_start", [True, False])
 def test_error_feedback_delays_and_never_drops(warm_start):
   """e_w = M_w - P̂Q̄ᵀ, so sum_t update_t + e_w(T) = sum_t g_w(t) on every device."""
-  tx = jc.per_device_state(jc.powersgd(2, axis_name=AXIS, warm_start=warm_start,
-                                       filter=EVERY))
+  tx = jc.per_device_state(jc.powersgd(2, axis_name=AXIS, warm_start=warm_start, filter=EVERY))
   state, update, m = _sharded(tx)
   sent = jax.tree.map(lambda p: np.zeros(p.shape, np.float64), PARAMS)
   total = jax.tree.map(lambda p: np.zeros((K, *p.shape), np.float64), PARAMS)
@@ -163,8 +167,10 @@ def test_error_feedback_delays_and_never_drops(warm_start):
 def test_without_error_feedback_the_dropped_part_is_lost():
   tx = jc.powersgd(2, axis_name=None, error_feedback=False, filter=EVERY)
   state = tx.init(PARAMS)
-  assert all(isinstance(x, optax.MaskedNode) for x in jax.tree.leaves(
-      state.residual, is_leaf=lambda x: isinstance(x, optax.MaskedNode)))
+  assert all(
+    isinstance(x, optax.MaskedNode)
+    for x in jax.tree.leaves(state.residual, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  )
   sent, total = 0.0, 0.0
   for t in range(5):
     g = helpers.per_device_grads(jax.random.key(20 + t), SHAPES, k=1)
@@ -221,8 +227,7 @@ def test_q_state_identical_on_every_device_and_residuals_differ():
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
   assert specs.inner.q["w"] == P(AXIS) and specs.inner.residual["w"] == P(AXIS)
   assert isinstance(specs.inner.q["b"], optax.MaskedNode)
-  _, state = update(helpers.shard(helpers.per_device_grads(jax.random.key(4), SHAPES), m),
-                    state)
+  _, state = update(helpers.shard(helpers.per_device_grads(jax.random.key(4), SHAPES), m), state)
   q = np.asarray(state.inner.q["w"])
   assert q.shape == (K, 96, 2)
   np.testing.assert_array_equal(q, np.broadcast_to(q[0], q.shape))
@@ -244,19 +249,19 @@ def test_min_compression_rule_and_matrix_view():
   # (64, 64) at rank 16: m·n = 4096 = c·r(m+n) for c = 2 exactly.
   w = {"w": jnp.zeros((64, 64))}
   assert _compressed(jc.powersgd(16, axis_name=None), w) == {"w": True}
-  assert _compressed(jc.powersgd(16, axis_name=None, min_compression=2.01), w) == {
-      "w": False}
+  assert _compressed(jc.powersgd(16, axis_name=None, min_compression=2.01), w) == {"w": False}
   assert _compressed(jc.powersgd(32, axis_name=None, min_compression=0), w) == {"w": True}
   # The default filter still decides first (1-D leaves and < 1024 values stay dense).
   small = {"s": jnp.zeros((16, 32)), "v": jnp.zeros((4096,))}
   assert _compressed(jc.powersgd(1, axis_name=None, min_compression=0), small) == {
-      "s": False, "v": False}
+    "s": False,
+    "v": False,
+  }
   # A (3, 64, 128) conv kernel: "last" views it (192, 128), "first" (3, 8192), where
   # rank 2 would send more than half of it: 2·8195 > 24576 / 2.
   kern = {"k": jnp.zeros((3, 64, 128))}
   assert _compressed(jc.powersgd(2, axis_name=None), kern) == {"k": True}
-  assert _compressed(jc.powersgd(2, axis_name=None, matrix_view="first"), kern) == {
-      "k": False}
+  assert _compressed(jc.powersgd(2, axis_name=None, matrix_view="first"), kern) == {"k": False}
   state = jc.powersgd(2, axis_name=None).init(kern)
   assert state.q["k"].shape == (128, 2)
   state = jc.powersgd(1, axis_name=None, matrix_view="first").init(kern)
@@ -269,22 +274,20 @@ def test_dense_leaves_are_the_exact_mean():
   g = helpers.per_device_grads(jax.random.key(5), SHAPES)
   out, _ = update(helpers.shard(g, m), state)
   for name in SHAPES:
-    np.testing.assert_allclose(out[name], np.asarray(g[name]).mean(0), rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(out[name], np.asarray(g[name]).mean(0), rtol=1e-6, atol=1e-6)
 
 
 def test_wire_report_two_all_reduces_of_p_and_q():
   """1024 x 1024 at rank 4: P and Q are 4·(1024 + 1024) values against 1024²: 128x."""
   params = {"w": jnp.zeros((1024, 1024))}
-  rep = jc.wire_report(jc.powersgd(4, axis_name=AXIS), params, axis_name=AXIS,
-                       num_devices=K)
+  rep = jc.wire_report(jc.powersgd(4, axis_name=AXIS), params, axis_name=AXIS, num_devices=K)
   assert rep.ratio == pytest.approx(1024 * 1024 / (4 * (1024 + 1024)))  # 128
   assert [(op.primitive, op.operand_bytes, op.count) for op in rep.ops] == [
-      ("psum", 4 * 4 * 1024, 2)]
+    ("psum", 4 * 4 * 1024, 2)
+  ]
   # A float32 bias rides in P's all-reduce: still two collectives.
   params["b"] = jnp.zeros((1024,))
-  rep = jc.wire_report(jc.powersgd(4, axis_name=AXIS), params, axis_name=AXIS,
-                       num_devices=K)
+  rep = jc.wire_report(jc.powersgd(4, axis_name=AXIS), params, axis_name=AXIS, num_devices=K)
   assert sum(op.count for op in rep.ops) == 2
   assert rep.ratio == pytest.approx((1024 * 1024 + 1024) / (4 * 2048 + 1024))
   bf = {"w": jnp.zeros((1024, 1024), jnp.bfloat16)}  # P, Q stay float32
@@ -309,8 +312,14 @@ def test_already_reduced_gradient_is_a_clear_error():
     return tx.update(grads, state, params)
 
   for use_vary in (True, False):
-    run = jax.jit(jax.shard_map(lambda p, s, x: step(p, s, x, use_vary), mesh=m,
-                                in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
+    run = jax.jit(
+      jax.shard_map(
+        lambda p, s, x: step(p, s, x, use_vary),
+        mesh=m,
+        in_specs=(P(), specs, P(AXIS)),
+        out_specs=(P(), specs),
+      )
+    )
     if use_vary:
       updates, _ = run(params, state, x)  # local gradients x_d·1, mean 3.5: rank 1, exact
       np.testing.assert_allclose(np.asarray(updates["w"]), 3.5, rtol=1e-5)
@@ -324,45 +333,54 @@ def test_two_d_mesh_data_by_model():
   over "data"; at full rank the update is the pmean over "data" of the shards."""
   d, mdl = "data", "model"
   mesh = jax.make_mesh((4, 2), (d, mdl), devices=jax.devices()[:8])
-  params = {"w1": jnp.full((64, 64), 0.1), "b1": jnp.zeros((64,)),
-            "w2": jnp.full((64, 32), 0.1)}
+  params = {"w1": jnp.full((64, 64), 0.1), "b1": jnp.zeros((64,)), "w2": jnp.full((64, 32), 0.1)}
   specs = {"w1": P(None, mdl), "b1": P(mdl), "w2": P(mdl, None)}
   loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]) ** 2  # noqa: E731
-  put = lambda tree, s: jax.device_put(tree, jax.tree.map(  # noqa: E731
-      lambda sp: jax.NamedSharding(mesh, sp), s))
+  put = lambda tree, s: jax.device_put(
+    tree,
+    jax.tree.map(  # noqa: E731
+      lambda sp: jax.NamedSharding(mesh, sp), s
+    ),
+  )
   for rank in (2, 64):
     tx = jc.per_device_state(jc.powersgd(rank, axis_name=d, min_compression=0))
-    st_specs = jc.state_specs(tx, params, axis_name=d, num_devices=4, param_specs=specs,
-                              mesh=mesh)
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,),
-                                  out_specs=st_specs))(put(params, specs))
+    st_specs = jc.state_specs(tx, params, axis_name=d, num_devices=4, param_specs=specs, mesh=mesh)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=st_specs))(
+      put(params, specs)
+    )
 
     def step(p, s, x):
       g = jax.grad(loss)(jc.vary(p, d), x)
       u, s = tx.update(g, s, p)
       return u, s, jax.tree.map(lambda a: lax.pmean(a, d), g)
 
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, st_specs, P(d)),
-                              out_specs=(specs, st_specs, specs)))
+    f = jax.jit(
+      jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, st_specs, P(d)), out_specs=(specs, st_specs, specs)
+      )
+    )
     p = put(params, specs)
     for t in range(2):
-      x = jax.device_put(jax.random.normal(jax.random.key(t), (16, 64)),
-                         jax.NamedSharding(mesh, P(d)))
+      x = jax.device_put(
+        jax.random.normal(jax.random.key(t), (16, 64)), jax.NamedSharding(mesh, P(d))
+      )
       u, state, mean = f(p, state, x)
       for name in params:
         assert bool(jnp.all(jnp.isfinite(u[name])))
         if rank == 64:
           assert _rel(u[name], mean[name]) < 100 * EPS, (name, t)
-    for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(
-        st_specs, is_leaf=lambda x: isinstance(x, P))):
+    for leaf, spec in zip(
+      jax.tree.leaves(state), jax.tree.leaves(st_specs, is_leaf=lambda x: isinstance(x, P))
+    ):
       assert leaf.sharding.is_equivalent_to(jax.NamedSharding(mesh, spec), leaf.ndim)
 
 
 def test_trains_in_a_scan_under_shard_map():
   """The state keeps its types across steps (a lax.scan carry under check_vma)."""
   m = helpers.mesh()
-  tx = optax.chain(jc.per_device_state(jc.powersgd(2, axis_name=AXIS, filter=EVERY)),
-                   optax.sgd(0.01, momentum=0.9))
+  tx = optax.chain(
+    jc.per_device_state(jc.powersgd(2, axis_name=AXIS, filter=EVERY)), optax.sgd(0.01, momentum=0.9)
+  )
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
   state = helpers.shard_map_init(tx, PARAMS, m)
 
@@ -371,14 +389,15 @@ def test_trains_in_a_scan_under_shard_map():
       params, state = carry
       u, state = tx.update(g, state, params)
       return (optax.apply_updates(params, u), state), None
+
     gs = jax.tree.map(lambda x: x[0], gs)  # (steps, ...) on this device
     return lax.scan(body, (params, state), gs)[0]
 
   gs = jax.vmap(lambda k: helpers.per_device_grads(k, SHAPES))(
-      jax.random.split(jax.random.key(6), 4))  # (steps, K, ...)
+    jax.random.split(jax.random.key(6), 4)
+  )  # (steps, K, ...)
   gs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), gs)  # (K, steps, ...)
-  f = jax.jit(jax.shard_map(run, mesh=m, in_specs=(P(), specs, P(AXIS)),
-                            out_specs=(P(), specs)))
+  f = jax.jit(jax.shard_map(run, mesh=m, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
   params, _ = f(PARAMS, state, helpers.shard(gs, m))
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
 
@@ -395,17 +414,17 @@ def test_nonfinite_gradient_is_not_hidden_and_does_not_poison_the_state():
   bad["w"] = bad["w"].at[3, 5, 7].set(jnp.nan)  # device 3 only
   out, state2 = update(helpers.shard(bad, m), state1)
   assert not bool(jnp.all(jnp.isfinite(out["w"])))  # on every device (replicated output)
-  assert bool(jnp.all(jnp.isfinite(out["k"])))      # other leaves are unaffected
+  assert bool(jnp.all(jnp.isfinite(out["k"])))  # other leaves are unaffected
   np.testing.assert_array_equal(state2.inner.q["w"], state1.inner.q["w"])  # Q kept
   r1 = np.asarray(state1.inner.residual["w"])
   r2 = np.asarray(state2.inner.residual["w"])
   np.testing.assert_array_equal(r2[3], r1[3])  # the bad device keeps its residual
   others = [w for w in range(K) if w != 3]
   # The others carry all of M = g + e forward: nothing was delivered.
-  np.testing.assert_allclose(r2[others], np.asarray(bad["w"])[others] + r1[others],
-                             rtol=0, atol=1e-6)
-  np.testing.assert_array_equal(np.asarray(state2.inner.nonfinite_count),
-                                [0, 0, 0, 1, 0, 0, 0, 0])
+  np.testing.assert_allclose(
+    r2[others], np.asarray(bad["w"])[others] + r1[others], rtol=0, atol=1e-6
+  )
+  np.testing.assert_array_equal(np.asarray(state2.inner.nonfinite_count), [0, 0, 0, 1, 0, 0, 0, 0])
   out3, state3 = update(helpers.shard(grads(jax.random.key(5)), m), state2)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(out3))
   # A NaN in a dense leaf is averaged (not finite) and counted too.
@@ -413,13 +432,11 @@ def test_nonfinite_gradient_is_not_hidden_and_does_not_poison_the_state():
   bad["b"] = bad["b"].at[0, 1].set(jnp.inf)
   out4, state4 = update(helpers.shard(bad, m), state3)
   assert not bool(jnp.all(jnp.isfinite(out4["b"])))
-  np.testing.assert_array_equal(np.asarray(state4.inner.nonfinite_count),
-                                [1, 0, 0, 1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(np.asarray(state4.inner.nonfinite_count), [1, 0, 0, 1, 0, 0, 0, 0])
 
 
 def test_skip_nonfinite_around_powersgd():
-  tx = jc.skip_nonfinite(jc.per_device_state(jc.powersgd(2, axis_name=AXIS)),
-                         axis_name=AXIS)
+  tx = jc.skip_nonfinite(jc.per_device_state(jc.powersgd(2, axis_name=AXIS)), axis_name=AXIS)
   state, update, m = _sharded(tx)
   bad = helpers.per_device_grads(jax.random.key(7), SHAPES)
   bad["w"] = bad["w"].at[0, 0, 0].set(jnp.nan)
@@ -460,8 +477,9 @@ def _least_squares(tx_first, steps):
 
     return lax.scan(body, (params, state), None, length=steps)[0]
 
-  run = jax.jit(jax.shard_map(train, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                              out_specs=(P(), specs)))
+  run = jax.jit(
+    jax.shard_map(train, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs))
+  )
   params, _ = run(params, state, helpers.shard(x, m), helpers.shard(y, m))
   return float(loss(params["w"], xa, ya)), optimum
 
@@ -476,27 +494,36 @@ def test_converges_like_dense_sgd_on_least_squares():
   far above it (the control).
   """
   dense = optax.GradientTransformation(
-      lambda p: optax.EmptyState(),
-      lambda g, s, p=None: (jax.tree.map(lambda x: lax.pmean(x, AXIS), g), s))
+    lambda p: optax.EmptyState(),
+    lambda g, s, p=None: (jax.tree.map(lambda x: lax.pmean(x, AXIS), g), s),
+  )
   steps = 300
   dense_final, optimum = _least_squares(dense, steps)
-  psgd_final, _ = _least_squares(
-      jc.per_device_state(jc.powersgd(2, axis_name=AXIS)), steps)
+  psgd_final, _ = _least_squares(jc.per_device_state(jc.powersgd(2, axis_name=AXIS)), steps)
   assert dense_final <= 1.001 * optimum, (dense_final, optimum)
   assert psgd_final <= 1.001 * optimum, (psgd_final, optimum)
   no_ef, _ = _least_squares(
-      jc.per_device_state(jc.powersgd(2, axis_name=AXIS, error_feedback=False)), steps)
+    jc.per_device_state(jc.powersgd(2, axis_name=AXIS, error_feedback=False)), steps
+  )
   assert no_ef > 2 * optimum, (no_ef, optimum)
 
 
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"rank": 0}, {"rank": -1}, {"rank": 1.5}, {"rank": True},
-    {"min_compression": -1.0}, {"min_compression": float("nan")},
-    {"min_compression": float("inf")}, {"matrix_view": "rows"},
-])
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    {"rank": 0},
+    {"rank": -1},
+    {"rank": 1.5},
+    {"rank": True},
+    {"min_compression": -1.0},
+    {"min_compression": float("nan")},
+    {"min_compression": float("inf")},
+    {"matrix_view": "rows"},
+  ],
+)
 def test_bad_arguments(kwargs):
   with pytest.raises(ValueError):
     jc.powersgd(**{"axis_name": None, **kwargs})

@@ -2,23 +2,24 @@
 
 import chex
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src import qsvrg as qsvrg_lib
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 # L2-regularised logistic regression, 8 devices x 256 examples, 32 features and a bias.
 ROWS, D, LAM = 256, 32, 0.1
-BATCH = 8                 # examples per device per inner step
-T = ROWS // BATCH         # inner steps per epoch: one pass over the local shard
-ETA = 0.5                 # about 0.6 / L (L = 0.25 max ||[a, 1]||^2 + LAM = 0.85)
+BATCH = 8  # examples per device per inner step
+T = ROWS // BATCH  # inner steps per epoch: one pass over the local shard
+ETA = 0.5  # about 0.6 / L (L = 0.25 max ||[a, 1]||^2 + LAM = 0.85)
 EPOCHS = 8
 PARAMS = {"w": jnp.zeros((D,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
 
@@ -86,8 +87,11 @@ def _train_shard_map(problem, codec=None, epochs=EPOCHS):
     return params, state, mine
 
   m = helpers.mesh()
-  run = jax.jit(jax.shard_map(epoch, mesh=m, in_specs=(P(), P(), P(AXIS), P(AXIS), P()),
-                              out_specs=(P(), P(), P(AXIS))))
+  run = jax.jit(
+    jax.shard_map(
+      epoch, mesh=m, in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P(), P(AXIS))
+    )
+  )
   x = jax.device_put(jnp.asarray(problem.a, jnp.float32), jax.NamedSharding(m, P(AXIS)))
   y = jax.device_put(jnp.asarray(problem.y, jnp.float32), jax.NamedSharding(m, P(AXIS)))
   # Replicated on the mesh from the start, as the outputs will be: else the second call
@@ -107,8 +111,10 @@ def _train_shard_map(problem, codec=None, epochs=EPOCHS):
 
 @pytest.fixture(scope="module")
 def runs(problem):
-  return {"qsvrg": _train_shard_map(problem),
-          "svrg": _train_shard_map(problem, jc.codecs.Identity())}
+  return {
+    "qsvrg": _train_shard_map(problem),
+    "svrg": _train_shard_map(problem, jc.codecs.Identity()),
+  }
 
 
 def _contraction(subopt):
@@ -121,8 +127,10 @@ def test_qsvrg_converges_linearly(runs):
   subopt, _, _ = runs["qsvrg"]
   assert np.all(subopt > 0)
   ratios, rate = _contraction(subopt)
-  print(f"\nQSVRG suboptimality per epoch: {np.array2string(subopt, precision=2)}"
-        f"\n  ratios {np.array2string(ratios, precision=3)}, rate {rate:.3f}")
+  print(
+    f"\nQSVRG suboptimality per epoch: {np.array2string(subopt, precision=2)}"
+    f"\n  ratios {np.array2string(ratios, precision=3)}, rate {rate:.3f}"
+  )
   # Theorem 3.6's 0.9^p, at every epoch; and a clearly linear rate overall (measured
   # 0.16 then about 0.23 per epoch: the mean iterate of one local pass).
   assert np.all(ratios <= 0.9), ratios
@@ -149,8 +157,9 @@ def test_parameters_identical_on_every_device(runs):
       for leaf in jax.tree.leaves(mine):
         for d in range(1, K):
           np.testing.assert_array_equal(leaf[d], leaf[0])
-    chex.assert_trees_all_equal(jax.tree.map(lambda v: v[0], per_device[-1]),
-                                jax.device_get(params))
+    chex.assert_trees_all_equal(
+      jax.tree.map(lambda v: v[0], per_device[-1]), jax.device_get(params)
+    )
 
 
 def test_pmap_matches_shard_map(problem, runs):
@@ -160,8 +169,7 @@ def test_pmap_matches_shard_map(problem, runs):
   def epoch(params, state, x, y, key):
     return opt.epoch(params, state, (x, y), _sample(x, y, key))
 
-  run = jax.pmap(epoch, axis_name=AXIS, in_axes=(None, None, 0, 0, None),
-                 devices=jax.devices()[:K])
+  run = jax.pmap(epoch, axis_name=AXIS, in_axes=(None, None, 0, 0, None), devices=jax.devices()[:K])
   x = jnp.asarray(problem.a, jnp.float32).reshape(K, ROWS, D)
   y = jnp.asarray(problem.y, jnp.float32).reshape(K, ROWS)
   params, state = PARAMS, opt.init(PARAMS)
@@ -180,14 +188,17 @@ def test_pmap_matches_shard_map(problem, runs):
 
 def test_bits_per_epoch():
   opt = qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS)
-  batch = (jax.ShapeDtypeStruct((BATCH, D), jnp.float32),
-           jax.ShapeDtypeStruct((BATCH,), jnp.float32))
-  report = qsvrg_lib.qsvrg_wire_report(opt, PARAMS, batch, axis_name=AXIS, num_devices=K,
-                                       inner_steps=T)
+  batch = (
+    jax.ShapeDtypeStruct((BATCH, D), jnp.float32),
+    jax.ShapeDtypeStruct((BATCH,), jnp.float32),
+  )
+  report = qsvrg_lib.qsvrg_wire_report(
+    opt, PARAMS, batch, axis_name=AXIS, num_devices=K, inner_steps=T
+  )
   print("\n" + str(report))
   n = D + 1
   assert report.num_params == n
-  assert report.snapshot_bits == 32 * n               # one dense float32 ∇f_j(y)
+  assert report.snapshot_bits == 32 * n  # one dense float32 ∇f_j(y)
   assert all(op.primitive.startswith("psum") for op in report.snapshot_ops)
   # Each step: the QSGD payloads with s = round(sqrt(n_leaf)): w has s = 6 (4 bits with
   # the sign, 8 codes per uint32 word) and the scalar b has s = 1 (2 bits, one word).
@@ -204,19 +215,38 @@ def test_bits_per_epoch():
   assert report.received_bits_per_epoch == pytest.approx(expected_received)
   # Unquantized SVRG through the same code sends 32n bits per step.
   dense = qsvrg_lib.qsvrg_wire_report(
-      qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, codec=jc.codecs.Identity()), PARAMS,
-      batch, axis_name=AXIS, num_devices=K, inner_steps=T)
+    qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, codec=jc.codecs.Identity()),
+    PARAMS,
+    batch,
+    axis_name=AXIS,
+    num_devices=K,
+    inner_steps=T,
+  )
   assert dense.broadcast_bits_per_epoch == dense.dense_bits_per_epoch
   # A codec chosen per leaf by a function: the same as the default.
   per_leaf = qsvrg_lib.qsvrg_wire_report(
-      qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, codec=lambda leaf: jc.codecs.QSGD(
-          qsvrg_lib.default_levels(leaf.size))), PARAMS, batch, axis_name=AXIS,
-      num_devices=K, inner_steps=T)
+    qsvrg_lib.qsvrg(
+      _loss,
+      ETA,
+      axis_name=AXIS,
+      codec=lambda leaf: jc.codecs.QSGD(qsvrg_lib.default_levels(leaf.size)),
+    ),
+    PARAMS,
+    batch,
+    axis_name=AXIS,
+    num_devices=K,
+    inner_steps=T,
+  )
   assert per_leaf.step_bits == expected_step and per_leaf.fallback_step_bits == 0
   # The two-phase exchange traces too: scatter (all_to_all) then all_gather.
   two_phase = qsvrg_lib.qsvrg_wire_report(
-      qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, collective="two_phase"), PARAMS, batch,
-      axis_name=AXIS, num_devices=K, inner_steps=T)
+    qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, collective="two_phase"),
+    PARAMS,
+    batch,
+    axis_name=AXIS,
+    num_devices=K,
+    inner_steps=T,
+  )
   # (all_gather's primitive is "all_gather_invariant" on jax 0.10, "all_gather" on 0.12.)
   prims = {op.primitive for op in two_phase.step_ops}
   assert "all_to_all" in prims and len(prims) == 2
@@ -229,13 +259,15 @@ def test_bits_for_a_large_tensor_against_the_paper_bound():
   loss = lambda p, batch: jnp.sum(p["w"] * batch)
   opt = qsvrg_lib.qsvrg(loss, 0.1, axis_name=AXIS)
   batch = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
-  report = qsvrg_lib.qsvrg_wire_report(opt, params, batch, axis_name=AXIS, num_devices=K,
-                                       inner_steps=100)
+  report = qsvrg_lib.qsvrg_wire_report(
+    opt, params, batch, axis_name=AXIS, num_devices=K, inner_steps=100
+  )
   n = 2**20
   assert qsvrg_lib.default_levels(n) == 1024
   assert report.step_bits == 12 * n + 32  # 11 magnitude bits for s = 1024, one sign bit
-  assert report.paper_bound_bits < report.broadcast_bits_per_epoch < (
-      report.dense_bits_per_epoch / 2.5)
+  assert (
+    report.paper_bound_bits < report.broadcast_bits_per_epoch < (report.dense_bits_per_epoch / 2.5)
+  )
 
 
 # ----------------------------------------------------------------------------- API
@@ -251,8 +283,7 @@ def test_epoch_equals_snapshot_steps_end_epoch():
   """epoch = snapshot, T steps, end_epoch; dtypes and state kept; a schedule works."""
   data, loss = _local_problem()
   # An optax schedule mixes int32 and float: must pass under strict dtype promotion.
-  opt = qsvrg_lib.qsvrg(loss, optax.exponential_decay(0.2, 8, 0.5), levels=3,
-                        bucket_size=4, seed=3)
+  opt = qsvrg_lib.qsvrg(loss, optax.exponential_decay(0.2, 8, 0.5), levels=3, bucket_size=4, seed=3)
   params = {"w": jnp.zeros(8), "c": jnp.zeros((), jnp.bfloat16)}
   state = opt.init(params)
   batches = jax.tree.map(lambda v: v.reshape(8, 8, *v.shape[1:]), data)
@@ -267,33 +298,43 @@ def test_epoch_equals_snapshot_steps_end_epoch():
   for t in range(8):
     x, s = step(x, s, jax.tree.map(lambda v, t=t: v[t], batches))
   chex.assert_trees_all_close(opt.end_epoch(s), y1, rtol=1e-6, atol=1e-6)
-  chex.assert_trees_all_close(s._replace(key=None), state1._replace(key=None), rtol=1e-6,
-                              atol=1e-6)
+  chex.assert_trees_all_close(s._replace(key=None), state1._replace(key=None), rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(jax.random.key_data(s.key), jax.random.key_data(state1.key))
   assert int(state1.count) == 8 and int(state1.inner_count) == 8
   # A given full local gradient is the same as computing it from the full batch.
   g = jax.grad(loss)(params, data)
-  chex.assert_trees_all_close(opt.snapshot(params, state, grad=g).full_grad,
-                              opt.snapshot(params, state, data).full_grad, rtol=1e-6)
+  chex.assert_trees_all_close(
+    opt.snapshot(params, state, grad=g).full_grad,
+    opt.snapshot(params, state, data).full_grad,
+    rtol=1e-6,
+  )
   # No step yet: the epoch's mean iterate is the snapshot.
   chex.assert_trees_all_equal(opt.end_epoch(opt.snapshot(params, state, data)), params)
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: qsvrg_lib.qsvrg(_loss, 0.0),
     lambda: qsvrg_lib.qsvrg(_loss, -1.0),
     lambda: qsvrg_lib.qsvrg(_loss, 0.1, collective="psum"),
     lambda: qsvrg_lib.qsvrg(_loss, 0.1, levels=0),
     lambda: qsvrg_lib.qsvrg(_loss, 0.1, bucket_size=0),
     lambda: qsvrg_lib.qsvrg(_loss, 0.1, codec=jc.codecs.Identity(), levels=4),
-    lambda: qsvrg_lib.qsvrg(_loss, 0.1).snapshot(PARAMS, qsvrg_lib.qsvrg(_loss, 0.1).init(
-        PARAMS)),
+    lambda: qsvrg_lib.qsvrg(_loss, 0.1).snapshot(PARAMS, qsvrg_lib.qsvrg(_loss, 0.1).init(PARAMS)),
     lambda: qsvrg_lib.qsvrg(_loss, 0.1, axis_name=AXIS).snapshot(
-        PARAMS, qsvrg_lib.qsvrg(_loss, 0.1).init(PARAMS), grad=PARAMS),  # axis not bound
-    lambda: qsvrg_lib.qsvrg_wire_report(qsvrg_lib.qsvrg(_loss, 0.1, axis_name=AXIS),
-                                        PARAMS, PARAMS, axis_name=AXIS, num_devices=1,
-                                        inner_steps=4),
-])
+      PARAMS, qsvrg_lib.qsvrg(_loss, 0.1).init(PARAMS), grad=PARAMS
+    ),  # axis not bound
+    lambda: qsvrg_lib.qsvrg_wire_report(
+      qsvrg_lib.qsvrg(_loss, 0.1, axis_name=AXIS),
+      PARAMS,
+      PARAMS,
+      axis_name=AXIS,
+      num_devices=1,
+      inner_steps=4,
+    ),
+  ],
+)
 def test_bad_arguments_raise_value_error(make):
   with pytest.raises(ValueError):
     make()
@@ -321,6 +362,7 @@ def test_step_exchanges_all_leaves_together_with_per_leaf_results():
   all-reduce (the snapshot too), and every leaf ends exactly where its own exchange
   (``collectives.allgather_mean`` / ``lax.pmean``, the same keys) puts it."""
   from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+
   shapes = {"w1": (16, 8), "w2": (100,), "b1": (8,), "b2": (3,)}
   keys = jax.random.split(jax.random.key(7), len(shapes))
   params = {n: jax.random.normal(k, s) for (n, s), k in zip(shapes.items(), keys)}
@@ -352,7 +394,8 @@ def test_step_exchanges_all_leaves_together_with_per_leaf_results():
       v = gx[name] - gy[name] + s.full_grad[name]
       if only_w(None, p[name]):
         mean = collectives.allgather_mean(
-            codec(v), v, jax.random.fold_in(step_key, i), AXIS).mean.reshape(v.shape)
+          codec(v), v, jax.random.fold_in(step_key, i), AXIS
+        ).mean.reshape(v.shape)
       else:
         mean = lax.pmean(v, AXIS)
       out[name] = p[name] - mean

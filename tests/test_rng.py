@@ -44,8 +44,9 @@ def test_hash_matches_numpy_specification():
   np.testing.assert_array_equal(np.asarray(got), want)
   # mix32 is Wellons' lowbias32, written out above (a change breaks the kernels' bits).
   np.testing.assert_array_equal(
-      np.asarray(rng.mix32(jnp.arange(8, dtype=jnp.uint32))),
-      _mix32_numpy(np.arange(8)).astype(np.uint32))
+    np.asarray(rng.mix32(jnp.arange(8, dtype=jnp.uint32))),
+    _mix32_numpy(np.arange(8)).astype(np.uint32),
+  )
 
 
 def test_uniform_grid_range_and_offsets():
@@ -82,9 +83,9 @@ def _equidistribution_pvalues(u: np.ndarray) -> dict[str, float]:
   cells = (u * 256).astype(np.int64)
   pairs = (u[0::2] * 16).astype(np.int64) * 16 + (u[1::2] * 16).astype(np.int64)
   return {
-      "chi2_1d": _chi2_pvalue(cells, 256),
-      "chi2_pairs": _chi2_pvalue(pairs, 256),
-      "ks": stats.kstest(u, "uniform").pvalue,
+    "chi2_1d": _chi2_pvalue(cells, 256),
+    "chi2_pairs": _chi2_pvalue(pairs, 256),
+    "ks": stats.kstest(u, "uniform").pvalue,
   }
 
 
@@ -102,8 +103,9 @@ def test_uniform_passes_equidistribution_tests(seed):
 
 def test_streams_of_different_keys_are_uncorrelated():
   key = jax.random.key(11)
-  streams = np.stack([np.asarray(_uniform(jax.random.fold_in(key, i), N // 4))
-                      for i in range(4)]).astype(np.float64)
+  streams = np.stack(
+    [np.asarray(_uniform(jax.random.fold_in(key, i), N // 4)) for i in range(4)]
+  ).astype(np.float64)
   r = np.corrcoef(streams)
   off = r[~np.eye(4, dtype=bool)]
   assert np.max(np.abs(off)) < 5 / np.sqrt(N // 4), off  # 5 standard errors of r

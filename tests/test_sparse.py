@@ -5,20 +5,21 @@ import functools
 import hypothesis
 import hypothesis.strategies as st
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import jaxcomp as jc
 from jaxcomp._src import sparse
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 C = jc.codecs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _encode(codec):
   return jax.jit(lambda x, key: codec.encode(x, key=key))
 
@@ -37,15 +38,19 @@ def _heavy_tailed(key, n):
 
 
 @hypothesis.settings(max_examples=10)  # each new n compiles lax.top_k afresh
-@hypothesis.given(n=st.integers(1, 3000), density=st.sampled_from([0.001, 0.01, 0.3, 1.0]),
-                  seed=st.integers(0, 2**16))
+@hypothesis.given(
+  n=st.integers(1, 3000),
+  density=st.sampled_from([0.001, 0.01, 0.3, 1.0]),
+  seed=st.integers(0, 2**16),
+)
 def test_topk_exact_is_lax_top_k(n, density, seed):
   x = jax.random.normal(jax.random.key(seed), (n,))
   payload = jax.jit(C.TopK(density).encode)(x)  # one compile per n, not one per op
   k = sparse.num_entries(density, n)
   _, want = lax.top_k(jnp.abs(x), k)
-  np.testing.assert_array_equal(np.asarray(payload.arrays["indices"]).astype(np.int64),
-                                np.asarray(want))
+  np.testing.assert_array_equal(
+    np.asarray(payload.arrays["indices"]).astype(np.int64), np.asarray(want)
+  )
   np.testing.assert_array_equal(payload.arrays["values"], np.asarray(x)[np.asarray(want)])
   dense = np.zeros(n, np.float32)
   dense[np.asarray(want)] = np.asarray(x)[np.asarray(want)]
@@ -87,16 +92,25 @@ _SAMPLED_SETTINGS = [(0.01, 10, 2.0), (0.001, 0, 1.0), (0.3, 1, 1.3)]
 
 
 @hypothesis.settings(max_examples=10)  # each (density, setting) compiles once
-@hypothesis.given(density=st.sampled_from([0.002, 0.2]), distinct=st.sampled_from([1, 2, 5, 1000]),
-                  setting=st.sampled_from(_SAMPLED_SETTINGS), seed=st.integers(0, 2**16))
+@hypothesis.given(
+  density=st.sampled_from([0.002, 0.2]),
+  distinct=st.sampled_from([1, 2, 5, 1000]),
+  setting=st.sampled_from(_SAMPLED_SETTINGS),
+  seed=st.integers(0, 2**16),
+)
 def test_topk_sampled_equals_numpy_top_k_with_ties(density, distinct, setting, seed):
   """Whatever the sample and the refinement do (rounds used up, buffer overflowing, fewer
   non-zeros than k, magnitudes tied across the threshold), the sampled method returns
   numpy's stable top-k: exactly k entries, ties to the lower position."""
   x = _tied(jax.random.key(seed), 20_000, distinct)
   sample_fraction, max_rounds, capacity_factor = setting
-  codec = C.TopK(density, "sampled", sample_fraction=sample_fraction, max_rounds=max_rounds,
-                 capacity_factor=capacity_factor)
+  codec = C.TopK(
+    density,
+    "sampled",
+    sample_fraction=sample_fraction,
+    max_rounds=max_rounds,
+    capacity_factor=capacity_factor,
+  )
   _assert_exact_top_k(codec, x, _encode(codec)(x, jax.random.key(seed + 1)))
   blocked = C.TopK(density, "blocked")
   _assert_exact_top_k(blocked, x, _encode(blocked)(x, jax.random.key(0)))
@@ -127,24 +141,32 @@ def test_topk_sampled_with_fewer_nonzeros_than_k():
   np.testing.assert_array_equal(codec.decode(zero), jnp.zeros(n))
 
 
-@pytest.mark.parametrize("max_rounds,capacity_factor,branch", [
-    (0, 1.0, "overflow"),   # the first threshold, aimed at 1.4k, passes more than k
-    (10, 2.0, "buffer"),    # the refinement lands in [k, 2k]: the passing blocks
-])
+@pytest.mark.parametrize(
+  "max_rounds,capacity_factor,branch",
+  [
+    (0, 1.0, "overflow"),  # the first threshold, aimed at 1.4k, passes more than k
+    (10, 2.0, "buffer"),  # the refinement lands in [k, 2k]: the passing blocks
+  ],
+)
 def test_topk_sampled_takes_each_branch_exactly(max_rounds, capacity_factor, branch):
   n, density = 50_000, 0.01
   x = jax.random.normal(jax.random.key(3), (n,))
-  codec = C.TopK(density, "sampled", max_rounds=max_rounds, capacity_factor=capacity_factor)
   k = sparse.num_entries(density, n)
   capacity = int(np.ceil(capacity_factor * k))
-  _, passed = sparse.sampled_threshold_select(jnp.abs(x), k, jax.random.key(1),
-                                              sample_fraction=0.01, max_rounds=max_rounds,
-                                              capacity=capacity)
+  _, passed = sparse.sampled_threshold_select(
+    jnp.abs(x), k, jax.random.key(1), sample_fraction=0.01, max_rounds=max_rounds, capacity=capacity
+  )
   assert (int(passed) > capacity) == (branch == "overflow")
   assert (k <= int(passed) <= capacity) == (branch == "buffer")
-  idx, _ = jax.jit(functools.partial(
-      sparse.sampled_threshold_select, k=k, sample_fraction=0.01, max_rounds=max_rounds,
-      capacity=capacity))(jnp.abs(x), key=jax.random.key(1))
+  idx, _ = jax.jit(
+    functools.partial(
+      sparse.sampled_threshold_select,
+      k=k,
+      sample_fraction=0.01,
+      max_rounds=max_rounds,
+      capacity=capacity,
+    )
+  )(jnp.abs(x), key=jax.random.key(1))
   np.testing.assert_array_equal(np.asarray(idx), _numpy_top_k(x, k))
 
 
@@ -181,9 +203,12 @@ def _nonzero(mask: np.ndarray, size: int) -> np.ndarray:
 
 
 @hypothesis.settings(max_examples=25, deadline=None)
-@hypothesis.given(n=st.integers(1, 700), density=st.sampled_from([0.0, 0.02, 0.3, 0.9, 1.0]),
-                  size_frac=st.sampled_from([0.01, 0.1, 0.125, 0.5, 1.0, 1.5]),
-                  seed=st.integers(0, 2**16))
+@hypothesis.given(
+  n=st.integers(1, 700),
+  density=st.sampled_from([0.0, 0.02, 0.3, 0.9, 1.0]),
+  size_frac=st.sampled_from([0.01, 0.1, 0.125, 0.5, 1.0, 1.5]),
+  seed=st.integers(0, 2**16),
+)
 def test_compact_search_and_scatter_branches(n, density, size_frac, seed):
   """Both branches (binary search for size <= n/8, scatter above) against np.flatnonzero:
   ragged last words, masks with no or every bit set, outputs longer than the count."""
@@ -207,9 +232,12 @@ _first_trues = jax.jit(sparse.first_trues)
 
 
 @hypothesis.settings(max_examples=30, deadline=None)
-@hypothesis.given(n=st.sampled_from([1, 31, 32, 33, 100, 700]),
-                  density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
-                  count=st.integers(-2, 702), seed=st.integers(0, 2**16))
+@hypothesis.given(
+  n=st.sampled_from([1, 31, 32, 33, 100, 700]),
+  density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+  count=st.integers(-2, 702),
+  seed=st.integers(0, 2**16),
+)
 def test_first_trues_is_the_cumsum_cut(n, density, count, seed):
   mask = np.random.default_rng(seed).random(n) < density
   want = mask & (np.cumsum(mask) <= count)
@@ -220,13 +248,16 @@ def test_select_bit_every_rank():
   words = np.array([0xFFFFFFFF, 0x80000001, 0x12345678, 1, 0x80000000], np.uint32)
   for w in words:
     bits = [i for i in range(32) if (int(w) >> i) & 1]
-    got = sparse.select_bit(jnp.full(len(bits), w, jnp.uint32),
-                            jnp.arange(1, len(bits) + 1, dtype=jnp.int32))
+    got = sparse.select_bit(
+      jnp.full(len(bits), w, jnp.uint32), jnp.arange(1, len(bits) + 1, dtype=jnp.int32)
+    )
     np.testing.assert_array_equal(got, bits)
 
 
-@pytest.mark.parametrize("n,dtype", [(200, np.uint8), (255, np.uint8), (256, np.uint16),
-                                     (65535, np.uint16), (65536, np.int32)])
+@pytest.mark.parametrize(
+  "n,dtype",
+  [(200, np.uint8), (255, np.uint8), (256, np.uint16), (65535, np.uint16), (65536, np.int32)],
+)
 def test_index_dtype_is_the_narrowest_that_holds_n(n, dtype):
   codec = C.TopK(0.01)
   payload = jax.eval_shape(lambda x: codec.encode(x), jax.ShapeDtypeStruct((n,), jnp.float32))
@@ -244,8 +275,9 @@ def test_decode_sum_adds_every_devices_entries_bf16():
   codec = C.TopK(0.05)
   xs = jax.random.normal(jax.random.key(0), (K, 40, 30), jnp.bfloat16)
   stacked = jax.vmap(codec.encode)(xs)
-  want = sum(np.asarray(codec.decode(jax.tree.map(lambda a: a[i], stacked)), np.float32)
-             for i in range(K))
+  want = sum(
+    np.asarray(codec.decode(jax.tree.map(lambda a: a[i], stacked)), np.float32) for i in range(K)
+  )
   got = codec.decode_sum(stacked)
   assert got.shape == (40, 30) and got.dtype == jnp.float32
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -258,8 +290,9 @@ def test_decode_sum_adds_every_devices_entries_bf16():
 @pytest.mark.parametrize("n,k", [(10, 3), (12, 4), (7, 7), (1000, 33)])
 def test_systematic_sampling_includes_each_index_with_probability_k_over_n(n, k):
   # Exhaustive over the start r: each index is hit by exactly k of the n starts.
-  idx = np.asarray(jax.vmap(lambda r: sparse.systematic_from_start(r, n, k))(
-      jnp.arange(n, dtype=jnp.int32)))
+  idx = np.asarray(
+    jax.vmap(lambda r: sparse.systematic_from_start(r, n, k))(jnp.arange(n, dtype=jnp.int32))
+  )
   assert all(len(set(row)) == k for row in idx)  # distinct
   np.testing.assert_array_equal(np.bincount(idx.reshape(-1), minlength=n), np.full(n, k))
 
@@ -290,8 +323,9 @@ def test_randomk_is_unbiased_with_the_formula_variance():
 def test_randomk_shared_indices_through_psum():
   m = helpers.mesh()
   params = {"w": jnp.zeros((64, 64))}
-  tx = jc.per_device_state(jc.compress(C.RandomK(0.05, shared=True), axis_name=AXIS,
-                                       collective="psum"))
+  tx = jc.per_device_state(
+    jc.compress(C.RandomK(0.05, shared=True), axis_name=AXIS, collective="psum")
+  )
   state = helpers.shard_map_init(tx, params, m)
   grads = helpers.per_device_grads(jax.random.key(0), {"w": (64, 64)})
   update = helpers.shard_map_update(tx, m, params)
@@ -301,8 +335,7 @@ def test_randomk_shared_indices_through_psum():
   k = sparse.num_entries(0.05, 64 * 64)
   assert len(support) == k
   g = np.asarray(grads["w"]).reshape(K, -1)
-  np.testing.assert_allclose(out[support], g[:, support].mean(0) * (4096 / k),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out[support], g[:, support].mean(0) * (4096 / k), rtol=1e-5, atol=1e-6)
   # Only the k values cross the wire, all-reduced: 2(K-1)/K · 4k bytes, flat in K.
   for kk in (2, 8, 64):
     report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=kk)
@@ -321,8 +354,9 @@ def test_psum_needs_a_summable_codec():
 def test_topk_through_compress_allgather_with_error_feedback():
   m = helpers.mesh()
   params = {"w": jnp.zeros((64, 64))}
-  tx = jc.per_device_state(jc.compress(C.TopK(0.01, "sampled"), axis_name=AXIS,
-                                       error_feedback=True))
+  tx = jc.per_device_state(
+    jc.compress(C.TopK(0.01, "sampled"), axis_name=AXIS, error_feedback=True)
+  )
   state = helpers.shard_map_init(tx, params, m)
   update = helpers.shard_map_update(tx, m, params)
   grads = helpers.per_device_grads(jax.random.key(0), {"w": (64, 64)})

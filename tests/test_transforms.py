@@ -2,52 +2,59 @@
 
 import chex
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from tests import helpers
-from tests.helpers import AXIS, K
+from tests.helpers import AXIS
+from tests.helpers import K
 
 # Mixed dtypes in one tree: dtype preservation is checked with a single compilation.
 PARAMS = {
-    "w32": jnp.zeros((48, 96), jnp.float32),
-    "w16": jnp.zeros((64, 64), jnp.bfloat16),
-    "b": jnp.zeros((96,), jnp.float32),
+  "w32": jnp.zeros((48, 96), jnp.float32),
+  "w16": jnp.zeros((64, 64), jnp.bfloat16),
+  "b": jnp.zeros((96,), jnp.float32),
 }
 
 FACTORIES = {
-    "identity": lambda axis: jc.compress(jc.codecs.Identity(), axis_name=axis),
-    "bf16": lambda axis: jc.compress(jc.codecs.Cast(jnp.bfloat16), axis_name=axis),
-    "fp16_two_phase": lambda axis: jc.compress(jc.codecs.Cast(jnp.float16), axis_name=axis,
-                                               collective="two_phase"),
-    "qsgd4": lambda axis: jc.qsgd(bits=4, axis_name=axis),
-    "qsgd2_l2_two_phase": lambda axis: jc.qsgd(bits=2, bucket_size=128, norm="l2",
-                                               axis_name=axis, collective="two_phase"),
-    "qsgd8_ef": lambda axis: jc.qsgd(bits=8, axis_name=axis, error_feedback=True),
-    "onebit_sgd": lambda axis: jc.onebit_sgd(axis_name=axis),
-    "onebit_allgather": lambda axis: jc.onebit_sgd(axis_name=axis, collective="allgather"),
-    # Relative error on the harness's second step: the update is an orthogonal
-    # projection of the mean (the residual is zero after the all-zero first step), so
-    # the error is below 1, and close to 1 on noise (rank 4 of 48 keeps little of it).
-    "powersgd": lambda axis: jc.powersgd(4, axis_name=axis),
-    "onebit_per_column": lambda axis: jc.onebit_sgd(per_column=True, axis_name=axis),
-    "onebit_per_column_allgather": lambda axis: jc.onebit_sgd(
-        per_column=True, axis_name=axis, collective="allgather"),
-    "ef_signsgd": lambda axis: jc.ef_signsgd(axis_name=axis),
-    "ef_signsgd_allgather": lambda axis: jc.ef_signsgd(bucket_size=256, axis_name=axis,
-                                                       collective="allgather"),
+  "identity": lambda axis: jc.compress(jc.codecs.Identity(), axis_name=axis),
+  "bf16": lambda axis: jc.compress(jc.codecs.Cast(jnp.bfloat16), axis_name=axis),
+  "fp16_two_phase": lambda axis: jc.compress(
+    jc.codecs.Cast(jnp.float16), axis_name=axis, collective="two_phase"
+  ),
+  "qsgd4": lambda axis: jc.qsgd(bits=4, axis_name=axis),
+  "qsgd2_l2_two_phase": lambda axis: jc.qsgd(
+    bits=2, bucket_size=128, norm="l2", axis_name=axis, collective="two_phase"
+  ),
+  "qsgd8_ef": lambda axis: jc.qsgd(bits=8, axis_name=axis, error_feedback=True),
+  "onebit_sgd": lambda axis: jc.onebit_sgd(axis_name=axis),
+  "onebit_allgather": lambda axis: jc.onebit_sgd(axis_name=axis, collective="allgather"),
+  # Relative error on the harness's second step: the update is an orthogonal
+  # projection of the mean (the residual is zero after the all-zero first step), so
+  # the error is below 1, and close to 1 on noise (rank 4 of 48 keeps little of it).
+  "powersgd": lambda axis: jc.powersgd(4, axis_name=axis),
+  "onebit_per_column": lambda axis: jc.onebit_sgd(per_column=True, axis_name=axis),
+  "onebit_per_column_allgather": lambda axis: jc.onebit_sgd(
+    per_column=True, axis_name=axis, collective="allgather"
+  ),
+  "ef_signsgd": lambda axis: jc.ef_signsgd(axis_name=axis),
+  "ef_signsgd_allgather": lambda axis: jc.ef_signsgd(
+    bucket_size=256, axis_name=axis, collective="allgather"
+  ),
 }
 
 
 def _random_grads(key):
   keys = jax.random.split(key, len(PARAMS))
-  return {name: jax.random.normal(k, p.shape, p.dtype)
-          for k, (name, p) in zip(keys, sorted(PARAMS.items()))}
+  return {
+    name: jax.random.normal(k, p.shape, p.dtype)
+    for k, (name, p) in zip(keys, sorted(PARAMS.items()))
+  }
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
@@ -83,8 +90,7 @@ def test_harness_shard_map(name):
   def step(grads, state):
     return tx.update(jax.tree.map(lambda x: x[0], grads), state, PARAMS)
 
-  update = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs),
-                                 out_specs=(P(), specs)))
+  update = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
   stacked = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), tree)
   zeros, state1 = update(helpers.shard(stacked(PARAMS), m), state)
   chex.assert_trees_all_equal(jax.device_get(zeros), jax.device_get(PARAMS))
@@ -118,7 +124,7 @@ def test_harness_shard_map(name):
 # Every factory in FACTORIES needs an entry (test_every_factory_has_a_bound): a bound of
 # its own, derived and commented like these, never a loose constant.
 
-Z = 6.0        # standard deviations above the expected squared error
+Z = 6.0  # standard deviations above the expected squared error
 _SLACK = 1e-4  # float32 rounding of the exchange, relative to ||mean||
 _CHUNK = 4608 // K  # two-phase chunk of the w32 leaf (a multiple of 32: no padding)
 
@@ -167,10 +173,12 @@ def _mean_error_moments(g, s, bucket, norm, chunk=None):
 
 def _qsgd_bound(s, bucket, norm):
   """QSGD through the all-gather: S = sum_i e_i^2, E[S] + Z sd(S) exactly."""
+
   def bound(g):
     mean_var, var_sq = _mean_error_moments(g, s, bucket, norm)
     hi = mean_var.sum() + Z * np.sqrt(var_sq.sum())
     return np.sqrt(hi) / np.linalg.norm(g.mean(0)) + _SLACK
+
   return bound
 
 
@@ -202,6 +210,7 @@ def _two_phase_qsgd_bound(s, bucket, norm):
     s2 = w + Z * h2max * np.sqrt(w)
     cross = Z * h2max / 2 * np.sqrt(s1)
     return np.sqrt(s1 + s2 + 2 * cross) / np.linalg.norm(mean) + _SLACK
+
   return bound
 
 
@@ -221,9 +230,11 @@ def _onebit(v, bucket, chunk=None):
 
 def _exact_bound(update_fn):
   """A deterministic exchange: its own error (float64) plus float32 rounding."""
+
   def bound(g):
     mean = g.mean(0)
     return np.linalg.norm(update_fn(g) - mean) / np.linalg.norm(mean) + _SLACK
+
   return bound
 
 
@@ -264,34 +275,36 @@ def _scaled_sign(rows, bucket, chunk=None):
 
 
 BOUNDS = {
-    "identity": _exact_bound(lambda g: g.mean(0)),
-    "bf16": _exact_bound(lambda g: _cast(g, jnp.bfloat16).mean(0)),
-    "fp16_two_phase": _exact_bound(_fp16_two_phase),
-    "qsgd4": _qsgd_bound(7, 512, "max"),
-    "qsgd2_l2_two_phase": _two_phase_qsgd_bound(1, 128, "l2"),
-    "qsgd8_ef": _qsgd_bound(127, 512, "max"),  # the residual is zero at the first step
-    "onebit_sgd": _exact_bound(  # two-phase on 8 devices: chunks of one bucket each
-        lambda g: _onebit(_onebit(g, 1024, _CHUNK).mean(0)[None], 1024, _CHUNK)[0]),
-    "onebit_allgather": _exact_bound(lambda g: _onebit(g, 1024).mean(0)),
-    # First step (zero residual): update = P P^T mean with P's columns orthonormal, an
-    # orthogonal projection of the mean, so ||update - mean|| <= ||mean||.
-    "powersgd": lambda g: 1.0 + _SLACK,
-    # Per column, the two-phase chunks are whole columns: the owner re-quantizes the
-    # average of the decoded columns per column again.
-    "onebit_per_column": _exact_bound(
-        lambda g: _onebit_columns(_onebit_columns(g).mean(0)[None])[0]),
-    "onebit_per_column_allgather": _exact_bound(lambda g: _onebit_columns(g).mean(0)),
-    # bucket_size=None: one bucket per two-phase chunk, in both phases.
-    "ef_signsgd": _exact_bound(lambda g: _scaled_sign(
-        _scaled_sign(g, _CHUNK, _CHUNK).mean(0)[None], _CHUNK, _CHUNK)[0]),
-    "ef_signsgd_allgather": _exact_bound(lambda g: _scaled_sign(g, 256).mean(0)),
+  "identity": _exact_bound(lambda g: g.mean(0)),
+  "bf16": _exact_bound(lambda g: _cast(g, jnp.bfloat16).mean(0)),
+  "fp16_two_phase": _exact_bound(_fp16_two_phase),
+  "qsgd4": _qsgd_bound(7, 512, "max"),
+  "qsgd2_l2_two_phase": _two_phase_qsgd_bound(1, 128, "l2"),
+  "qsgd8_ef": _qsgd_bound(127, 512, "max"),  # the residual is zero at the first step
+  "onebit_sgd": _exact_bound(  # two-phase on 8 devices: chunks of one bucket each
+    lambda g: _onebit(_onebit(g, 1024, _CHUNK).mean(0)[None], 1024, _CHUNK)[0]
+  ),
+  "onebit_allgather": _exact_bound(lambda g: _onebit(g, 1024).mean(0)),
+  # First step (zero residual): update = P P^T mean with P's columns orthonormal, an
+  # orthogonal projection of the mean, so ||update - mean|| <= ||mean||.
+  "powersgd": lambda g: 1.0 + _SLACK,
+  # Per column, the two-phase chunks are whole columns: the owner re-quantizes the
+  # average of the decoded columns per column again.
+  "onebit_per_column": _exact_bound(lambda g: _onebit_columns(_onebit_columns(g).mean(0)[None])[0]),
+  "onebit_per_column_allgather": _exact_bound(lambda g: _onebit_columns(g).mean(0)),
+  # bucket_size=None: one bucket per two-phase chunk, in both phases.
+  "ef_signsgd": _exact_bound(
+    lambda g: _scaled_sign(_scaled_sign(g, _CHUNK, _CHUNK).mean(0)[None], _CHUNK, _CHUNK)[0]
+  ),
+  "ef_signsgd_allgather": _exact_bound(lambda g: _scaled_sign(g, 256).mean(0)),
 }
 
 
 def test_every_factory_has_a_bound():
   assert set(BOUNDS) == set(FACTORIES), (
-      f"factories without an error bound: {sorted(set(FACTORIES) - set(BOUNDS))}; "
-      f"bounds without a factory: {sorted(set(BOUNDS) - set(FACTORIES))}")
+    f"factories without an error bound: {sorted(set(FACTORIES) - set(BOUNDS))}; "
+    f"bounds without a factory: {sorted(set(BOUNDS) - set(FACTORIES))}"
+  )
 
 
 # Transforms that are the whole optimizer, exchange included: their updates are parameter
@@ -299,9 +312,10 @@ def test_every_factory_has_a_bound():
 # keeps m and v replicated, so the updates are; it is not wrapped in per_device_state).
 # freeze_step=2: of the three steps below the last one runs the compression stage.
 OPTIMIZER_FACTORIES = {
-    "onebit_adam": lambda axis: jc.onebit_adam(0.01, freeze_step=2, axis_name=axis),
-    "onebit_adam_buckets": lambda axis: jc.onebit_adam(0.01, freeze_step=2, bucket_size=256,
-                                                       axis_name=axis),
+  "onebit_adam": lambda axis: jc.onebit_adam(0.01, freeze_step=2, axis_name=axis),
+  "onebit_adam_buckets": lambda axis: jc.onebit_adam(
+    0.01, freeze_step=2, bucket_size=256, axis_name=axis
+  ),
 }
 
 
@@ -335,8 +349,9 @@ def _optimizer_harness(name, update, state, grads_of, adam_means):
     b = np.asarray(s[0].mu[leaf], np.float64).ravel()
     cos = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
     assert cos > 0.4, (name, leaf, cos)
-  np.testing.assert_allclose(np.asarray(updates["b"]), np.asarray(ref["b"]), rtol=1e-5,
-                             atol=1e-8)  # the dense leaf: Adam on the mean
+  np.testing.assert_allclose(
+    np.asarray(updates["b"]), np.asarray(ref["b"]), rtol=1e-5, atol=1e-8
+  )  # the dense leaf: Adam on the mean
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZER_FACTORIES))
@@ -353,7 +368,8 @@ def test_optimizer_harness_local(name):
     return key_or_tree if isinstance(key_or_tree, dict) else _random_grads(key_or_tree)
 
   means = [jax.tree.map(jnp.zeros_like, PARAMS)] + [
-      _random_grads(k) for k in jax.random.split(jax.random.key(11), 2)]
+    _random_grads(k) for k in jax.random.split(jax.random.key(11), 2)
+  ]
   _optimizer_harness(name, update, tx.init(PARAMS), grads_of, means)
 
 
@@ -369,8 +385,7 @@ def test_optimizer_harness_shard_map(name):
   def step(grads, state):
     return tx.update(jax.tree.map(lambda x: x[0], grads), state, PARAMS)
 
-  update = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs),
-                                 out_specs=(P(), specs)))
+  update = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(AXIS), specs), out_specs=(P(), specs)))
   stacked = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), tree)
 
   def per_device(key):
@@ -381,15 +396,18 @@ def test_optimizer_harness_shard_map(name):
     return helpers.shard(tree, m)
 
   means = [jax.tree.map(jnp.zeros_like, PARAMS)] + [
-      jax.tree.map(lambda g: jnp.mean(g.astype(jnp.float32), 0).astype(g.dtype),
-                   per_device(k)) for k in jax.random.split(jax.random.key(11), 2)]
+    jax.tree.map(lambda g: jnp.mean(g.astype(jnp.float32), 0).astype(g.dtype), per_device(k))
+    for k in jax.random.split(jax.random.key(11), 2)
+  ]
   _optimizer_harness(name, update, state, grads_of, means)
 
 
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: jc.codecs.QSGD(7, 512, norm="l1"),
     lambda: jc.codecs.QSGD(0),
     lambda: jc.codecs.QSGD(-3),
@@ -401,7 +419,8 @@ def test_optimizer_harness_shard_map(name):
     lambda: jc.qsgd(bucket_size=0),
     lambda: jc.compress(jc.codecs.Identity(), collective="ring"),
     lambda: jc.wire_report(jc.qsgd(axis_name=AXIS), PARAMS, axis_name=AXIS, num_devices=1),
-])
+  ],
+)
 def test_bad_arguments_raise_value_error(make):
   with pytest.raises(ValueError):
     make()
@@ -427,7 +446,7 @@ def test_filter_selects_leaves():
   grads = _random_grads(jax.random.key(2))
   updates, _ = tx.update(grads, tx.init(PARAMS))
   chex.assert_trees_all_equal(updates["w32"], grads["w32"])  # not compressed
-  assert not np.array_equal(updates["w16"], grads["w16"])    # compressed
+  assert not np.array_equal(updates["w16"], grads["w16"])  # compressed
   # The default filter: >= 1024 values and >= 2 dims.
   assert jc.default_filter((), jnp.zeros((32, 32)))
   assert not jc.default_filter((), jnp.zeros((4096,)))
@@ -453,13 +472,12 @@ def test_nonfinite_gradient_does_not_poison_error_feedback(name):
   assert not bool(jnp.all(jnp.isfinite(out["w32"])))
   r1 = np.asarray(state1.inner.residual["w32"])
   r2 = np.asarray(state2.inner.residual["w32"])
-  np.testing.assert_array_equal(r2[3], r1[3])       # the bad device keeps its residual
+  np.testing.assert_array_equal(r2[3], r1[3])  # the bad device keeps its residual
   assert np.all(np.isfinite(r2))
-  assert not np.array_equal(r2[0], r1[0])           # the others carry on
-  np.testing.assert_array_equal(np.asarray(state2.inner.nonfinite_count),
-                                [0, 0, 0, 1, 0, 0, 0, 0])
+  assert not np.array_equal(r2[0], r1[0])  # the others carry on
+  np.testing.assert_array_equal(np.asarray(state2.inner.nonfinite_count), [0, 0, 0, 1, 0, 0, 0, 0])
   for leaf in jax.tree.leaves(state2.inner.chunk_residual):
-    assert np.all(np.isfinite(np.asarray(leaf)))   # second stage too
+    assert np.all(np.isfinite(np.asarray(leaf)))  # second stage too
   out3, _ = update(helpers.shard(grads(jax.random.key(5)), m), state2)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(out3))
 
@@ -487,8 +505,10 @@ def _least_squares(minibatch: bool, steps: int):
   # Error feedback with a constant step stalls at a quantization-noise floor (EF-SGD
   # converges to a neighbourhood proportional to the step); a decaying step removes it.
   lr = optax.cosine_decay_schedule(LR, steps, alpha=0.0)
-  tx = optax.chain(jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=AXIS)),
-                   optax.sgd(lr, momentum=MOMENTUM))
+  tx = optax.chain(
+    jc.per_device_state(jc.onebit_sgd(bucket_size=256, axis_name=AXIS)),
+    optax.sgd(lr, momentum=MOMENTUM),
+  )
   params = {"w": jnp.zeros((d, o))}
   specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=K)
   with jax.numpy_dtype_promotion("standard"):  # optax schedules mix int and float
@@ -500,8 +520,9 @@ def _least_squares(minibatch: bool, steps: int):
       def body(carry, step_key):
         params, state = carry
         if minibatch:
-          idx = jax.random.choice(jax.random.fold_in(step_key, lax.axis_index(AXIS)),
-                                  rows, (8,), replace=False)
+          idx = jax.random.choice(
+            jax.random.fold_in(step_key, lax.axis_index(AXIS)), rows, (8,), replace=False
+          )
           xb, yb = x[idx], y[idx]
         else:
           xb, yb = x, y
@@ -513,8 +534,11 @@ def _least_squares(minibatch: bool, steps: int):
       (params, state), _ = lax.scan(body, (params, state), jax.random.split(key, steps))
       return params, state
 
-    run = jax.jit(jax.shard_map(train, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS), P()),
-                                out_specs=(P(), specs)))
+    run = jax.jit(
+      jax.shard_map(
+        train, mesh=m, in_specs=(P(), specs, P(AXIS), P(AXIS), P()), out_specs=(P(), specs)
+      )
+    )
     params, _ = run(params, state, helpers.shard(x, m), helpers.shard(y, m), jax.random.key(8))
   return float(loss(params["w"], xa, ya)), optimum
 
@@ -534,8 +558,14 @@ def test_already_reduced_gradient_is_a_clear_error():
     return tx.update(grads, state, params)
 
   for use_vary in (True, False):
-    run = jax.jit(jax.shard_map(lambda p, s, x: step(p, s, x, use_vary), mesh=m,
-                                in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs)))
+    run = jax.jit(
+      jax.shard_map(
+        lambda p, s, x: step(p, s, x, use_vary),
+        mesh=m,
+        in_specs=(P(), specs, P(AXIS)),
+        out_specs=(P(), specs),
+      )
+    )
     if use_vary:
       updates, _ = run(params, state, x)  # the local gradients x_d, averaged: 3.5
       np.testing.assert_allclose(np.asarray(updates["w"]), 3.5, rtol=0.05)

@@ -24,13 +24,14 @@ from scipy import optimize
 from jaxcomp._src import collectives
 from jaxcomp._src import rng
 from jaxcomp._src import wangni
+
 # (the defining module: its helpers exact_lambda, exact_lambda_sorted and
 # capacity_tail_bound are tested too)
 from jaxcomp._src.wangni import UnbiasedSparsifier
 
 M = 4000  # Monte Carlo draws
-Z = 5.0   # standard errors allowed
-N = 400   # length of the sampled vectors
+Z = 5.0  # standard errors allowed
+N = 400  # length of the sampled vectors
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -57,12 +58,14 @@ def _normal(n, seed):
 # tests share a few codecs and one length N.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sampler(codec):
   """jit(vmap over keys): (decoded float32, overflowed) for each key."""
+
   def one(x, key):
     payload, overflowed = codec.encode_with_info(x, key=key)
     return codec.decode(payload, jnp.float32), overflowed
+
   return jax.jit(jax.vmap(one, in_axes=(None, 0)))
 
 
@@ -76,7 +79,7 @@ def _encode(codec, x, key):
   return codec.encode_with_info(jnp.asarray(x), key=key)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _decode_fn(codec):
   return jax.jit(lambda payload: codec.decode(payload, jnp.float32))
 
@@ -87,7 +90,7 @@ def _round_trip(codec, x, key):
   return np.asarray(_decode_fn(codec)(payload))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probs_fn(codec):
   return jax.jit(codec.probabilities)
 
@@ -120,8 +123,10 @@ def _unbiasedness_check(samples, x, var, min_hits=30.0, p=None):
   t = float(np.sum(zs**2))
   agg_ok = t <= k + Z * math.sqrt(2 * k)
   coord_ok = bool(np.all(np.abs(zs) <= Z))
-  msg = (f"exact coords ok={exact_ok}; sum z^2={t:.1f} vs {k} + {Z}*{math.sqrt(2 * k):.1f}; "
-         f"max |z|={float(np.max(np.abs(zs))):.2f} over {k} coordinates")
+  msg = (
+    f"exact coords ok={exact_ok}; sum z^2={t:.1f} vs {k} + {Z}*{math.sqrt(2 * k):.1f}; "
+    f"max |z|={float(np.max(np.abs(zs))):.2f} over {k} coordinates"
+  )
   return exact_ok and agg_ok and coord_ok, msg
 
 
@@ -135,8 +140,11 @@ GREEDY = UnbiasedSparsifier(density=0.1)
 EXACT = UnbiasedSparsifier(method="exact", epsilon=0.5)
 X_HEAVY = _heavy(N, seed=1)
 X_NORMAL = _normal(N, seed=2)
-CASES = {"greedy-heavy": (GREEDY, X_HEAVY), "exact-heavy": (EXACT, X_HEAVY),
-         "exact-normal": (EXACT, X_NORMAL)}
+CASES = {
+  "greedy-heavy": (GREEDY, X_HEAVY),
+  "exact-heavy": (EXACT, X_HEAVY),
+  "exact-normal": (EXACT, X_NORMAL),
+}
 
 
 # ----------------------------------------------------------------------------- unbiasedness
@@ -184,7 +192,7 @@ def test_exact_variance_budget_is_met_and_matches_samples(name):
   p, lam = _probs(codec, x)
   norm2 = float(np.sum(x64**2))
   nz = x64 != 0
-  second = float(np.sum(x64[nz]**2 / p[nz]))  # E||Q(x)||^2
+  second = float(np.sum(x64[nz] ** 2 / p[nz]))  # E||Q(x)||^2
   eps = codec.epsilon
   # the optimum uses the whole budget: equality, up to float32 rounding
   assert second == pytest.approx((1 + eps) * norm2, rel=2e-6)
@@ -203,16 +211,19 @@ def _tied(n):
 
 
 EXACT_LAMBDA_VECTORS = {
-    "heavy": _heavy(N, 1), "normal": _normal(N, 2), "ties": _tied(N),
-    "one-big": np.concatenate([[1000.0], np.full(N - 1, 0.01)]).astype(np.float32),
-    "all-equal": np.full(N, -0.25, np.float32),
-    "sparse": np.where(np.arange(N) % 50 == 0, 5.0, 0.0).astype(np.float32),
+  "heavy": _heavy(N, 1),
+  "normal": _normal(N, 2),
+  "ties": _tied(N),
+  "one-big": np.concatenate([[1000.0], np.full(N - 1, 0.01)]).astype(np.float32),
+  "all-equal": np.full(N, -0.25, np.float32),
+  "sparse": np.where(np.arange(N) % 50 == 0, 5.0, 0.0).astype(np.float32),
 }
 
 
 @pytest.mark.parametrize("eps", [0.05, 0.5, 4.0])
 def test_exact_bisection_equals_sorting_reference(eps):
   """exact_lambda (bisection, no sort) finds the λ of Algorithm 2 as written."""
+
   @jax.jit
   def both(a):
     a = a / jnp.max(a)
@@ -237,13 +248,17 @@ def test_exact_is_the_optimum_of_the_convex_problem(seed):
   eps = [0.05, 0.3, 1.0, 3.0][seed]
   x64 = x.astype(np.float64)
   nz = x64 != 0
-  g2 = x64[nz]**2
+  g2 = x64[nz] ** 2
   budget = (1 + eps) * g2.sum()
   res = optimize.minimize(
-      lambda q: np.sum(1 / q), np.ones(g2.size), jac=lambda q: -1 / q**2, method="SLSQP",
-      bounds=[(1.0, None)] * g2.size,
-      constraints=[{"type": "ineq", "fun": lambda q: budget - g2 @ q, "jac": lambda q: -g2}],
-      options={"ftol": 1e-15, "maxiter": 1000})
+    lambda q: np.sum(1 / q),
+    np.ones(g2.size),
+    jac=lambda q: -1 / q**2,
+    method="SLSQP",
+    bounds=[(1.0, None)] * g2.size,
+    constraints=[{"type": "ineq", "fun": lambda q: budget - g2 @ q, "jac": lambda q: -g2}],
+    options={"ftol": 1e-15, "maxiter": 1000},
+  )
   assert res.success, res.message
   assert g2 @ res.x <= budget * (1 + 1e-9)
   codec = UnbiasedSparsifier(method="exact", epsilon=eps)
@@ -263,9 +278,9 @@ def test_exact_is_the_optimum_of_the_convex_problem(seed):
 
 
 GREEDY_VECTORS = {
-    "normal": lambda n: _normal(n, 5),
-    "heavy": lambda n: _heavy(n, 6),
-    "cauchy": lambda n: np.random.default_rng(7).standard_cauchy(n).astype(np.float32),
+  "normal": lambda n: _normal(n, 5),
+  "heavy": lambda n: _heavy(n, 6),
+  "cauchy": lambda n: np.random.default_rng(7).standard_cauchy(n).astype(np.float32),
 }
 
 
@@ -311,12 +326,12 @@ def _rho_s_sparse(d, s, rho, seed, kind):
   support = rng.choice(d, size=s, replace=False)
   g[support] = rng.uniform(1.0, 4.0, s) * rng.choice([-1.0, 1.0], s)
   rest = np.setdiff1d(np.arange(d), support)
-  if kind == "spread":    # many tiny values
+  if kind == "spread":  # many tiny values
     tail = rng.exponential(1.0, rest.size)
-  elif kind == "few":     # a handful of mid-sized values
+  elif kind == "few":  # a handful of mid-sized values
     tail = np.zeros(rest.size)
     tail[rng.choice(rest.size, size=5, replace=False)] = rng.uniform(0.5, 1.0, 5)
-  else:                   # "one": a single value as large as the whole budget allows
+  else:  # "one": a single value as large as the whole budget allows
     tail = np.zeros(rest.size)
     tail[0] = 1.0
   tail *= rho * np.abs(g[support]).sum() / tail.sum()
@@ -324,8 +339,13 @@ def _rho_s_sparse(d, s, rho, seed, kind):
   return g.astype(np.float32), s
 
 
-LEMMA_CASES = [(4096, 20, 0.1, "spread"), (4096, 20, 0.5, "few"), (1000, 50, 1.0, "spread"),
-               (1000, 10, 0.25, "one"), (1000, 100, 0.05, "few")]
+LEMMA_CASES = [
+  (4096, 20, 0.1, "spread"),
+  (4096, 20, 0.5, "few"),
+  (1000, 50, 1.0, "spread"),
+  (1000, 10, 0.25, "one"),
+  (1000, 100, 0.05, "few"),
+]
 
 
 @pytest.mark.parametrize("d, s, rho, kind", LEMMA_CASES)
@@ -355,12 +375,14 @@ def test_theorem_4_bits(d, s, rho):
   """
   g, s = _rho_s_sparse(d, s, rho, seed=7 * d + s, kind="spread")
   m = (1 + rho) * s
-  codec = UnbiasedSparsifier(method="exact", epsilon=rho, density=m / d,
-                             dense_fraction=1 / (1 + rho))
+  codec = UnbiasedSparsifier(
+    method="exact", epsilon=rho, density=m / d, dense_fraction=1 / (1 + rho)
+  )
   p, _ = _probs(codec, g)
   c_slots, d_slots = codec.capacities(d)
-  payload = jax.eval_shape(lambda x: codec.encode(x, key=jax.random.key(0)),
-                           jax.ShapeDtypeStruct((d,), jnp.float32))
+  payload = jax.eval_shape(
+    lambda x: codec.encode(x, key=jax.random.key(0)), jax.ShapeDtypeStruct((d,), jnp.float32)
+  )
   idx_bits = 8 * payload.arrays["indices"].dtype.itemsize
   assert idx_bits == 16 and math.ceil(math.log2(d)) <= idx_bits
   n_dense = float(np.sum(p >= 1))
@@ -409,7 +431,7 @@ def test_tail_bound_dominates_exact_poisson_binomial_tail():
     dist[0] *= 1 - pi
   mu = q.sum()
   for cap in [int(mu) + 5, int(mu) + 15, int(mu) + 30]:
-    assert dist[cap + 1:].sum() <= wangni.capacity_tail_bound(mu, cap)
+    assert dist[cap + 1 :].sum() <= wangni.capacity_tail_bound(mu, cap)
 
 
 # C = 20 slots for about 60 kept entries, D = 3 dense slots for about 10 dense entries:
@@ -470,9 +492,13 @@ def test_no_silent_drop_without_overflow():
 
 def test_payload_static_shapes_and_wire_bits():
   n = N
-  datas = [X_HEAVY, np.zeros(n, np.float32), np.full(n, 1e30, np.float32),
-           np.where(np.arange(n) % 3 == 0, np.nan, 1.0).astype(np.float32),
-           np.where(np.arange(n) < 100, -np.inf, 0.0).astype(np.float32)]
+  datas = [
+    X_HEAVY,
+    np.zeros(n, np.float32),
+    np.full(n, 1e30, np.float32),
+    np.where(np.arange(n) % 3 == 0, np.nan, 1.0).astype(np.float32),
+    np.where(np.arange(n) < 100, -np.inf, 0.0).astype(np.float32),
+  ]
   c_slots, d_slots = GREEDY.capacities(n)
   payloads = [_encode(GREEDY, d, jax.random.key(i))[0] for i, d in enumerate(datas)]
   for pl in payloads:
@@ -489,11 +515,14 @@ def test_payload_static_shapes_and_wire_bits():
   assert GREEDY.wire_bits((n,), jnp.bfloat16) == GREEDY.wire_bits((n,))
 
 
-@pytest.mark.parametrize("n, dtype", [(200, jnp.uint8), (255, jnp.uint8), (256, jnp.uint16),
-                                      (65535, jnp.uint16), (65536, jnp.int32)])
+@pytest.mark.parametrize(
+  "n, dtype",
+  [(200, jnp.uint8), (255, jnp.uint8), (256, jnp.uint16), (65535, jnp.uint16), (65536, jnp.int32)],
+)
 def test_index_dtype_is_narrow(n, dtype):
-  out = jax.eval_shape(lambda x: GREEDY.encode(x, key=jax.random.key(0)),
-                       jax.ShapeDtypeStruct((n,), jnp.float32))
+  out = jax.eval_shape(
+    lambda x: GREEDY.encode(x, key=jax.random.key(0)), jax.ShapeDtypeStruct((n,), jnp.float32)
+  )
   assert out.arrays["indices"].dtype == dtype
 
 
@@ -526,8 +555,9 @@ def test_reproducible_and_key_dependent():
   p1, p2 = _encode(GREEDY, x, jax.random.key(3)), _encode(GREEDY, x, jax.random.key(3))
   chex.assert_trees_all_equal(p1, p2)
   p3 = _encode(GREEDY, x, jax.random.key(4))
-  assert not np.array_equal(np.asarray(p1[0].arrays["indices"]),
-                            np.asarray(p3[0].arrays["indices"]))
+  assert not np.array_equal(
+    np.asarray(p1[0].arrays["indices"]), np.asarray(p3[0].arrays["indices"])
+  )
   raw = _encode(GREEDY, x, jax.random.PRNGKey(3))  # raw uint32 key data: the same key
   typed = _encode(GREEDY, x, jax.random.wrap_key_data(jax.random.PRNGKey(3)))
   chex.assert_trees_all_equal(raw, typed)
@@ -555,14 +585,17 @@ def test_shard_map_with_check_vma():
 
   xs = np.stack([_heavy(N, 20 + i) for i in range(8)])
   keys = jax.random.key_data(_keys(8, seed=8))  # 7 of 8 devices overflow
-  run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec("d"), spec(), spec("d")),
-                              out_specs=spec(), check_vma=True))
+  run = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=(spec("d"), spec(), spec("d")), out_specs=spec(), check_vma=True
+    )
+  )
   put = lambda a, s: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, s))
   outs, flags = run(put(xs, spec("d")), put(X_HEAVY, spec()), put(keys, spec("d")))
   for out in outs:
     out = np.asarray(out)
     assert out.shape == (N,) and np.all(np.isfinite(out)) and np.count_nonzero(out) > 20
-  assert int(flags[1]) == 8     # X_HEAVY overflows C = 20 on every device
+  assert int(flags[1]) == 8  # X_HEAVY overflows C = 20 on every device
   assert 0 < int(flags[0]) < 8  # the per-device vectors: some devices take each branch
 
 
@@ -592,8 +625,9 @@ def test_low_precision_input():
   out = jax.jit(GREEDY.decode)(payload)
   assert out.dtype == jnp.bfloat16 and out.shape == (N,)
   out32 = np.asarray(_decode_fn(GREEDY)(payload))
-  np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                out32.astype(jnp.bfloat16).astype(np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(out, np.float32), out32.astype(jnp.bfloat16).astype(np.float32)
+  )
   # dense entries are the input values exactly; the others sign(x) · scale
   x64 = np.asarray(x, np.float64)
   nz = out32 != 0
@@ -610,8 +644,10 @@ def test_low_precision_input():
 def test_degenerate_shapes():
   @jax.jit
   def run(key):
-    return {s: GREEDY.decode(GREEDY.encode(jnp.full(s, -0.75, jnp.float32), key=key))
-            for s in [(), (0,), (3, 0), (2,)]}
+    return {
+      s: GREEDY.decode(GREEDY.encode(jnp.full(s, -0.75, jnp.float32), key=key))
+      for s in [(), (0,), (3, 0), (2,)]
+    }
 
   out = run(jax.random.key(0))
   for shape, o in out.items():
@@ -631,10 +667,10 @@ def test_degenerate_shapes():
 @pytest.mark.slow
 @hypothesis.settings(max_examples=5)
 @hypothesis.given(
-    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3),
-    density=st.sampled_from([0.01, 0.05, 0.3, 1.0]),
-    method=st.sampled_from(["greedy", "exact"]),
-    seed=st.integers(0, 2**16),
+  shape=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+  density=st.sampled_from([0.01, 0.05, 0.3, 1.0]),
+  method=st.sampled_from(["greedy", "exact"]),
+  seed=st.integers(0, 2**16),
 )
 def test_property_round_trip(shape, density, method, seed):
   """Random shapes and settings (one compilation each): static shapes, exact values."""
@@ -670,15 +706,29 @@ def test_property_round_trip(shape, density, method, seed):
 # ----------------------------------------------------------------------------- arguments, docs
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(), dict(density=0.0), dict(density=1.5), dict(density=True), dict(density="0.1"),
-    dict(density=0.1, epsilon=0.5), dict(density=0.1, method="topk"),
-    dict(method="exact"), dict(method="exact", epsilon=0.0), dict(method="exact", epsilon=-1),
-    dict(method="exact", epsilon=math.inf), dict(method="exact", epsilon=True),
-    dict(method="exact", epsilon=1.0, density=2.0), dict(density=0.1, rounds=-1),
-    dict(density=0.1, rounds=1.0), dict(density=0.1, capacity=0.0),
-    dict(density=0.1, capacity=1.5), dict(density=0.1, dense_fraction=0.0),
-])
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(),
+    dict(density=0.0),
+    dict(density=1.5),
+    dict(density=True),
+    dict(density="0.1"),
+    dict(density=0.1, epsilon=0.5),
+    dict(density=0.1, method="topk"),
+    dict(method="exact"),
+    dict(method="exact", epsilon=0.0),
+    dict(method="exact", epsilon=-1),
+    dict(method="exact", epsilon=math.inf),
+    dict(method="exact", epsilon=True),
+    dict(method="exact", epsilon=1.0, density=2.0),
+    dict(density=0.1, rounds=-1),
+    dict(density=0.1, rounds=1.0),
+    dict(density=0.1, capacity=0.0),
+    dict(density=0.1, capacity=1.5),
+    dict(density=0.1, dense_fraction=0.0),
+  ],
+)
 def test_bad_arguments_raise(kwargs):
   with pytest.raises(ValueError):
     UnbiasedSparsifier(**kwargs)

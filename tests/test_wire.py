@@ -42,10 +42,13 @@ def test_bytes_are_the_payload_arrays():
   assert report.bytes_received == 7 * sum(per_array)
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase"),
     lambda: jc.onebit_sgd(axis_name=AXIS),
-])
+  ],
+)
 def test_two_phase_is_flat_in_k_and_allgather_linear(make):
   ks = [2, 4, 8, 32, 128, 512]
   two_phase = np.array([_report(make(), k=k).bytes_received for k in ks])
@@ -58,8 +61,10 @@ def test_two_phase_is_flat_in_k_and_allgather_linear(make):
 
 
 def test_dense_leaves_are_counted_as_psum():
-  params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
-            "b": jax.ShapeDtypeStruct((64,), jnp.float32)}
+  params = {
+    "w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+    "b": jax.ShapeDtypeStruct((64,), jnp.float32),
+  }
   report = _report(jc.qsgd(axis_name=AXIS), params)
   psums = [op for op in report.ops if op.primitive.startswith("psum")]
   assert len(psums) == 1 and psums[0].operand_bytes == 64 * 4

@@ -20,12 +20,12 @@ def get_config() -> default.Config:
   learning rate of ``params2m``.
   """
   return dataclasses.replace(
-      default.get_config(),
-      conv_features=(32, 64, 128, 1024),
-      hidden=18944,
-      per_device_batch_size=16,
-      num_steps=10,
-      warmup_steps=4,
-      learning_rate=0.05,
-      eval_every=10,
+    default.get_config(),
+    conv_features=(32, 64, 128, 1024),
+    hidden=18944,
+    per_device_batch_size=16,
+    num_steps=10,
+    warmup_steps=4,
+    learning_rate=0.05,
+    eval_every=10,
   )

@@ -20,11 +20,11 @@ def get_config() -> default.Config:
   loss jump at the end of this short warm-up).
   """
   return dataclasses.replace(
-      default.get_config(),
-      hidden=13824,
-      per_device_batch_size=16,
-      num_steps=20,
-      warmup_steps=4,
-      learning_rate=0.05,
-      eval_every=20,
+    default.get_config(),
+    hidden=13824,
+    per_device_batch_size=16,
+    num_steps=20,
+    warmup_steps=4,
+    learning_rate=0.05,
+    eval_every=20,
   )

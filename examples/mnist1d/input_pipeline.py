@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import os
-from typing import Iterator
 
 import numpy as np
 
@@ -21,7 +21,8 @@ def load_dataset(config, workdir: str) -> dict[str, np.ndarray]:
     with np.load(path) as cached:
       return {k: cached[k] for k in ("x", "y", "x_test", "y_test")}
 
-  from mnist1d.data import get_dataset_args, make_dataset  # pylint: disable=import-outside-toplevel
+  from mnist1d.data import get_dataset_args  # pylint: disable=import-outside-toplevel
+  from mnist1d.data import make_dataset  # pylint: disable=import-outside-toplevel
 
   args = get_dataset_args()
   args.num_samples = config.num_samples
@@ -29,10 +30,10 @@ def load_dataset(config, workdir: str) -> dict[str, np.ndarray]:
   args.seed = config.data_seed
   data = make_dataset(args)  # seeds numpy's global RNG; we use our own Generator below
   arrays = {
-      "x": data["x"].astype(np.float32),
-      "y": data["y"].astype(np.int32),
-      "x_test": data["x_test"].astype(np.float32),
-      "y_test": data["y_test"].astype(np.int32),
+    "x": data["x"].astype(np.float32),
+    "y": data["y"].astype(np.int32),
+    "x_test": data["x_test"].astype(np.float32),
+    "y_test": data["y_test"].astype(np.int32),
   }
   os.makedirs(workdir, exist_ok=True)
   # A per-process temporary name: the workers of benchmarks/launch.py may generate it
@@ -43,9 +44,15 @@ def load_dataset(config, workdir: str) -> dict[str, np.ndarray]:
   return arrays
 
 
-def train_batches(x: np.ndarray, y: np.ndarray, *, num_devices: int,
-                  per_device_batch_size: int, seed: int, start_step: int = 0
-                  ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def train_batches(
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  num_devices: int,
+  per_device_batch_size: int,
+  seed: int,
+  start_step: int = 0,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """Yields ``(x, y)`` batches of shape ``(K, per_device_batch_size, ...)`` forever.
 
   Each epoch is a fresh permutation drawn from ``np.random.default_rng(seed)``, so the
@@ -66,13 +73,14 @@ def train_batches(x: np.ndarray, y: np.ndarray, *, num_devices: int,
   while True:
     perm = rng.permutation(len(x))
     for start in range(skip * global_batch, per_epoch * global_batch, global_batch):
-      idx = perm[start:start + global_batch].reshape(num_devices, per_device_batch_size)
+      idx = perm[start : start + global_batch].reshape(num_devices, per_device_batch_size)
       yield x[idx], y[idx]
     skip = 0
 
 
-def eval_shards(x: np.ndarray, y: np.ndarray, num_devices: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def eval_shards(
+  x: np.ndarray, y: np.ndarray, num_devices: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Pads the test set to a multiple of ``K`` and splits it: ``(K, n/K, ...)`` arrays.
 
   Returns ``(x, y, mask)``; ``mask`` is 1.0 for real examples and 0.0 for padding.

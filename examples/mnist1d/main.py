@@ -33,29 +33,47 @@ from examples.mnist1d import configs
 from examples.mnist1d import train
 
 
-def build_parser(*, description: str = __doc__.splitlines()[0], workdir: str = "runs/mnist1d",
-                 checkpoints: bool = True) -> argparse.ArgumentParser:
+def build_parser(
+  *,
+  description: str = __doc__.splitlines()[0],
+  workdir: str = "runs/mnist1d",
+  checkpoints: bool = True,
+) -> argparse.ArgumentParser:
   """The command-line flags (the NNX trainer reuses them, without checkpoints)."""
   parser = argparse.ArgumentParser(description=description)
-  parser.add_argument("--workdir", default=workdir,
-                      help="output directory (results.md/json, accuracy.png, data cache)")
-  parser.add_argument("--config", default="default",
-                      help=f"one of {','.join(configs.names())} (examples/mnist1d/"
-                      "configs), or the path of a .py file providing get_config()")
-  parser.add_argument("--quick", action="store_true",
-                      help="shorthand for --config quick")
+  parser.add_argument(
+    "--workdir",
+    default=workdir,
+    help="output directory (results.md/json, accuracy.png, data cache)",
+  )
+  parser.add_argument(
+    "--config",
+    default="default",
+    help=f"one of {','.join(configs.names())} (examples/mnist1d/"
+    "configs), or the path of a .py file providing get_config()",
+  )
+  parser.add_argument("--quick", action="store_true", help="shorthand for --config quick")
   parser.add_argument("--steps", type=int, default=None, help="override num_steps")
-  parser.add_argument("--batch", type=int, default=None,
-                      help="override per_device_batch_size")
-  parser.add_argument("--seed", type=int, default=None,
-                      help="override the init/shuffling seed (the data set stays fixed)")
-  parser.add_argument("--methods", default=None,
-                      help=f"comma-separated subset of {','.join(train.ALL_METHODS)}")
+  parser.add_argument("--batch", type=int, default=None, help="override per_device_batch_size")
+  parser.add_argument(
+    "--seed",
+    type=int,
+    default=None,
+    help="override the init/shuffling seed (the data set stays fixed)",
+  )
+  parser.add_argument(
+    "--methods", default=None, help=f"comma-separated subset of {','.join(train.ALL_METHODS)}"
+  )
   if checkpoints:
-    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
-                        help="save each method's params and optimizer state every N steps"
-                        " in WORKDIR/checkpoints/METHOD and resume from there (0: off, the"
-                        " default)")
+    parser.add_argument(
+      "--checkpoint-every",
+      type=int,
+      default=None,
+      metavar="N",
+      help="save each method's params and optimizer state every N steps"
+      " in WORKDIR/checkpoints/METHOD and resume from there (0: off, the"
+      " default)",
+    )
   return parser
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
@@ -42,6 +42,10 @@ class CNN(nn.Module):
 
 def create_model(config) -> CNN:
   """The CNN described by ``config``."""
-  return CNN(features=config.conv_features, kernels=config.conv_kernels,
-             strides=config.conv_strides, hidden=config.hidden,
-             num_classes=config.num_classes)
+  return CNN(
+    features=config.conv_features,
+    kernels=config.conv_kernels,
+    strides=config.conv_strides,
+    hidden=config.hidden,
+    num_classes=config.num_classes,
+  )

@@ -15,21 +15,31 @@ import time
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
-from jax import lax
-from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-import jaxcomp as jc
 from examples.mnist1d import input_pipeline
 from examples.mnist1d import models
+import jaxcomp as jc
 
 AXIS = "batch"
 
-METHODS = ("dense", "qsgd4", "qsgd2", "onebit", "dgc", "wangni", "mipd", "powersgd",
-           "ef_signsgd", "onebit_adam")
+METHODS = (
+  "dense",
+  "qsgd4",
+  "qsgd2",
+  "onebit",
+  "dgc",
+  "wangni",
+  "mipd",
+  "powersgd",
+  "ef_signsgd",
+  "onebit_adam",
+)
 # Also accepted by --methods (and benchmarks.launch), not trained by default: the dense
 # baseline with all leaves in one all-reduce buffer (jc.pmean_tree), for benchmarks; and
 # 1-bit SGD with the paper's per-column means (costly on the convolution kernels, whose
@@ -83,8 +93,7 @@ def pmean_gradients(axis_name: str, *, flat: bool = False) -> optax.GradientTran
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def make_exchange(method: str, config=None, *, warmup: bool = True
-                  ) -> optax.GradientTransformation:
+def make_exchange(method: str, config=None, *, warmup: bool = True) -> optax.GradientTransformation:
   """The gradient exchange of ``method``: returns the mean gradient over ``AXIS``.
 
   ``config`` supplies DGC's clipping threshold and warm-up length (the learning-rate
@@ -97,8 +106,9 @@ def make_exchange(method: str, config=None, *, warmup: bool = True
       # clip_norm/sqrt(K)); clipping the mean at grad_clip corresponds to K * grad_clip.
       clip = jax.device_count() * config.grad_clip or None
       warmup_steps = min(config.warmup_steps, config.num_steps // 2) if warmup else 0
-    return jc.dgc(0.001, 0.9, nesterov=True, clip_norm=clip, warmup_steps=warmup_steps,
-                  axis_name=AXIS)
+    return jc.dgc(
+      0.001, 0.9, nesterov=True, clip_norm=clip, warmup_steps=warmup_steps, axis_name=AXIS
+    )
   if method == "wangni":
     return jc.sparsify(density=0.05, axis_name=AXIS)
   if method == "mipd":  # drop 50%, int8 normal quantization, half update, compensation
@@ -143,17 +153,25 @@ def make_onebit_adam(config, *, warmup: bool = True) -> optax.GradientTransforma
   (for byte counts too).
   """
   if config is None:
-    return jc.onebit_adam(1e-3, freeze_step=1 if warmup else 0, compress="preconditioned",
-                          axis_name=AXIS)
+    return jc.onebit_adam(
+      1e-3, freeze_step=1 if warmup else 0, compress="preconditioned", axis_name=AXIS
+    )
   peak = config.learning_rate if config.optimizer == "adamw" else config.adam_learning_rate
   warmup_cosine = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak,
-      warmup_steps=min(config.warmup_steps, config.num_steps // 2),
-      decay_steps=config.num_steps)
+    init_value=0.0,
+    peak_value=peak,
+    warmup_steps=min(config.warmup_steps, config.num_steps // 2),
+    decay_steps=config.num_steps,
+  )
   schedule = lambda count: warmup_cosine(jnp.asarray(count, jnp.float32))
   freeze_step = max(1, round(ONEBIT_ADAM_FREEZE * config.num_steps)) if warmup else 0
-  return jc.onebit_adam(schedule, freeze_step=freeze_step, weight_decay=config.weight_decay,
-                        compress="preconditioned", axis_name=AXIS)
+  return jc.onebit_adam(
+    schedule,
+    freeze_step=freeze_step,
+    weight_decay=config.weight_decay,
+    compress="preconditioned",
+    axis_name=AXIS,
+  )
 
 
 def make_optimizer(config, *, momentum: bool = True) -> optax.GradientTransformation:
@@ -166,9 +184,11 @@ def make_optimizer(config, *, momentum: bool = True) -> optax.GradientTransforma
   same schedule and weight decay, and no clipping.
   """
   warmup_cosine = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=config.learning_rate,
-      warmup_steps=min(config.warmup_steps, config.num_steps // 2),  # short runs too
-      decay_steps=config.num_steps)
+    init_value=0.0,
+    peak_value=config.learning_rate,
+    warmup_steps=min(config.warmup_steps, config.num_steps // 2),  # short runs too
+    decay_steps=config.num_steps,
+  )
   # optax's cosine decay mixes the int32 step count with float constants, which
   # jax_numpy_dtype_promotion="strict" rejects: hand it a float32 count.
   schedule = lambda count: warmup_cosine(jnp.asarray(count, jnp.float32))
@@ -177,8 +197,10 @@ def make_optimizer(config, *, momentum: bool = True) -> optax.GradientTransforma
   if config.optimizer == "adamw":
     optimizer = optax.adamw(schedule, weight_decay=config.weight_decay)
   elif config.optimizer == "momentum":
-    optimizer = optax.chain(optax.add_decayed_weights(config.weight_decay),
-                            optax.sgd(schedule, momentum=0.9, nesterov=True))
+    optimizer = optax.chain(
+      optax.add_decayed_weights(config.weight_decay),
+      optax.sgd(schedule, momentum=0.9, nesterov=True),
+    )
   else:
     raise ValueError(f"unknown optimizer {config.optimizer!r}; expected adamw or momentum")
   if config.grad_clip:
@@ -186,8 +208,9 @@ def make_optimizer(config, *, momentum: bool = True) -> optax.GradientTransforma
   return optimizer
 
 
-def make_tx(method: str, config, exchange: optax.GradientTransformation | None = None
-            ) -> optax.GradientTransformation:
+def make_tx(
+  method: str, config, exchange: optax.GradientTransformation | None = None
+) -> optax.GradientTransformation:
   """The exchange (``make_exchange(method, config)`` unless given), then the optimizer.
 
   Only the exchange's state is per device (error-feedback residuals, device-folded
@@ -202,8 +225,7 @@ def make_tx(method: str, config, exchange: optax.GradientTransformation | None =
     return exchange
   if method not in REPLICATED_STATE:
     exchange = jc.per_device_state(exchange)
-  return optax.chain(exchange,
-                     make_optimizer(config, momentum=method not in MOMENTUM_IN_EXCHANGE))
+  return optax.chain(exchange, make_optimizer(config, momentum=method not in MOMENTUM_IN_EXCHANGE))
 
 
 def cross_entropy(model, params, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -225,26 +247,34 @@ def make_train_step(model, tx, mesh, state_specs):
     x, y = jax.tree.map(lambda a: a[0], batch)  # this device's (B, ...) slice
     # Differentiate w.r.t. device-varying params: the local gradient. (W.r.t. the
     # replicated params, shard_map's autodiff would psum it: a dense all-reduce.)
-    loss, grads = jax.value_and_grad(cross_entropy, argnums=1)(
-        model, jc.vary(params, AXIS), x, y)
+    loss, grads = jax.value_and_grad(cross_entropy, argnums=1)(model, jc.vary(params, AXIS), x, y)
     updates, opt_state = tx.update(grads, opt_state, params)  # the gradient exchange
     params = optax.apply_updates(params, updates)
     return params, opt_state, loss[None]
 
-  return jax.jit(jax.shard_map(
-      train_step, mesh=mesh,
-      in_specs=(P(), state_specs, P(AXIS)), out_specs=(P(), state_specs, P(AXIS))),
-      donate_argnums=(0, 1))
+  return jax.jit(
+    jax.shard_map(
+      train_step,
+      mesh=mesh,
+      in_specs=(P(), state_specs, P(AXIS)),
+      out_specs=(P(), state_specs, P(AXIS)),
+    ),
+    donate_argnums=(0, 1),
+  )
 
 
 def compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, data):
   """:func:`make_train_step` compiled ahead of time for global batches of ``config``."""
   per_device = jax.NamedSharding(mesh, P(AXIS))
   batch_spec = tuple(
-      jax.ShapeDtypeStruct((mesh.size, config.per_device_batch_size, *a.shape[1:]),
-                           a.dtype, sharding=per_device) for a in (data["x"], data["y"]))
-  return make_train_step(model, tx, mesh, state_specs).lower(
-      params, opt_state, batch_spec).compile()
+    jax.ShapeDtypeStruct(
+      (mesh.size, config.per_device_batch_size, *a.shape[1:]), a.dtype, sharding=per_device
+    )
+    for a in (data["x"], data["y"])
+  )
+  return (
+    make_train_step(model, tx, mesh, state_specs).lower(params, opt_state, batch_spec).compile()
+  )
 
 
 def make_eval_step(model, mesh):
@@ -256,8 +286,9 @@ def make_eval_step(model, mesh):
     correct = jnp.sum((pred == y).astype(jnp.float32) * mask)
     return lax.psum(correct, AXIS) / lax.psum(jnp.sum(mask), AXIS)
 
-  return jax.jit(jax.shard_map(
-      accuracy, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P()))
+  return jax.jit(
+    jax.shard_map(accuracy, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P())
+  )
 
 
 def checkpoint_manager(config, workdir: str | None, method: str):
@@ -271,8 +302,9 @@ def checkpoint_manager(config, workdir: str | None, method: str):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   return ocp.CheckpointManager(
-      os.path.abspath(os.path.join(workdir, "checkpoints", method)),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    os.path.abspath(os.path.join(workdir, "checkpoints", method)),
+    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+  )
 
 
 def save_checkpoint(checkpoints, step: int, params, opt_state, progress: dict) -> None:
@@ -281,8 +313,12 @@ def save_checkpoint(checkpoints, step: int, params, opt_state, progress: dict) -
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   state = jc.unwrap_keys({"params": params, "opt_state": opt_state})
-  checkpoints.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                 progress=ocp.args.JsonSave(progress)))
+  checkpoints.save(
+    step,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress)
+    ),
+  )
 
 
 def restore_checkpoint(checkpoints, tx, init_params, *, mesh, state_specs):
@@ -296,21 +332,35 @@ def restore_checkpoint(checkpoints, tx, init_params, *, mesh, state_specs):
 
   replicated = jax.NamedSharding(mesh, P())
   params = jax.tree.map(
-      lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated), init_params)
-  target = {"params": params, "opt_state": jc.restore_target(tx, params, mesh=mesh,
-                                                             specs=state_specs)}
+    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated), init_params
+  )
+  target = {
+    "params": params,
+    "opt_state": jc.restore_target(tx, params, mesh=mesh, specs=state_specs),
+  }
   step = checkpoints.latest_step()
-  restored = checkpoints.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(jc.unwrap_keys(target)),
-      progress=ocp.args.JsonRestore()))
+  restored = checkpoints.restore(
+    step,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(jc.unwrap_keys(target)), progress=ocp.args.JsonRestore()
+    ),
+  )
   state = jc.wrap_keys(restored.state, target)
   return step, state["params"], state["opt_state"], restored.progress
 
 
-def train_method(method: str, config, *, model, init_params, data, mesh,
-                 exchange: optax.GradientTransformation | None = None,
-                 steady_exchange: optax.GradientTransformation | None = None,
-                 workdir: str | None = None) -> dict[str, Any]:
+def train_method(
+  method: str,
+  config,
+  *,
+  model,
+  init_params,
+  data,
+  mesh,
+  exchange: optax.GradientTransformation | None = None,
+  steady_exchange: optax.GradientTransformation | None = None,
+  workdir: str | None = None,
+) -> dict[str, Any]:
   """Trains one method from ``init_params``; returns its accuracy, bytes and timings.
 
   ``exchange`` replaces ``make_exchange(method, config)`` (for variants of a method);
@@ -330,19 +380,24 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
   start_step, history, losses = 0, None, []
   if checkpoints is not None and checkpoints.latest_step() is not None:
     start_step, params, opt_state, progress = restore_checkpoint(
-        checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs)
+      checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs
+    )
     history, losses = progress["history"], progress["losses"]
     print(f"{method}: resuming from step {start_step} ({checkpoints.directory})")
   else:
     params = jax.device_put(init_params, replicated)
-    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                                      out_specs=state_specs))(params)
-  test = jax.device_put(input_pipeline.eval_shards(data["x_test"], data["y_test"], k),
-                        per_device)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
+      params
+    )
+  test = jax.device_put(input_pipeline.eval_shards(data["x_test"], data["y_test"], k), per_device)
   batches = input_pipeline.train_batches(
-      data["x"], data["y"], num_devices=k,
-      per_device_batch_size=config.per_device_batch_size, seed=config.seed,
-      start_step=start_step)
+    data["x"],
+    data["y"],
+    num_devices=k,
+    per_device_batch_size=config.per_device_batch_size,
+    seed=config.seed,
+    start_step=start_step,
+  )
 
   # Compile ahead of time, so that the training time below excludes compilation.
   start = time.perf_counter()
@@ -351,11 +406,18 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
   compile_time = time.perf_counter() - start
 
   if history is None:
-    history = {"step": [0], "test_accuracy": [float(evaluate(params, *test))],
-               "train_loss": [float("nan")]}
+    history = {
+      "step": [0],
+      "test_accuracy": [float(evaluate(params, *test))],
+      "train_loss": [float("nan")],
+    }
   train_time = 0.0
-  with tqdm(total=config.num_steps, initial=min(start_step, config.num_steps),
-            desc=f"{method:>6}", unit="step") as bar:
+  with tqdm(
+    total=config.num_steps,
+    initial=min(start_step, config.num_steps),
+    desc=f"{method:>6}",
+    unit="step",
+  ) as bar:
     for i in range(start_step + 1, config.num_steps + 1):
       start = time.perf_counter()
       batch = jax.device_put(next(batches), per_device)
@@ -373,10 +435,8 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
         history["train_loss"].append(float(np.mean(losses)))  # since the last eval
         losses = []
         bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", test_acc=f"{acc:.1%}")
-      if checkpoints is not None and (i % config.checkpoint_every == 0
-                                      or i == config.num_steps):
-        save_checkpoint(checkpoints, i, params, opt_state,
-                        {"history": history, "losses": losses})
+      if checkpoints is not None and (i % config.checkpoint_every == 0 or i == config.num_steps):
+        save_checkpoint(checkpoints, i, params, opt_state, {"history": history, "losses": losses})
   if checkpoints is not None:
     checkpoints.wait_until_finished()  # the last save is written before we return
     checkpoints.close()
@@ -391,17 +451,17 @@ def train_method(method: str, config, *, model, init_params, data, mesh,
     tx = make_tx(method, config, steady_exchange)
   report = wire_report(tx, init_params, k)
   return {
-      "start_step": start_step,
-      "overflow_steps": overflow_steps(opt_state),
-      "test_accuracy": history["test_accuracy"][-1],
-      "bytes_received": None if report is None else report.bytes_received,
-      "dense_bytes": None if report is None else report.dense_bytes,
-      "ratio": None if report is None else report.ratio,
-      "train_time_s": train_time,
-      "compile_time_s": compile_time,
-      "history": history,
-      "wire_report": None if report is None else str(report),
-      "layer_change": layer_change(init_params, params),
+    "start_step": start_step,
+    "overflow_steps": overflow_steps(opt_state),
+    "test_accuracy": history["test_accuracy"][-1],
+    "bytes_received": None if report is None else report.bytes_received,
+    "dense_bytes": None if report is None else report.dense_bytes,
+    "ratio": None if report is None else report.ratio,
+    "train_time_s": train_time,
+    "compile_time_s": compile_time,
+    "history": history,
+    "wire_report": None if report is None else str(report),
+    "layer_change": layer_change(init_params, params),
   }
 
 
@@ -409,12 +469,14 @@ def layer_change(before, after) -> dict[str, float]:
   """``||after - before|| / ||before||`` per parameter, keyed by its path (NaN where
   ``before`` is all zeros, e.g. biases at init: no relative change is defined)."""
   out = {}
-  for (path, b), a in zip(jax.tree_util.tree_flatten_with_path(before)[0],
-                          jax.tree_util.tree_leaves(after)):
+  for (path, b), a in zip(
+    jax.tree_util.tree_flatten_with_path(before)[0], jax.tree_util.tree_leaves(after)
+  ):
     b, a = np.asarray(b, np.float64), np.asarray(a, np.float64)
     norm = np.linalg.norm(b)
-    out[jax.tree_util.keystr(path)] = float(np.linalg.norm(a - b) / norm) if norm else (
-        float("nan"))
+    out[jax.tree_util.keystr(path)] = (
+      float(np.linalg.norm(a - b) / norm) if norm else (float("nan"))
+    )
   return out
 
 
@@ -441,19 +503,21 @@ def wire_report(tx, params, num_devices: int) -> jc.WireReport | None:
 def results_table(results: dict[str, dict[str, Any]], num_devices: int) -> str:
   """A Markdown table of the results, one row per method."""
   lines = [
-      f"MNIST-1D, {num_devices} devices. Bytes: jc.wire_report, received per device per"
-      " step. Train time: wall time of the training steps only (compiled ahead of time,"
-      " listed apart; evaluation excluded).",
-      "",
-      "| method | test acc (%) | bytes recv/device/step | ratio vs dense |"
-      " train time (s, excl. compile) | compile (s) |",
-      "|---|---:|---:|---:|---:|---:|",
+    f"MNIST-1D, {num_devices} devices. Bytes: jc.wire_report, received per device per"
+    " step. Train time: wall time of the training steps only (compiled ahead of time,"
+    " listed apart; evaluation excluded).",
+    "",
+    "| method | test acc (%) | bytes recv/device/step | ratio vs dense |"
+    " train time (s, excl. compile) | compile (s) |",
+    "|---|---:|---:|---:|---:|---:|",
   ]
   for method, r in results.items():
     recv = "n/a" if r["bytes_received"] is None else f"{r['bytes_received']:,.0f}"
     ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.1f}x"
-    lines.append(f"| {method} | {100 * r['test_accuracy']:.1f} | {recv} | {ratio} |"
-                 f" {r['train_time_s']:.1f} | {r['compile_time_s']:.1f} |")
+    lines.append(
+      f"| {method} | {100 * r['test_accuracy']:.1f} | {recv} | {ratio} |"
+      f" {r['train_time_s']:.1f} | {r['compile_time_s']:.1f} |"
+    )
   return "\n".join(lines)
 
 
@@ -486,11 +550,14 @@ def setup(config, workdir: str):
   model = models.create_model(config)
   # Host copy: every method starts from it (the train step donates its device buffers).
   init_params = jax.device_get(
-      jax.jit(model.init)(jax.random.key(config.seed), data["x"][:1])["params"])
+    jax.jit(model.init)(jax.random.key(config.seed), data["x"][:1])["params"]
+  )
   num_params = sum(p.size for p in jax.tree.leaves(init_params))
-  print(f"{k} devices ({jax.devices()[0].platform}), {num_params:,} parameters, "
-        f"{len(data['x'])} train / {len(data['x_test'])} test examples, global batch "
-        f"{k * config.per_device_batch_size}, {config.num_steps} steps")
+  print(
+    f"{k} devices ({jax.devices()[0].platform}), {num_params:,} parameters, "
+    f"{len(data['x'])} train / {len(data['x_test'])} test examples, global batch "
+    f"{k * config.per_device_batch_size}, {config.num_steps} steps"
+  )
   return mesh, data, model, init_params
 
 
@@ -514,15 +581,17 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
   k = mesh.size
   results = {}
   for method in config.methods:
-    results[method] = train_method(method, config, model=model, init_params=init_params,
-                                   data=data, mesh=mesh, workdir=workdir)
+    results[method] = train_method(
+      method, config, model=model, init_params=init_params, data=data, mesh=mesh, workdir=workdir
+    )
 
   table = results_table(results, k)
   print(table)
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump({"config": dataclasses.asdict(config), "num_devices": k, "results": results},
-              f, indent=2)
+    json.dump(
+      {"config": dataclasses.asdict(config), "num_devices": k, "results": results}, f, indent=2
+    )
   plot_accuracy(results, os.path.join(workdir, "accuracy.png"))
   return results

@@ -29,8 +29,9 @@ from examples.mnist1d_nnx import train
 def main(argv=None) -> None:
   """Parses the linen demo's flags (no checkpoints here) and runs
   :func:`train.train_and_evaluate`."""
-  parser = linen_main.build_parser(description=__doc__.splitlines()[0],
-                                   workdir="runs/mnist1d_nnx", checkpoints=False)
+  parser = linen_main.build_parser(
+    description=__doc__.splitlines()[0], workdir="runs/mnist1d_nnx", checkpoints=False
+  )
   args = parser.parse_args(argv)
   train.train_and_evaluate(linen_main.get_config(args), args.workdir)
 

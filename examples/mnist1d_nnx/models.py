@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 
 class CNN(nnx.Module):
@@ -19,13 +19,23 @@ class CNN(nnx.Module):
   The input width is fixed here because nnx modules create their parameters eagerly.
   """
 
-  def __init__(self, *, features: Sequence[int] = (32, 64, 128, 128),
-               kernels: Sequence[int] = (5, 3, 3, 3), strides: Sequence[int] = (1, 2, 2, 1),
-               hidden: int = 128, num_classes: int = 10, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    *,
+    features: Sequence[int] = (32, 64, 128, 128),
+    kernels: Sequence[int] = (5, 3, 3, 3),
+    strides: Sequence[int] = (1, 2, 2, 1),
+    hidden: int = 128,
+    num_classes: int = 10,
+    rngs: nnx.Rngs,
+  ):
     channels = (1, *features)  # the input is one channel: (batch, length) -> (..., 1)
-    self.convs = nnx.List([
+    self.convs = nnx.List(
+      [
         nnx.Conv(c_in, c_out, (k,), strides=(s,), padding="SAME", rngs=rngs)
-        for c_in, c_out, k, s in zip(channels[:-1], channels[1:], kernels, strides)])
+        for c_in, c_out, k, s in zip(channels[:-1], channels[1:], kernels, strides)
+      ]
+    )
     self.hidden = nnx.Linear(channels[-1], hidden, rngs=rngs)
     self.head = nnx.Linear(hidden, num_classes, rngs=rngs)
 
@@ -41,6 +51,11 @@ class CNN(nnx.Module):
 
 def create_model(config, *, rngs: nnx.Rngs) -> CNN:
   """The CNN described by ``config`` (an ``examples.mnist1d.configs`` config)."""
-  return CNN(features=config.conv_features, kernels=config.conv_kernels,
-             strides=config.conv_strides, hidden=config.hidden,
-             num_classes=config.num_classes, rngs=rngs)
+  return CNN(
+    features=config.conv_features,
+    kernels=config.conv_kernels,
+    strides=config.conv_strides,
+    hidden=config.hidden,
+    num_classes=config.num_classes,
+    rngs=rngs,
+  )

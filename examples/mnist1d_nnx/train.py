@@ -41,27 +41,26 @@ import os
 import time
 from typing import Any
 
+from flax import nnx
 import jax
+from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
-from flax import nnx
-from jax import lax
-from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-import jaxcomp as jc
 from examples.mnist1d import input_pipeline
 from examples.mnist1d import train as linen_train
 from examples.mnist1d_nnx import models
+import jaxcomp as jc
 
 AXIS = linen_train.AXIS
 METHODS = linen_train.METHODS
 ALL_METHODS = linen_train.ALL_METHODS
 
 
-def make_exchange(method: str, config, *, warmup: bool = True
-                  ) -> optax.GradientTransformation:
+def make_exchange(method: str, config, *, warmup: bool = True) -> optax.GradientTransformation:
   """The gradient exchange of ``method``, its state marked per device where it is.
 
   ``examples.mnist1d.train.make_exchange`` wrapped in ``jc.per_device_state``, except
@@ -78,8 +77,7 @@ def make_optimizer(method: str, config) -> optax.GradientTransformation:
   after 1-bit Adam (whose exchange returns the parameter steps)."""
   if method in linen_train.OPTIMIZER_IN_EXCHANGE:
     return optax.identity()
-  return linen_train.make_optimizer(
-      config, momentum=method not in linen_train.MOMENTUM_IN_EXCHANGE)
+  return linen_train.make_optimizer(config, momentum=method not in linen_train.MOMENTUM_IN_EXCHANGE)
 
 
 def loss_fn(model: models.CNN, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -109,10 +107,15 @@ def make_train_step(graphdef, exchange, mesh, exchange_specs):
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), exchange_state, loss[None]
 
-  return jax.jit(jax.shard_map(
-      train_step, mesh=mesh,
-      in_specs=(P(), exchange_specs, P(AXIS)), out_specs=(P(), exchange_specs, P(AXIS))),
-      donate_argnums=(0, 1))
+  return jax.jit(
+    jax.shard_map(
+      train_step,
+      mesh=mesh,
+      in_specs=(P(), exchange_specs, P(AXIS)),
+      out_specs=(P(), exchange_specs, P(AXIS)),
+    ),
+    donate_argnums=(0, 1),
+  )
 
 
 def make_eval_step(graphdef, mesh):
@@ -125,12 +128,14 @@ def make_eval_step(graphdef, mesh):
     correct = jnp.sum((pred == y).astype(jnp.float32) * mask)
     return lax.psum(correct, AXIS) / lax.psum(jnp.sum(mask), AXIS)
 
-  return jax.jit(jax.shard_map(
-      accuracy, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P()))
+  return jax.jit(
+    jax.shard_map(accuracy, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P())
+  )
 
 
-def train_method(method: str, config, *, graphdef, init_state, data, mesh
-                 ) -> tuple[models.CNN, dict[str, Any]]:
+def train_method(
+  method: str, config, *, graphdef, init_state, data, mesh
+) -> tuple[models.CNN, dict[str, Any]]:
   """Trains one method from the model ``nnx.merge(graphdef, init_state)``.
 
   Returns the trained model and the method's results, with the keys of
@@ -152,27 +157,40 @@ def train_method(method: str, config, *, graphdef, init_state, data, mesh
   # The exchange's init runs inside shard_map: its state is per device, and a
   # two-phase exchange sizes its residuals by the axis.
   exchange_specs = jc.state_specs(exchange, init_params, axis_name=AXIS, num_devices=k)
-  exchange_state = jax.jit(jax.shard_map(
-      exchange.init, mesh=mesh, in_specs=P(), out_specs=exchange_specs))(init_params)
+  exchange_state = jax.jit(
+    jax.shard_map(exchange.init, mesh=mesh, in_specs=P(), out_specs=exchange_specs)
+  )(init_params)
 
-  test = jax.device_put(input_pipeline.eval_shards(data["x_test"], data["y_test"], k),
-                        per_device)
+  test = jax.device_put(input_pipeline.eval_shards(data["x_test"], data["y_test"], k), per_device)
   batches = input_pipeline.train_batches(
-      data["x"], data["y"], num_devices=k,
-      per_device_batch_size=config.per_device_batch_size, seed=config.seed)
+    data["x"],
+    data["y"],
+    num_devices=k,
+    per_device_batch_size=config.per_device_batch_size,
+    seed=config.seed,
+  )
 
   # Compile ahead of time, so that the training time below excludes compilation.
   start = time.perf_counter()
   batch_spec = tuple(
-      jax.ShapeDtypeStruct((k, config.per_device_batch_size, *a.shape[1:]), a.dtype,
-                           sharding=per_device) for a in (data["x"], data["y"]))
-  step = make_train_step(train_graphdef, exchange, mesh, exchange_specs).lower(
-      state, exchange_state, batch_spec).compile()
+    jax.ShapeDtypeStruct(
+      (k, config.per_device_batch_size, *a.shape[1:]), a.dtype, sharding=per_device
+    )
+    for a in (data["x"], data["y"])
+  )
+  step = (
+    make_train_step(train_graphdef, exchange, mesh, exchange_specs)
+    .lower(state, exchange_state, batch_spec)
+    .compile()
+  )
   evaluate = make_eval_step(train_graphdef, mesh).lower(state, *test).compile()
   compile_time = time.perf_counter() - start
 
-  history = {"step": [0], "test_accuracy": [float(evaluate(state, *test))],
-             "train_loss": [float("nan")]}
+  history = {
+    "step": [0],
+    "test_accuracy": [float(evaluate(state, *test))],
+    "train_loss": [float("nan")],
+  }
   train_time, losses = 0.0, []
   with tqdm(total=config.num_steps, desc=f"{method:>6}", unit="step") as bar:
     for i in range(1, config.num_steps + 1):
@@ -194,21 +212,25 @@ def train_method(method: str, config, *, graphdef, init_state, data, mesh
 
   model, _ = nnx.merge(train_graphdef, state)
   # Bytes of the steady state: DGC's warm-up stages send more.
-  steady = make_exchange(method, config, warmup=False) if (
-      method == "dgc" or method in linen_train.OPTIMIZER_IN_EXCHANGE) else exchange
+  steady = (
+    make_exchange(method, config, warmup=False)
+    if (method == "dgc" or method in linen_train.OPTIMIZER_IN_EXCHANGE)
+    else exchange
+  )
   report = linen_train.wire_report(steady, init_params, k)
   return model, {
-      "overflow_steps": linen_train.overflow_steps(exchange_state),
-      "test_accuracy": history["test_accuracy"][-1],
-      "bytes_received": None if report is None else report.bytes_received,
-      "dense_bytes": None if report is None else report.dense_bytes,
-      "ratio": None if report is None else report.ratio,
-      "train_time_s": train_time,
-      "compile_time_s": compile_time,
-      "history": history,
-      "wire_report": None if report is None else str(report),
-      "layer_change": linen_train.layer_change(
-          init_params.to_pure_dict(), nnx.state(model, nnx.Param).to_pure_dict()),
+    "overflow_steps": linen_train.overflow_steps(exchange_state),
+    "test_accuracy": history["test_accuracy"][-1],
+    "bytes_received": None if report is None else report.bytes_received,
+    "dense_bytes": None if report is None else report.dense_bytes,
+    "ratio": None if report is None else report.ratio,
+    "train_time_s": train_time,
+    "compile_time_s": compile_time,
+    "history": history,
+    "wire_report": None if report is None else str(report),
+    "layer_change": linen_train.layer_change(
+      init_params.to_pure_dict(), nnx.state(model, nnx.Param).to_pure_dict()
+    ),
   }
 
 
@@ -222,9 +244,11 @@ def setup(config, workdir: str):
   # Host copy: every method starts from it (the train step donates its device buffers).
   state = jax.device_get(state)
   num_params = sum(p.size for p in jax.tree.leaves(state))
-  print(f"{k} devices ({jax.devices()[0].platform}), {num_params:,} parameters, "
-        f"{len(data['x'])} train / {len(data['x_test'])} test examples, global batch "
-        f"{k * config.per_device_batch_size}, {config.num_steps} steps (flax.nnx)")
+  print(
+    f"{k} devices ({jax.devices()[0].platform}), {num_params:,} parameters, "
+    f"{len(data['x'])} train / {len(data['x_test'])} test examples, global batch "
+    f"{k * config.per_device_batch_size}, {config.num_steps} steps (flax.nnx)"
+  )
   return mesh, data, graphdef, state
 
 
@@ -245,15 +269,24 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
   k = mesh.size
   results = {}
   for method in config.methods:
-    _, results[method] = train_method(method, config, graphdef=graphdef,
-                                      init_state=init_state, data=data, mesh=mesh)
+    _, results[method] = train_method(
+      method, config, graphdef=graphdef, init_state=init_state, data=data, mesh=mesh
+    )
 
   table = linen_train.results_table(results, k)
   print(table)
   with open(os.path.join(workdir, "results.md"), "w") as f:
     f.write(table + "\n")
   with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump({"config": dataclasses.asdict(config), "num_devices": k, "api": "flax.nnx",
-               "results": results}, f, indent=2)
+    json.dump(
+      {
+        "config": dataclasses.asdict(config),
+        "num_devices": k,
+        "api": "flax.nnx",
+        "results": results,
+      },
+      f,
+      indent=2,
+    )
   linen_train.plot_accuracy(results, os.path.join(workdir, "accuracy.png"))
   return results

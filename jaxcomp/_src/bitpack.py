@@ -83,8 +83,8 @@ def unpack_bits(words: jax.Array, bits: int, n: int) -> jax.Array:
   _check_bits(bits)
   if words.ndim != 1 or words.shape[0] != num_words(n, bits):
     raise ValueError(
-        f"expected {num_words(n, bits)} words for {n} codes of {bits} bits, "
-        f"got shape {words.shape}")
+      f"expected {num_words(n, bits)} words for {n} codes of {bits} bits, got shape {words.shape}"
+    )
   if uses_lanes(bits):
     per_word = _LANES // bits
     mask = jnp.uint32(0xFFFFFFFF if bits == 32 else (1 << bits) - 1)

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import optax
 
 
 def _is_key(x: Any) -> bool:
@@ -28,8 +28,9 @@ def _key_data_sharding(sharding: Any, extra_dims: int) -> Any:
   """The sharding of a key array's raw data: the key's, with the trailing data axes
   (``jax.random.key_data`` appends them) unsharded."""
   if isinstance(sharding, NamedSharding):
-    return NamedSharding(sharding.mesh, P(*sharding.spec, *(None,) * extra_dims),
-                         memory_kind=sharding.memory_kind)
+    return NamedSharding(
+      sharding.mesh, P(*sharding.spec, *(None,) * extra_dims), memory_kind=sharding.memory_kind
+    )
   return sharding  # None, or single-device: valid for any rank
 
 
@@ -104,8 +105,14 @@ def wrap_keys(tree: Any, like: Any) -> Any:
   return jax.tree.map(wrap, tree, like)
 
 
-def restore_target(tx: optax.GradientTransformation, params: Any, *, mesh: jax.sharding.Mesh,
-                   specs: Any, param_specs: Any = None) -> Any:
+def restore_target(
+  tx: optax.GradientTransformation,
+  params: Any,
+  *,
+  mesh: jax.sharding.Mesh,
+  specs: Any,
+  param_specs: Any = None,
+) -> Any:
   """Abstract ``tx`` state to restore a checkpoint into: shapes, dtypes and shardings.
 
   ``tx.init`` is traced (not run) inside ``jax.shard_map`` with ``out_specs=specs``, as
@@ -133,12 +140,14 @@ def restore_target(tx: optax.GradientTransformation, params: Any, *, mesh: jax.s
   # Stand-ins placed as the loop places the parameters: on an Explicit mesh shard_map
   # checks that its inputs' shardings match in_specs.
   stand_ins = jax.tree.map(
-      lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                           sharding=NamedSharding(mesh, spec)),
-      params, param_specs)
+    lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+    params,
+    param_specs,
+  )
   init = jax.shard_map(tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=specs)
   shapes = jax.eval_shape(init, stand_ins)
   return jax.tree.map(
-      lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                           sharding=NamedSharding(mesh, spec)),
-      shapes, specs)
+    lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec)),
+    shapes,
+    specs,
+  )

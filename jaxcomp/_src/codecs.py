@@ -18,9 +18,9 @@ import math
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
@@ -40,9 +40,9 @@ _MAX_LEVELS = 2**24 - 1  # levels are handled in float32, exact up to 2**24
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["arrays"],
-    meta_fields=["shape", "dtype"],
+  jax.tree_util.register_dataclass,
+  data_fields=["arrays"],
+  meta_fields=["shape", "dtype"],
 )
 @dataclasses.dataclass(frozen=True)
 class Payload:
@@ -76,8 +76,8 @@ def _check_float(x: Any, what: str = "x") -> None:
   dtype = getattr(x, "dtype", None)
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(
-        f"{what} must be a floating-point array (float32, bfloat16, float16), "
-        f"got dtype {dtype}")
+      f"{what} must be a floating-point array (float32, bfloat16, float16), got dtype {dtype}"
+    )
 
 
 def check_positive_int(value: Any, name: str, *, allow_none: bool = False) -> None:
@@ -88,7 +88,7 @@ def check_positive_int(value: Any, name: str, *, allow_none: bool = False) -> No
 
 
 @functools.lru_cache(maxsize=4096)
-def _wire_bits(codec: "Codec", shape: tuple[int, ...], dtype: Any) -> int:
+def _wire_bits(codec: Codec, shape: tuple[int, ...], dtype: Any) -> int:
   key = jax.random.key(0)
   out = jax.eval_shape(lambda x: codec.encode(x, key=key), jax.ShapeDtypeStruct(shape, dtype))
   return 8 * payload_nbytes(out)
@@ -117,7 +117,7 @@ class Codec:
   #: A fixed-width codec of the same quantization, for a variable-length format held in
   #: a fixed buffer (:class:`EliasQSGD`): when a buffer overflows on any device, the
   #: all-gather exchange sends this codec's payload instead. ``None``: never overflows.
-  fallback: "Codec | None" = None
+  fallback: Codec | None = None
 
   @property
   def alignment(self) -> int:
@@ -151,7 +151,7 @@ class Codec:
   def from_chunks(self, chunks: Array, shape: tuple[int, ...]) -> Array:
     """Inverse of :meth:`to_chunks`: K stacked (decoded) chunks back to ``shape``,
     the padding dropped."""
-    return chunks.reshape(-1)[:math.prod(shape)].reshape(shape)
+    return chunks.reshape(-1)[: math.prod(shape)].reshape(shape)
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:
     raise NotImplementedError
@@ -195,8 +195,9 @@ class Codec:
     """The flat float32 sum of stacked payload arrays by a kernel (when uses_kernel)."""
     raise NotImplementedError
 
-  def encode_feedback(self, g: Array, residual: Array, *,
-                      key: Array | None = None) -> tuple[Payload, Array, Array]:
+  def encode_feedback(
+    self, g: Array, residual: Array, *, key: Array | None = None
+  ) -> tuple[Payload, Array, Array]:
     """Error-feedback encode: ``(payload, e', finite)`` for gradient ``g`` and residual ``e``.
 
     The payload encodes ``v = fl_{g.dtype}(g + e)`` (the sum in float32), ``e' = (g + e)
@@ -292,8 +293,12 @@ def _row_max_min(v: Array) -> tuple[Array, Array]:
   twice (``python -m benchmarks.xla_cpu_pitfalls``, the per-bucket rows).
   """
   f = v.dtype.type
-  return lax.reduce((v, v), (f(-jnp.inf), f(jnp.inf)),
-                    lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])), (1,))
+  return lax.reduce(
+    (v, v),
+    (f(-jnp.inf), f(jnp.inf)),
+    lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])),
+    (1,),
+  )
 
 
 def _row_absmax_finite(v: Array) -> tuple[Array, Array]:
@@ -341,20 +346,30 @@ def _onebit_sums(v: Array, words: Array, *, two_level: bool) -> tuple[Array, Arr
   count_dtype = _F32 if b <= 2**24 else jnp.int32
   zero = jnp.zeros((), _F32)
   if not two_level:
-    return lax.reduce((jnp.maximum(v, 0.0), jnp.minimum(v, 0.0), (v < 0).astype(count_dtype)),
-                      (zero, zero, jnp.zeros((), count_dtype)),
-                      lambda x, y: tuple(a + c for a, c in zip(x, y)), (1,))
+    return lax.reduce(
+      (jnp.maximum(v, 0.0), jnp.minimum(v, 0.0), (v < 0).astype(count_dtype)),
+      (zero, zero, jnp.zeros((), count_dtype)),
+      lambda x, y: tuple(a + c for a, c in zip(x, y)),
+      (1,),
+    )
   if b % _WORD:
     raise ValueError(f"two-level sums need buckets of whole words, got {b} values")
   pos_part, neg_part = lax.reduce(
-      (jnp.maximum(v, 0.0).reshape(-1, _WORD), jnp.minimum(v, 0.0).reshape(-1, _WORD)),
-      (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), (1,))
+    (jnp.maximum(v, 0.0).reshape(-1, _WORD), jnp.minimum(v, 0.0).reshape(-1, _WORD)),
+    (zero, zero),
+    lambda x, y: (x[0] + y[0], x[1] + y[1]),
+    (1,),
+  )
   per_bucket = b // _WORD
   bucket_words = jnp.pad(words, (0, nb * per_bucket - words.shape[0]))
-  neg_count = jnp.sum(lax.population_count(bucket_words).reshape(nb, per_bucket), axis=1,
-                      dtype=jnp.int32)
-  return (jnp.sum(pos_part.reshape(nb, per_bucket), axis=1),
-          jnp.sum(neg_part.reshape(nb, per_bucket), axis=1), neg_count.astype(count_dtype))
+  neg_count = jnp.sum(
+    lax.population_count(bucket_words).reshape(nb, per_bucket), axis=1, dtype=jnp.int32
+  )
+  return (
+    jnp.sum(pos_part.reshape(nb, per_bucket), axis=1),
+    jnp.sum(neg_part.reshape(nb, per_bucket), axis=1),
+    neg_count.astype(count_dtype),
+  )
 
 
 # ----------------------------------------------------------------------------- codecs
@@ -484,7 +499,6 @@ class QSGD(Codec):
     """Bits per value on the wire: magnitude plus sign."""
     return self.magnitude_bits + 1
 
-
   def scales(self, v: Array) -> Array:
     """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array; NaN for a bucket
     that holds a NaN or an infinity."""
@@ -527,9 +541,11 @@ class QSGD(Codec):
     # that the Pallas and native kernels compute the same bits.
     safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     inv, k = kernel_common.inverse_scale(safe)
-    r = jnp.where((scale > 0)[:, None],
-                  kernel_common.level_ratio(jnp.abs(v), inv[:, None], k[:, None], self.levels),
-                  0.0)
+    r = jnp.where(
+      (scale > 0)[:, None],
+      kernel_common.level_ratio(jnp.abs(v), inv[:, None], k[:, None], self.levels),
+      0.0,
+    )
     # r is finite (0 in a non-finite bucket, whose NaN scale marks it) and <= s (|v| *
     # fl(1 / max) <= 1, tests/test_codecs.py checks every mantissa): the clamp is a guard.
     mag = jnp.minimum(rng.bernoulli_round(r, key), s).astype(jnp.uint32)
@@ -537,8 +553,9 @@ class QSGD(Codec):
     return scale, mag, (v < 0) & (mag > 0)
 
   def _kernel_unsupported(self, n: int, dtype: Any) -> str | None:
-    return quantize_kernel.unsupported(n, levels=self.levels, bucket_size=self.bucket_size,
-                                       dtype=dtype)
+    return quantize_kernel.unsupported(
+      n, levels=self.levels, bucket_size=self.bucket_size, dtype=dtype
+    )
 
   def kernel_backend(self, n: int, dtype: Any = jnp.float32) -> str | None:
     backend = super().kernel_backend(n, dtype)
@@ -549,18 +566,25 @@ class QSGD(Codec):
       return None
     return backend
 
-  def _kernel_encode(self, x: Array, key: Array | None,
-                     residual: Array | None = None) -> tuple[Payload, ...]:
+  def _kernel_encode(
+    self, x: Array, key: Array | None, residual: Array | None = None
+  ) -> tuple[Payload, ...]:
     """The quantize kernel's payload (and new residual, when ``residual`` is given)."""
     module = cpu_kernels if self.kernel_backend(x.size, x.dtype) == "native" else quantize_kernel
     words, scales, *new_residual = module.quantize(
-        x, self._require_key(key), residual, levels=self.levels,
-        bucket_size=self.bucket_size, norm=self.norm)
+      x,
+      self._require_key(key),
+      residual,
+      levels=self.levels,
+      bucket_size=self.bucket_size,
+      norm=self.norm,
+    )
     payload = Payload({"words": words, "scales": scales}, tuple(x.shape), jnp.dtype(x.dtype))
     return (payload, *new_residual)
 
-  def encode_feedback(self, g: Array, residual: Array, *,
-                      key: Array | None = None) -> tuple[Payload, Array, Array]:
+  def encode_feedback(
+    self, g: Array, residual: Array, *, key: Array | None = None
+  ) -> tuple[Payload, Array, Array]:
     """See :meth:`Codec.encode_feedback`; fused into the quantize kernel when it runs.
 
     ``finite`` is then read off the scales (a bucket that is not finite has a NaN scale).
@@ -577,7 +601,7 @@ class QSGD(Codec):
       return self._kernel_encode(x, key)[0]
     scale, mag, negative = self.quantize(x, key=key)
     sign = negative.astype(jnp.uint32)
-    codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[:x.size]
+    codes = (mag | (sign << self.magnitude_bits)).reshape(-1)[: x.size]
     words = bitpack.pack_bits(codes, self.bits)
     return Payload({"words": words, "scales": scale}, tuple(x.shape), jnp.dtype(x.dtype))
 
@@ -591,8 +615,8 @@ class QSGD(Codec):
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
     module = cpu_kernels if self.kernel_backend(n) == "native" else dequantize_kernel
     return module.dequantize_sum(
-        arrays["words"], arrays["scales"], n=n, levels=self.levels,
-        bucket_size=self.bucket_size)
+      arrays["words"], arrays["scales"], n=n, levels=self.levels, bucket_size=self.bucket_size
+    )
 
   def dequantize(self, codes: Array, scales: Array, n: int) -> Array:
     """Flat float32 values of ``n`` codes (``magnitude | sign << magnitude_bits``)."""
@@ -663,8 +687,10 @@ class OneBit(Codec):
     if not isinstance(self.per_column, (bool, np.bool_)):
       raise TypeError(f"per_column must be a bool, got {self.per_column!r}")
     if self.per_column and self.bucket_size is not None:
-      raise ValueError(f"per_column=True takes each column as a bucket: leave "
-                       f"bucket_size=None (got {self.bucket_size})")
+      raise ValueError(
+        f"per_column=True takes each column as a bucket: leave "
+        f"bucket_size=None (got {self.bucket_size})"
+      )
 
   def _kernel_unsupported(self, n: int, dtype: Any) -> str | None:
     if self.per_column:
@@ -712,14 +738,13 @@ class OneBit(Codec):
   def _kernel_encode(self, x: Array, residual: Array | None = None) -> tuple[Payload, ...]:
     """The sign_pack kernel's payload (and new residual, when ``residual`` is given)."""
     module = cpu_kernels if self.kernel_backend(x.size, x.dtype) == "native" else sign_pack_kernel
-    words, pos, neg, *new_residual = module.sign_pack(
-        x, residual, bucket_size=self.bucket_size)
-    payload = Payload({"words": words, "pos": pos, "neg": neg}, tuple(x.shape),
-                      jnp.dtype(x.dtype))
+    words, pos, neg, *new_residual = module.sign_pack(x, residual, bucket_size=self.bucket_size)
+    payload = Payload({"words": words, "pos": pos, "neg": neg}, tuple(x.shape), jnp.dtype(x.dtype))
     return (payload, *new_residual)
 
-  def encode_feedback(self, g: Array, residual: Array, *,
-                      key: Array | None = None) -> tuple[Payload, Array, Array]:
+  def encode_feedback(
+    self, g: Array, residual: Array, *, key: Array | None = None
+  ) -> tuple[Payload, Array, Array]:
     """See :meth:`Codec.encode_feedback`; fused into the sign_pack kernel when it runs.
 
     ``finite`` is then read off the means (a non-finite value makes its bucket's mean
@@ -747,8 +772,7 @@ class OneBit(Codec):
     two_level = b > 0 and b % _WORD == 0
     pos_sum, neg_sum, neg_count = _onebit_sums(v, words, two_level=two_level)
     # Padding is +0, counted as non-negative: take it out of the counts.
-    pos_count = (jnp.asarray(_valid_counts(n, b, nb, neg_count.dtype))
-                 - neg_count).astype(_F32)
+    pos_count = (jnp.asarray(_valid_counts(n, b, nb, neg_count.dtype)) - neg_count).astype(_F32)
     neg_count = neg_count.astype(_F32)
 
     # A sum past FLT_MAX (finite values from ~FLT_MAX / b): sum again scaled by
@@ -760,12 +784,16 @@ class OneBit(Codec):
     def rescued():  # from `flat`, not `v`: a branch operand is materialised, and `v` is
       down = np.float32(2.0**-shift)  # otherwise fused into the reductions
       scaled = _onebit_sums(_to_buckets(flat * down, b, nb), words, two_level=two_level)
-      return (kernel_common.side_mean(pos_sum, scaled[0], pos_count, shift),
-              kernel_common.side_mean(neg_sum, scaled[1], neg_count, shift))
+      return (
+        kernel_common.side_mean(pos_sum, scaled[0], pos_count, shift),
+        kernel_common.side_mean(neg_sum, scaled[1], neg_count, shift),
+      )
 
     def plain():
-      return (jnp.where(pos_count > 0, pos_sum / jnp.maximum(pos_count, 1.0), 0.0),
-              jnp.where(neg_count > 0, neg_sum / jnp.maximum(neg_count, 1.0), 0.0))
+      return (
+        jnp.where(pos_count > 0, pos_sum / jnp.maximum(pos_count, 1.0), 0.0),
+        jnp.where(neg_count > 0, neg_sum / jnp.maximum(neg_count, 1.0), 0.0),
+      )
 
     overflow = jnp.any(jnp.isinf(pos_sum)) | jnp.any(jnp.isinf(neg_sum))
     pos, neg = lax.cond(overflow, rescued, plain)
@@ -775,7 +803,8 @@ class OneBit(Codec):
   def _kernel_decode_sum(self, arrays: dict[str, Array], n: int) -> Array:
     module = cpu_kernels if self.kernel_backend(n) == "native" else sign_pack_kernel
     return module.sign_unpack_sum(
-        arrays["words"], arrays["pos"], arrays["neg"], n=n, bucket_size=self.bucket_size)
+      arrays["words"], arrays["pos"], arrays["neg"], n=n, bucket_size=self.bucket_size
+    )
 
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)
@@ -863,8 +892,9 @@ class ScaledSign(Codec):
     shift = kernel_common.sum_shift(b)
 
     def rescaled():  # finite values summing past FLT_MAX: their l1 norm scaled by 2**-shift
-      scaled = _onebit_sums(_to_buckets(flat * np.float32(2.0**-shift), b, nb), words,
-                            two_level=two_level)
+      scaled = _onebit_sums(
+        _to_buckets(flat * np.float32(2.0**-shift), b, nb), words, two_level=two_level
+      )
       return scaled[0] - scaled[1]
 
     # Only the extra pass is conditional: the arithmetic with the static counts stays
@@ -873,8 +903,7 @@ class ScaledSign(Codec):
     scaled_l1 = lax.cond(jnp.any(jnp.isinf(l1)), rescaled, lambda: jnp.zeros_like(l1))
     big = jnp.clip(scaled_l1 / safe * np.float32(2.0**shift), 0.0, kernel_common.FLT_MAX)
     # Where the scaled norm is not finite either, an input was: the scale stays so.
-    scales = jnp.where(has, jnp.where(jnp.isinf(l1) & jnp.isfinite(scaled_l1), big,
-                                      l1 / safe), 0.0)
+    scales = jnp.where(has, jnp.where(jnp.isinf(l1) & jnp.isfinite(scaled_l1), big, l1 / safe), 0.0)
     return Payload({"words": words, "scales": scales}, tuple(x.shape), jnp.dtype(x.dtype))
 
   def _decode_f32(self, payload: Payload) -> Array:

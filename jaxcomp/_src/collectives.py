@@ -12,8 +12,8 @@ import math
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 from jaxcomp._src.codecs import Codec
 from jaxcomp._src.codecs import flat_chunk_length
@@ -23,16 +23,18 @@ from jaxcomp._src.phases import ENCODE_SCOPE
 Array = jax.Array
 _F32 = jnp.float32
 
+
 def axis_size(axis_name) -> int:
   """Size of a bound named axis, or a clear ``ValueError`` when it is not bound."""
   try:
     return int(lax.axis_size(axis_name))
   except NameError as e:
     raise ValueError(
-        f"axis_name={axis_name!r} is not bound here: call the transform inside "
-        f"jax.shard_map(..., mesh=...) over a mesh with that axis, or inside "
-        f"jax.pmap(..., axis_name={axis_name!r}); use axis_name=None to compress "
-        f"locally without a collective.") from e
+      f"axis_name={axis_name!r} is not bound here: call the transform inside "
+      f"jax.shard_map(..., mesh=...) over a mesh with that axis, or inside "
+      f"jax.pmap(..., axis_name={axis_name!r}); use axis_name=None to compress "
+      f"locally without a collective."
+    ) from e
 
 
 def varying_axes(x) -> frozenset:
@@ -62,11 +64,12 @@ def check_local(path, g, axis_name) -> None:
     return
   if axis_name not in varying_axes(g):
     raise ValueError(
-        f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
-        f"axis {axis_name!r}: it was all-reduced before compression. Inside "
-        f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
-        f"gradient over devices (a dense psum); differentiate with respect to "
-        f"jc.vary(params, {axis_name!r}) to get the local gradient.")
+      f"the gradient at {jax.tree_util.keystr(path)} is already replicated over "
+      f"axis {axis_name!r}: it was all-reduced before compression. Inside "
+      f"jax.shard_map, jax.grad with respect to replicated parameters sums the "
+      f"gradient over devices (a dense psum); differentiate with respect to "
+      f"jc.vary(params, {axis_name!r}) to get the local gradient."
+    )
 
 
 def vary(tree, axis_name):
@@ -145,8 +148,7 @@ def _from_words(w: Array, like) -> Array:
 
 
 def _fusable(leaves) -> bool:
-  return len(leaves) > 1 and not any(
-      jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves)
+  return len(leaves) > 1 and not any(jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves)
 
 
 def _exchange_words(leaves, exchange, *, per_device: bool) -> list[Array]:
@@ -158,14 +160,13 @@ def _exchange_words(leaves, exchange, *, per_device: bool) -> list[Array]:
   result is split back into ``(K, ...)`` arrays of the leaves' dtypes.
   """
   unit = jnp.dtype(f"uint{8 * min(jnp.dtype(x.dtype).itemsize for x in leaves)}")
-  pack = jax.vmap(lambda a: _as_words(a, unit)) if per_device else (
-      lambda a: _as_words(a, unit))
+  pack = jax.vmap(lambda a: _as_words(a, unit)) if per_device else (lambda a: _as_words(a, unit))
   words = [pack(x) for x in leaves]
   got = exchange(jnp.concatenate(words, axis=-1))
   out, offset = [], 0
   for x, w in zip(leaves, words):
     like = jax.ShapeDtypeStruct(x.shape[1:] if per_device else x.shape, x.dtype)
-    out.append(_from_words(got[:, offset:offset + w.shape[-1]], like))
+    out.append(_from_words(got[:, offset : offset + w.shape[-1]], like))
     offset += w.shape[-1]
   return out
 
@@ -208,8 +209,7 @@ def gather_tree(tree, axis_name):
   def exchange(group):
     if not _fusable(group):
       return [all_gather_invariant(a, axis_name) for a in group]
-    return _exchange_words(group, lambda b: all_gather_invariant(b, axis_name),
-                           per_device=False)
+    return _exchange_words(group, lambda b: all_gather_invariant(b, axis_name), per_device=False)
 
   return treedef.unflatten(_grouped(leaves, exchange))
 
@@ -256,7 +256,7 @@ def psum_tree(tree, axis_name):
     offset = 0
     for i in idx:
       n = leaves[i].size
-      out[i] = total[offset:offset + n].reshape(leaves[i].shape)
+      out[i] = total[offset : offset + n].reshape(leaves[i].shape)
       offset += n
   return treedef.unflatten(out)
 
@@ -269,10 +269,10 @@ def pmean_tree(tree, axis_name):
 
 
 class Exchanged(NamedTuple):
-  mean: Array         # the averaged tensor, float32, identical on all devices
-  sent: Array         # what this device's first-stage payload decodes to (float32)
+  mean: Array  # the averaged tensor, float32, identical on all devices
+  sent: Array  # what this device's first-stage payload decodes to (float32)
   chunk_residual: Array | None  # new second-stage residual (two-phase with EF)
-  overflow: Array     # bool scalar: a codec capacity overflowed on this device
+  overflow: Array  # bool scalar: a codec capacity overflowed on this device
 
 
 def local(codec: Codec, x: Array, key: Array) -> Exchanged:
@@ -303,8 +303,7 @@ def _decode_means(codecs, gathered, k: int) -> list[Array]:
   times both forms). Not on GPU, where a conditional's predicate goes to the host and
   where the Pallas decode-sum kernel already writes the mean once.
   """
-  return _materialized(lambda: [c.decode_sum(g) / k for c, g in zip(codecs, gathered)],
-                       gathered)
+  return _materialized(lambda: [c.decode_sum(g) / k for c, g in zip(codecs, gathered)], gathered)
 
 
 def _materialized(compute, received):
@@ -318,8 +317,11 @@ def _materialized(compute, received):
   token = leaves[0].reshape(-1)[0]
   if jnp.issubdtype(token.dtype, jax.dtypes.extended) or token.size == 0:
     return compute()
-  token = lax.bitcast_convert_type(token, jnp.dtype(f"uint{8 * token.dtype.itemsize}")) \
-      if token.dtype != jnp.bool_ else token.astype(jnp.uint8)
+  token = (
+    lax.bitcast_convert_type(token, jnp.dtype(f"uint{8 * token.dtype.itemsize}"))
+    if token.dtype != jnp.bool_
+    else token.astype(jnp.uint8)
+  )
   return lax.cond(token != 0x5A, compute, compute)
 
 
@@ -368,8 +370,8 @@ def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
   payloads, dense = list(payloads), list(dense)
   gathered = gather_tree(payloads + dense, axis_name)
   with jax.named_scope(DECODE_SCOPE):
-    means = _decode_means([codec] * len(payloads), gathered[:len(payloads)], k)
-    dense_means = [(g[0] + g[1] if k == 2 else g[0]) / k for g in gathered[len(payloads):]]
+    means = _decode_means([codec] * len(payloads), gathered[: len(payloads)], k)
+    dense_means = [(g[0] + g[1] if k == 2 else g[0]) / k for g in gathered[len(payloads) :]]
   return means, dense_means
 
 
@@ -400,8 +402,10 @@ def pmean_and_count(dense, counts, axis_name) -> tuple[list, list]:
   dense, counts = list(dense), list(counts)
   summed = psum_tree(dense + [c.astype(_F32) for c in counts], axis_name)
   k = axis_size(axis_name)
-  return ([x / k for x in summed[:len(dense)]],
-          [jnp.round(x).astype(jnp.int32) for x in summed[len(dense):]])
+  return (
+    [x / k for x in summed[: len(dense)]],
+    [jnp.round(x).astype(jnp.int32) for x in summed[len(dense) :]],
+  )
 
 
 def payload_mean(codec: Codec, payload, axis_name) -> Array:
@@ -471,16 +475,18 @@ def psum_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   """
   fields = codec.summable_fields
   if fields is None:
-    raise ValueError(f"{type(codec).__name__} payloads cannot be summed: use "
-                     f"collective='allgather' or 'two_phase'")
+    raise ValueError(
+      f"{type(codec).__name__} payloads cannot be summed: use collective='allgather' or 'two_phase'"
+    )
   k = axis_size(axis_name)
   if codec.shared_randomness:
     key = shared_key(key, axis_name)
   with jax.named_scope(ENCODE_SCOPE):
     payload, overflow = codec.encode_with_info(x, key=key)
     sent = codec.decode(payload, _F32)
-  arrays = {name: lax.psum(a, axis_name) if name in fields else a
-            for name, a in payload.arrays.items()}
+  arrays = {
+    name: lax.psum(a, axis_name) if name in fields else a for name, a in payload.arrays.items()
+  }
   with jax.named_scope(DECODE_SCOPE):
     total = codec.decode(type(payload)(arrays, payload.shape, payload.dtype), _F32)
   return Exchanged(total / k, sent, None, overflow)
@@ -492,8 +498,7 @@ def chunk_length(codec: Codec, n: int, k: int) -> int:
   return flat_chunk_length(codec.alignment, n, k)
 
 
-def two_phase_means(codec: Codec, xs, keys, axis_name,
-                    chunk_residuals=None) -> list[Exchanged]:
+def two_phase_means(codec: Codec, xs, keys, axis_name, chunk_residuals=None) -> list[Exchanged]:
   """Scatter-reduce then all-gather on payloads (1-bit SGD §3.1, CGX, DeepSpeed).
 
   Each tensor is cut into K chunks (:meth:`Codec.to_chunks`: by default flat slices of
@@ -514,7 +519,8 @@ def two_phase_means(codec: Codec, xs, keys, axis_name,
       chunks = codec.to_chunks(x, k)
       key1, key2 = jax.random.split(key)
       payloads, overflow = jax.vmap(lambda v, kk: codec.encode_with_info(v, key=kk))(
-          chunks, jax.random.split(key1, k))
+        chunks, jax.random.split(key1, k)
+      )
       sent = codec.from_chunks(jax.vmap(lambda p: codec.decode(p, _F32))(payloads), x.shape)
     firsts.append((payloads, sent, jnp.any(overflow), key2))
   received = all_to_all_tree([f[0] for f in firsts], axis_name)
@@ -541,15 +547,19 @@ def two_phase_means(codec: Codec, xs, keys, axis_name,
   out = []
 
   def decode_all():
-    return [codec.from_chunks(jax.vmap(lambda p: codec.decode(p, _F32))(g), x.shape)
-            for x, g in zip(xs, gathered)]
+    return [
+      codec.from_chunks(jax.vmap(lambda p: codec.decode(p, _F32))(g), x.shape)
+      for x, g in zip(xs, gathered)
+    ]
 
   with jax.named_scope(DECODE_SCOPE):  # written once on CPU, see _decode_means
     means = _materialized(decode_all, gathered)
   for x, (_, sent, overflow, _), (_, new_residual, overflow2), mean in zip(
-      xs, firsts, seconds, means):
-    out.append(Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual,
-                         overflow | overflow2))
+    xs, firsts, seconds, means
+  ):
+    out.append(
+      Exchanged(mean.reshape(x.shape), sent.reshape(x.shape), new_residual, overflow | overflow2)
+    )
   return out
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
@@ -65,8 +66,11 @@ def dgc_density_schedule(density: float = 0.001, warmup_steps: int = 0) -> optax
 
 
 def _stage(count: Array, starts: Array) -> Array:
-  return jnp.sum(count >= starts[1:], dtype=jnp.int32) if starts.shape[0] > 1 else (
-      jnp.zeros((), jnp.int32))
+  return (
+    jnp.sum(count >= starts[1:], dtype=jnp.int32)
+    if starts.shape[0] > 1
+    else (jnp.zeros((), jnp.int32))
+  )
 
 
 class DGCState(NamedTuple):
@@ -77,10 +81,10 @@ class DGCState(NamedTuple):
   leaves, ``optax.MaskedNode()`` elsewhere.
   """
 
-  count: Array            # shape=(), int32: steps taken (drives the warm-up)
-  key: Array              # typed PRNG key (the sampled threshold's sample)
-  momentum: Any           # u, float32, leaf shapes
-  velocity: Any           # v, float32, leaf shapes for compressed leaves
+  count: Array  # shape=(), int32: steps taken (drives the warm-up)
+  key: Array  # typed PRNG key (the sampled threshold's sample)
+  momentum: Any  # u, float32, leaf shapes
+  velocity: Any  # v, float32, leaf shapes for compressed leaves
   nonfinite_count: Array  # shape=(), int32: steps skipped because g had NaN/Inf
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
@@ -123,20 +127,20 @@ def _clip(gs: list[Array], threshold: float, mode: str) -> list[Array]:
 
 
 def dgc(
-    density: float = 0.001,
-    momentum: float = 0.9,
-    *,
-    nesterov: bool = False,
-    clip_norm: float | None = None,
-    clip: str = "global",
-    warmup_steps: int = 0,
-    momentum_masking: bool = True,
-    method: str = "sampled",
-    axis_name: Any = None,
-    collective: str = "allgather",
-    chunk_size: int = 512,
-    filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
-    seed: int = 0,
+  density: float = 0.001,
+  momentum: float = 0.9,
+  *,
+  nesterov: bool = False,
+  clip_norm: float | None = None,
+  clip: str = "global",
+  warmup_steps: int = 0,
+  momentum_masking: bool = True,
+  method: str = "sampled",
+  axis_name: Any = None,
+  collective: str = "allgather",
+  chunk_size: int = 512,
+  filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
+  seed: int = 0,
 ) -> optax.GradientTransformation:
   r"""Deep Gradient Compression: sparse top-k exchange with momentum correction.
 
@@ -245,10 +249,14 @@ def dgc(
       mom.append(jnp.zeros(leaf.shape, _F32))
       on = treeutil.selected(filter_fn, path, leaf)
       vel.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
-    return DGCState(count=jnp.zeros((), jnp.int32), key=jax.random.key(seed),
-                    momentum=treedef.unflatten(mom), velocity=treedef.unflatten(vel),
-                    nonfinite_count=jnp.zeros((), jnp.int32),
-                    shapes=treeutil.LeafShapes.of(params))
+    return DGCState(
+      count=jnp.zeros((), jnp.int32),
+      key=jax.random.key(seed),
+      momentum=treedef.unflatten(mom),
+      velocity=treedef.unflatten(vel),
+      nonfinite_count=jnp.zeros((), jnp.int32),
+      shapes=treeutil.LeafShapes.of(params),
+    )
 
   def dense_leaf(g, u):
     """Momentum SGD for a leaf the filter leaves out: (local update, new momentum)."""
@@ -275,8 +283,7 @@ def dgc(
         else:
           payload = codec.encode(v, key=key)
           idx = payload.arrays["indices"].astype(jnp.int32)
-          sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(
-              v.shape)
+          sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(v.shape)
           payloads.append(payload)
           outs.append(v)  # replaced by the mean below
         new_v.append(jnp.where(sent_mask, 0.0, v))
@@ -333,8 +340,9 @@ def dgc(
           collectives.check_local(path, g, axis_name)
     else:
       num = 1
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (
-        jnp.ones((), bool))
+    finite = (
+      jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (jnp.ones((), bool))
+    )
     if axis_name is not None:  # the shards of a tensor-parallel group skip together
       finite = ~collectives.any_over_other_axes(~finite, axis_name)
     if clip_norm is not None and gs:
@@ -344,8 +352,12 @@ def dgc(
     for i in off:
       outs[i], new_u[i] = dense_leaf(gs[i], us[i])
     sel = [i for i, o in enumerate(on) if o]
-    args = ([gs[i] for i in sel], [us[i] for i in sel], [vs[i] for i in sel],
-            [jax.random.fold_in(step_key, i) for i in sel])
+    args = (
+      [gs[i] for i in sel],
+      [us[i] for i in sel],
+      [vs[i] for i in sel],
+      [jax.random.fold_in(step_key, i) for i in sel],
+    )
     dense = [outs[i] for i in off] if axis_name is not None else []
     sparse_out, dense_means = exchange(state.count, args, dense, num)
     if axis_name is not None:
@@ -357,10 +369,13 @@ def dgc(
     new_v = [jnp.where(finite, a, b) if o else b for a, b, o in zip(new_v, vs, on)]
     outs = [o.astype(g.dtype) for o, (_, g) in zip(outs, leaves)]
     new_state = DGCState(
-        count=state.count + 1, key=key, momentum=treedef.unflatten(new_u),
-        velocity=treedef.unflatten(new_v),
-        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-        shapes=state.shapes)
+      count=state.count + 1,
+      key=key,
+      momentum=treedef.unflatten(new_u),
+      velocity=treedef.unflatten(new_v),
+      nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+      shapes=state.shapes,
+    )
     return treedef.unflatten(outs), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

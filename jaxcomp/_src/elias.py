@@ -200,8 +200,9 @@ def _omega_codes(k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   return code, length
 
 
-def _or_fields(words: np.ndarray, offsets: np.ndarray, values: np.ndarray,
-               widths: np.ndarray) -> None:
+def _or_fields(
+  words: np.ndarray, offsets: np.ndarray, values: np.ndarray, widths: np.ndarray
+) -> None:
   """ORs each ``widths[i]``-bit number ``values[i]`` (1..64 bits) into the MSB-first
   uint64 ``words`` at bit ``offsets[i]``; the offsets must be increasing, the fields
   disjoint."""
@@ -244,8 +245,9 @@ def omega_encode(k: Any) -> np.ndarray:
   words = np.zeros(-(-num_bits // 64), _U64)
   offsets = starts[:, None] + np.cumsum(widths, axis=1) - widths
   present = widths.reshape(-1) > 0
-  _or_fields(words, offsets.reshape(-1)[present], values.reshape(-1)[present],
-             widths.reshape(-1)[present])
+  _or_fields(
+    words, offsets.reshape(-1)[present], values.reshape(-1)[present], widths.reshape(-1)[present]
+  )
   return _words_to_bits(words, num_bits)
 
 
@@ -274,12 +276,12 @@ class _Reader:
     data = np.asarray(data, np.uint8).reshape(-1)
     self.num_bits = int(num_bits)
     pad = np.zeros(data.size + 16, np.uint8)
-    pad[:data.size] = data
+    pad[: data.size] = data
     m = data.size + 9
     # word[j] = bytes j..j+7 as a big-endian uint64; u24[j] = bytes j..j+2
     word = np.zeros(m, _U64)
     for i in range(8):
-      word |= pad[i:i + m].astype(_U64) << _U64(56 - 8 * i)
+      word |= pad[i : i + m].astype(_U64) << _U64(56 - 8 * i)
     self._word = word
     self._u24 = (word >> _U64(40)).astype(np.int32)
 
@@ -308,7 +310,7 @@ class _Reader:
     """:meth:`omega_at` at every position of ``[lo, hi)``."""
     j0, j1 = lo >> 3, -(-hi // 8)
     shifts = np.arange(8, 0, -1, dtype=np.int32)
-    w16 = ((self._u24[j0:j1, None] >> shifts) & 0xFFFF).reshape(-1)[lo - 8 * j0:hi - 8 * j0]
+    w16 = ((self._u24[j0:j1, None] >> shifts) & 0xFFFF).reshape(-1)[lo - 8 * j0 : hi - 8 * j0]
     return self._omega_from_windows(np.arange(lo, hi, dtype=np.int64), w16)
 
   def _omega_from_windows(self, pos, w16):
@@ -382,8 +384,9 @@ def omega_decode(bits: Any, count: int | None = None) -> tuple[np.ndarray, int]:
   t = 0
   while (t < num_bits) if count is None else (len(starts) < count):
     if t >= num_bits:
-      raise ValueError(f"omega_decode: the bits end after {len(starts)} codes, "
-                       f"{count} were asked for")
+      raise ValueError(
+        f"omega_decode: the bits end after {len(starts)} codes, {count} were asked for"
+      )
     e = endl[t]
     if e < 0:
       raise ValueError(_omega_error(rd, t, "Elias omega code"))
@@ -399,8 +402,9 @@ def _omega_error(rd: _Reader, t: int, what: str) -> str:
   n, p = 1, t
   while p < rd.num_bits and rd.bit(np.array([p]))[0]:
     if n >= 64:
-      return (f"the {what} at bit {t} has a group of {n + 1} bits (a value >= 2**64): "
-              f"corrupted stream")
+      return (
+        f"the {what} at bit {t} has a group of {n + 1} bits (a value >= 2**64): corrupted stream"
+      )
     if p + n + 1 > rd.num_bits:
       break
     n, p = int(rd.window(np.array([p]))[0] >> np.uint64(63 - n)), p + n + 1
@@ -414,7 +418,7 @@ def bytes_to_words(data: Any) -> np.ndarray:
   """Stream bytes as uint32 words (bit ``t`` in bit ``31 - t % 32`` of word ``t // 32``)."""
   data = np.asarray(data, np.uint8).reshape(-1)
   pad = np.zeros(-(-data.size // 4) * 4, np.uint8)
-  pad[:data.size] = data
+  pad[: data.size] = data
   return pad.view(">u4").astype(np.uint32)
 
 
@@ -479,12 +483,18 @@ class _Layout:
     self.sentinels = (sizes - last).astype(_U64)
 
   def num_bits(self) -> int:
-    return int(32 * self.nb + self.levels.size + omega_length(self.gaps).sum()
-               + omega_length(self.levels).sum() + omega_length(self.sentinels).sum())
+    return int(
+      32 * self.nb
+      + self.levels.size
+      + omega_length(self.gaps).sum()
+      + omega_length(self.levels).sum()
+      + omega_length(self.sentinels).sum()
+    )
 
 
-def encode_stream(scales: Any, mags: Any, signs: Any,
-                  bucket_size: int | None = None) -> tuple[np.ndarray, int]:
+def encode_stream(
+  scales: Any, mags: Any, signs: Any, bucket_size: int | None = None
+) -> tuple[np.ndarray, int]:
   """Encodes quantized buckets in the QSGD string format (see the module docstring).
 
   Args:
@@ -527,7 +537,7 @@ def encode_stream(scales: Any, mags: Any, signs: Any,
     two = ~one
     _or_fields(words, t0[two], gcode[two], glen[two])
     _or_fields(words, t0[two] + glen[two], tail[two], 1 + mlen[two])
-  data = words.astype(">u8").view(np.uint8)[:-(-num_bits // 8)]
+  data = words.astype(">u8").view(np.uint8)[: -(-num_bits // 8)]
   return data, num_bits
 
 
@@ -585,8 +595,9 @@ class _Segment:
     return out.reshape(-1) + self.lo
 
 
-def decode_stream(data: Any, num_bits: int, *, n: int, levels: int,
-                  bucket_size: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def decode_stream(
+  data: Any, num_bits: int, *, n: int, levels: int, bucket_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Decodes a QSGD string (see the module docstring); the inverse of :func:`encode_stream`.
 
   Args:
@@ -609,20 +620,23 @@ def decode_stream(data: Any, num_bits: int, *, n: int, levels: int,
   data = np.asarray(data, np.uint8).reshape(-1)
   num_bits = int(num_bits)
   if num_bits < 0 or 8 * data.size < num_bits:
-    raise ValueError(f"truncated QSGD stream: {num_bits} bits need {-(-num_bits // 8)} "
-                     f"bytes, got {data.size}")
+    raise ValueError(
+      f"truncated QSGD stream: {num_bits} bits need {-(-num_bits // 8)} bytes, got {data.size}"
+    )
   if num_bits % 8 and data[num_bits // 8] & ((1 << (8 - num_bits % 8)) - 1):
     raise ValueError(f"corrupted QSGD stream: non-zero padding bits after bit {num_bits}")
   b, nb, sizes = _bucket_sizes(int(n), bucket_size)
-  rd = _Reader(data[:-(-num_bits // 8)], num_bits)
+  rd = _Reader(data[: -(-num_bits // 8)], num_bits)
 
   heads, singles, coarse = [], [], []
   seg = None
   t = 0
   for j in range(nb):
     if t + 32 > num_bits:
-      raise ValueError(f"truncated QSGD stream: bucket {j} of {nb} starts at bit {t} but "
-                       f"the stream has {num_bits} bits")
+      raise ValueError(
+        f"truncated QSGD stream: bucket {j} of {nb} starts at bit {t} but "
+        f"the stream has {num_bits} bits"
+      )
     heads.append(t)
     t += 32
     p = -1
@@ -630,8 +644,9 @@ def decode_stream(data: Any, num_bits: int, *, n: int, levels: int,
     jumps = _JUMPS if size < _CAP else ()  # a sum of _CAP must not pass for valid
     while True:
       if t >= num_bits:
-        raise ValueError(f"truncated QSGD stream: bucket {j} of {nb} has no end marker "
-                         f"before bit {num_bits}")
+        raise ValueError(
+          f"truncated QSGD stream: bucket {j} of {nb} has no end marker before bit {num_bits}"
+        )
       if seg is None or not seg.lo <= t < seg.hi:
         if seg is not None:
           coarse.extend(seg.expand(c, k) for k, c in seg.pending.items())
@@ -652,8 +667,9 @@ def decode_stream(data: Any, num_bits: int, *, n: int, levels: int,
         if p >= size:
           if p > size:
             raise ValueError(
-                f"corrupted QSGD stream: the gap at bit {t} jumps to position {p} of bucket "
-                f"{j}, past its end marker at {size}")
+              f"corrupted QSGD stream: the gap at bit {t} jumps to position {p} of bucket "
+              f"{j}, past its end marker at {size}"
+            )
           t = e
           break
         nt = seg.nxt.item(i)
@@ -664,8 +680,10 @@ def decode_stream(data: Any, num_bits: int, *, n: int, levels: int,
   if seg is not None:
     coarse.extend(seg.expand(c, k) for k, c in seg.pending.items())
   if t != num_bits:
-    raise ValueError(f"corrupted QSGD stream: {num_bits - t} trailing bits after the last "
-                     f"bucket (it ends at bit {t} of {num_bits})")
+    raise ValueError(
+      f"corrupted QSGD stream: {num_bits - t} trailing bits after the last "
+      f"bucket (it ends at bit {t} of {num_bits})"
+    )
 
   # The triples, in stream order, decoded again (vectorised) at their starts.
   st = np.sort(np.concatenate([np.asarray(singles, np.int64)] + coarse))
@@ -674,8 +692,10 @@ def decode_stream(data: Any, num_bits: int, *, n: int, levels: int,
   bad = np.flatnonzero(mags > _U64(levels))
   if bad.size:
     i = int(bad[0])
-    raise ValueError(f"corrupted QSGD stream: level {int(mags[i])} at bit "
-                     f"{int(gap_end[i]) + 1} is above s = {levels}")
+    raise ValueError(
+      f"corrupted QSGD stream: level {int(mags[i])} at bit "
+      f"{int(gap_end[i]) + 1} is above s = {levels}"
+    )
   head_pos = np.asarray(heads, np.int64)
   bucket = np.searchsorted(head_pos, st, side="right") - 1
   csum = np.cumsum(gaps.astype(np.int64))
@@ -714,8 +734,9 @@ def _payload_codes(codec: Any, payload: Any) -> tuple[np.ndarray, np.ndarray, np
   expected = bitpack.num_words(n, codec.bits)
   if words.shape != (expected,) or scales.shape != (nb,):
     raise ValueError(
-        f"expected one payload of {n} values: words ({expected},) and scales ({nb},), got "
-        f"{words.shape} and {scales.shape} (stacked payloads: serialize each row)")
+      f"expected one payload of {n} values: words ({expected},) and scales ({nb},), got "
+      f"{words.shape} and {scales.shape} (stacked payloads: serialize each row)"
+    )
   codes = np.asarray(bitpack.unpack_bits(jnp.asarray(words, jnp.uint32), codec.bits, n))
   mags = codes & np.uint32((1 << codec.magnitude_bits) - 1)
   signs = codes >> np.uint32(codec.magnitude_bits)
@@ -768,8 +789,9 @@ def qsgd_to_bytes(codec: Any, payload: Any) -> bytes:
   return struct.pack(">I", num_bits) + data.tobytes()
 
 
-def qsgd_from_bytes(codec: Any, data: bytes, shape: tuple[int, ...],
-                    dtype: Any = jnp.float32) -> Any:
+def qsgd_from_bytes(
+  codec: Any, data: bytes, shape: tuple[int, ...], dtype: Any = jnp.float32
+) -> Any:
   """Deserializes :func:`qsgd_to_bytes`'s output to a payload of ``codec``.
 
   Args:
@@ -791,12 +813,15 @@ def qsgd_from_bytes(codec: Any, data: bytes, shape: tuple[int, ...],
   (num_bits,) = struct.unpack(">I", data[:_HEADER_BYTES])
   body = np.frombuffer(data, np.uint8, offset=_HEADER_BYTES)
   if body.size != -(-num_bits // 8):
-    raise ValueError(f"QSGD string length mismatch: the header says {num_bits} bits "
-                     f"({-(-num_bits // 8)} bytes), {body.size} bytes follow it")
+    raise ValueError(
+      f"QSGD string length mismatch: the header says {num_bits} bits "
+      f"({-(-num_bits // 8)} bytes), {body.size} bytes follow it"
+    )
   shape = tuple(int(d) for d in shape)
   n = math.prod(shape)
-  scales, mags, signs = decode_stream(body, num_bits, n=n, levels=codec.levels,
-                                      bucket_size=codec.bucket_size)
+  scales, mags, signs = decode_stream(
+    body, num_bits, n=n, levels=codec.levels, bucket_size=codec.bucket_size
+  )
   codes = mags | (signs << np.uint32(codec.magnitude_bits))
   words = np.asarray(bitpack.pack_bits(jnp.asarray(codes), codec.bits))
   return _codecs.Payload({"words": words, "scales": scales}, shape, jnp.dtype(dtype))

@@ -27,9 +27,9 @@ import functools
 import math
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import elias
@@ -65,8 +65,9 @@ def _shl64(hi: Array, lo: Array, shift: Array) -> tuple[Array, Array]:
   return (jnp.where(small, hi_small, hi_big), jnp.where(small, lo << ss, _U32(0)))
 
 
-def omega_code(k: Array, tail: Array | None = None, tail_bits: int = 0
-               ) -> tuple[Array, Array, Array]:
+def omega_code(
+  k: Array, tail: Array | None = None, tail_bits: int = 0
+) -> tuple[Array, Array, Array]:
   """Left-aligned 64-bit Elias omega code of ``k >= 1``, optionally followed by bits.
 
   Returns ``(hi, lo, length)``: the code's first bit is bit 31 of ``hi``. ``tail`` (a
@@ -107,8 +108,9 @@ def _scatter_code(words: Array, offset: Array, hi: Array, lo: Array, valid: Arra
   return words
 
 
-def stream_words(scales: Array, mags: Array, negative: Array, lengths: tuple[int, ...],
-                 capacity_words: int) -> tuple[Array, Array]:
+def stream_words(
+  scales: Array, mags: Array, negative: Array, lengths: tuple[int, ...], capacity_words: int
+) -> tuple[Array, Array]:
   """Elias-codes a bucketed QSGD quantization: (uint32 words, used bits int32).
 
   Args:
@@ -146,8 +148,6 @@ def stream_words(scales: Array, mags: Array, negative: Array, lengths: tuple[int
   words = _scatter_code(words, starts + 32 + body, s_hi, s_lo, valid_bucket)
   used = jnp.sum(bucket_bits).astype(jnp.int32)
   return words, used
-
-
 
 
 def default_capacity_bits(n: int, levels: int, fixed_bits: int, norm: str = "l2") -> int:
@@ -224,10 +224,11 @@ class EliasQSGD(codecs_lib.Codec):
   needs_key = True
 
   def __post_init__(self):
-    self.fallback  # validates levels, bucket_size, norm  # pylint: disable=pointless-statement
+    _ = self.fallback  # validates levels, bucket_size, norm
     if self.capacity is not None and not self.capacity > 0:
-      raise ValueError(f"capacity must be a positive number of bits per value, got "
-                       f"{self.capacity!r}")
+      raise ValueError(
+        f"capacity must be a positive number of bits per value, got {self.capacity!r}"
+      )
 
   @property
   def fallback(self) -> codecs_lib.QSGD:
@@ -244,8 +245,10 @@ class EliasQSGD(codecs_lib.Codec):
       bits = math.ceil(self.capacity * max(n, 1))
     else:
       q = self.fallback
-      bits = sum(default_capacity_bits(b, self.levels, q.bits * b + 32, self.norm)
-                 for b in self.bucket_lengths(n))
+      bits = sum(
+        default_capacity_bits(b, self.levels, q.bits * b + 32, self.norm)
+        for b in self.bucket_lengths(n)
+      )
     return 32 * max(1, -(-bits // 32))
 
   def encode_with_info(self, x: Array, *, key: Array | None = None) -> tuple[Payload, Array]:
@@ -261,12 +264,16 @@ class EliasQSGD(codecs_lib.Codec):
   def _host_codes(self, words: Array, used: Array, n: int) -> tuple[Array, Array]:
     """(scales, codes) of stacked buffers, decoded on the host (one callback)."""
     nb = len(self.bucket_lengths(n))
-    host = functools.partial(_host_decode, n=n, nb=nb, levels=self.levels,
-                             bucket_size=self.bucket_size,
-                             magnitude_bits=self.fallback.magnitude_bits)
+    host = functools.partial(
+      _host_decode,
+      n=n,
+      nb=nb,
+      levels=self.levels,
+      bucket_size=self.bucket_size,
+      magnitude_bits=self.fallback.magnitude_bits,
+    )
     lead = words.shape[:-1]
-    out = (jax.ShapeDtypeStruct((*lead, nb), jnp.float32),
-           jax.ShapeDtypeStruct((*lead, n), _U32))
+    out = (jax.ShapeDtypeStruct((*lead, nb), jnp.float32), jax.ShapeDtypeStruct((*lead, n), _U32))
     return jax.pure_callback(host, out, words, used, vmap_method="sequential")
 
   def _decode_f32(self, payload: Payload) -> Array:

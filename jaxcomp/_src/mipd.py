@@ -11,20 +11,22 @@ device. The adaptations are listed in :func:`mipd`'s docstring and in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import functools
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any
+from typing import NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import collectives
-from jaxcomp._src import phases
 from jaxcomp._src import normal
+from jaxcomp._src import phases
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
@@ -55,8 +57,7 @@ def drop_rates(param_norms: Array, error_norms: Array, beta: float) -> Array:
   ``r^{MI}`` from the L2 norms of the layers' parameters (interpretability, eq. 1),
   ``r^{ESP}`` from the L2 norms of their prediction errors ``||g_i - ĝ_i||`` (eq. 6).
   """
-  return beta * inverse_share_rates(param_norms) + (1.0 - beta) * inverse_share_rates(
-      error_norms)
+  return beta * inverse_share_rates(param_norms) + (1.0 - beta) * inverse_share_rates(error_norms)
 
 
 def allocate_drops(rates: Array, sizes: Sequence[int], total: int) -> Array:
@@ -88,6 +89,7 @@ def allocate_drops(rates: Array, sizes: Sequence[int], total: int) -> Array:
   sizes_i = jnp.asarray(sizes_np, jnp.int32)
   drops = jnp.clip(jnp.floor(want).astype(jnp.int32), 0, sizes_i)
   frac = want - jnp.floor(want)
+
   # Hand out the rest one per layer, largest remainders first (the rest is below the
   # number of layers but for float rounding; that excess then fills the slack in the
   # same order); a negative rest (float rounding) is taken back alike, smallest first.
@@ -133,9 +135,12 @@ def top_mask(x: Array, k: Array) -> Array:
     lo, hi = carry
     span = hi - lo
     t = lo + (span // ways) * j + jnp.minimum(j, span % ways)  # non-decreasing in j
-    counts = lax.reduce(tuple((bits >= t[i]).astype(jnp.int32) for i in range(ways - 1)),
-                        (jnp.int32(0),) * (ways - 1),
-                        lambda a, b: tuple(u + v for u, v in zip(a, b)), (0,))
+    counts = lax.reduce(
+      tuple((bits >= t[i]).astype(jnp.int32) for i in range(ways - 1)),
+      (jnp.int32(0),) * (ways - 1),
+      lambda a, b: tuple(u + v for u, v in zip(a, b)),
+      (0,),
+    )
     m = sum((c >= k).astype(jnp.int32) for c in counts)  # a prefix of the thresholds
     new_lo = jnp.where(m > 0, t[jnp.maximum(m - 1, 0)], lo)
     new_hi = jnp.where(m < ways - 1, t[jnp.minimum(m, ways - 2)], hi)
@@ -176,8 +181,9 @@ class _Format:
   pairs in ``outliers`` slots. :meth:`pack` reports when either capacity overflowed.
   """
 
-  def __init__(self, sizes: Sequence[int], slots: int, outliers: int, quantizer,
-               dense: bool = False):
+  def __init__(
+    self, sizes: Sequence[int], slots: int, outliers: int, quantizer, dense: bool = False
+  ):
     self.sizes = tuple(int(s) for s in sizes)
     self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
     self.n = int(self.offsets[-1])
@@ -186,8 +192,7 @@ class _Format:
     self.quantizer = quantizer
     self.outliers = int(outliers) if quantizer is not None else 0
     self.index_bytes = sparse.index_dtype(self.n).itemsize if self.n else 1
-    self.bitmap = (not self.dense
-                   and 32 * -(-self.n // 32) < self.slots * 8 * self.index_bytes)
+    self.bitmap = not self.dense and 32 * -(-self.n // 32) < self.slots * 8 * self.index_bytes
 
   @property
   def nbytes(self) -> int:
@@ -198,11 +203,22 @@ class _Format:
     q = self.quantizer
     if q is None:
       return b + 4 * self.slots
-    return (b + 4 * bitpack.num_words(self.slots, q.bits) + 8 * len(self.sizes)
-            + self.outliers * (self.index_bytes + 4))
+    return (
+      b
+      + 4 * bitpack.num_words(self.slots, q.bits)
+      + 8 * len(self.sizes)
+      + self.outliers * (self.index_bytes + 4)
+    )
 
-  def pack(self, flat: Array, mask: Array, codes: Array | None, outl: Array | None,
-           stats: Array | None, finite: Array) -> tuple[dict, Array]:
+  def pack(
+    self,
+    flat: Array,
+    mask: Array,
+    codes: Array | None,
+    outl: Array | None,
+    stats: Array | None,
+    finite: Array,
+  ) -> tuple[dict, Array]:
     """Payload of the entries of flat ``x`` under ``mask``; (arrays, overflowed).
 
     ``codes``, ``outl`` (kept entries beyond the range) and ``stats`` (``(μ, σ)`` per
@@ -237,8 +253,7 @@ class _Format:
 
   def overflows(self, mask: Array, outl: Array | None) -> Array:
     """Whether the entries of ``mask``, or the outliers ``outl``, exceed the slots."""
-    over = jnp.zeros((), bool) if self.dense else (
-        jnp.sum(mask, dtype=jnp.int32) > self.slots)
+    over = jnp.zeros((), bool) if self.dense else (jnp.sum(mask, dtype=jnp.int32) > self.slots)
     if self.quantizer is not None:
       over = over | (jnp.sum(outl, dtype=jnp.int32) > self.outliers)
     return over
@@ -261,8 +276,10 @@ class _Format:
     out = arrays["outlier_indices"].astype(jnp.int32)
     if self.dense:  # the outliers' exact values replace their codes
       pos = pos.at[out].set(n, mode="drop")
-    return (jnp.concatenate([pos, out]),
-            jnp.concatenate([jnp.where(pos < n, vals, 0.0), arrays["outlier_values"]]))
+    return (
+      jnp.concatenate([pos, out]),
+      jnp.concatenate([jnp.where(pos < n, vals, 0.0), arrays["outlier_values"]]),
+    )
 
   def sum_and_count(self, stacked: dict) -> tuple[Array, Array]:
     """Sum over the stacked payloads (leading axis), and how many sent each entry."""
@@ -293,8 +310,14 @@ def _layer_codes(flats: Sequence[Array], masks: Sequence[Array], quantizer):
 class _Group:
   """Static layout of one exchanged group of layers: sizes, drops, all-gather formats."""
 
-  def __init__(self, sizes: Sequence[int], drop_rate: float, quantizer,
-               outlier_fraction: float = 0.0, min_keep: float = 0.0):
+  def __init__(
+    self,
+    sizes: Sequence[int],
+    drop_rate: float,
+    quantizer,
+    outlier_fraction: float = 0.0,
+    min_keep: float = 0.0,
+  ):
     # A layer drops at most this many (it keeps at least ceil(min_keep · size)).
     self.caps = tuple(int(s) - math.ceil(min_keep * int(s)) for s in sizes)
     self.sizes = tuple(int(s) for s in sizes)
@@ -303,12 +326,15 @@ class _Group:
     self.drops = int(round(drop_rate * self.n))
     self.kept = self.n - self.drops
     if self.drops > sum(self.caps):
-      raise ValueError(f"min_keep={min_keep} leaves {sum(self.caps)} droppable entries in a "
-                       f"group of {self.n}, fewer than the {self.drops} to drop")
+      raise ValueError(
+        f"min_keep={min_keep} leaves {sum(self.caps)} droppable entries in a "
+        f"group of {self.n}, fewer than the {self.drops} to drop"
+      )
     self.quantizer = quantizer
     self.outlier_fraction = outlier_fraction
-    outliers = (min(self.kept, sparse.num_entries(outlier_fraction, self.n))
-                if quantizer and self.kept else 0)
+    outliers = (
+      min(self.kept, sparse.num_entries(outlier_fraction, self.n)) if quantizer and self.kept else 0
+    )
     dense = self.drops == 0
     self.fmt = _Format(self.sizes, self.kept, outliers, quantizer, dense)
     # The same selection sent as float32: what every device sends when a capacity
@@ -323,8 +349,14 @@ class _Group:
   def code(self, flats: Sequence[Array], masks: Sequence[Array]) -> dict:
     """The group's flat values, mask, and (quantized) codes, outliers and stats."""
     flat = jnp.concatenate(flats)
-    out = dict(flat=flat, mask=jnp.concatenate(masks), codes=None, outl=None, stats=None,
-               finite=jnp.all(jnp.isfinite(flat)))
+    out = dict(
+      flat=flat,
+      mask=jnp.concatenate(masks),
+      codes=None,
+      outl=None,
+      stats=None,
+      finite=jnp.all(jnp.isfinite(flat)),
+    )
     if self.quantizer is not None:
       out["codes"], out["outl"], out["stats"] = _layer_codes(flats, masks, self.quantizer)
     return out
@@ -399,13 +431,12 @@ class _Owners:
     self.m = int(sum(seg))
     dense = group.drops == 0
     slots = self.m if dense else _capacity(group.kept / k, self.m, k)
-    outliers = (_capacity(group.fmt.outliers / k, self.m, k) if group.fmt.outliers else 0)
+    outliers = _capacity(group.fmt.outliers / k, self.m, k) if group.fmt.outliers else 0
     self.row = _Format(seg, slots, outliers, group.quantizer, dense)
     self.vectors = vectors
     self.pull = None
     if pull_quantizer is not None:  # outlier room as for the push's (data-dependent here)
-      pull_outliers = _capacity(
-          sparse.num_entries(group.outlier_fraction, group.n) / k, self.m, k)
+      pull_outliers = _capacity(sparse.num_entries(group.outlier_fraction, group.n) / k, self.m, k)
       self.pull = _Format(seg, self.m, pull_outliers, pull_quantizer, dense=True)
 
   def nbytes(self) -> float:
@@ -420,8 +451,11 @@ class _Owners:
 
   def unrows(self, rows: Array, n: int) -> Array:
     """The group's flat vector from the ``(K, M)`` rows of all owners."""
-    return jnp.zeros((n,), rows.dtype).at[jnp.asarray(self.index).reshape(-1)].set(
-        rows.reshape(-1), mode="drop")
+    return (
+      jnp.zeros((n,), rows.dtype)
+      .at[jnp.asarray(self.index).reshape(-1)]
+      .set(rows.reshape(-1), mode="drop")
+    )
 
 
 def _match(x: Array, like: Array) -> Array:
@@ -443,11 +477,11 @@ class MIPDState(NamedTuple):
   keeps the same copy.
   """
 
-  count: Array            # shape=(), int32: steps taken (the half update's parity)
-  prediction: Any         # ĝ: exponential-smoothing prediction of the mean gradient
-  observed: Array         # shape=(compressed leaves,), bool: ĝ_i has been initialised
+  count: Array  # shape=(), int32: steps taken (the half update's parity)
+  prediction: Any  # ĝ: exponential-smoothing prediction of the mean gradient
+  observed: Array  # shape=(compressed leaves,), bool: ĝ_i has been initialised
   nonfinite_count: Array  # shape=(), int32: steps whose gradient had NaN/Inf
-  overflow_count: Array   # shape=(), int32: steps that took an exact fallback exchange
+  overflow_count: Array  # shape=(), int32: steps that took an exact fallback exchange
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
 
@@ -455,22 +489,22 @@ COLLECTIVES = ("auto", "allgather", "two_phase")
 
 
 def mipd(
-    drop_rate: float = 0.5,
-    *,
-    beta: float = 0.5,
-    alpha: float = 0.5,
-    intervals: int = 256,
-    sigmas: float = 3.0,
-    outlier_fraction: float = 0.03,
-    half_update: bool = True,
-    quantize: bool = True,
-    quantize_pull: bool | None = None,
-    compensate: bool = True,
-    min_keep: float = 0.1,
-    predict_from: str = "received",
-    collective: str = "auto",
-    axis_name: Any = None,
-    filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
+  drop_rate: float = 0.5,
+  *,
+  beta: float = 0.5,
+  alpha: float = 0.5,
+  intervals: int = 256,
+  sigmas: float = 3.0,
+  outlier_fraction: float = 0.03,
+  half_update: bool = True,
+  quantize: bool = True,
+  quantize_pull: bool | None = None,
+  compensate: bool = True,
+  min_keep: float = 0.1,
+  predict_from: str = "received",
+  collective: str = "auto",
+  axis_name: Any = None,
+  filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""MIPD: layer-wise adaptive drop rates, compensation, half updates, normal quantization.
 
@@ -606,12 +640,17 @@ def mipd(
     MIPD: an adaptive gradient sparsification framework for distributed DNNs training.
     IEEE TPDS 33(11), 2022. doi:10.1109/TPDS.2022.3154387
   """
-  if isinstance(drop_rate, bool) or not isinstance(drop_rate, (int, float)) or not (
-      0 <= drop_rate < 1):
+  if (
+    isinstance(drop_rate, bool)
+    or not isinstance(drop_rate, (int, float))
+    or not (0 <= drop_rate < 1)
+  ):
     raise ValueError(f"drop_rate must be a number in [0, 1), got {drop_rate!r}")
   if not 0 <= min_keep <= 1 - drop_rate:
-    raise ValueError(f"min_keep must be in [0, 1 - drop_rate] = [0, {1 - drop_rate}] (the "
-                     f"layers must be able to drop drop_rate of the entries), got {min_keep!r}")
+    raise ValueError(
+      f"min_keep must be in [0, 1 - drop_rate] = [0, {1 - drop_rate}] (the "
+      f"layers must be able to drop drop_rate of the entries), got {min_keep!r}"
+    )
   if not 0 <= beta <= 1:
     raise ValueError(f"beta must be in [0, 1], got {beta!r}")
   if not 0 < alpha <= 1:
@@ -639,8 +678,10 @@ def mipd(
     sel = [i for i, o in enumerate(on) if o]
     sizes = [int(np.prod(leaves[i][1].shape)) for i in sel]
     halves = balanced_halves(sizes) if half_update else (tuple(range(len(sel))), ())
-    groups = [_Group([sizes[j] for j in h], drop_rate, quantizer, outlier_fraction,
-                     min_keep=min_keep) for h in halves]
+    groups = [
+      _Group([sizes[j] for j in h], drop_rate, quantizer, outlier_fraction, min_keep=min_keep)
+      for h in halves
+    ]
     return on, sel, halves, groups
 
   def plan(group: _Group) -> _Owners | None:
@@ -662,13 +703,15 @@ def mipd(
     for path, leaf in leaves:
       treeutil.check_leaf(path, leaf)
     on = selected(leaves)
-    pred = [jnp.zeros(x.shape, _F32) if o else optax.MaskedNode()
-            for (_, x), o in zip(leaves, on)]
-    return MIPDState(count=jnp.zeros((), jnp.int32), prediction=treedef.unflatten(pred),
-                     observed=jnp.zeros((sum(on),), bool),
-                     nonfinite_count=jnp.zeros((), jnp.int32),
-                     overflow_count=jnp.zeros((), jnp.int32),
-                     shapes=treeutil.LeafShapes.of(params))
+    pred = [jnp.zeros(x.shape, _F32) if o else optax.MaskedNode() for (_, x), o in zip(leaves, on)]
+    return MIPDState(
+      count=jnp.zeros((), jnp.int32),
+      prediction=treedef.unflatten(pred),
+      observed=jnp.zeros((sum(on),), bool),
+      nonfinite_count=jnp.zeros((), jnp.int32),
+      overflow_count=jnp.zeros((), jnp.int32),
+      shapes=treeutil.LeafShapes.of(params),
+    )
 
   def means(total, count, pred, k):
     """(mean, received mean) from the sums and the senders' counts (compensation)."""
@@ -677,10 +720,14 @@ def mipd(
 
   def gathered(fmt: _Format, coded: dict, p_flat: Array, k: int):
     """All-gathers the selection in ``fmt``; (mean, received mean, overflowed here)."""
-    arrays, overflow = fmt.pack(coded["flat"], coded["mask"], coded["codes"],
-                                coded["outl"], coded["stats"], coded["finite"])
-    got = (jax.tree.map(lambda x: x[None], arrays) if axis_name is None
-           else collectives.gather_tree(arrays, axis_name))
+    arrays, overflow = fmt.pack(
+      coded["flat"], coded["mask"], coded["codes"], coded["outl"], coded["stats"], coded["finite"]
+    )
+    got = (
+      jax.tree.map(lambda x: x[None], arrays)
+      if axis_name is None
+      else collectives.gather_tree(arrays, axis_name)
+    )
     with jax.named_scope(phases.DECODE_SCOPE):
       return (*means(*fmt.sum_and_count(got), p_flat, k), overflow)
 
@@ -692,11 +739,13 @@ def mipd(
     payloads, overflow = [], jnp.zeros((), bool)
     with jax.named_scope(phases.ENCODE_SCOPE):
       for v in vecs:
-        segs = [v[int(lo):int(hi)] for lo, hi in zip(fmt.offsets[:-1], fmt.offsets[1:])]
-        codes, outl, stats = _layer_codes(segs, [jnp.ones(s.shape, bool) for s in segs],
-                                          fmt.quantizer)
-        arrays, o = fmt.pack(v, jnp.ones(v.shape, bool), codes, outl, stats,
-                             jnp.all(jnp.isfinite(v)))
+        segs = [v[int(lo) : int(hi)] for lo, hi in zip(fmt.offsets[:-1], fmt.offsets[1:])]
+        codes, outl, stats = _layer_codes(
+          segs, [jnp.ones(s.shape, bool) for s in segs], fmt.quantizer
+        )
+        arrays, o = fmt.pack(
+          v, jnp.ones(v.shape, bool), codes, outl, stats, jnp.all(jnp.isfinite(v))
+        )
         payloads.append(arrays)
         overflow = overflow | o
     overflow = agree(overflow)
@@ -716,14 +765,15 @@ def mipd(
     """Push (``all_to_all``) to the owners, reduce, pull (``all_gather``)."""
     k, n = owners.k, group.n
     with jax.named_scope(phases.ENCODE_SCOPE):
-      rows = {"flat": owners.rows(coded["flat"], 0.0),
-              "mask": owners.rows(coded["mask"], False)}
+      rows = {"flat": owners.rows(coded["flat"], 0.0), "mask": owners.rows(coded["mask"], False)}
       if group.quantizer is not None:
         rows["codes"] = owners.rows(coded["codes"], 0)
         rows["outl"] = owners.rows(coded["outl"], False)
-      payload, overflow = jax.vmap(lambda r: owners.row.pack(
-          r["flat"], r["mask"], r.get("codes"), r.get("outl"), coded["stats"],
-          coded["finite"]))(rows)
+      payload, overflow = jax.vmap(
+        lambda r: owners.row.pack(
+          r["flat"], r["mask"], r.get("codes"), r.get("outl"), coded["stats"], coded["finite"]
+        )
+      )(rows)
     overflow = agree(jnp.any(overflow))
 
     def push_and_pull(_):
@@ -733,7 +783,7 @@ def mipd(
         mine = jnp.asarray(owners.index)[lax.axis_index(axis_name)]
         pred = jnp.concatenate([p_flat, jnp.zeros((1,), _F32)])[mine]
         mean, received = means(total, count, pred, k)
-      rows_out, pull_overflow = pull(owners, [mean, received][:owners.vectors])
+      rows_out, pull_overflow = pull(owners, [mean, received][: owners.vectors])
       with jax.named_scope(phases.DECODE_SCOPE):
         # Typed like the fallback's mean, which has the prediction's type (varying when
         # a caller keeps the state per device).
@@ -743,8 +793,7 @@ def mipd(
     def fallback(_):
       with jax.named_scope("jaxcomp_fallback"):
         mean, received, _ = gathered(group.exact, coded, p_flat, k)
-      return _match(mean, p_flat), _match(received, p_flat), _match(jnp.zeros((), bool),
-                                                                    overflow)
+      return _match(mean, p_flat), _match(received, p_flat), _match(jnp.zeros((), bool), overflow)
 
     mean, received, pull_overflow = lax.cond(overflow, fallback, push_and_pull, None)
     return mean, received, overflow | pull_overflow
@@ -765,8 +814,7 @@ def mipd(
       with jax.named_scope(phases.ENCODE_SCOPE):  # drop rates, selection, quantization
         errs = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g - p))) for g, p in zip(g_m, p_m)])
         rates = drop_rates(jnp.stack([pnorms[j] for j in members]), errs, beta)
-        keep = jnp.asarray(group.sizes, jnp.int32) - allocate_drops(rates, group.caps,
-                                                                    group.drops)
+        keep = jnp.asarray(group.sizes, jnp.int32) - allocate_drops(rates, group.caps, group.drops)
         coded = group.code(*group.select(g_m, keep))
       k = 1 if axis_name is None else collectives.axis_size(axis_name)
       p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
@@ -783,8 +831,9 @@ def mipd(
           with jax.named_scope("jaxcomp_fallback"):
             return gathered(group.exact, coded, p_flat, k)[:2]
 
-        mean, received = lax.cond(overflow, exact,
-                                  lambda _: gathered(group.fmt, coded, p_flat, k)[:2], None)
+        mean, received = lax.cond(
+          overflow, exact, lambda _: gathered(group.fmt, coded, p_flat, k)[:2], None
+        )
     means_out, new_p = [], []
     for pos, j in enumerate(members):
       lo, hi = int(group.offsets[pos]), int(group.offsets[pos + 1])
@@ -798,8 +847,10 @@ def mipd(
 
   def update_fn(updates, state, params=None):
     if params is None:
-      raise ValueError("jc.mipd needs params: call tx.update(grads, state, params) "
-                       "(the interpretability drop rate reads the parameters' norms)")
+      raise ValueError(
+        "jc.mipd needs params: call tx.update(grads, state, params) "
+        "(the interpretability drop rate reads the parameters' norms)"
+      )
     leaves, treedef = treeutil.flat(updates)
     for path, g in leaves:
       treeutil.check_leaf(path, g)
@@ -815,11 +866,13 @@ def mipd(
       for i in sel:
         if axis_name not in collectives.varying_axes(leaves[i][1]):
           raise ValueError(
-              f"the gradient at {jax.tree_util.keystr(leaves[i][0])} is already "
-              f"replicated over axis {axis_name!r}: differentiate with respect to "
-              f"jc.vary(params, {axis_name!r}) to get the local gradient.")
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (
-        jnp.ones((), bool))
+            f"the gradient at {jax.tree_util.keystr(leaves[i][0])} is already "
+            f"replicated over axis {axis_name!r}: differentiate with respect to "
+            f"jc.vary(params, {axis_name!r}) to get the local gradient."
+          )
+    finite = (
+      jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (jnp.ones((), bool))
+    )
     parity = state.count % 2
     off = [g for (_, g), o in zip(leaves, on) if not o]
     if axis_name is not None:
@@ -828,8 +881,12 @@ def mipd(
       # gradient is non-finite (skip the state update on every device alike), and the
       # half-update parity (held in per-device state, typed varying under shard_map:
       # every device must take the same branch).
-      sync_parity = bool(half_update and sel and collectives.tracks_varying(axis_name)
-                         and axis_name in collectives.varying_axes(parity))
+      sync_parity = bool(
+        half_update
+        and sel
+        and collectives.tracks_varying(axis_name)
+        and axis_name in collectives.varying_axes(parity)
+      )
       flags = ([~finite] if gs else []) + ([parity] if sync_parity else [])
       off, sums = collectives.pmean_and_count(off, flags, axis_name)
       if gs:
@@ -840,18 +897,21 @@ def mipd(
       finite = ~collectives.any_over_other_axes(~finite, axis_name)
 
     def step(active):
-      means, new_p, overflow = exchange(groups[active], halves[active], gs, preds, pnorms,
-                                        state.observed)
+      means, new_p, overflow = exchange(
+        groups[active], halves[active], gs, preds, pnorms, state.observed
+      )
       outs, preds_out = list(preds), list(preds)
       for pos, j in enumerate(halves[active]):
         outs[j], preds_out[j] = means[pos], new_p[pos]
-      seen = state.observed.at[jnp.asarray(halves[active], jnp.int32)].set(True) if (
-          halves[active]) else state.observed
+      seen = (
+        state.observed.at[jnp.asarray(halves[active], jnp.int32)].set(True)
+        if (halves[active])
+        else state.observed
+      )
       return outs, preds_out, seen, overflow
 
     if half_update and sel:
-      outs, new_preds, seen, overflow = lax.cond(parity == 1, lambda: step(1),
-                                                 lambda: step(0))
+      outs, new_preds, seen, overflow = lax.cond(parity == 1, lambda: step(1), lambda: step(0))
     elif sel:
       outs, new_preds, seen, overflow = step(0)
     else:
@@ -869,11 +929,13 @@ def mipd(
       else:
         result.append(next(off))
     new_state = MIPDState(
-        count=state.count + 1, prediction=treedef.unflatten(pred_tree),
-        observed=jnp.where(finite, seen, state.observed),
-        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-        overflow_count=state.overflow_count + overflow.astype(jnp.int32),
-        shapes=state.shapes)
+      count=state.count + 1,
+      prediction=treedef.unflatten(pred_tree),
+      observed=jnp.where(finite, seen, state.observed),
+      nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+      overflow_count=state.overflow_count + overflow.astype(jnp.int32),
+      shapes=state.shapes,
+    )
     return treedef.unflatten(result), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

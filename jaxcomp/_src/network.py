@@ -35,28 +35,31 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from collections.abc import Mapping
 import dataclasses
-from typing import Iterable, Mapping
 
 import numpy as np
 
 from jaxcomp._src import wire
 
 _STEPS = {  # by canonical name (wire.canonical)
-    "all_gather": lambda k: k - 1,
-    "all_to_all": lambda k: k - 1,
-    "psum": lambda k: 2 * (k - 1),
-    "pmax": lambda k: 2 * (k - 1),
-    "pmin": lambda k: 2 * (k - 1),
-    "psum_scatter": lambda k: k - 1,
-    "ppermute": lambda k: 1,
+  "all_gather": lambda k: k - 1,
+  "all_to_all": lambda k: k - 1,
+  "psum": lambda k: 2 * (k - 1),
+  "pmax": lambda k: 2 * (k - 1),
+  "pmin": lambda k: 2 * (k - 1),
+  "psum_scatter": lambda k: k - 1,
+  "ppermute": lambda k: 1,
 }
 
 
 def _check_primitive(primitive: str) -> None:
   if wire.canonical(primitive) not in _STEPS:
-    raise ValueError(f"unknown collective {primitive!r}; expected one of {sorted(_STEPS)} "
-                     f"(or {sorted(wire.SAME_AS)})")
+    raise ValueError(
+      f"unknown collective {primitive!r}; expected one of {sorted(_STEPS)} "
+      f"(or {sorted(wire.SAME_AS)})"
+    )
 
 
 def _check_k(k: int) -> None:
@@ -98,8 +101,9 @@ class Link:
 
   def collective_time(self, primitive: str, operand_bytes: float, k: int) -> float:
     """Seconds of one collective: ``steps·α + traffic·β``."""
-    return (steps(primitive, k) * self.latency_s
-            + traffic(primitive, operand_bytes, k) / self.bandwidth)
+    return (
+      steps(primitive, k) * self.latency_s + traffic(primitive, operand_bytes, k) / self.bandwidth
+    )
 
 
 def _per_primitive(links: Mapping[str, Link] | None) -> dict[str, Link]:
@@ -113,8 +117,13 @@ def _per_primitive(links: Mapping[str, Link] | None) -> dict[str, Link]:
   return out
 
 
-def exchange_time(report: wire.WireReport, link: Link, *, fallback: bool = False,
-                  links: Mapping[str, Link] | None = None) -> float:
+def exchange_time(
+  report: wire.WireReport,
+  link: Link,
+  *,
+  fallback: bool = False,
+  links: Mapping[str, Link] | None = None,
+) -> float:
   """Seconds per step of the collectives in ``report`` (``jc.wire_report``) on ``link``.
 
   Args:
@@ -130,21 +139,29 @@ def exchange_time(report: wire.WireReport, link: Link, *, fallback: bool = False
   """
   by_primitive = _per_primitive(links)
   k = report.num_devices
-  return float(sum(
-      op.count * by_primitive.get(wire.canonical(op.primitive), link).collective_time(
-          op.primitive, op.operand_bytes, k)
-      for op in report.ops if fallback or not op.fallback))
+  return float(
+    sum(
+      op.count
+      * by_primitive.get(wire.canonical(op.primitive), link).collective_time(
+        op.primitive, op.operand_bytes, k
+      )
+      for op in report.ops
+      if fallback or not op.fallback
+    )
+  )
 
 
-def predict_step_time(compute_s: float, report: wire.WireReport, link: Link, *,
-                      links: Mapping[str, Link] | None = None) -> float:
+def predict_step_time(
+  compute_s: float, report: wire.WireReport, link: Link, *, links: Mapping[str, Link] | None = None
+) -> float:
   """``compute_s`` plus the exchange time of ``report`` on ``link`` (no overlap);
   ``links`` as in :func:`exchange_time`."""
   return float(compute_s) + exchange_time(report, link, links=links)
 
 
-def compute_time(step_s: float, report: wire.WireReport, link: Link, *,
-                 links: Mapping[str, Link] | None = None) -> float:
+def compute_time(
+  step_s: float, report: wire.WireReport, link: Link, *, links: Mapping[str, Link] | None = None
+) -> float:
   """The compute part of a step timed on ``link``: ``step_s`` minus its exchange time.
 
   Time a method on a fast link, where the exchange is a small part of the step, and
@@ -182,6 +199,7 @@ def fit_link(samples: Iterable[tuple[str, float, int, float]]) -> Link:
     alpha = 0.0
     beta = float(np.sum(a[:, 1] * w * w * t) / np.sum((a[:, 1] * w) ** 2))
   if not beta > 0:
-    raise ValueError(f"fitted per-byte time is not positive ({beta}); are the timings "
-                     "dominated by noise?")
+    raise ValueError(
+      f"fitted per-byte time is not positive ({beta}); are the timings dominated by noise?"
+    )
   return Link(latency_s=float(alpha), bandwidth=float(1.0 / beta))

@@ -34,9 +34,9 @@ import functools
 import math
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import sparse
@@ -64,7 +64,7 @@ def _largest_remainder(shares: np.ndarray, total: int) -> np.ndarray:
   """Integers >= 1 summing to ``total``, proportional to ``shares`` (largest remainder)."""
   raw = shares / shares.sum() * total
   counts = np.floor(raw).astype(np.int64)
-  for i in np.argsort(-(raw - counts), kind="stable")[:total - counts.sum()]:
+  for i in np.argsort(-(raw - counts), kind="stable")[: total - counts.sum()]:
     counts[i] += 1
   while (counts == 0).any():  # every band needs an interval: take from the largest
     counts[np.argmax(counts)] -= 1
@@ -88,11 +88,14 @@ def intervals_table(intervals: int, sigmas: float) -> tuple[np.ndarray, np.ndarr
   if sigmas == 3.0:
     shares = np.asarray(_PAPER_SHARES)
   else:
-    shares = np.asarray([_normal_cdf(hi) - _normal_cdf(lo)
-                         for lo, hi in zip(bounds[:-1], bounds[1:])])
+    shares = np.asarray(
+      [_normal_cdf(hi) - _normal_cdf(lo) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    )
   if half < nbands:
-    raise ValueError(f"intervals={intervals} leaves fewer than one interval per band "
-                     f"({nbands} bands of 1σ on each side): use at least {2 * nbands}")
+    raise ValueError(
+      f"intervals={intervals} leaves fewer than one interval per band "
+      f"({nbands} bands of 1σ on each side): use at least {2 * nbands}"
+    )
   counts = _largest_remainder(shares, half)
   edges = [0.0]
   for lo, hi, c in zip(bounds[:-1], bounds[1:], counts):
@@ -111,8 +114,9 @@ def intervals_table(intervals: int, sigmas: float) -> tuple[np.ndarray, np.ndarr
 def _check_intervals(intervals) -> None:
   check_positive_int(intervals, "intervals")
   if intervals < 2 or intervals & (intervals - 1) or intervals > 2**16:
-    raise ValueError("intervals must be a power of two in 2..65536 (m bits plus a sign bit),"
-                     f" got {intervals!r}")
+    raise ValueError(
+      f"intervals must be a power of two in 2..65536 (m bits plus a sign bit), got {intervals!r}"
+    )
 
 
 def _check_sigmas(sigmas) -> None:
@@ -152,8 +156,9 @@ def moments(x: Array) -> tuple[Array, Array]:
   return mu * up, sigma * up
 
 
-def interval_codes(x: Array, mu: Array, sigma: Array, intervals: int, sigmas: float
-                   ) -> tuple[Array, Array]:
+def interval_codes(
+  x: Array, mu: Array, sigma: Array, intervals: int, sigmas: float
+) -> tuple[Array, Array]:
   """Interval index (uint32, ``side · n/2 + j``) of each value, and the outlier mask.
 
   ``side`` is 1 below μ. The index within a side comes from the band (``floor(|z|)``)
@@ -183,8 +188,7 @@ def interval_codes(x: Array, mu: Array, sigma: Array, intervals: int, sigmas: fl
   return codes, outlier
 
 
-def proxy_values(codes: Array, mu: Array, sigma: Array, intervals: int, sigmas: float
-                 ) -> Array:
+def proxy_values(codes: Array, mu: Array, sigma: Array, intervals: int, sigmas: float) -> Array:
   """Decoded values ``μ ± σ p_j`` of interval codes (float32).
 
   ``μ + σ p_j`` as written, except where that overflows although ``(μ, σ)`` are finite
@@ -273,7 +277,7 @@ class NormalQuantizer(Codec):
     return float(np.max(np.diff(edges)))
 
   @property
-  def fallback(self) -> "NormalQuantizer | None":
+  def fallback(self) -> NormalQuantizer | None:
     if self.outlier_fraction >= 1:
       return None
     return dataclasses.replace(self, outlier_fraction=1.0)
@@ -294,10 +298,10 @@ class NormalQuantizer(Codec):
     values = jnp.where(idx < n, flat[jnp.minimum(idx, max(n - 1, 0))], 0.0)
     overflow = jnp.sum(outlier, dtype=jnp.int32) > cap
     arrays = {
-        "words": bitpack.pack_bits(codes, self.bits),
-        "stats": jnp.stack([mu, sigma]),
-        "outlier_indices": idx.astype(sparse.index_dtype(n)),
-        "outlier_values": values,
+      "words": bitpack.pack_bits(codes, self.bits),
+      "stats": jnp.stack([mu, sigma]),
+      "outlier_indices": idx.astype(sparse.index_dtype(n)),
+      "outlier_values": values,
     }
     return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype)), overflow
 

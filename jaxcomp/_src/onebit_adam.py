@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import collectives
@@ -45,12 +46,12 @@ class OneBitAdamState(NamedTuple):
   compressed leaf and ``optax.MaskedNode()`` elsewhere.
   """
 
-  count: Array            # shape=(), dtype=int32: steps taken (selects the stage)
-  m: Any                  # first moment, leaf shapes, float32, replicated
-  v: Any                  # second moment, leaf shapes, float32, replicated (frozen after warm-up)
-  worker_error: Any       # PerDeviceState: e_w, shape=(1, *leaf shape), float32, per device
-  server_error: Any       # PerDeviceState: e_s, shape=(1, chunk), float32, per device
-  nonfinite_count: Any    # PerDeviceState: shape=(1,), int32: steps with a NaN/Inf gradient
+  count: Array  # shape=(), dtype=int32: steps taken (selects the stage)
+  m: Any  # first moment, leaf shapes, float32, replicated
+  v: Any  # second moment, leaf shapes, float32, replicated (frozen after warm-up)
+  worker_error: Any  # PerDeviceState: e_w, shape=(1, *leaf shape), float32, per device
+  server_error: Any  # PerDeviceState: e_s, shape=(1, chunk), float32, per device
+  nonfinite_count: Any  # PerDeviceState: shape=(1,), int32: steps with a NaN/Inf gradient
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
 
@@ -132,19 +133,19 @@ def _decode(words: Array, scales: Array, lay: _Layout) -> Array:
   """``(rows, chunk)`` float32: ``-s`` where the sign bit is set, ``+s`` elsewhere."""
   rows = words.shape[0]
   bits = bitpack.unpack_bits(words.reshape(-1), 1, rows * lay.chunk).reshape(rows, lay.chunk)
-  s = jnp.repeat(scales, lay.bucket, axis=-1,
-                 total_repeat_length=lay.buckets * lay.bucket)[:, :lay.chunk]
+  s = jnp.repeat(scales, lay.bucket, axis=-1, total_repeat_length=lay.buckets * lay.bucket)[
+    :, : lay.chunk
+  ]
   return jnp.where(bits != 0, -s, s)
 
 
 class _Exchanged(NamedTuple):
-  mean: Array          # the decoded, re-compressed average: the same on every device
-  sent: Array          # what this device's worker payload decodes to (leaf shape)
+  mean: Array  # the decoded, re-compressed average: the same on every device
+  sent: Array  # what this device's worker payload decodes to (leaf shape)
   server_error: Array  # new e_s of the chunk this device owns, shape (chunk,)
 
 
-def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool
-              ) -> list[_Exchanged]:
+def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool) -> list[_Exchanged]:
   r"""The compressed all-reduce of 1-bit Adam (Algorithm 1; DeepSpeed's
   ``compressed_allreduce``) for several leaves: one ``all_to_all``, one ``all_gather``.
 
@@ -171,11 +172,10 @@ def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool
       else:
         scales = _bucket_rms(chunks, lay, jnp.asarray(lay.counts()))
       words = _pack_signs(chunks)
-      sent = _decode(words, scales, lay).reshape(-1)[:lay.n].reshape(x.shape)
+      sent = _decode(words, scales, lay).reshape(-1)[: lay.n].reshape(x.shape)
       firsts.append(sent)
       payloads.append({"words": words, "scales": scales})
-  received = (collectives.all_to_all_tree(payloads, axis_name) if axis_name is not None
-              else payloads)
+  received = collectives.all_to_all_tree(payloads, axis_name) if axis_name is not None else payloads
   mine = lax.axis_index(axis_name) if axis_name is not None else 0
   seconds, new_errors = [], []
   for got, lay, e_s in zip(received, layouts, server_errors):
@@ -192,12 +192,15 @@ def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool
       # A non-finite average must not poison the server error: keep the old one.
       new_errors.append(jnp.where(jnp.all(jnp.isfinite(y)), y - sent2, e_s))
     seconds.append({"words": words2[0], "scales": scales2[0]})
-  gathered = (collectives.gather_tree(seconds, axis_name) if axis_name is not None
-              else jax.tree.map(lambda a: a[None], seconds))
+  gathered = (
+    collectives.gather_tree(seconds, axis_name)
+    if axis_name is not None
+    else jax.tree.map(lambda a: a[None], seconds)
+  )
   out = []
   with jax.named_scope(phases.DECODE_SCOPE):
     for g, lay, x, sent, e_s in zip(gathered, layouts, xs, firsts, new_errors):
-      mean = _decode(g["words"], g["scales"], lay).reshape(-1)[:lay.n]  # padding dropped
+      mean = _decode(g["words"], g["scales"], lay).reshape(-1)[: lay.n]  # padding dropped
       out.append(_Exchanged(mean.reshape(x.shape), sent, e_s))
   return out
 
@@ -205,13 +208,14 @@ def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool
 # ----------------------------------------------------------------------------- transform
 
 
-def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size,
-                   compress):
+def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress):
   if not callable(learning_rate) and not isinstance(learning_rate, numbers.Real):
-    raise TypeError(f"learning_rate must be a float or an optax schedule, got "
-                    f"{learning_rate!r}")
-  if isinstance(freeze_step, bool) or not isinstance(freeze_step, numbers.Integral) or (
-      freeze_step < 0):
+    raise TypeError(f"learning_rate must be a float or an optax schedule, got {learning_rate!r}")
+  if (
+    isinstance(freeze_step, bool)
+    or not isinstance(freeze_step, numbers.Integral)
+    or (freeze_step < 0)
+  ):
     raise ValueError(f"freeze_step must be an integer >= 0, got {freeze_step!r}")
   for name, value in (("b1", b1), ("b2", b2)):
     if not 0.0 <= value < 1.0:
@@ -220,26 +224,29 @@ def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket
     raise ValueError(f"eps must be positive, got {eps!r}")
   if not weight_decay >= 0:
     raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-  if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(
-      bucket_size, numbers.Integral) or bucket_size < 1):
+  if bucket_size is not None and (
+    isinstance(bucket_size, bool)
+    or not isinstance(bucket_size, numbers.Integral)
+    or bucket_size < 1
+  ):
     raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
   if compress not in COMPRESS:
     raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
 
 
 def onebit_adam(
-    learning_rate: float | optax.Schedule,
-    *,
-    freeze_step: int,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    bias_correction: bool = True,
-    bucket_size: int | None = None,
-    compress: str = "momentum",
-    axis_name: Any = None,
-    filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
+  learning_rate: float | optax.Schedule,
+  *,
+  freeze_step: int,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 0.0,
+  bias_correction: bool = True,
+  bucket_size: int | None = None,
+  compress: str = "momentum",
+  axis_name: Any = None,
+  filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""1-bit Adam: Adam whose momentum is exchanged 1-bit with two-stage error feedback.
 
@@ -370,8 +377,7 @@ def onebit_adam(
     Efficient Large-Scale Training with Adam's Convergence Speed*. ICML 2021, Algorithm 1
     and Section 4. https://arxiv.org/abs/2102.02888
   """
-  _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size,
-                 compress)
+  _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress)
   filter_fn = transforms.default_filter if filter is None else filter
   freeze_step = int(freeze_step)
   b1, b2, eps, wd = float(b1), float(b2), float(eps), float(weight_decay)
@@ -401,13 +407,14 @@ def onebit_adam(
         worker.append(optax.MaskedNode())
         server.append(optax.MaskedNode())
     return OneBitAdamState(
-        count=jnp.zeros((), jnp.int32),
-        m=treedef.unflatten(moments),
-        v=treedef.unflatten(list(moments)),
-        worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
-        server_error=transforms.PerDeviceState(treedef.unflatten(server)),
-        nonfinite_count=transforms.PerDeviceState(jnp.zeros((1,), jnp.int32)),
-        shapes=treeutil.LeafShapes.of(params))
+      count=jnp.zeros((), jnp.int32),
+      m=treedef.unflatten(moments),
+      v=treedef.unflatten(list(moments)),
+      worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
+      server_error=transforms.PerDeviceState(treedef.unflatten(server)),
+      nonfinite_count=transforms.PerDeviceState(jnp.zeros((1,), jnp.int32)),
+      shapes=treeutil.LeafShapes.of(params),
+    )
 
   def check_update(leaves, ms, comp):
     """The errors of a misuse under shard_map: a replicated gradient, a wrapped state."""
@@ -415,10 +422,11 @@ def onebit_adam(
       return
     if any(axis_name in collectives.varying_axes(m) for m in ms):
       raise ValueError(
-          f"jc.onebit_adam's m and v vary over axis {axis_name!r}: its state was wrapped "
-          f"in jc.per_device_state. Do not wrap it: m and v are replicated (the updates "
-          f"must be) and its per-device buffers are wrapped already; get the specs with "
-          f"jc.state_specs(jc.onebit_adam(...), params, ...).")
+        f"jc.onebit_adam's m and v vary over axis {axis_name!r}: its state was wrapped "
+        f"in jc.per_device_state. Do not wrap it: m and v are replicated (the updates "
+        f"must be) and its per-device buffers are wrapped already; get the specs with "
+        f"jc.state_specs(jc.onebit_adam(...), params, ...)."
+      )
     for i in comp:
       collectives.check_local(*leaves[i], axis_name)
 
@@ -517,8 +525,9 @@ def onebit_adam(
       keep_m.append(jnp.where(ok, m, m_old))
       keep_v.append(jnp.where(ok, v, v_old))
 
-    bad = ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (
-        jnp.zeros((), bool))
+    bad = (
+      ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (jnp.zeros((), bool))
+    )
     if axis_name is not None:
       bad = collectives.any_over_other_axes(bad, axis_name)
     worker = [optax.MaskedNode()] * len(gs)
@@ -526,14 +535,16 @@ def onebit_adam(
     for i, e_w, e_s in zip(comp, new_ews, new_ess):
       worker[i], server[i] = e_w[None], e_s[None]
     new_state = OneBitAdamState(
-        count=count + 1,
-        m=treedef.unflatten(keep_m),
-        v=treedef.unflatten(keep_v),
-        worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
-        server_error=transforms.PerDeviceState(treedef.unflatten(server)),
-        nonfinite_count=transforms.PerDeviceState(
-            state.nonfinite_count.inner + bad.astype(jnp.int32)),
-        shapes=state.shapes)
+      count=count + 1,
+      m=treedef.unflatten(keep_m),
+      v=treedef.unflatten(keep_v),
+      worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
+      server_error=transforms.PerDeviceState(treedef.unflatten(server)),
+      nonfinite_count=transforms.PerDeviceState(
+        state.nonfinite_count.inner + bad.astype(jnp.int32)
+      ),
+      shapes=state.shapes,
+    )
     return treedef.unflatten(out), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

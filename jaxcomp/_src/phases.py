@@ -20,7 +20,8 @@ phase from the compiled HLO:
 A collective is ``exchange`` (also a loop or conditional that holds one); any other op
 takes the phase that most of the ops fused into it belong to (of nested jaxcomp scopes
 the innermost counts; unscoped ops do not vote, so a decode fused with the optimizer's
-first elementwise op is ``decode``; ties go to the earlier row of the table). A loop or conditional counts through the ops it runs (only innermost
+first elementwise op is ``decode``; ties go to the earlier row of the table). A loop or
+conditional counts through the ops it runs (only innermost
 events are summed). Times are seconds per call and per local device; ``idle`` is the
 wall time per call not covered by any op: host overhead, launch, the Python between
 calls. On CPU the thunk executor may run independent ops at once, so on more than one
@@ -30,6 +31,8 @@ core the phases can add up to more than the wall time.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from collections.abc import Mapping
 import dataclasses
 import glob
 import os
@@ -37,7 +40,7 @@ import re
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 
@@ -46,17 +49,28 @@ DECODE_SCOPE = "jaxcomp_decode"
 PHASES = ("gradient", "encode", "exchange", "decode", "update")
 
 # HLO opcodes that move data between devices (sync and async forms).
-_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
-                "reduce-scatter", "collective-broadcast", "ragged-all-to-all",
-                "all-gather-start", "all-gather-done", "all-reduce-start",
-                "all-reduce-done", "collective-permute-start",
-                "collective-permute-done")
+_COLLECTIVES = (
+  "all-gather",
+  "all-reduce",
+  "all-to-all",
+  "collective-permute",
+  "reduce-scatter",
+  "collective-broadcast",
+  "ragged-all-to-all",
+  "all-gather-start",
+  "all-gather-done",
+  "all-reduce-start",
+  "all-reduce-done",
+  "collective-permute-start",
+  "collective-permute-done",
+)
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(")
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations|"
-                    r"true_computation|false_computation)=\{?([^,}]*(?:,\s*%[\w.\-]+)*)\}?")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+_CALLS = re.compile(
+  r"(?:calls|to_apply|body|condition|branch_computations|"
+  r"true_computation|false_computation)=\{?([^,}]*(?:,\s*%[\w.\-]+)*)\}?"
+)
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -71,6 +85,7 @@ class PhaseProfile:
     top_ops: per phase, its five costliest HLO ops as ``(name, seconds per call)``.
     calls: how many calls were profiled.
   """
+
   PHASES = PHASES  # the phase names, in table order (``idle`` comes after them)
 
   step_s: float
@@ -157,8 +172,7 @@ def op_phases(hlo) -> dict[str, str]:
     votes.pop("update", None)
     # The phase most of its ops come from; CSE can leave a shared constant or mask of
     # one phase inside another phase's fusion.
-    out[name] = max(("encode", "decode", "gradient"), key=lambda p: votes[p]) \
-        if votes else "update"
+    out[name] = max(("encode", "decode", "gradient"), key=lambda p: votes[p]) if votes else "update"
   return out
 
 
@@ -193,8 +207,9 @@ def _innermost(events):
   return keep
 
 
-def profile_phases(run: Callable[[], Any], hlo, *, calls: int = 5,
-                   logdir: str | None = None) -> PhaseProfile:
+def profile_phases(
+  run: Callable[[], Any], hlo, *, calls: int = 5, logdir: str | None = None
+) -> PhaseProfile:
   """Profiles ``calls`` calls of ``run`` and splits their time by phase.
 
   Args:
@@ -225,8 +240,9 @@ def profile_phases(run: Callable[[], Any], hlo, *, calls: int = 5,
         start = time.perf_counter()
         run()
         walls.append(time.perf_counter() - start)
-    files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True),
-                   key=os.path.getmtime)
+    files = sorted(
+      glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime
+    )
     if not files:
       raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {logdir}")
     data = jax.profiler.ProfileData.from_file(files[-1])
@@ -246,8 +262,9 @@ def profile_phases(run: Callable[[], Any], hlo, *, calls: int = 5,
     if tmp is not None:
       tmp.cleanup()
   if not per_line:
-    raise RuntimeError(f"the trace has no op events of module {module!r}: did run() "
-                       f"call this compiled step?")
+    raise RuntimeError(
+      f"the trace has no op events of module {module!r}: did run() call this compiled step?"
+    )
   totals = collections.Counter()
   by_op = collections.Counter()
   for events in per_line.values():
@@ -261,7 +278,8 @@ def profile_phases(run: Callable[[], Any], hlo, *, calls: int = 5,
   phases["idle"] = step_s - sum(phases[p] for p in PHASES)
   top = {}
   for p in PHASES:
-    ops = sorted(((op, t * scale) for (q, op), t in by_op.items() if q == p),
-                 key=lambda x: -x[1])[:5]
+    ops = sorted(((op, t * scale) for (q, op), t in by_op.items() if q == p), key=lambda x: -x[1])[
+      :5
+    ]
     top[p] = tuple(ops)
   return PhaseProfile(step_s=step_s, phases=phases, top_ops=top, calls=calls)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomp._src import collectives
 from jaxcomp._src import phases
@@ -29,9 +30,9 @@ class PowerSGDState(NamedTuple):
   every device; ``residual`` differs between devices.
   """
 
-  key: Array              # typed PRNG key, shape=(), the same on every device
-  q: Any                  # last step's aggregated Q, shape=(n, r), dtype=float32
-  residual: Any           # error feedback e, leaf shape, dtype=float32
+  key: Array  # typed PRNG key, shape=(), the same on every device
+  q: Any  # last step's aggregated Q, shape=(n, r), dtype=float32
+  residual: Any  # error feedback e, leaf shape, dtype=float32
   nonfinite_count: Array  # shape=(), dtype=int32: steps whose input had NaN/Inf here
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
@@ -51,8 +52,7 @@ def _matrix_view(shape: tuple, view: str) -> tuple[int, int] | None:
   return shape[0], math.prod(shape[1:])  # (out, in, ...) kernels, as in PyTorch
 
 
-def _plan(filter_fn, path, leaf, rank: int, min_compression: float, view: str
-          ) -> _Plan | None:
+def _plan(filter_fn, path, leaf, rank: int, min_compression: float, view: str) -> _Plan | None:
   """How a leaf is compressed, or None when it is averaged dense.
 
   A matrix is worth compressing when its ``m·n`` values are at least ``min_compression``
@@ -93,15 +93,15 @@ def _all_finite(x: Array) -> Array:
 
 
 def powersgd(
-    rank: int = 1,
-    *,
-    axis_name: Any,
-    error_feedback: bool = True,
-    warm_start: bool = True,
-    min_compression: float = 2.0,
-    matrix_view: str = "last",
-    seed: int = 0,
-    filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
+  rank: int = 1,
+  *,
+  axis_name: Any,
+  error_feedback: bool = True,
+  warm_start: bool = True,
+  min_compression: float = 2.0,
+  matrix_view: str = "last",
+  seed: int = 0,
+  filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""PowerSGD: a rank-``r`` approximation of the mean gradient from one power iteration.
 
@@ -189,8 +189,11 @@ def powersgd(
   """
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
     raise ValueError(f"rank must be a positive integer, got {rank!r}")
-  if isinstance(min_compression, bool) or not isinstance(min_compression, (int, float)) or (
-      not min_compression >= 0 or math.isinf(min_compression)):
+  if (
+    isinstance(min_compression, bool)
+    or not isinstance(min_compression, (int, float))
+    or (not min_compression >= 0 or math.isinf(min_compression))
+  ):
     raise ValueError(f"min_compression must be a finite number >= 0, got {min_compression!r}")
   if matrix_view not in MATRIX_VIEWS:
     raise ValueError(f"matrix_view must be one of {MATRIX_VIEWS}, got {matrix_view!r}")
@@ -207,14 +210,19 @@ def powersgd(
       treeutil.check_leaf(path, leaf)
       p = plan(path, leaf)
       # The same draw on every device (no device index folded in): shared randomness.
-      qs.append(jax.random.normal(jax.random.fold_in(q_key, i), (p.cols, p.rank), _F32)
-                if p and warm_start else optax.MaskedNode())
-      residual.append(jnp.zeros(leaf.shape, _F32) if p and error_feedback
-                      else optax.MaskedNode())
-    return PowerSGDState(key=key, q=treedef.unflatten(qs),
-                         residual=treedef.unflatten(residual),
-                         nonfinite_count=jnp.zeros((), jnp.int32),
-                         shapes=treeutil.LeafShapes.of(params))
+      qs.append(
+        jax.random.normal(jax.random.fold_in(q_key, i), (p.cols, p.rank), _F32)
+        if p and warm_start
+        else optax.MaskedNode()
+      )
+      residual.append(jnp.zeros(leaf.shape, _F32) if p and error_feedback else optax.MaskedNode())
+    return PowerSGDState(
+      key=key,
+      q=treedef.unflatten(qs),
+      residual=treedef.unflatten(residual),
+      nonfinite_count=jnp.zeros((), jnp.int32),
+      shapes=treeutil.LeafShapes.of(params),
+    )
 
   def update_fn(updates, state, params=None):
     del params
@@ -259,10 +267,11 @@ def powersgd(
       dense_means = [leaves[i][1] for i in dense]
       p_sums = [ps[i] for i in comp]
     else:
-      summed = collectives.psum_tree([leaves[i][1] for i in dense] + [ps[i] for i in comp],
-                                     axis_name)
-      dense_means = [x / k for x in summed[:len(dense)]]
-      p_sums = summed[len(dense):]
+      summed = collectives.psum_tree(
+        [leaves[i][1] for i in dense] + [ps[i] for i in comp], axis_name
+      )
+      dense_means = [x / k for x in summed[: len(dense)]]
+      p_sums = summed[len(dense) :]
 
     p_hats, q_locals = {}, []
     with jax.named_scope(phases.ENCODE_SCOPE):
@@ -289,15 +298,19 @@ def powersgd(
         if error_feedback:
           # A failed exchange delivered nothing: a device whose input was finite keeps
           # all of M for later; one whose input was not keeps its previous residual.
-          e = jnp.where(ok, ms[i] - approx,
-                        jnp.where(local_ok[i], ms[i], old_es[i].reshape(ms[i].shape)))
+          e = jnp.where(
+            ok, ms[i] - approx, jnp.where(local_ok[i], ms[i], old_es[i].reshape(ms[i].shape))
+          )
           new_es[i] = e.reshape(g.shape)
     if axis_name is not None:  # the shards of a tensor-parallel group count alike
       any_bad = collectives.any_over_other_axes(any_bad, axis_name)
     new_state = PowerSGDState(
-        key=key, q=treedef.unflatten(new_qs), residual=treedef.unflatten(new_es),
-        nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
-        shapes=state.shapes)
+      key=key,
+      q=treedef.unflatten(new_qs),
+      residual=treedef.unflatten(new_es),
+      nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
+      shapes=state.shapes,
+    )
     return treedef.unflatten(out), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

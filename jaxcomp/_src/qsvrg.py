@@ -9,14 +9,16 @@ the traced collectives, like :func:`jaxcomp.wire_report`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
@@ -37,12 +39,12 @@ class QSVRGState(NamedTuple):
   for encoding, so the stored key stays the same on every device.
   """
 
-  key: Array          # typed PRNG key, shape=()
-  count: Array        # shape=(), dtype=int32: inner steps taken in all (the schedule's input)
+  key: Array  # typed PRNG key, shape=()
+  count: Array  # shape=(), dtype=int32: inner steps taken in all (the schedule's input)
   inner_count: Array  # shape=(), dtype=int32: inner steps taken in the current epoch
-  snapshot: Any       # y, leaf shapes, the parameters' dtypes
-  full_grad: Any      # ∇f(y), the dense mean over devices, leaf shapes, float32
-  iterate_sum: Any    # Σ_t x_t over the current epoch, leaf shapes, float32
+  snapshot: Any  # y, leaf shapes, the parameters' dtypes
+  full_grad: Any  # ∇f(y), the dense mean over devices, leaf shapes, float32
+  iterate_sum: Any  # Σ_t x_t over the current epoch, leaf shapes, float32
 
 
 class QSVRG(NamedTuple):
@@ -83,16 +85,16 @@ def _check_leaf(path, leaf) -> None:
 
 
 def qsvrg(
-    loss_fn: Callable[[Any, Any], Array],
-    learning_rate: float | Callable[[Array], Array],
-    *,
-    axis_name: Any = None,
-    levels: int | None = None,
-    bucket_size: int | None = None,
-    codec: codecs_lib.Codec | Callable[[Array], codecs_lib.Codec] | None = None,
-    collective: str = "allgather",
-    filter: Callable[[tuple, Array], bool] | None = None,  # pylint: disable=redefined-builtin
-    seed: int = 0,
+  loss_fn: Callable[[Any, Any], Array],
+  learning_rate: float | Callable[[Array], Array],
+  *,
+  axis_name: Any = None,
+  levels: int | None = None,
+  bucket_size: int | None = None,
+  codec: codecs_lib.Codec | Callable[[Array], codecs_lib.Codec] | None = None,
+  collective: str = "allgather",
+  filter: Callable[[tuple, Array], bool] | None = None,  # pylint: disable=redefined-builtin
+  seed: int = 0,
 ) -> QSVRG:
   r"""Quantized SVRG (Alistarh et al. 2017, §3.3): linear convergence with quantized steps.
 
@@ -210,16 +212,21 @@ def qsvrg(
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
   if not callable(learning_rate):
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or (
-        not learning_rate > 0):
-      raise ValueError(f"learning_rate must be a positive number or a schedule, "
-                       f"got {learning_rate!r}")
+    if (
+      isinstance(learning_rate, bool)
+      or not isinstance(learning_rate, (int, float))
+      or (not learning_rate > 0)
+    ):
+      raise ValueError(
+        f"learning_rate must be a positive number or a schedule, got {learning_rate!r}"
+      )
   if collective not in COLLECTIVES:
     raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
   if codec is not None:
     if not isinstance(codec, codecs_lib.Codec) and not callable(codec):
-      raise TypeError(f"codec must be a jaxcomp codec or a function of the leaf returning "
-                      f"one, got {codec!r}")
+      raise TypeError(
+        f"codec must be a jaxcomp codec or a function of the leaf returning one, got {codec!r}"
+      )
     if levels is not None or bucket_size is not None:
       raise ValueError("give either codec or levels/bucket_size (QSGD's), not both")
   else:
@@ -257,27 +264,30 @@ def qsvrg(
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
       _check_leaf(path, leaf)
     return QSVRGState(
-        key=jax.random.key(seed),
-        count=jnp.zeros((), jnp.int32),
-        inner_count=jnp.zeros((), jnp.int32),
-        snapshot=jax.tree.map(jnp.asarray, params),
-        full_grad=zeros32(params),
-        iterate_sum=zeros32(params))
+      key=jax.random.key(seed),
+      count=jnp.zeros((), jnp.int32),
+      inner_count=jnp.zeros((), jnp.int32),
+      snapshot=jax.tree.map(jnp.asarray, params),
+      full_grad=zeros32(params),
+      iterate_sum=zeros32(params),
+    )
 
   def snapshot_fn(params, state: QSVRGState, full_batch=None, *, grad=None) -> QSVRGState:
     if axis_name is not None:
       collectives.axis_size(axis_name)  # a clear error when the axis is not bound
     if grad is None:
       if full_batch is None:
-        raise ValueError("snapshot needs this device's full_batch, or its full local "
-                         "gradient as grad=...")
+        raise ValueError(
+          "snapshot needs this device's full_batch, or its full local gradient as grad=..."
+        )
       grad = jax.grad(loss_fn)(local(params), full_batch)
     full = jax.tree.map(lambda g: g.astype(_F32), grad)
     if axis_name is not None:  # one all-reduce per dtype, not one per leaf
       full = collectives.pmean_tree(full, axis_name)
     y = jax.tree.map(lambda p, s: jnp.asarray(p, s.dtype), params, state.snapshot)
-    return state._replace(snapshot=y, full_grad=full, iterate_sum=zeros32(params),
-                          inner_count=jnp.zeros((), jnp.int32))
+    return state._replace(
+      snapshot=y, full_grad=full, iterate_sum=zeros32(params), inner_count=jnp.zeros((), jnp.int32)
+    )
 
   def step_fn(params, state: QSVRGState, batch) -> tuple[Any, QSVRGState]:
     grad_fn = jax.grad(loss_fn)
@@ -300,9 +310,12 @@ def qsvrg(
       x32 = jnp.asarray(x).astype(_F32)
       new_params.append((x32 - eta * mean.reshape(x32.shape)).astype(x.dtype))
       new_sums.append(acc + x32)
-    new_state = state._replace(key=key, count=state.count + 1,
-                               inner_count=state.inner_count + 1,
-                               iterate_sum=treedef.unflatten(new_sums))
+    new_state = state._replace(
+      key=key,
+      count=state.count + 1,
+      inner_count=state.inner_count + 1,
+      iterate_sum=treedef.unflatten(new_sums),
+    )
     return treedef.unflatten(new_params), new_state
 
   def exchange(leaves, vs, step_key) -> list:
@@ -311,9 +324,9 @@ def qsvrg(
     one all-gather, two-phase leaves one exchange per codec; local and fallback leaves
     go alone."""
     means: list = [None] * len(leaves)
-    dense = []       # leaves the filter leaves out: one all-reduce for all of them
-    gathered = []    # (leaf, codec, payload): one all-gather for all of them
-    phased = []      # (codec, [(leaf, v, key)]): one two-phase exchange per codec
+    dense = []  # leaves the filter leaves out: one all-reduce for all of them
+    gathered = []  # (leaf, codec, payload): one all-gather for all of them
+    phased = []  # (codec, [(leaf, v, key)]): one two-phase exchange per codec
     for i, ((path, x), v) in enumerate(zip(leaves, vs)):
       _check_leaf(path, x)
       chosen = treeutil.selected(filter_fn, path, x)
@@ -339,12 +352,17 @@ def qsvrg(
       for i, mean in zip(dense, collectives.pmean_tree([means[i] for i in dense], axis_name)):
         means[i] = mean
     if gathered:
-      for (i, _, _), mean in zip(gathered, collectives.mixed_payload_means(
-          [g[1] for g in gathered], [g[2] for g in gathered], axis_name)):
+      for (i, _, _), mean in zip(
+        gathered,
+        collectives.mixed_payload_means(
+          [g[1] for g in gathered], [g[2] for g in gathered], axis_name
+        ),
+      ):
         means[i] = mean
     for cod, group in phased:
-      exs = collectives.two_phase_means(cod, [g[1] for g in group], [g[2] for g in group],
-                                        axis_name)
+      exs = collectives.two_phase_means(
+        cod, [g[1] for g in group], [g[2] for g in group], axis_name
+      )
       for (i, _, _), ex in zip(group, exs):
         means[i] = ex.mean
     return means
@@ -385,10 +403,10 @@ class QSVRGWireReport:
   """
 
   num_devices: int
-  inner_steps: int                     # T
-  num_params: int                      # n, all leaves together
+  inner_steps: int  # T
+  num_params: int  # n, all leaves together
   snapshot_ops: tuple[wire.CollectiveOp, ...]  # the dense exchange of ∇f(y), once per epoch
-  step_ops: tuple[wire.CollectiveOp, ...]      # one inner iteration
+  step_ops: tuple[wire.CollectiveOp, ...]  # one inner iteration
 
   @property
   def snapshot_bits(self) -> int:
@@ -418,9 +436,10 @@ class QSVRGWireReport:
   @property
   def received_bits_per_epoch(self) -> float:
     """Ring-convention bits received per device per epoch (as ``jc.wire_report``)."""
-    return 8 * (sum(op.bytes_received for op in self.snapshot_ops if not op.fallback)
-                + self.inner_steps * sum(op.bytes_received for op in self.step_ops
-                                         if not op.fallback))
+    return 8 * (
+      sum(op.bytes_received for op in self.snapshot_ops if not op.fallback)
+      + self.inner_steps * sum(op.bytes_received for op in self.step_ops if not op.fallback)
+    )
 
   @property
   def dense_bits_per_epoch(self) -> int:
@@ -434,7 +453,8 @@ class QSVRGWireReport:
     return (32 + 2.8 * n) * (t + 1) + 32 * n
 
   def __str__(self) -> str:
-    return "\n".join([
+    return "\n".join(
+      [
         f"QSVRG wire report, K={self.num_devices} devices, T={self.inner_steps}, "
         f"n={self.num_params}, per device per epoch:",
         f"  broadcast {self.broadcast_bits_per_epoch:,} bits = {self.snapshot_bits:,} (dense "
@@ -442,11 +462,14 @@ class QSVRGWireReport:
         f"  dense SVRG {self.dense_bits_per_epoch:,} bits "
         f"({self.dense_bits_per_epoch / self.broadcast_bits_per_epoch:.2f}x more); "
         f"paper's Elias bound {self.paper_bound_bits:,.0f} bits",
-        f"  received (ring convention) {self.received_bits_per_epoch:,.0f} bits"])
+        f"  received (ring convention) {self.received_bits_per_epoch:,.0f} bits",
+      ]
+    )
 
 
-def qsvrg_wire_report(opt: QSVRG, params, batch, *, axis_name, num_devices: int,
-                      inner_steps: int) -> QSVRGWireReport:
+def qsvrg_wire_report(
+  opt: QSVRG, params, batch, *, axis_name, num_devices: int, inner_steps: int
+) -> QSVRGWireReport:
   """Bits per device of a QSVRG epoch with ``inner_steps`` iterations.
 
   ``opt.snapshot`` and ``opt.step`` are traced inside ``jax.shard_map`` over an abstract
@@ -473,12 +496,18 @@ def qsvrg_wire_report(opt: QSVRG, params, batch, *, axis_name, num_devices: int,
   if axis_name is None:
     raise ValueError("qsvrg_wire_report needs the axis_name opt averages over")
   shapes = lambda tree: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree
+  )
   params, batch = shapes(params), shapes(batch)
   state = jax.eval_shape(opt.init, params)
   kw = dict(axis_name=axis_name, num_devices=num_devices)
   snap = wire.collective_ops(lambda p, s, b: opt.snapshot(p, s, b), params, state, batch, **kw)
   step = wire.collective_ops(lambda p, s, b: opt.step(p, s, b)[0], params, state, batch, **kw)
   n = sum(int(np.prod(p.shape, dtype=np.int64)) for p in jax.tree.leaves(params))
-  return QSVRGWireReport(num_devices=num_devices, inner_steps=inner_steps, num_params=n,
-                         snapshot_ops=wire.merge_ops(snap), step_ops=wire.merge_ops(step))
+  return QSVRGWireReport(
+    num_devices=num_devices,
+    inner_steps=inner_steps,
+    num_params=n,
+    snapshot_ops=wire.merge_ops(snap),
+    step_ops=wire.merge_ops(step),
+  )

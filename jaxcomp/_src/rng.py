@@ -32,8 +32,8 @@ threefry this is the only structural weakness, and it does not bias any single s
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
 Array = jax.Array
 _U32 = jnp.uint32

@@ -20,9 +20,9 @@ import dataclasses
 import math
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src.codecs import Array
@@ -54,8 +54,11 @@ def num_entries(density: float, n: int) -> int:
 
 
 def check_density(density, name: str = "density") -> None:
-  if isinstance(density, bool) or not isinstance(density, (int, float, np.floating)) or not (
-      0 < density <= 1):
+  if (
+    isinstance(density, bool)
+    or not isinstance(density, (int, float, np.floating))
+    or not (0 < density <= 1)
+  ):
     raise ValueError(f"{name} must be a number in (0, 1], got {density!r}")
 
 
@@ -63,7 +66,8 @@ def scatter(n: int, indices: Array, values: Array) -> Array:
   """Dense float32 vector of length n with ``values`` added at ``indices`` (n = padding)."""
   zeros = jnp.zeros((n,), _F32)
   return zeros.at[indices.reshape(-1).astype(jnp.int32)].add(
-      values.reshape(-1).astype(_F32), mode="drop")
+    values.reshape(-1).astype(_F32), mode="drop"
+  )
 
 
 #: Word counts up to this use jnp.cumsum (XLA:CPU's reduce-window: cheap at this size,
@@ -176,8 +180,9 @@ def _pack_entries(x: Array, idx: Array, n: int) -> Payload:
   # A NaN/Inf anywhere in x must not vanish because it was not selected: poison the
   # values so the decoded mean is not finite either (jaxcomp's NaN policy).
   values = jnp.where(jnp.all(jnp.isfinite(flat)), values, jnp.nan)
-  return Payload({"values": values, "indices": idx.astype(index_dtype(n))},
-                 tuple(x.shape), jnp.dtype(x.dtype))
+  return Payload(
+    {"values": values, "indices": idx.astype(index_dtype(n))}, tuple(x.shape), jnp.dtype(x.dtype)
+  )
 
 
 def _entries(payload: Payload) -> tuple[Array, Array]:
@@ -196,8 +201,7 @@ def _blocks(a: Array, block: int) -> Array:
   return jnp.pad(a, (0, nb * block - a.shape[0]), constant_values=-1.0).reshape(nb, block)
 
 
-def _top_in_blocks(blocks: Array, chosen: Array, k: int, n: int, ids: Array | None = None
-                   ) -> Array:
+def _top_in_blocks(blocks: Array, chosen: Array, k: int, n: int, ids: Array | None = None) -> Array:
   """Flat indices of the k largest entries inside the chosen blocks (-1 entries -> n).
 
   ``ids`` are the chosen blocks' positions in the vector when ``blocks`` is already
@@ -243,8 +247,9 @@ def blocked_top_k(a: Array, k: int, block: int = _BLOCK) -> Array:
   return _top_in_blocks(blocks, chosen, k, n)
 
 
-def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: float,
-                             max_rounds: int, capacity: int) -> tuple[Array, Array]:
+def sampled_threshold_select(
+  a: Array, k: int, key: Array, *, sample_fraction: float, max_rounds: int, capacity: int
+) -> tuple[Array, Array]:
   """DGC's sampled threshold, exact: (``lax.top_k(a, k)[1]``, number that passed).
 
   ``a`` is a flat non-negative vector (``|x|``). A random sample of
@@ -288,8 +293,8 @@ def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: f
   def body(carry):
     r, thr, lo, hi, c = carry
     few = c < k
-    hi = jnp.where(few, thr, hi)        # smallest threshold known to pass too few
-    lo = jnp.where(few, lo, thr)        # largest threshold known to pass too many
+    hi = jnp.where(few, thr, hi)  # smallest threshold known to pass too few
+    lo = jnp.where(few, lo, thr)  # largest threshold known to pass too many
     bracketed = (lo > 0) & jnp.isfinite(hi)
     new = jnp.where(bracketed, 0.5 * (lo + hi), jnp.where(few, 0.8 * thr, 1.25 * thr))
     new = jnp.maximum(new, tiny)
@@ -306,8 +311,9 @@ def sampled_threshold_select(a: Array, k: int, key: Array, *, sample_fraction: f
     # At most c <= capacity blocks hold a passing entry: take them, drop what fails.
     _, chosen = lax.top_k(jnp.where(passes(bmax, thr) > 0, bmax, -1.0), cap_blocks)
     got = blocks[chosen]
-    return _top_in_blocks(jnp.where(passes(got, thr) > 0, got, -1.0), jnp.arange(cap_blocks),
-                          k, n, ids=chosen)
+    return _top_in_blocks(
+      jnp.where(passes(got, thr) > 0, got, -1.0), jnp.arange(cap_blocks), k, n, ids=chosen
+    )
 
   def exact(_):
     if blocks.shape[0] <= k:
@@ -378,8 +384,11 @@ class TopK(SparseCodec):
     if self.method not in ("exact", "blocked", "sampled"):
       raise ValueError(f"method must be 'exact', 'blocked' or 'sampled', got {self.method!r}")
     check_density(self.sample_fraction, "sample_fraction")
-    if isinstance(self.max_rounds, bool) or not isinstance(self.max_rounds, int) or (
-        self.max_rounds < 0):
+    if (
+      isinstance(self.max_rounds, bool)
+      or not isinstance(self.max_rounds, int)
+      or (self.max_rounds < 0)
+    ):
       raise ValueError(f"max_rounds must be an integer >= 0, got {self.max_rounds!r}")
     if not self.capacity_factor >= 1:
       raise ValueError(f"capacity_factor must be >= 1, got {self.capacity_factor!r}")
@@ -403,8 +412,9 @@ class TopK(SparseCodec):
       return blocked_top_k(a, k)
     key = self._require_key(key)
     capacity = min(n, int(math.ceil(self.capacity_factor * k)))
-    idx, _ = sampled_threshold_select(a, k, key, sample_fraction=self.sample_fraction,
-                                      max_rounds=self.max_rounds, capacity=capacity)
+    idx, _ = sampled_threshold_select(
+      a, k, key, sample_fraction=self.sample_fraction, max_rounds=self.max_rounds, capacity=capacity
+    )
     return idx
 
   def encode(self, x: Array, *, key: Array | None = None) -> Payload:

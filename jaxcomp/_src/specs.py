@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import treeutil
 from jaxcomp._src.transforms import PerDeviceState
@@ -42,23 +43,28 @@ def _param_specs(params, param_specs, axis_name) -> list:
   try:
     specs = treedef.flatten_up_to(param_specs)
   except (ValueError, TypeError) as e:
-    raise ValueError(f"param_specs must be a pytree of PartitionSpecs with the structure of "
-                     f"params; {e}") from e
+    raise ValueError(
+      f"param_specs must be a pytree of PartitionSpecs with the structure of params; {e}"
+    ) from e
   out = []
   for (path, leaf), spec in zip(leaves, specs):
     spec = P() if spec is None else spec
     if not isinstance(spec, P):
-      raise TypeError(f"param_specs at {jax.tree_util.keystr(path)} must be a "
-                      f"PartitionSpec, got {spec!r}")
+      raise TypeError(
+        f"param_specs at {jax.tree_util.keystr(path)} must be a PartitionSpec, got {spec!r}"
+      )
     if len(spec) > np.ndim(leaf):
-      raise ValueError(f"param_specs at {jax.tree_util.keystr(path)}: {spec} has more "
-                       f"entries than the leaf has dimensions ({np.shape(leaf)})")
+      raise ValueError(
+        f"param_specs at {jax.tree_util.keystr(path)}: {spec} has more "
+        f"entries than the leaf has dimensions ({np.shape(leaf)})"
+      )
     clash = set(_spec_axes(spec)) & set(_names(axis_name))
     if clash:
       raise ValueError(
-          f"param_specs at {jax.tree_util.keystr(path)} shards over {sorted(clash)}, the "
-          f"data axis: data-parallel parameters are replicated over axis_name (the "
-          f"gradients are averaged over it); shard them over the other mesh axes only")
+        f"param_specs at {jax.tree_util.keystr(path)} shards over {sorted(clash)}, the "
+        f"data axis: data-parallel parameters are replicated over axis_name (the "
+        f"gradients are averaged over it); shard them over the other mesh axes only"
+      )
     out.append(spec)
   return out
 
@@ -81,13 +87,21 @@ def _axis_sizes(params, other: tuple, mesh) -> dict:
     if all(a in sizes for a in other):
       return sizes
   raise ValueError(
-      f"param_specs shard the parameters over {list(other)}: pass mesh=... (or params "
-      f"placed with a NamedSharding on that mesh, or set it with jax.set_mesh) so that "
-      f"the state can be traced with each device's shard shapes")
+    f"param_specs shard the parameters over {list(other)}: pass mesh=... (or params "
+    f"placed with a NamedSharding on that mesh, or set it with jax.set_mesh) so that "
+    f"the state can be traced with each device's shard shapes"
+  )
 
 
-def abstract_state(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int,
-                   param_specs=None, mesh=None):
+def abstract_state(
+  tx: optax.GradientTransformation,
+  params,
+  *,
+  axis_name,
+  num_devices: int,
+  param_specs=None,
+  mesh=None,
+):
   """Shapes and dtypes of ``tx.init(params)`` traced inside ``jax.shard_map``.
 
   The trace runs over an abstract mesh (no devices needed): ``axis_name`` of
@@ -101,9 +115,9 @@ def abstract_state(tx: optax.GradientTransformation, params, *, axis_name, num_d
 
 
 class _Layout(NamedTuple):
-  specs: list        # a PartitionSpec per parameter leaf
-  mesh: Any          # the AbstractMesh the state is traced over
-  local: list        # each parameter's shard shape
+  specs: list  # a PartitionSpec per parameter leaf
+  mesh: Any  # the AbstractMesh the state is traced over
+  local: list  # each parameter's shard shape
 
 
 def _layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
@@ -112,25 +126,33 @@ def _layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
   data = _names(axis_name)
   if len(data) != 1:
     raise ValueError(f"axis_name must name one mesh axis, got {axis_name!r}")
-  if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or (
-      num_devices < 1):
+  if (
+    isinstance(num_devices, bool)
+    or not isinstance(num_devices, (int, np.integer))
+    or (num_devices < 1)
+  ):
     raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
   other = tuple(dict.fromkeys(a for s in specs for a in _spec_axes(s)))
   sizes = {}
   if other or mesh is not None:
     sizes = _axis_sizes(params, other, mesh) if other else dict(mesh.shape)
   if data[0] in sizes and sizes[data[0]] != num_devices:
-    raise ValueError(f"num_devices={num_devices} but the mesh's axis {data[0]!r} has "
-                     f"{sizes[data[0]]} devices: pass num_devices=mesh.shape[{data[0]!r}]")
-  amesh = jax.sharding.AbstractMesh((int(num_devices),) + tuple(sizes[a] for a in other),
-                                    data + other)
+    raise ValueError(
+      f"num_devices={num_devices} but the mesh's axis {data[0]!r} has "
+      f"{sizes[data[0]]} devices: pass num_devices=mesh.shape[{data[0]!r}]"
+    )
+  amesh = jax.sharding.AbstractMesh(
+    (int(num_devices),) + tuple(sizes[a] for a in other), data + other
+  )
   local = []
   for (path, leaf), spec in zip(treeutil.flat(params)[0], specs):
     for dim, entry in enumerate(spec):
       parts = int(np.prod([sizes[a] for a in _names(entry)])) if entry is not None else 1
       if np.shape(leaf)[dim] % parts:
-        raise ValueError(f"param at {jax.tree_util.keystr(path)}: dimension {dim} of shape "
-                         f"{np.shape(leaf)} does not divide over {entry} ({parts} shards)")
+        raise ValueError(
+          f"param at {jax.tree_util.keystr(path)}: dimension {dim} of shape "
+          f"{np.shape(leaf)} does not divide over {entry} ({parts} shards)"
+        )
     local.append(_local_shape(np.shape(leaf), spec, sizes))
   return _Layout(specs, amesh, local)
 
@@ -140,13 +162,21 @@ def _trace_init(tx, params, layout: _Layout):
   # Each stand-in carries its spec's sharding: on a mesh whose axes are Explicit (the
   # default of AbstractMesh in newer jax) shard_map checks that its inputs are sharded
   # as in_specs say, and an unsharded stand-in would be refused.
-  shapes = treedef.unflatten([
-      jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
-                           sharding=jax.NamedSharding(layout.mesh, spec))
-      for (_, x), spec in zip(leaves, layout.specs)])
-  init = jax.shard_map(tx.init, mesh=layout.mesh,
-                       in_specs=(treedef.unflatten(layout.specs),), out_specs=P(),
-                       check_vma=False)
+  shapes = treedef.unflatten(
+    [
+      jax.ShapeDtypeStruct(
+        np.shape(x), jnp.result_type(x), sharding=jax.NamedSharding(layout.mesh, spec)
+      )
+      for (_, x), spec in zip(leaves, layout.specs)
+    ]
+  )
+  init = jax.shard_map(
+    tx.init,
+    mesh=layout.mesh,
+    in_specs=(treedef.unflatten(layout.specs),),
+    out_specs=P(),
+    check_vma=False,
+  )
   return jax.eval_shape(init, shapes)
 
 
@@ -158,8 +188,15 @@ def _local_shape(shape, spec, sizes) -> tuple:
   return tuple(out)
 
 
-def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devices: int,
-                param_specs=None, mesh=None):
+def state_specs(
+  tx: optax.GradientTransformation,
+  params,
+  *,
+  axis_name,
+  num_devices: int,
+  param_specs=None,
+  mesh=None,
+):
   """PartitionSpecs of ``tx``'s state for ``jax.shard_map`` data parallelism.
 
   The state of ``tx.init(params)`` traced inside ``jax.shard_map(tx.init,
@@ -207,8 +244,7 @@ def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devi
 
   def param_items(node):
     """``node``'s items per parameter when it has the parameters' structure, else None."""
-    if single or isinstance(node, (jax.ShapeDtypeStruct, PerDeviceState,
-                                   optax.MultiStepsState)):
+    if single or isinstance(node, (jax.ShapeDtypeStruct, PerDeviceState, optax.MultiStepsState)):
       return None
     try:
       items = treedef.flatten_up_to(node)
@@ -216,14 +252,16 @@ def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devi
       return None
     shaped = [x for x in items if hasattr(x, "shape")]
     if len(shaped) + sum(isinstance(x, (optax.MaskedNode, type(None))) for x in items) != len(
-        items):
+      items
+    ):
       return None
     if type(node) is type(params) and not isinstance(params, (tuple, list)):
       return items  # a dict (or other mapping) of the parameters' keys
     # Tuples and lists match by structure too easily (a (count, key) pair): ask for at
     # least one leaf shaped like its parameter as well.
-    hits = sum(tuple(x.shape) in (loc, (1,) + loc) for x, loc in zip(items, locals_)
-               if hasattr(x, "shape"))
+    hits = sum(
+      tuple(x.shape) in (loc, (1,) + loc) for x, loc in zip(items, locals_) if hasattr(x, "shape")
+    )
     return items if hits else None
 
   def leaf_spec(x, where: str, per_device: bool, local: bool, param: int | None):
@@ -237,8 +275,11 @@ def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devi
     shape = tuple(x.shape)
     if param is None and single and shape in (locals_[0], (1,) + locals_[0]):
       param = 0
-    spec = None if param is None else tuple(specs[param]) + (None,) * (
-        len(locals_[param]) - len(specs[param]))
+    spec = (
+      None
+      if param is None
+      else tuple(specs[param]) + (None,) * (len(locals_[param]) - len(specs[param]))
+    )
     if per_device:
       if spec is not None and shape == (1,) + locals_[param]:
         return P(axis_name, *spec)
@@ -247,28 +288,30 @@ def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devi
       return P(axis_name)
     if local:  # accumulated local gradients, no leading axis
       if spec is None or shape != locals_[param]:
-        raise ValueError(f"state at {where}: accumulated gradients must be shaped like "
-                         f"their parameter")
+        raise ValueError(
+          f"state at {where}: accumulated gradients must be shaped like their parameter"
+        )
       if not shape:
         raise ValueError(
-            f"state at {where}: the accumulated gradient of a 0-d parameter differs "
-            f"between devices but has no dimension to hold one value per device under "
-            f"shard_map; give the parameter shape (1,)")
+          f"state at {where}: the accumulated gradient of a 0-d parameter differs "
+          f"between devices but has no dimension to hold one value per device under "
+          f"shard_map; give the parameter shape (1,)"
+        )
       return P((axis_name,) + _names(spec[0]), *spec[1:])
     if spec is not None:
       if shape == locals_[param]:
         return P(*spec)
       if _spec_axes(P(*spec)):
         raise ValueError(
-            f"state at {where} has shape {shape} for a parameter sharded as "
-            f"{P(*spec)} (shard shape {locals_[param]}): jc.state_specs cannot tell how "
-            f"it is sharded")
+          f"state at {where} has shape {shape} for a parameter sharded as "
+          f"{P(*spec)} (shard shape {locals_[param]}): jc.state_specs cannot tell how "
+          f"it is sharded"
+        )
     return P()
 
   def walk(node, where: str, per_device: bool, local: bool):
     def special(x):
-      return isinstance(x, (PerDeviceState, optax.MultiStepsState)) or (
-          param_items(x) is not None)
+      return isinstance(x, (PerDeviceState, optax.MultiStepsState)) or (param_items(x) is not None)
 
     def one(path, x):
       here = where + jax.tree_util.keystr(path)
@@ -276,18 +319,22 @@ def state_specs(tx: optax.GradientTransformation, params, *, axis_name, num_devi
         return PerDeviceState(walk(x.inner, here + ".inner", True, local))
       if isinstance(x, optax.MultiStepsState):
         return x._replace(
-            mini_step=walk(x.mini_step, here, per_device, local),
-            gradient_step=walk(x.gradient_step, here, per_device, local),
-            inner_opt_state=walk(x.inner_opt_state, here + ".inner_opt_state", per_device,
-                                 local),
-            acc_grads=walk(x.acc_grads, here + ".acc_grads", per_device, True),
-            skip_state=walk(x.skip_state, here + ".skip_state", per_device, local))
+          mini_step=walk(x.mini_step, here, per_device, local),
+          gradient_step=walk(x.gradient_step, here, per_device, local),
+          inner_opt_state=walk(x.inner_opt_state, here + ".inner_opt_state", per_device, local),
+          acc_grads=walk(x.acc_grads, here + ".acc_grads", per_device, True),
+          skip_state=walk(x.skip_state, here + ".skip_state", per_device, local),
+        )
       items = param_items(x)
       if items is not None:
-        return treedef.unflatten([
-            item if not hasattr(item, "shape") else
-            leaf_spec(item, here + jax.tree_util.keystr(p), per_device, local, i)
-            for i, (item, (p, _)) in enumerate(zip(items, leaves))])
+        return treedef.unflatten(
+          [
+            item
+            if not hasattr(item, "shape")
+            else leaf_spec(item, here + jax.tree_util.keystr(p), per_device, local, i)
+            for i, (item, (p, _)) in enumerate(zip(items, leaves))
+          ]
+        )
       return leaf_spec(x, here, per_device, local, None)
 
     return jax.tree_util.tree_map_with_path(one, node, is_leaf=special)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
@@ -57,14 +59,13 @@ class CompressState(NamedTuple):
   elsewhere. All of it is per device (residuals differ between devices).
   """
 
-  key: Array             # typed PRNG key, shape=()
-  residual: Any          # first-stage error feedback, leaf shape, dtype=float32
-  chunk_residual: Any    # second-stage (two-phase) error feedback, shape=codec.chunk_shape
+  key: Array  # typed PRNG key, shape=()
+  residual: Any  # first-stage error feedback, leaf shape, dtype=float32
+  chunk_residual: Any  # second-stage (two-phase) error feedback, shape=codec.chunk_shape
   #                        (leaf shape, K): (chunk,) or (m, columns), dtype=float32
   nonfinite_count: Array  # shape=(), dtype=int32: steps whose input had NaN/Inf
-  overflow_count: Array   # shape=(), dtype=int32: steps a codec took its overflow path
+  overflow_count: Array  # shape=(), dtype=int32: steps a codec took its overflow path
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
-
 
 
 @dataclasses.dataclass
@@ -74,16 +75,16 @@ class _Leaf:
   instead of several lists kept in step by position."""
 
   g: Array
-  route: str                # one of collectives.ROUTES, decided once by _plan_leaf
-  key: Array                # this leaf's encoding key
-  residual: Any             # e in, e' out; optax.MaskedNode: no error feedback here
-  chunk_residual: Any       # the two-phase owner's residual; MaskedNode elsewhere
-  out: Array = None         # the mean; the gradient until its exchange sets it
-  x32: Array = None         # float32 g + e, what the residual is taken from
-  x: Array = None           # x32 in the gradient's dtype: what is encoded
-  finite: Array = None      # bool scalar: this device's input is finite
-  overflow: Array = None    # bool scalar: the codec took its overflow path
-  payload: Any = None       # gathered routes: this device's payload
+  route: str  # one of collectives.ROUTES, decided once by _plan_leaf
+  key: Array  # this leaf's encoding key
+  residual: Any  # e in, e' out; optax.MaskedNode: no error feedback here
+  chunk_residual: Any  # the two-phase owner's residual; MaskedNode elsewhere
+  out: Array = None  # the mean; the gradient until its exchange sets it
+  x32: Array = None  # float32 g + e, what the residual is taken from
+  x: Array = None  # x32 in the gradient's dtype: what is encoded
+  finite: Array = None  # bool scalar: this device's input is finite
+  overflow: Array = None  # bool scalar: the codec took its overflow path
+  payload: Any = None  # gathered routes: this device's payload
 
   @property
   def feedback(self) -> bool:
@@ -100,13 +101,23 @@ def _plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key) -
   """
   chosen = treeutil.selected(filter_fn, path, g)
   use_ef = not isinstance(e, optax.MaskedNode)
-  fused = (use_ef and chosen and mode == "allgather" and codec.fallback is None
-           and codec.fuses_feedback(g.size, g.dtype))
+  fused = (
+    use_ef
+    and chosen
+    and mode == "allgather"
+    and codec.fallback is None
+    and codec.fuses_feedback(g.size, g.dtype)
+  )
   if chosen:
     collectives.check_local(path, g, axis_name)
-  return _Leaf(g=g, route=collectives.route(codec, mode, axis_name, selected=chosen,
-                                             fused=fused),
-               key=jax.random.fold_in(step_key, i), residual=e, chunk_residual=e2, out=g)
+  return _Leaf(
+    g=g,
+    route=collectives.route(codec, mode, axis_name, selected=chosen, fused=fused),
+    key=jax.random.fold_in(step_key, i),
+    residual=e,
+    chunk_residual=e2,
+    out=g,
+  )
 
 
 def _apply_feedback(leaf: _Leaf, sent: Array) -> None:
@@ -116,8 +127,7 @@ def _apply_feedback(leaf: _Leaf, sent: Array) -> None:
   the step is counted in ``nonfinite_count`` instead.
   """
   if leaf.feedback:
-    leaf.residual = jnp.where(leaf.finite, leaf.x32 - sent.reshape(leaf.g.shape),
-                              leaf.residual)
+    leaf.residual = jnp.where(leaf.finite, leaf.x32 - sent.reshape(leaf.g.shape), leaf.residual)
 
 
 def _encode(codec, axis_name, leaf: _Leaf) -> None:
@@ -170,7 +180,8 @@ def _exchange_gathered(codec, axis_name, plan: list[_Leaf]) -> None:
   gathered = [leaf for leaf in plan if leaf.route in ("gathered", "fused")]
   dense = [leaf for leaf in plan if leaf.route == "dense"] if axis_name is not None else []
   means, dense_means = collectives.exchange_means(
-      codec, [leaf.payload for leaf in gathered], [leaf.g for leaf in dense], axis_name)
+    codec, [leaf.payload for leaf in gathered], [leaf.g for leaf in dense], axis_name
+  )
   for leaf, mean in zip(dense, dense_means):
     leaf.out = mean
   for leaf, mean in zip(gathered, means):
@@ -183,10 +194,13 @@ def _exchange_two_phase(codec, axis_name, phased: list[_Leaf]) -> None:
   owners' second-stage residuals."""
   if not phased:
     return
-  chunk_residuals = [None if isinstance(leaf.chunk_residual, optax.MaskedNode)
-                     else leaf.chunk_residual for leaf in phased]
-  exs = collectives.two_phase_means(codec, [leaf.x for leaf in phased],
-                                    [leaf.key for leaf in phased], axis_name, chunk_residuals)
+  chunk_residuals = [
+    None if isinstance(leaf.chunk_residual, optax.MaskedNode) else leaf.chunk_residual
+    for leaf in phased
+  ]
+  exs = collectives.two_phase_means(
+    codec, [leaf.x for leaf in phased], [leaf.key for leaf in phased], axis_name, chunk_residuals
+  )
   for leaf, ex in zip(phased, exs):
     leaf.out = ex.mean.reshape(leaf.g.shape).astype(leaf.g.dtype)
     _apply_feedback(leaf, ex.sent)
@@ -196,13 +210,13 @@ def _exchange_two_phase(codec, axis_name, phased: list[_Leaf]) -> None:
 
 
 def compress(
-    codec: codecs_lib.Codec,
-    *,
-    axis_name: Any = None,
-    collective: str = "allgather",
-    error_feedback: bool = False,
-    seed: int = 0,
-    filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+  codec: codecs_lib.Codec,
+  *,
+  axis_name: Any = None,
+  collective: str = "allgather",
+  error_feedback: bool = False,
+  seed: int = 0,
+  filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""Exchanges the gradient through a compressed collective and returns its mean.
 
@@ -298,13 +312,16 @@ def compress(
   if collective not in collectives.COLLECTIVES:
     raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
   if codec.fallback is not None and collective not in ("allgather", "auto"):
-    raise ValueError(f"{type(codec).__name__} (a variable-length format with a fixed-width "
-                     f"fallback) needs collective='allgather', got {collective!r}")
+    raise ValueError(
+      f"{type(codec).__name__} (a variable-length format with a fixed-width "
+      f"fallback) needs collective='allgather', got {collective!r}"
+    )
   if collective == "psum" and codec.summable_fields is None:
     raise ValueError(
-        f"collective='psum' needs a codec whose payloads can be summed across devices "
-        f"(e.g. RandomK(density, shared=True)); {codec!r} cannot: use 'allgather' or "
-        f"'two_phase'")
+      f"collective='psum' needs a codec whose payloads can be summed across devices "
+      f"(e.g. RandomK(density, shared=True)); {codec!r} cannot: use 'allgather' or "
+      f"'two_phase'"
+    )
   filter_fn = default_filter if filter is None else filter
 
   def init_fn(params):
@@ -326,12 +343,13 @@ def compress(
       else:
         chunk_residual.append(optax.MaskedNode())
     return CompressState(
-        key=jax.random.key(seed),
-        residual=treedef.unflatten(residual),
-        chunk_residual=treedef.unflatten(chunk_residual),
-        nonfinite_count=jnp.zeros((), jnp.int32),
-        overflow_count=jnp.zeros((), jnp.int32),
-        shapes=treeutil.LeafShapes.of(params))
+      key=jax.random.key(seed),
+      residual=treedef.unflatten(residual),
+      chunk_residual=treedef.unflatten(chunk_residual),
+      nonfinite_count=jnp.zeros((), jnp.int32),
+      overflow_count=jnp.zeros((), jnp.int32),
+      shapes=treeutil.LeafShapes.of(params),
+    )
 
   def update_fn(updates, state, params=None):
     del params
@@ -346,10 +364,14 @@ def compress(
       mode = collectives.resolve(collective, codec, collectives.axis_size(axis_name))
       if not codec.shared_randomness:  # else every device draws the same bits
         step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
-    plan = [_plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key)
-            for i, ((path, g), e, e2) in enumerate(zip(
-                leaves, treedef.flatten_up_to(state.residual),
-                treedef.flatten_up_to(state.chunk_residual)))]
+    plan = [
+      _plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key)
+      for i, ((path, g), e, e2) in enumerate(
+        zip(
+          leaves, treedef.flatten_up_to(state.residual), treedef.flatten_up_to(state.chunk_residual)
+        )
+      )
+    ]
     # Error feedback and encoding, in the profile phase "encode" (the collectives and
     # decodes of the local/psum/fallback routes inside keep their own scopes).
     with jax.named_scope(phases.ENCODE_SCOPE):
@@ -357,38 +379,40 @@ def compress(
         _encode(codec, axis_name, leaf)
     _exchange_gathered(codec, axis_name, plan)
     _exchange_two_phase(codec, axis_name, [leaf for leaf in plan if leaf.route == "two_phase"])
-    any_bad = functools.reduce(jnp.logical_or, [~leaf.finite for leaf in plan],
-                               jnp.zeros((), bool))
-    any_overflow = functools.reduce(jnp.logical_or, [leaf.overflow for leaf in plan
-                                                     if leaf.overflow is not None],
-                                    jnp.zeros((), bool))
+    any_bad = functools.reduce(jnp.logical_or, [~leaf.finite for leaf in plan], jnp.zeros((), bool))
+    any_overflow = functools.reduce(
+      jnp.logical_or,
+      [leaf.overflow for leaf in plan if leaf.overflow is not None],
+      jnp.zeros((), bool),
+    )
     if axis_name is not None:
       any_bad = collectives.any_over_other_axes(any_bad, axis_name)
       any_overflow = collectives.any_over_other_axes(any_overflow, axis_name)
     new_state = CompressState(
-        key=key,
-        residual=treedef.unflatten([leaf.residual for leaf in plan]),
-        chunk_residual=treedef.unflatten([leaf.chunk_residual for leaf in plan]),
-        nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
-        overflow_count=state.overflow_count + any_overflow.astype(jnp.int32),
-        shapes=state.shapes)
+      key=key,
+      residual=treedef.unflatten([leaf.residual for leaf in plan]),
+      chunk_residual=treedef.unflatten([leaf.chunk_residual for leaf in plan]),
+      nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
+      overflow_count=state.overflow_count + any_overflow.astype(jnp.int32),
+      shapes=state.shapes,
+    )
     return treedef.unflatten([leaf.out for leaf in plan]), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
 def qsgd(
-    bits: int = 4,
-    bucket_size: int | None = 512,
-    norm: str = "max",
-    *,
-    levels: int | None = None,
-    axis_name: Any = None,
-    collective: str = "allgather",
-    error_feedback: bool = False,
-    seed: int = 0,
-    filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
-    implementation: str | None = None,
+  bits: int = 4,
+  bucket_size: int | None = 512,
+  norm: str = "max",
+  *,
+  levels: int | None = None,
+  axis_name: Any = None,
+  collective: str = "allgather",
+  error_feedback: bool = False,
+  seed: int = 0,
+  filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+  implementation: str | None = None,
 ) -> optax.GradientTransformation:
   r"""QSGD: stochastic quantization of the gradient exchange to ``s`` levels per sign.
 
@@ -448,8 +472,14 @@ def qsgd(
   if levels is None:
     levels = 2 ** (bits - 1) - 1
   codec = codecs_lib.QSGD(levels, bucket_size, norm, implementation)  # validates levels
-  return compress(codec, axis_name=axis_name, collective=collective,
-                  error_feedback=error_feedback, seed=seed, filter=filter)
+  return compress(
+    codec,
+    axis_name=axis_name,
+    collective=collective,
+    error_feedback=error_feedback,
+    seed=seed,
+    filter=filter,
+  )
 
 
 class _DefaultBucket(int):
@@ -464,14 +494,14 @@ _ONEBIT_BUCKET = _DefaultBucket(1024)
 
 
 def onebit_sgd(
-    *,
-    bucket_size: int | None = _ONEBIT_BUCKET,
-    per_column: bool = False,
-    axis_name: Any = None,
-    collective: str = "auto",
-    seed: int = 0,
-    filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
-    implementation: str | None = None,
+  *,
+  bucket_size: int | None = _ONEBIT_BUCKET,
+  per_column: bool = False,
+  axis_name: Any = None,
+  collective: str = "auto",
+  seed: int = 0,
+  filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+  implementation: str | None = None,
 ) -> optax.GradientTransformation:
   r"""1-bit SGD with error feedback and the two-phase exchange (Seide et al., 2014).
 
@@ -480,10 +510,11 @@ def onebit_sgd(
   negative entries) and keeps ``Δ(t) = G(t) + Δ(t-1) - Q^{-1}(G_q(t))``. The exchange is
   the paper's §3.1 scheme: each device owns 1/K of the gradient, receives the K quantized
   slices of it, sums them, re-quantizes the sum with its own error feedback and sends it
-  to all, so per-device traffic does not grow with K (``32 / (1 + 64/1024)``, about 30x less than a float32
-  all-reduce with buckets of 1024). On two devices (``collective="auto"``, the default)
-  the payloads are all-gathered instead: the same bytes, half the encoding work, one
-  collective, and the sum is not quantized a second time.
+  to all, so per-device traffic does not grow with K (``32 / (1 + 64/1024)``, about 30x
+  less than a float32 all-reduce with buckets of 1024). On two devices
+  (``collective="auto"``, the default) the payloads are all-gathered instead: the same
+  bytes, half the encoding work, one collective, and the sum is not quantized a second
+  time.
 
   The buckets are ``bucket_size`` consecutive values by default, or, with
   ``per_column=True``, the paper's: one pair of reconstruction values per column of each
@@ -513,23 +544,26 @@ def onebit_sgd(
   """
   if per_column:
     if bucket_size is not _ONEBIT_BUCKET and bucket_size is not None:
-      raise ValueError(f"per_column=True takes each matrix column as a bucket; "
-                       f"bucket_size={bucket_size!r} cannot be combined with it")
+      raise ValueError(
+        f"per_column=True takes each matrix column as a bucket; "
+        f"bucket_size={bucket_size!r} cannot be combined with it"
+      )
     bucket_size = None
   elif isinstance(bucket_size, _DefaultBucket):
     bucket_size = int(bucket_size)
   codec = codecs_lib.OneBit(bucket_size, implementation, per_column=per_column)
-  return compress(codec, axis_name=axis_name, collective=collective, error_feedback=True,
-                  seed=seed, filter=filter)
+  return compress(
+    codec, axis_name=axis_name, collective=collective, error_feedback=True, seed=seed, filter=filter
+  )
 
 
 def ef_signsgd(
-    *,
-    bucket_size: int | None = None,
-    axis_name: Any = None,
-    collective: str = "auto",
-    seed: int = 0,
-    filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+  *,
+  bucket_size: int | None = None,
+  axis_name: Any = None,
+  collective: str = "auto",
+  seed: int = 0,
+  filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""EF-signSGD: the scaled sign with error feedback (Karimireddy et al., 2019).
 
@@ -569,10 +603,17 @@ def ef_signsgd(
     Compression Schemes*. ICML 2019. https://arxiv.org/abs/1901.09847
   """
   if collective not in ("allgather", "two_phase", "auto"):
-    raise ValueError(f"ef_signsgd's collective must be 'allgather', 'two_phase' or "
-                     f"'auto', got {collective!r}")
-  return compress(codecs_lib.ScaledSign(bucket_size), axis_name=axis_name,
-                  collective=collective, error_feedback=True, seed=seed, filter=filter)
+    raise ValueError(
+      f"ef_signsgd's collective must be 'allgather', 'two_phase' or 'auto', got {collective!r}"
+    )
+  return compress(
+    codecs_lib.ScaledSign(bucket_size),
+    axis_name=axis_name,
+    collective=collective,
+    error_feedback=True,
+    seed=seed,
+    filter=filter,
+  )
 
 
 class PerDeviceState(NamedTuple):
@@ -612,15 +653,15 @@ def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
 
 
 def sparsify(
-    epsilon: float | None = None,
-    density: float | None = None,
-    method: str = "greedy",
-    *,
-    axis_name: Any = None,
-    error_feedback: bool = False,
-    capacity: float | None = None,
-    seed: int = 0,
-    filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+  epsilon: float | None = None,
+  density: float | None = None,
+  method: str = "greedy",
+  *,
+  axis_name: Any = None,
+  error_feedback: bool = False,
+  capacity: float | None = None,
+  seed: int = 0,
+  filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""Optimal unbiased sparsification of the gradient exchange (Wangni et al., 2018).
 
@@ -650,7 +691,14 @@ def sparsify(
     Wangni, Wang, Liu, Zhang. *Gradient Sparsification for Communication-Efficient
     Distributed Optimization*. NeurIPS 2018. https://arxiv.org/abs/1710.09854
   """
-  codec = wangni.UnbiasedSparsifier(epsilon=epsilon, density=density, method=method,
-                                    capacity=capacity)
-  return compress(codec, axis_name=axis_name, collective="allgather",
-                  error_feedback=error_feedback, seed=seed, filter=filter)
+  codec = wangni.UnbiasedSparsifier(
+    epsilon=epsilon, density=density, method=method, capacity=capacity
+  )
+  return compress(
+    codec,
+    axis_name=axis_name,
+    collective="allgather",
+    error_feedback=error_feedback,
+    seed=seed,
+    filter=filter,
+  )

@@ -14,8 +14,7 @@ def flat(tree):
   return jax.tree_util.tree_flatten_with_path(tree)
 
 
-def check_leaf(path, leaf, what: str = "jaxcomp transforms need floating-point gradients"
-               ) -> None:
+def check_leaf(path, leaf, what: str = "jaxcomp transforms need floating-point gradients") -> None:
   """Raises a ``TypeError`` naming ``path`` unless ``leaf`` has a floating dtype.
 
   Codecs, residuals and means are floating-point arithmetic; an integer or boolean leaf
@@ -34,8 +33,9 @@ def selected(filter_fn, path, leaf) -> bool:
   """
   chosen = filter_fn(path, leaf)
   if isinstance(chosen, jax.core.Tracer):
-    raise TypeError("filter must decide from the leaf's path, shape and dtype only "
-                    "(it returned a traced value)")
+    raise TypeError(
+      "filter must decide from the leaf's path, shape and dtype only (it returned a traced value)"
+    )
   return bool(chosen)
 
 
@@ -59,11 +59,13 @@ class LeafShapes:
     self.dtypes = dtypes
 
   @classmethod
-  def of(cls, tree) -> "LeafShapes":
+  def of(cls, tree) -> LeafShapes:
     leaves, _ = flat(tree)
-    return cls(tuple(p for p, _ in leaves),
-               tuple(tuple(int(d) for d in np.shape(x)) for _, x in leaves),
-               tuple(str(jax.numpy.result_type(x)) for _, x in leaves))
+    return cls(
+      tuple(p for p, _ in leaves),
+      tuple(tuple(int(d) for d in np.shape(x)) for _, x in leaves),
+      tuple(str(jax.numpy.result_type(x)) for _, x in leaves),
+    )
 
   def tree_flatten(self):
     return (), (self.paths, self.shapes, self.dtypes)
@@ -75,7 +77,8 @@ class LeafShapes:
 
   def __eq__(self, other):
     return isinstance(other, LeafShapes) and (
-        (self.paths, self.shapes, self.dtypes) == (other.paths, other.shapes, other.dtypes))
+      (self.paths, self.shapes, self.dtypes) == (other.paths, other.shapes, other.dtypes)
+    )
 
   def __hash__(self):
     return hash((self.paths, self.shapes, self.dtypes))
@@ -96,27 +99,33 @@ class LeafShapes:
       missing = [keystr(p) for p in self.paths if p not in set(got.paths)]
       parts = []
       if extra:
-        parts.append(f"the gradient has {', '.join(extra)}, which the parameters given to "
-                     f"init did not have")
+        parts.append(
+          f"the gradient has {', '.join(extra)}, which the parameters given to init did not have"
+        )
       if missing:
-        parts.append(f"the parameters given to init had {', '.join(missing)}, which the "
-                     f"gradient lacks")
+        parts.append(
+          f"the parameters given to init had {', '.join(missing)}, which the gradient lacks"
+        )
       if not parts:
         parts.append("the leaves come in another order or nesting")
-      raise ValueError(f"{who}: the gradient's tree does not match init's: "
-                       + "; ".join(parts) + ".")
-    for path, want, have, want_t, have_t in zip(self.paths, self.shapes, got.shapes,
-                                                self.dtypes, got.dtypes):
+      raise ValueError(
+        f"{who}: the gradient's tree does not match init's: " + "; ".join(parts) + "."
+      )
+    for path, want, have, want_t, have_t in zip(
+      self.paths, self.shapes, got.shapes, self.dtypes, got.dtypes
+    ):
       if want != have:
         raise ValueError(
-            f"{who}: the gradient at {jax.tree_util.keystr(path)} has shape {have}, but "
-            f"init saw shape {want} there; pass gradients shaped like the parameters "
-            f"the state was initialised with.")
+          f"{who}: the gradient at {jax.tree_util.keystr(path)} has shape {have}, but "
+          f"init saw shape {want} there; pass gradients shaped like the parameters "
+          f"the state was initialised with."
+        )
       if want_t != have_t:
         raise ValueError(
-            f"{who}: the gradient at {jax.tree_util.keystr(path)} has dtype {have_t}, but "
-            f"init saw dtype {want_t} there; cast the gradient (or re-initialise the "
-            f"state for the new dtype).")
+          f"{who}: the gradient at {jax.tree_util.keystr(path)} has dtype {have_t}, but "
+          f"init saw dtype {want_t} there; cast the gradient (or re-initialise the "
+          f"state for the new dtype)."
+        )
 
 
 def mark_nonfinite(x: jax.Array, finite: jax.Array) -> jax.Array:

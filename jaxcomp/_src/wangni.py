@@ -12,9 +12,9 @@ import dataclasses
 import math
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
@@ -232,16 +232,22 @@ class UnbiasedSparsifier(SparseCodec):
       raise ValueError(f"method must be 'greedy' or 'exact', got {self.method!r}")
     if self.method == "greedy":
       if self.density is None:
-        hint = ("" if self.epsilon is None else
-                f" (got epsilon={self.epsilon!r}: the positional order is epsilon, "
-                f"density, method; pass density=... by keyword)")
+        hint = (
+          ""
+          if self.epsilon is None
+          else f" (got epsilon={self.epsilon!r}: the positional order is epsilon, "
+          f"density, method; pass density=... by keyword)"
+        )
         raise ValueError(f"method='greedy' needs density=κ in (0, 1]{hint}")
       if self.epsilon is not None:
         raise ValueError("epsilon is used by method='exact' only; 'greedy' takes density")
     else:
       eps = self.epsilon
-      if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not (
-          0 < eps < math.inf):
+      if (
+        isinstance(eps, bool)
+        or not isinstance(eps, (int, float, np.floating))
+        or not (0 < eps < math.inf)
+      ):
         raise ValueError(f"method='exact' needs epsilon > 0 (finite), got {eps!r}")
     if self.density is not None:
       check_density(self.density)
@@ -302,8 +308,11 @@ class UnbiasedSparsifier(SparseCodec):
       sat = jnp.floor(jnp.minimum(rows * lam, 1.0))
       # Σ|x| over the unsaturated entries as a - sat·a (no cancellation).
       sat_rows, rest_rows = lax.reduce(
-          (sat, rows - sat * rows), (jnp.float32(0), jnp.float32(0)),
-          lambda u, v: (u[0] + v[0], u[1] + v[1]), (1,))
+        (sat, rows - sat * rows),
+        (jnp.float32(0), jnp.float32(0)),
+        lambda u, v: (u[0] + v[0], u[1] + v[1]),
+        (1,),
+      )
       n_sat, rest = jnp.sum(sat_rows), jnp.sum(rest_rows)
       ok = (target - n_sat > 0) & (rest > 0)
       new = (target - n_sat) / jnp.where(ok, rest, 1.0)
@@ -352,9 +361,13 @@ class UnbiasedSparsifier(SparseCodec):
     c_slots, d_slots = self.capacities(n)
     shape, dtype = tuple(x.shape), jnp.dtype(x.dtype)
     if n == 0:
-      arrays = {"indices": jnp.zeros((0,), idt), "signs": jnp.zeros((0,), jnp.uint32),
-                "values": jnp.zeros((0,), _F32), "scale": jnp.zeros((), _F32),
-                "num_dense": jnp.zeros((), jnp.int32)}
+      arrays = {
+        "indices": jnp.zeros((0,), idt),
+        "signs": jnp.zeros((0,), jnp.uint32),
+        "values": jnp.zeros((0,), _F32),
+        "scale": jnp.zeros((), _F32),
+        "num_dense": jnp.zeros((), jnp.int32),
+      }
       return Payload(arrays, shape, dtype), jnp.zeros((), bool)
 
     xf = x.reshape(-1).astype(_F32)
@@ -427,8 +440,13 @@ class UnbiasedSparsifier(SparseCodec):
     # NaN policy: a non-finite input poisons every value, so no decoding of it is finite.
     values = jnp.where(all_finite, values, jnp.nan)
     scale = jnp.where(all_finite, scale, jnp.nan)
-    arrays = {"indices": idx.astype(idt), "signs": signs, "values": values,
-              "scale": scale.astype(_F32), "num_dense": nd.astype(jnp.int32)}
+    arrays = {
+      "indices": idx.astype(idt),
+      "signs": signs,
+      "values": values,
+      "scale": scale.astype(_F32),
+      "num_dense": nd.astype(jnp.int32),
+    }
     return Payload(arrays, shape, dtype), overflow
 
   # --------------------------------------------------------------------------- decode

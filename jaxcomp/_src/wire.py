@@ -27,17 +27,20 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from jax.extend import core as _core
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from jaxcomp._src import specs
 
-from jax.extend import core as _core
-
 #: Primitive names jax gives the same collective (by version, and by ``check_vma``).
-SAME_AS = {"all_gather_invariant": "all_gather", "psum_invariant": "psum", "psum2": "psum",
-            "reduce_scatter": "psum_scatter"}
+SAME_AS = {
+  "all_gather_invariant": "all_gather",
+  "psum_invariant": "psum",
+  "psum2": "psum",
+  "reduce_scatter": "psum_scatter",
+}
 
 
 def canonical(primitive: str) -> str:
@@ -47,13 +50,13 @@ def canonical(primitive: str) -> str:
 
 
 TRAFFIC = {  # by canonical name
-    "all_gather": lambda b, k: (k - 1) * b,
-    "all_to_all": lambda b, k: (k - 1) * b / k,
-    "psum": lambda b, k: 2 * (k - 1) * b / k,
-    "pmax": lambda b, k: 2 * (k - 1) * b / k,
-    "pmin": lambda b, k: 2 * (k - 1) * b / k,
-    "psum_scatter": lambda b, k: (k - 1) * b / k,
-    "ppermute": lambda b, k: b,
+  "all_gather": lambda b, k: (k - 1) * b,
+  "all_to_all": lambda b, k: (k - 1) * b / k,
+  "psum": lambda b, k: 2 * (k - 1) * b / k,
+  "pmax": lambda b, k: 2 * (k - 1) * b / k,
+  "pmin": lambda b, k: 2 * (k - 1) * b / k,
+  "psum_scatter": lambda b, k: (k - 1) * b / k,
+  "ppermute": lambda b, k: b,
 }
 
 
@@ -65,8 +68,8 @@ class CollectiveOp:
   """One collective of the traced update."""
 
   primitive: str
-  operand_bytes: int   # B: bytes of the operand on one device
-  count: int           # how many times it runs per step (scan trip counts)
+  operand_bytes: int  # B: bytes of the operand on one device
+  count: int  # how many times it runs per step (scan trip counts)
   bytes_received: float  # per device per step, by the convention above
   fallback: bool = False  # only on a rare fallback path (not in bytes_received)
 
@@ -88,16 +91,20 @@ class WireReport:
     return self.dense_bytes / self.bytes_received if self.bytes_received else float("inf")
 
   def __str__(self) -> str:
-    lines = [f"wire report, K={self.num_devices} devices, per device per step:",
-             f"  received {self.bytes_received:,.0f} B  (dense pmean {self.dense_bytes:,.0f} B,"
-             f" ratio {self.ratio:.2f}x)"]
+    lines = [
+      f"wire report, K={self.num_devices} devices, per device per step:",
+      f"  received {self.bytes_received:,.0f} B  (dense pmean {self.dense_bytes:,.0f} B,"
+      f" ratio {self.ratio:.2f}x)",
+    ]
     for op in self.ops:
-      lines.append(f"  {op.primitive:<22} operand {op.operand_bytes:>12,} B x{op.count:<3}"
-                   f" -> {op.bytes_received:,.0f} B" + ("  (fallback only)" if op.fallback
-                                                       else ""))
+      lines.append(
+        f"  {op.primitive:<22} operand {op.operand_bytes:>12,} B x{op.count:<3}"
+        f" -> {op.bytes_received:,.0f} B" + ("  (fallback only)" if op.fallback else "")
+      )
     if self.fallback_bytes:
-      lines.append(f"  a step that takes the fallback path receives "
-                   f"{self.fallback_bytes:,.0f} B more")
+      lines.append(
+        f"  a step that takes the fallback path receives {self.fallback_bytes:,.0f} B more"
+      )
     return "\n".join(lines)
 
 
@@ -141,8 +148,7 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
           _walk(sub, k, mult, ops)
         per_branch.append(ops)
       regular = max(per_branch, key=_regular_bytes)
-      rare = max(per_branch,
-                 key=lambda ops: sum(op.bytes_received for op in ops if op.fallback))
+      rare = max(per_branch, key=lambda ops: sum(op.bytes_received for op in ops if op.fallback))
       out.extend(op for op in regular if not op.fallback)
       out.extend(op for op in rare if op.fallback)
       continue
@@ -152,8 +158,7 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
         _walk(sub, k, inner, out)
 
 
-def collective_ops(fn, *args, axis_name, num_devices: int
-                   ) -> list[CollectiveOp]:
+def collective_ops(fn, *args, axis_name, num_devices: int) -> list[CollectiveOp]:
   """A :class:`CollectiveOp` per collective of the traced ``fn`` (not merged).
 
   ``fallback`` marks collectives under ``jax.named_scope("jaxcomp_fallback")``: a rare
@@ -193,19 +198,29 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
     raise ValueError(f"num_devices must be an integer >= 2, got {num_devices!r}")
   if axis_name is None:
     raise ValueError("wire_report needs the axis_name the transform averages over")
-  params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
-                        params)
+  params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   state = specs.abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices)
-  ops = collective_ops(lambda g, s, p: tx.update(g, s, p)[0], params, state, params,
-                       axis_name=axis_name, num_devices=num_devices)
+  ops = collective_ops(
+    lambda g, s, p: tx.update(g, s, p)[0],
+    params,
+    state,
+    params,
+    axis_name=axis_name,
+    num_devices=num_devices,
+  )
   received = float(sum(op.bytes_received for op in ops if not op.fallback))
   fallback = float(sum(op.bytes_received for op in ops if op.fallback))
   n_dense = sum(int(np.prod(p.shape, dtype=np.int64)) for p in jax.tree.leaves(params))
   k = num_devices
   dense = 2 * (k - 1) / k * 4 * n_dense
   return WireReport(
-      num_devices=k, bytes_sent=received, bytes_received=received, dense_bytes=dense,
-      ops=merge_ops(ops), fallback_bytes=fallback)
+    num_devices=k,
+    bytes_sent=received,
+    bytes_received=received,
+    dense_bytes=dense,
+    ops=merge_ops(ops),
+    fallback_bytes=fallback,
+  )
 
 
 def merge_ops(ops) -> tuple[CollectiveOp, ...]:

@@ -11,12 +11,14 @@ agrees on.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomp._src import collectives
 
@@ -26,7 +28,7 @@ Array = jax.Array
 class SkipNonfiniteState(NamedTuple):
   """State of :func:`skip_nonfinite`."""
 
-  inner_state: Any        # the wrapped transform's state (kept as it was on a skipped step)
+  inner_state: Any  # the wrapped transform's state (kept as it was on a skipped step)
   notfinite_count: Array  # shape=(), dtype=int32: steps skipped, the same on every device
 
 
@@ -37,8 +39,9 @@ def _all_finite(tree) -> Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def skip_nonfinite(tx: optax.GradientTransformation, *, axis_name: Any
-                   ) -> optax.GradientTransformation:
+def skip_nonfinite(
+  tx: optax.GradientTransformation, *, axis_name: Any
+) -> optax.GradientTransformation:
   r"""Skips a step on every device when any device's gradient is non-finite.
 
   Runs ``tx`` every step, so the collectives inside it never sit in a per-device
@@ -82,10 +85,8 @@ def skip_nonfinite(tx: optax.GradientTransformation, *, axis_name: Any
     if others:
       bad = lax.psum(bad.astype(jnp.int32), others) > 0
     new_updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), new_updates)
-    inner = jax.tree.map(lambda new, old: jnp.where(bad, old, new), inner,
-                         state.inner_state)
-    return new_updates, SkipNonfiniteState(inner, state.notfinite_count
-                                           + bad.astype(jnp.int32))
+    inner = jax.tree.map(lambda new, old: jnp.where(bad, old, new), inner, state.inner_state)
+    return new_updates, SkipNonfiniteState(inner, state.notfinite_count + bad.astype(jnp.int32))
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -103,9 +104,12 @@ def _match_varying(new: Array, old: Array) -> Array:
   return lax.pcast(new, extra, to="varying") if extra else new
 
 
-def multi_steps(opt: optax.GradientTransformation,
-                every_k_schedule: int | Callable[[Array], Array], *,
-                use_grad_mean: bool = True) -> optax.GradientTransformation:
+def multi_steps(
+  opt: optax.GradientTransformation,
+  every_k_schedule: int | Callable[[Array], Array],
+  *,
+  use_grad_mean: bool = True,
+) -> optax.GradientTransformation:
   r"""Gradient accumulation whose inner update (and exchange) runs once per k mini-steps.
 
   The state is ``optax.MultiStepsState``, as for ``optax.MultiSteps``, and so are the
@@ -135,26 +139,32 @@ def multi_steps(opt: optax.GradientTransformation,
   Returns:
     An ``optax.GradientTransformation`` with state ``optax.MultiStepsState``.
   """
-  schedule = every_k_schedule if callable(every_k_schedule) else (
-      lambda _: every_k_schedule)
+  schedule = every_k_schedule if callable(every_k_schedule) else (lambda _: every_k_schedule)
   if not callable(every_k_schedule) and (
-      isinstance(every_k_schedule, bool) or not isinstance(every_k_schedule, int)
-      or every_k_schedule < 1):
-    raise ValueError(f"every_k_schedule must be a positive int or a schedule, got "
-                     f"{every_k_schedule!r}")
+    isinstance(every_k_schedule, bool)
+    or not isinstance(every_k_schedule, int)
+    or every_k_schedule < 1
+  ):
+    raise ValueError(
+      f"every_k_schedule must be a positive int or a schedule, got {every_k_schedule!r}"
+    )
 
   def init_fn(params):
     return optax.MultiStepsState(
-        mini_step=jnp.zeros((), jnp.int32), gradient_step=jnp.zeros((), jnp.int32),
-        inner_opt_state=opt.init(params),
-        acc_grads=jax.tree.map(jnp.zeros_like, params), skip_state=())
+      mini_step=jnp.zeros((), jnp.int32),
+      gradient_step=jnp.zeros((), jnp.int32),
+      inner_opt_state=opt.init(params),
+      acc_grads=jax.tree.map(jnp.zeros_like, params),
+      skip_state=(),
+    )
 
   def update_fn(updates, state, params=None):
     k = jnp.asarray(schedule(state.gradient_step), jnp.int32)
     n = state.mini_step
     if use_grad_mean:
-      acc = jax.tree.map(lambda g, a: (a + (g.astype(a.dtype) - a) / (n + 1).astype(a.dtype)),
-                         updates, state.acc_grads)
+      acc = jax.tree.map(
+        lambda g, a: a + (g.astype(a.dtype) - a) / (n + 1).astype(a.dtype), updates, state.acc_grads
+      )
     else:
       acc = jax.tree.map(lambda g, a: a + g.astype(a.dtype), updates, state.acc_grads)
     emit = n == k - 1
@@ -174,11 +184,12 @@ def multi_steps(opt: optax.GradientTransformation,
 
     new_updates, inner = lax.cond(emit, final, mid, grads, state.inner_opt_state)
     new_state = optax.MultiStepsState(
-        mini_step=jnp.where(emit, 0, n + 1).astype(jnp.int32),
-        gradient_step=state.gradient_step + emit.astype(jnp.int32),
-        inner_opt_state=inner,
-        acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc),
-        skip_state=state.skip_state)
+      mini_step=jnp.where(emit, 0, n + 1).astype(jnp.int32),
+      gradient_step=state.gradient_step + emit.astype(jnp.int32),
+      inner_opt_state=inner,
+      acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc),
+      skip_state=state.skip_state,
+    )
     return new_updates, new_state
 
   return optax.GradientTransformation(init_fn, update_fn)

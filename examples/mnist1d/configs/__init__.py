@@ -32,8 +32,10 @@ def load(name: str) -> types.ModuleType:
   elif name in names():
     module = importlib.import_module(f"{__name__}.{name}")
   else:
-    raise ValueError(f"--config: unknown {name!r}; choose from {','.join(names())} "
-                     "or give the path of a config file")
+    raise ValueError(
+      f"--config: unknown {name!r}; choose from {','.join(names())} "
+      "or give the path of a config file"
+    )
   if not callable(getattr(module, "get_config", None)):
     raise ValueError(f"--config: {name!r} has no get_config()")
   return module

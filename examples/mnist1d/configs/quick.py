@@ -16,14 +16,14 @@ def get_config() -> default.Config:
   the two-phase chunks need no padding to whole buckets.
   """
   return dataclasses.replace(
-      default.get_config(),
-      num_samples=400,          # 320 train / 80 test
-      conv_features=(8, 128),
-      conv_kernels=(5, 8),
-      conv_strides=(1, 2),
-      hidden=64,
-      per_device_batch_size=4,
-      num_steps=10,
-      warmup_steps=2,
-      eval_every=5,
+    default.get_config(),
+    num_samples=400,  # 320 train / 80 test
+    conv_features=(8, 128),
+    conv_kernels=(5, 8),
+    conv_strides=(1, 2),
+    hidden=64,
+    per_device_batch_size=4,
+    num_steps=10,
+    warmup_steps=2,
+    eval_every=5,
   )
