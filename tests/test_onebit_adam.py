@@ -462,36 +462,6 @@ def test_state_specs_and_wrapping_errors():
     helpers.shard_map_update(wrapped, m, PARAMS)(helpers.shard(_grads(0), m), wstate)
 
 
-def test_already_reduced_gradient_is_a_clear_error():
-  m = helpers.mesh()
-  tx = jc.onebit_adam(1e-3, freeze_step=1, axis_name=AXIS)
-  params = {"w": jnp.ones((64, 64))}
-  specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=K)
-  state = helpers.shard_map_init(tx, params, m)
-  x = helpers.shard(jnp.arange(K, dtype=jnp.float32), m)
-
-  def step(params, state, x, use_vary):
-    p = jc.vary(params, AXIS) if use_vary else params
-    grads = jax.grad(lambda p: jnp.sum(p["w"]) * x[0])(p)
-    return tx.update(grads, state, params)
-
-  for use_vary in (True, False):
-    run = jax.jit(
-      jax.shard_map(
-        lambda p, s, x: step(p, s, x, use_vary),
-        mesh=m,
-        in_specs=(P(), specs, P(AXIS)),
-        out_specs=(P(), specs),
-      )
-    )
-    if use_vary:
-      updates, _ = run(params, state, x)  # Adam's first step on the mean 3.5: -lr
-      np.testing.assert_allclose(np.asarray(updates["w"]), -1e-3, rtol=1e-5)
-    else:
-      with pytest.raises(ValueError, match="already replicated"):
-        run(params, state, x)
-
-
 # ----------------------------------------------------------------------------- NaN policy
 
 

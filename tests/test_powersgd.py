@@ -298,36 +298,6 @@ def test_wire_report_two_all_reduces_of_p_and_q():
 # ----------------------------------------------------------------------------- meshes
 
 
-def test_already_reduced_gradient_is_a_clear_error():
-  m = helpers.mesh()
-  tx = jc.per_device_state(jc.powersgd(2, axis_name=AXIS))
-  params = {"w": jnp.ones((64, 64))}
-  specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=K)
-  state = helpers.shard_map_init(tx, params, m)
-  x = helpers.shard(jnp.arange(K, dtype=jnp.float32), m)
-
-  def step(params, state, x, use_vary):
-    p = jc.vary(params, AXIS) if use_vary else params
-    grads = jax.grad(lambda p: jnp.sum(p["w"]) * x[0])(p)
-    return tx.update(grads, state, params)
-
-  for use_vary in (True, False):
-    run = jax.jit(
-      jax.shard_map(
-        lambda p, s, x: step(p, s, x, use_vary),
-        mesh=m,
-        in_specs=(P(), specs, P(AXIS)),
-        out_specs=(P(), specs),
-      )
-    )
-    if use_vary:
-      updates, _ = run(params, state, x)  # local gradients x_d·1, mean 3.5: rank 1, exact
-      np.testing.assert_allclose(np.asarray(updates["w"]), 3.5, rtol=1e-5)
-    else:
-      with pytest.raises(ValueError, match="already replicated"):
-        run(params, state, x)
-
-
 def test_two_d_mesh_data_by_model():
   """Tensor-parallel shards on a (4, 2) mesh: each shard is its own matrix, averaged
   over "data"; at full rank the update is the pmean over "data" of the shards."""

@@ -543,10 +543,23 @@ def _least_squares(minibatch: bool, steps: int):
   return float(loss(params["w"], xa, ya)), optimum
 
 
-def test_already_reduced_gradient_is_a_clear_error():
-  """jax.grad w.r.t. replicated params in shard_map psums: compressing that is refused."""
+# Per transform: the exchange, and its update for the local gradients x_d = d of the
+# harness below (mean 3.5) with its tolerance. QSGD: 4-bit noise on a constant; PowerSGD:
+# a rank-1 mean, exact at rank 2; 1-bit Adam: Adam's first step (dense warm-up), -lr.
+_REPLICATED_CASES = {
+  "qsgd": (lambda: jc.per_device_state(jc.qsgd(axis_name=AXIS)), 3.5, 0.05),
+  "powersgd": (lambda: jc.per_device_state(jc.powersgd(2, axis_name=AXIS)), 3.5, 1e-5),
+  "onebit_adam": (lambda: jc.onebit_adam(1e-3, freeze_step=1, axis_name=AXIS), -1e-3, 1e-5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REPLICATED_CASES))
+def test_already_reduced_gradient_is_a_clear_error(name):
+  """jax.grad w.r.t. replicated params in shard_map psums: compressing that is refused,
+  and the local gradients (w.r.t. jc.vary(params)) give the expected update."""
+  make, expected, rtol = _REPLICATED_CASES[name]
   m = helpers.mesh()
-  tx = jc.per_device_state(jc.qsgd(axis_name=AXIS))
+  tx = make()
   params = {"w": jnp.ones((64, 64))}
   specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=K)
   state = helpers.shard_map_init(tx, params, m)
@@ -567,8 +580,8 @@ def test_already_reduced_gradient_is_a_clear_error():
       )
     )
     if use_vary:
-      updates, _ = run(params, state, x)  # the local gradients x_d, averaged: 3.5
-      np.testing.assert_allclose(np.asarray(updates["w"]), 3.5, rtol=0.05)
+      updates, _ = run(params, state, x)
+      np.testing.assert_allclose(np.asarray(updates["w"]), expected, rtol=rtol)
     else:
       with pytest.raises(ValueError, match="already replicated"):
         run(params, state, x)
