@@ -44,6 +44,7 @@ import time
 from typing import Any
 
 from benchmarks import _timing
+from examples.mnist1d.configs import default as demo_config
 
 NAMESPACES = ("jcnet0", "jcnet1")
 VETHS = ("jcveth0", "jcveth1")
@@ -51,18 +52,7 @@ ADDRESSES = ("10.231.77.1", "10.231.77.2")
 PREFIX_LEN = 24
 RATES = ("none", "10gbit", "1gbit", "100mbit")
 CONFIGS = ("params2m", "params20m")
-METHODS = (
-  "dense",
-  "qsgd4",
-  "qsgd2",
-  "onebit",
-  "dgc",
-  "wangni",
-  "mipd",
-  "powersgd",
-  "ef_signsgd",
-  "onebit_adam",
-)
+METHODS = demo_config.Config.methods  # the demo's methods, in its table order
 PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes per device
 RESULT_MARKER = "JAXCOMP_PSUM_RESULT "
 BURST_MS = 1.0  # tbf bucket: this many ms of traffic at the rate...

@@ -24,22 +24,13 @@ from tqdm.auto import tqdm
 
 from examples.mnist1d import input_pipeline
 from examples.mnist1d import models
+from examples.mnist1d.configs import default as default_config
 import jaxcomp as jc
 
 AXIS = "batch"
 
-METHODS = (
-  "dense",
-  "qsgd4",
-  "qsgd2",
-  "onebit",
-  "dgc",
-  "wangni",
-  "mipd",
-  "powersgd",
-  "ef_signsgd",
-  "onebit_adam",
-)
+# The demo's methods, in table order: the default config's list (one place).
+METHODS = default_config.Config.methods
 # Also accepted by --methods (and benchmarks.launch), not trained by default: the dense
 # baseline with all leaves in one all-reduce buffer (jc.pmean_tree), for benchmarks; and
 # 1-bit SGD with the paper's per-column means (costly on the convolution kernels, whose
