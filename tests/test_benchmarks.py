@@ -171,6 +171,7 @@ def test_every_command_line_prints_its_help():
 
 
 @pytest.mark.slow
+@pytest.mark.once
 def test_cpu_kernel_loop_builds_and_prices_the_hash():
   from jaxcomp.kernels import cpu  # pylint: disable=import-outside-toplevel
 

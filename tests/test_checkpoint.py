@@ -126,7 +126,14 @@ def _run(name: str) -> Run:
   return Run(EXCHANGES[name]())
 
 
-@pytest.mark.parametrize("name", sorted(EXCHANGES))
+@pytest.mark.parametrize(
+  "name",
+  # DGC's and MIPD's runs are the slowest to compile: on the first jax line only.
+  [
+    pytest.param(n, marks=pytest.mark.once) if n in ("dgc", "mipd") else n
+    for n in sorted(EXCHANGES)
+  ],
+)
 def test_resumed_run_is_bit_identical(name, tmp_path):
   r = _run(name)
   params, state = r.steps(r.params0, r.init(r.params0), 0, N + M)
@@ -227,6 +234,7 @@ def test_train_batches_resume_where_the_run_was():
     chex.assert_trees_all_equal(list(itertools.islice(batches(start), 30 - start)), full[start:])
 
 
+@pytest.mark.once
 def test_example_trainer_resumes_bit_identical(tmp_path):
   """The MNIST-1D trainer with checkpoints: a run that lost its last checkpoint (as if
   killed after step 4) resumes from step 4 and ends where the uninterrupted run did."""

@@ -111,6 +111,7 @@ def test_getting_started_has_the_readme_snippet():
 
 
 @pytest.mark.slow
+@pytest.mark.once
 @pytest.mark.skipif(
   importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_parser") is None,
   reason="Sphinx not installed (pip install -e '.[docs]'; the test extra includes it)",

@@ -15,6 +15,7 @@ from examples.mnist1d import train  # noqa: E402
 from examples.mnist1d.configs import quick  # noqa: E402
 
 
+@pytest.mark.once
 def test_quick_run_writes_results(tmp_path):
   config = quick.get_config()
   workdir = str(tmp_path)

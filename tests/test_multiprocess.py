@@ -29,6 +29,7 @@ STEPS = 3
 
 
 @pytest.mark.slow
+@pytest.mark.once
 def test_two_processes_end_with_identical_params(tmp_path):
   # One launch trains the four methods in turn: the start-up (imports, data set,
   # jax.distributed) is paid once; compiling the four train steps dominates (~1 min).
