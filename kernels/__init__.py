@@ -26,7 +26,16 @@ from . import cpu
 from . import dequantize
 from . import quantize
 from . import sign_pack
+from ._common import KernelFallbackWarning
 from ._common import LaunchConfig
 from ._common import cuda_available
 
-__all__ = ["LaunchConfig", "cpu", "cuda_available", "dequantize", "quantize", "sign_pack"]
+__all__ = [
+  "KernelFallbackWarning",
+  "LaunchConfig",
+  "cpu",
+  "cuda_available",
+  "dequantize",
+  "quantize",
+  "sign_pack",
+]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -75,17 +76,103 @@ def check_implementation(implementation) -> None:
     )
 
 
+#: The oldest GPU (compute capability) Pallas's Triton backend supports (Ampere).
+TRITON_MIN_CAPABILITY = (8, 0)
+
+
+def _import_pallas():
+  from jax.experimental import pallas
+
+  return pallas
+
+
+def _import_triton():
+  from jax.experimental.pallas import triton
+
+  return triton
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """The default device's CUDA compute capability, ``None`` when it is not a CUDA GPU."""
+  if not cuda_available():
+    return None
+  cc = str(getattr(jax.devices()[0], "compute_capability", ""))
+  try:
+    major, minor = cc.split(".")[:2]
+    return int(major), int(minor)
+  except ValueError:
+    return None
+
+
+def unavailable(*, interpret: bool) -> str | None:
+  """Why this jax (and GPU) cannot run the Pallas kernels (``None``: it can).
+
+  Interpret mode needs Pallas only. Compiled, the kernels lower through Pallas's Triton
+  backend (``jax.experimental.pallas.triton``), which must import (jax deprecates it
+  from 0.11 and will remove it) and supports compute capability 8.0 (Ampere) and newer.
+  """
+  try:
+    _import_pallas()
+  except ImportError as e:
+    return f"jax.experimental.pallas does not import: {e}"
+  if interpret:
+    return None
+  try:
+    _import_triton()
+  except ImportError as e:
+    return f"this jax has no Pallas Triton backend: {e}"
+  cc = compute_capability()
+  if cc is not None and cc < TRITON_MIN_CAPABILITY:
+    return (
+      f"the GPU has compute capability {cc[0]}.{cc[1]}, Pallas's Triton backend needs "
+      f"{TRITON_MIN_CAPABILITY[0]}.{TRITON_MIN_CAPABILITY[1]} or newer"
+    )
+  return None
+
+
+#: Reasons already warned about (each once per process).
+_warned: set[str] = set()
+
+
+class KernelFallbackWarning(RuntimeWarning):
+  """The Pallas kernels cannot run here: the codecs use the XLA path instead."""
+
+
+def warn_fallback(reason: str) -> None:
+  """Warns once per process and reason that the codecs fall back to the XLA path."""
+  if reason in _warned:
+    return
+  _warned.add(reason)
+  warnings.warn(
+    f"jaxcomp's Pallas kernels cannot run here ({reason}); the codecs use the XLA path "
+    f"instead (the same payloads).",
+    KernelFallbackWarning,
+    stacklevel=3,
+  )
+
+
 def use_pallas(implementation: str | None) -> bool:
-  """Whether a codec's ``implementation`` asks for the kernels.
+  """Whether a codec's ``implementation`` asks for the kernels, and they can run here.
 
   ``None`` picks them on a CUDA GPU (and the native CPU kernels, or XLA, elsewhere:
   :func:`jaxcomp.kernels.cpu.use_by_default`); ``"pallas"`` always (interpret mode off
-  GPU, slow but exact: what the CPU tests run); ``"xla"`` and ``"native"`` never.
+  GPU, slow but exact: what the CPU tests run); ``"xla"`` and ``"native"`` never. Where
+  the installed jax or the GPU cannot run them (:func:`unavailable`), the answer is
+  ``False`` with one :class:`KernelFallbackWarning`: a codec never breaks for it.
   """
   check_implementation(implementation)
   if implementation is None:
-    return cuda_available()
-  return implementation == "pallas"
+    if not cuda_available():
+      return False
+    why = unavailable(interpret=False)
+  elif implementation == "pallas":
+    why = unavailable(interpret=not cuda_available())
+  else:
+    return False
+  if why is not None:
+    warn_fallback(why)
+    return False
+  return True
 
 
 def level_step(scale: Array, levels: int) -> Array:
