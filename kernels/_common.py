@@ -104,12 +104,13 @@ def compute_capability() -> tuple[int, int] | None:
     return None
 
 
-def unavailable(*, interpret: bool) -> str | None:
-  """Why this jax (and GPU) cannot run the Pallas kernels (``None``: it can).
+def triton_unavailable(*, interpret: bool) -> str | None:
+  """Why this jax (and GPU) cannot run the Triton kernels (``None``: it can).
 
-  Interpret mode needs Pallas only. Compiled, the kernels lower through Pallas's Triton
-  backend (``jax.experimental.pallas.triton``), which must import (jax deprecates it
-  from 0.11 and will remove it) and supports compute capability 8.0 (Ampere) and newer.
+  Interpret mode needs Pallas only (its generic interpreter). Compiled, they lower
+  through Pallas's Triton backend (``jax.experimental.pallas.triton``), which must import
+  (jax deprecates it from 0.11 and will remove it) and supports compute capability 8.0
+  (Ampere) and newer.
   """
   try:
     _import_pallas()
@@ -127,6 +128,60 @@ def unavailable(*, interpret: bool) -> str | None:
       f"the GPU has compute capability {cc[0]}.{cc[1]}, Pallas's Triton backend needs "
       f"{TRITON_MIN_CAPABILITY[0]}.{TRITON_MIN_CAPABILITY[1]} or newer"
     )
+  return None
+
+
+#: The kernels' backends, in order of preference.
+BACKENDS = ("mosaic_gpu", "triton")
+
+
+def _why_not(backend: str, misfit: str | None, *, interpret: bool) -> str | None:
+  if backend == "triton":
+    return triton_unavailable(interpret=interpret)
+  from . import _mosaic
+
+  return _mosaic.unavailable(interpret=interpret) or misfit
+
+
+def pick_backend(misfit: str | None, *, interpret: bool, backend: str | None = None) -> str:
+  """The backend a kernel call runs on: ``backend`` if given, else Mosaic GPU where it
+  can run this shape (``misfit`` is :func:`jaxcomp.kernels._mosaic.misfit`'s answer),
+  else Triton. Raises ``ValueError`` saying why when the one asked for (or every one)
+  cannot run here."""
+  if backend is not None and backend not in BACKENDS:
+    raise ValueError(f"backend must be None, 'mosaic_gpu' or 'triton', got {backend!r}")
+  reasons = []
+  for name in BACKENDS if backend is None else (backend,):
+    why = _why_not(name, misfit, interpret=interpret)
+    if why is None:
+      return name
+    reasons.append(f"{name}: {why}")
+  raise ValueError("no Pallas backend can run this kernel here (" + "; ".join(reasons) + ")")
+
+
+def unavailable(*, interpret: bool) -> str | None:
+  """Why no backend can run the kernels here, for any shape (``None``: one can)."""
+  reasons = []
+  for name in BACKENDS:
+    why = _why_not(name, None, interpret=interpret)
+    if why is None:
+      return None
+    reasons.append(why)
+  return "; ".join(reasons)
+
+
+def no_backend_for(misfit: str | None) -> str | None:
+  """Why no backend can run a kernel on this shape in the codecs' mode here (interpret
+  mode off a CUDA GPU), ``None`` when one can; ``misfit`` is
+  :func:`jaxcomp.kernels._mosaic.misfit`'s answer for the shape. The codecs then use the
+  XLA path for it, with one :class:`KernelFallbackWarning` (whatever the shape)."""
+  interpret = not cuda_available()
+  try:
+    pick_backend(misfit, interpret=interpret)
+  except ValueError as e:
+    missing = [why for name in BACKENDS if (why := _why_not(name, None, interpret=interpret))]
+    warn_fallback("; ".join(missing) + "; and the Mosaic GPU kernels do not take every shape")
+    return str(e)
   return None
 
 
@@ -207,7 +262,7 @@ def inverse_scale(safe: Array, *, exact_asm: bool = False) -> tuple[Array, Array
   that rewrite. Why ``k``: without it, a bucket whose max is >= 2**126 would get a
   subnormal reciprocal, flushed to zero on XLA:CPU, and be sent as all zeros.
   """
-  k = jnp.where(safe >= BIG_SCALE, jnp.float32(0.25), jnp.float32(1.0))
+  k = jnp.where(safe >= BIG_SCALE, np.float32(0.25), np.float32(1.0))
   inv = div(jnp.ones_like(safe), safe * k, exact_asm=exact_asm)
   return inv, k
 
@@ -219,7 +274,7 @@ def level_ratio(a: Array, inv: Array, k: Array, levels: int) -> Array:
   float32 ``m``, ``m * fl(1 / m) <= 1`` (for some mantissas it is ``1 - 2**-24``, for
   none above 1), so the bucket's max maps to ``s`` or just below it, where
   it rounds down with probability at most ``s * 2**-23``."""
-  return a * inv * (jnp.float32(levels) * k)
+  return a * inv * (np.float32(levels) * k)
 
 
 FLT_MAX = np.float32(np.finfo(np.float32).max)
@@ -250,7 +305,9 @@ def side_mean(
   rescued = jnp.clip(
     div(scaled_total, safe, exact_asm=exact_asm) * np.float32(2.0**shift), -FLT_MAX, FLT_MAX
   )
-  mean = jnp.where(jnp.isinf(total) & jnp.isfinite(scaled_total), rescued, plain)
+  # |t| <= FLT_MAX is isfinite(t) (NaN compares false), spelled so Mosaic GPU lowers it.
+  finite_total, finite_scaled = jnp.abs(total) <= FLT_MAX, jnp.abs(scaled_total) <= FLT_MAX
+  mean = jnp.where(~finite_total & ~jnp.isnan(total) & finite_scaled, rescued, plain)
   return jnp.where(count > 0, mean, 0.0)
 
 
@@ -418,6 +475,13 @@ def load_buckets(x_ref, e_ref, *, n: int, rows: int, bucket: int):
   return start, idx, jnp.where(idx < n, v, 0.0), x32
 
 
+def check_residual(x: Array, residual: Array | None) -> None:
+  if residual is not None and (residual.shape != x.shape or residual.dtype != jnp.float32):
+    raise ValueError(
+      f"residual must be float32 of shape {x.shape}, got {residual.dtype} {residual.shape}"
+    )
+
+
 def call_encoder(
   body,
   x: Array,
@@ -440,10 +504,7 @@ def call_encoder(
   """
   from jax.experimental import pallas as pl
 
-  if residual is not None and (residual.shape != x.shape or residual.dtype != jnp.float32):
-    raise ValueError(
-      f"residual must be float32 of shape {x.shape}, got {residual.dtype} {residual.shape}"
-    )
+  check_residual(x, residual)
   n = x.size
   rows = config.rows(bucket)
   nb = -(-n // bucket)
@@ -483,6 +544,8 @@ def call_decoder(
   name: str,
   config: LaunchConfig,
   interpret: bool | None,
+  backend: str | None = None,
+  mosaic_decode=None,
 ) -> Array:
   """Sums K stacked payloads decoded block by block: one pass, adds in rank order.
 
@@ -492,6 +555,9 @@ def call_decoder(
   payload's block. The K payloads are read in a loop inside each program (not
   unrolled; K need not be a power of two) and added ``((d_0 + d_1) + d_2) + ...``, the
   order of :meth:`jaxcomp.codecs.Codec.decode_sum`. Returns float32 ``(n,)``.
+
+  On Mosaic GPU (:func:`pick_backend`) ``mosaic_decode(codes_tile, *bucket_scalars)``
+  decodes instead (:func:`jaxcomp.kernels._mosaic.decode_sum`).
   """
   from jax import lax
   from jax.experimental import pallas as pl
@@ -510,6 +576,21 @@ def call_decoder(
       raise ValueError(f"{field} must be float32 ({k}, {nb}), got {a.dtype} {a.shape}")
   interpret = resolve_interpret(interpret)
   check_interpretable(interpret, words, *per_bucket.values())
+  from . import _mosaic
+
+  misfit = _mosaic.misfit(n, bits, bucket)
+  if pick_backend(misfit, interpret=interpret, backend=backend) == "mosaic_gpu":
+    return _mosaic.decode_sum(
+      mosaic_decode,
+      words,
+      per_bucket,
+      n=n,
+      bits=bits,
+      bucket=bucket,
+      out_struct=out_struct,
+      interpret=interpret,
+      name=name,
+    )
   rows = config.rows(bucket)
   length = rows * bucket
   kp = 1 << max(0, (k - 1).bit_length())  # Triton blocks are powers of two; rows >= K unread

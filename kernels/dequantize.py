@@ -27,6 +27,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from . import _common
+from . import _mosaic
 from . import quantize as quantize_lib
 
 Array = jax.Array
@@ -55,7 +56,9 @@ def unsupported(n: int, *, levels: int, bucket_size: int | None) -> str | None:
   return quantize_lib.unsupported(n, levels=levels, bucket_size=bucket_size, dtype=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("n", "levels", "bucket_size", "config", "interpret"))
+@functools.partial(
+  jax.jit, static_argnames=("n", "levels", "bucket_size", "config", "interpret", "backend")
+)
 def dequantize_sum(
   words: Array,
   scales: Array,
@@ -65,6 +68,7 @@ def dequantize_sum(
   bucket_size: int,
   config: DequantizeConfig = DequantizeConfig(),
   interpret: bool | None = None,
+  backend: str | None = None,
 ) -> Array:
   """Sum of K QSGD payloads, decoded in one pass.
 
@@ -73,8 +77,10 @@ def dequantize_sum(
     scales: float32 ``(K, ceil(n / bucket_size))``.
     n: values per payload.
     levels, bucket_size: the codec's (the code width must divide 32).
-    config: block size and Triton launch parameters.
+    config: block size and Triton launch parameters (the Triton kernel's).
     interpret: run in Pallas interpret mode (default: unless on a CUDA GPU).
+    backend: ``"mosaic_gpu"``, ``"triton"`` or ``None`` (see
+      :func:`jaxcomp.kernels.quantize.quantize`).
 
   Returns:
     float32 ``(n,)``.
@@ -92,6 +98,8 @@ def dequantize_sum(
     name="jaxcomp_dequantize_sum",
     config=config,
     interpret=interpret,
+    backend=backend,
+    mosaic_decode=_mosaic.qsgd_decode(levels),
   )
 
 

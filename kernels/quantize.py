@@ -58,6 +58,7 @@ from jaxcomp._src import bitpack
 from jaxcomp._src import rng
 
 from . import _common
+from . import _mosaic
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -144,7 +145,7 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
 
 
 @functools.partial(
-  jax.jit, static_argnames=("levels", "bucket_size", "norm", "config", "interpret")
+  jax.jit, static_argnames=("levels", "bucket_size", "norm", "config", "interpret", "backend")
 )
 def quantize(
   x: Array,
@@ -156,6 +157,7 @@ def quantize(
   norm: str = "max",
   config: QuantizeConfig = QuantizeConfig(),
   interpret: bool | None = None,
+  backend: str | None = None,
 ) -> tuple[Array, ...]:
   """Quantizes ``x`` into QSGD's packed words and per-bucket scales in one pass.
 
@@ -166,8 +168,10 @@ def quantize(
     levels: ``s``, levels per sign; the code width must divide 32.
     bucket_size: values per bucket, a power of two in 32..65536.
     norm: ``"max"`` or ``"l2"``.
-    config: block size and Triton launch parameters.
+    config: block size and Triton launch parameters (the Triton kernel's).
     interpret: run in Pallas interpret mode (default: unless on a CUDA GPU).
+    backend: ``"mosaic_gpu"``, ``"triton"`` or ``None``: Mosaic GPU where it takes the
+      shape (:func:`jaxcomp.kernels._mosaic.misfit`) and this jax runs it, else Triton.
 
   Returns:
     ``(words, scales)`` (uint32 ``(ceil(n * bits / 32),)``, float32
@@ -183,6 +187,19 @@ def quantize(
   interpret = _common.resolve_interpret(interpret)
   _common.check_interpretable(interpret, x, key, residual)
   bits = bits_per_value(levels)
+  misfit = _mosaic.misfit(n, bits, bucket_size)
+  if _common.pick_backend(misfit, interpret=interpret, backend=backend) == "mosaic_gpu":
+    _common.check_residual(x, residual)
+    return _mosaic.quantize(
+      x,
+      _common.key_words_array(key),
+      residual,
+      levels=levels,
+      bucket=bucket_size,
+      norm=norm,
+      out_struct=_common.out_struct,
+      interpret=interpret,
+    )
   rows = config.rows(bucket_size)
   kernel = functools.partial(
     _quantize_kernel,

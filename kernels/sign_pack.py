@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _common
+from . import _mosaic
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -86,7 +87,7 @@ def _sign_pack_kernel(x_ref, *refs, n, bucket, rows, exact_asm, has_residual):
     new_e_ref[...] = (x32 - sent).reshape(length)
 
 
-@functools.partial(jax.jit, static_argnames=("bucket_size", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("bucket_size", "config", "interpret", "backend"))
 def sign_pack(
   x: Array,
   residual: Array | None = None,
@@ -94,6 +95,7 @@ def sign_pack(
   bucket_size: int,
   config: SignPackConfig = SignPackConfig(),
   interpret: bool | None = None,
+  backend: str | None = None,
 ) -> tuple[Array, ...]:
   """Packs the signs of ``x`` and computes its per-bucket means, in one pass.
 
@@ -101,8 +103,10 @@ def sign_pack(
     x: float32/bfloat16/float16 array (flattened row-major).
     residual: optional float32 error-feedback residual of ``x``'s shape.
     bucket_size: values per bucket, a power of two in 32..65536.
-    config: block size and Triton launch parameters.
+    config: block size and Triton launch parameters (the Triton kernel's).
     interpret: run in Pallas interpret mode (default: unless on a CUDA GPU).
+    backend: ``"mosaic_gpu"``, ``"triton"`` or ``None`` (see
+      :func:`jaxcomp.kernels.quantize.quantize`).
 
   Returns:
     ``(words, pos, neg)``: uint32 ``(ceil(n / 32),)`` and float32
@@ -115,6 +119,12 @@ def sign_pack(
     raise ValueError(f"the sign_pack kernel does not handle this input: {why}")
   interpret = _common.resolve_interpret(interpret)
   _common.check_interpretable(interpret, x, residual)
+  misfit = _mosaic.misfit(n, 1, bucket_size)
+  if _common.pick_backend(misfit, interpret=interpret, backend=backend) == "mosaic_gpu":
+    _common.check_residual(x, residual)
+    return _mosaic.sign_pack(
+      x, residual, bucket=bucket_size, out_struct=_common.out_struct, interpret=interpret
+    )
   rows = config.rows(bucket_size)
   nb = -(-n // bucket_size)
   kernel = functools.partial(
@@ -164,7 +174,7 @@ def _unpack_block(words, pos, neg, *, rows, bucket, exact_asm):
   return jnp.where(bits != 0, neg[:, None], pos[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("n", "bucket_size", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("n", "bucket_size", "config", "interpret", "backend"))
 def sign_unpack_sum(
   words: Array,
   pos: Array,
@@ -174,6 +184,7 @@ def sign_unpack_sum(
   bucket_size: int,
   config: SignPackConfig = SignPackConfig(),
   interpret: bool | None = None,
+  backend: str | None = None,
 ) -> Array:
   """Sum of K OneBit payloads, decoded in one pass (rank order).
 
@@ -182,6 +193,7 @@ def sign_unpack_sum(
     pos, neg: float32 ``(K, ceil(n / bucket_size))``.
     n: values per payload.
     bucket_size: the codec's, a power of two in 32..65536.
+    config, interpret, backend: as for :func:`sign_pack`.
 
   Returns:
     float32 ``(n,)``.
@@ -199,6 +211,8 @@ def sign_unpack_sum(
     name="jaxcomp_sign_unpack_sum",
     config=config,
     interpret=interpret,
+    backend=backend,
+    mosaic_decode=_mosaic.onebit_decode,
   )
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
 from jaxcomp.kernels import _common as kernel_common
+from jaxcomp.kernels import _mosaic as kernel_mosaic
 from jaxcomp.kernels import cpu as cpu_kernels
 from jaxcomp.kernels import dequantize as dequantize_kernel
 from jaxcomp.kernels import quantize as quantize_kernel
@@ -178,7 +179,15 @@ class Codec:
     what ``implementation`` picks (:func:`_kernel_backend`) where the kernels handle it."""
     if self._kernel_unsupported(n, dtype) is not None:
       return None
-    return _kernel_backend(self.implementation)
+    backend = _kernel_backend(self.implementation)
+    if backend == "pallas" and kernel_common.no_backend_for(self._mosaic_misfit(n)):
+      return None  # no Pallas backend here lowers this shape: XLA (warned once)
+    return backend
+
+  def _mosaic_misfit(self, n: int) -> str | None:
+    """Why the Mosaic GPU kernels do not take ``n`` values (:func:`kernels._mosaic.misfit`)."""
+    del n
+    return "no kernels"
 
   def uses_kernel(self, n: int, dtype: Any = jnp.float32) -> bool:
     """Whether encoding ``n`` values of ``dtype`` (and decoding them) runs kernels."""
@@ -557,6 +566,9 @@ class QSGD(Codec):
       n, levels=self.levels, bucket_size=self.bucket_size, dtype=dtype
     )
 
+  def _mosaic_misfit(self, n: int) -> str | None:
+    return kernel_mosaic.misfit(n, self.bits, self.bucket_size)
+
   def kernel_backend(self, n: int, dtype: Any = jnp.float32) -> str | None:
     backend = super().kernel_backend(n, dtype)
     if backend == "native" and self.norm == "l2" and self.implementation is None:
@@ -696,6 +708,9 @@ class OneBit(Codec):
     if self.per_column:
       return "per-column buckets run on the XLA path"
     return sign_pack_kernel.unsupported(n, bucket_size=self.bucket_size, dtype=dtype)
+
+  def _mosaic_misfit(self, n: int) -> str | None:
+    return kernel_mosaic.misfit(n, 1, self.bucket_size)
 
   def _bucket_layout(self, shape: tuple[int, ...]) -> tuple[int, int]:
     """(bucket length, number of buckets) of a tensor of ``shape``."""

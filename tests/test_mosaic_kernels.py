@@ -1,0 +1,258 @@
+"""The kernels on Mosaic GPU (jaxcomp.kernels._mosaic) against the XLA path.
+
+They run on this CPU in Mosaic GPU's interpret mode (``InterpretGPUParams``, jax >= 0.12;
+skipped, saying so, where this jax lacks it): payloads bit-identical to the XLA codecs for
+the same key, decodes in rank order, residuals and means within float32 rounding. A
+``jax.export`` for the ``cuda`` platform lowers all four to Mosaic GPU custom calls, with
+no Triton, on this GPU-less machine. Dispatch picks Mosaic GPU for the shapes it takes.
+"""
+
+import re
+import warnings
+
+import chex
+import jax
+from jax import export
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp as jc
+from jaxcomp import kernels
+from jaxcomp.kernels import _common
+from jaxcomp.kernels import _mosaic
+
+_WHY = _mosaic.unavailable(interpret=True)
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"no Mosaic GPU interpret mode: {_WHY}")
+
+EPS = float(jnp.finfo(jnp.float32).eps)
+
+
+def _x(n, dtype=jnp.float32, seed=1):
+  x = jax.random.normal(jax.random.key(seed), (n,), jnp.float32)
+  return x.at[3].set(0.0).astype(dtype)
+
+
+def _is_mosaic(fn, *args) -> bool:
+  text = str(jax.make_jaxpr(fn)(*args))
+  return "mpmd_map" in text and "pallas_call" not in text
+
+
+@pytest.mark.parametrize(
+  "n,bucket,levels,dtype,feedback",
+  [
+    (4096, 1024, 7, jnp.float32, True),  # 4-bit codes, 2 buckets of 2 tiles each
+    (2048, 1024, 1, jnp.bfloat16, False),  # 2-bit codes, bf16 input
+  ],
+)
+def test_quantize_is_bit_identical(n, bucket, levels, dtype, feedback):
+  x, key = _x(n, dtype), jax.random.key(7)
+  e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32) if feedback else None
+  kw = dict(levels=levels, bucket_size=bucket)
+  fn = lambda x, e: kernels.quantize.quantize(x, key, e, **kw, interpret=True)
+  assert _is_mosaic(fn, x, e)
+  out = fn(x, e)
+  ref = kernels.quantize.quantize_reference(x, key, e, **kw)
+  chex.assert_trees_all_equal(out[:2], ref[:2])  # words and scales: bit for bit
+  if feedback:
+    x32 = x.astype(jnp.float32) + e
+    # e' = x32 - q * step: one rounding of the product (or none, with an FMA).
+    bound = 2 * EPS * float(jnp.max(jnp.abs(x32)))
+    np.testing.assert_allclose(out[2], ref[2], rtol=0, atol=bound)
+
+
+def test_quantize_l2_norm_matches_up_to_sum_order():
+  """The sum of squares runs tile by tile: within float32 rounding of XLA's."""
+  n, bucket, levels = 4096, 2048, 7
+  x, key = _x(n), jax.random.key(7)
+  words, scales = kernels.quantize.quantize(
+    x, key, levels=levels, bucket_size=bucket, norm="l2", interpret=True, backend="mosaic_gpu"
+  )
+  ref_words, ref_scales = kernels.quantize.quantize_reference(
+    x, key, levels=levels, bucket_size=bucket, norm="l2"
+  )
+  np.testing.assert_allclose(scales, ref_scales, rtol=4 * EPS, atol=0)
+  assert np.mean(np.asarray(words) != np.asarray(ref_words)) <= 1e-2
+
+
+def test_quantize_nonfinite_bucket_is_marked_not_hidden():
+  x = _x(2048).at[70].set(jnp.nan).at[1500].set(jnp.inf)
+  x = jnp.concatenate([x, _x(1024)])
+  out = kernels.quantize.quantize(
+    x, jax.random.key(0), levels=7, bucket_size=1024, interpret=True, backend="mosaic_gpu"
+  )
+  ref = kernels.quantize.quantize_reference(x, jax.random.key(0), levels=7, bucket_size=1024)
+  chex.assert_trees_all_equal(out, ref)
+  assert np.isnan(out[1][:2]).all() and np.isfinite(out[1][2])
+
+
+@pytest.mark.parametrize("levels", [7, 1])
+def test_dequantize_sum_is_the_ordered_sum(levels):
+  k, n, bucket = 3, 4096, 2048
+  xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
+  keys = jax.random.split(jax.random.key(4), k)
+  words, scales = jax.vmap(
+    lambda x, kk: kernels.quantize.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
+  )(xs, keys)
+  kw = dict(n=n, levels=levels, bucket_size=bucket)
+  fn = lambda w, s: kernels.dequantize.dequantize_sum(w, s, **kw, interpret=True)
+  assert _is_mosaic(fn, words, scales)
+  chex.assert_trees_all_equal(
+    fn(words, scales), kernels.dequantize.dequantize_sum_reference(words, scales, **kw)
+  )
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_sign_pack_matches_onebit(feedback):
+  n, bucket = 4096, 2048
+  x = _x(n)
+  e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32) if feedback else None
+  fn = lambda x, e: kernels.sign_pack.sign_pack(x, e, bucket_size=bucket, interpret=True)
+  assert _is_mosaic(fn, x, e)
+  out = fn(x, e)
+  ref = kernels.sign_pack.sign_pack_reference(x, e, bucket_size=bucket)
+  chex.assert_trees_all_equal(out[0], ref[0])  # the sign words: bit for bit
+  # The means are sums in another order: a few ulp of the bucket's largest value.
+  scale = float(jnp.max(jnp.abs(x + (0.0 if e is None else e))))
+  for mine, theirs in zip(out[1:], ref[1:]):
+    np.testing.assert_allclose(mine, theirs, rtol=0, atol=4 * EPS * scale)
+
+
+def test_sign_unpack_sum_is_the_ordered_sum():
+  k, n, bucket = 4, 4096, 2048
+  xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
+  words, pos, neg = jax.vmap(
+    lambda x: kernels.sign_pack.sign_pack_reference(x, bucket_size=bucket)
+  )(xs)
+  fn = lambda w, p, q: kernels.sign_pack.sign_unpack_sum(
+    w, p, q, n=n, bucket_size=bucket, interpret=True
+  )
+  assert _is_mosaic(fn, words, pos, neg)
+  chex.assert_trees_all_equal(
+    fn(words, pos, neg),
+    kernels.sign_pack.sign_unpack_sum_reference(words, pos, neg, n=n, bucket_size=bucket),
+  )
+
+
+def test_codecs_run_mosaic_kernels_and_match_xla():
+  """implementation="pallas" on shapes Mosaic GPU takes: the XLA path's payloads."""
+  x, key = _x(4096), jax.random.key(9)
+  for make in (
+    lambda impl: jc.codecs.QSGD(7, 1024, "max", implementation=impl),
+    lambda impl: jc.codecs.OneBit(2048, implementation=impl),
+  ):
+    a, b = make("pallas"), make("xla")
+    assert _is_mosaic(lambda x: a.encode(x, key=key), x)
+    pa, pb = a.encode(x, key=key), b.encode(x, key=key)
+    chex.assert_trees_all_equal(pa.arrays["words"], pb.arrays["words"])
+    stacked = jax.tree.map(lambda v: jnp.stack([v, v]), pa)
+    np.testing.assert_allclose(a.decode_sum(stacked), b.decode_sum(stacked), rtol=0, atol=0)
+
+
+def test_misfit_shapes_run_on_triton_or_say_why():
+  """Shapes Mosaic GPU does not take go to the Triton kernels; asking for Mosaic raises."""
+  x = _x(1000)
+  fn = lambda x: kernels.sign_pack.sign_pack(x, bucket_size=64, interpret=True)
+  assert "pallas_call" in str(jax.make_jaxpr(fn)(x))
+  assert _mosaic.misfit(1000, 1, 64) is not None
+  assert _mosaic.misfit(4096, 4, 1024) is None
+  assert "8-bit" in _mosaic.misfit(4096, 8, 1024)  # 4 codes per word: not a tile
+  with pytest.raises(ValueError, match="mosaic_gpu: bucket_size 64"):
+    kernels.sign_pack.sign_pack(x, bucket_size=64, interpret=True, backend="mosaic_gpu")
+  with pytest.raises(ValueError, match="backend must be"):
+    kernels.sign_pack.sign_pack(x, bucket_size=64, interpret=True, backend="cuda")
+
+
+# ------------------------------------------------------------------- CUDA lowering
+
+_TRITON = "__gpu$xla.gpu.triton"
+
+
+def test_kernels_lower_to_mosaic_gpu_for_cuda():
+  """Lowers every kernel for CUDA on this GPU-less machine: Mosaic GPU, no Triton."""
+  s = jax.ShapeDtypeStruct
+  n, k = 4096, 3
+  cases = {
+    "jaxcomp_quantize": (
+      lambda x, key, e: kernels.quantize.quantize(
+        x, key, e, levels=7, bucket_size=1024, norm="l2", interpret=False
+      ),
+      (s((n,), jnp.bfloat16), jax.random.key(0), s((n,), jnp.float32)),
+    ),
+    "jaxcomp_dequantize_sum": (
+      lambda w, sc: kernels.dequantize.dequantize_sum(
+        w, sc, n=n, levels=7, bucket_size=1024, interpret=False
+      ),
+      (s((k, n // 8), jnp.uint32), s((k, 4), jnp.float32)),
+    ),
+    "jaxcomp_sign_pack": (
+      lambda x, e: kernels.sign_pack.sign_pack(x, e, bucket_size=2048, interpret=False),
+      (s((n,), jnp.float32), s((n,), jnp.float32)),
+    ),
+    "jaxcomp_sign_unpack_sum": (
+      lambda w, p, q: kernels.sign_pack.sign_unpack_sum(
+        w, p, q, n=n, bucket_size=2048, interpret=False
+      ),
+      (s((k, n // 32), jnp.uint32), s((k, 2), jnp.float32), s((k, 2), jnp.float32)),
+    ),
+  }
+  for name, (fn, args) in cases.items():
+    text = export.export(jax.jit(fn), platforms=("cuda",))(*args).mlir_module()
+    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}, name
+    assert _TRITON not in text and "triton" not in text.lower(), name
+    assert name in text, name
+
+
+def test_mosaic_lowering_check_can_fail():
+  """The export above is a real check: a primitive Mosaic GPU does not lower fails it."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def bad(x_ref, o_ref):
+    o_ref[...] = jnp.floor(x_ref[...])
+
+  fn = plgpu.kernel(bad, out_type=jax.ShapeDtypeStruct((1024,), jnp.float32))
+  with pytest.raises(NotImplementedError, match="floor"):
+    export.export(jax.jit(fn), platforms=("cuda",))(jax.ShapeDtypeStruct((1024,), jnp.float32))
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+  monkeypatch.setattr(_common, "_warned", set())
+
+
+def _missing():
+  raise ImportError("No module named 'jax.experimental.pallas.triton' (simulated)")
+
+
+def test_without_triton_mosaic_shapes_keep_kernels_others_fall_back(monkeypatch, fresh_warnings):
+  """A jax without Triton: Mosaic GPU runs the shapes it takes, the others go to XLA with
+  one warning (simulated on a GPU of compute capability 9.0)."""
+  monkeypatch.setattr(_common, "cuda_available", lambda: True)
+  monkeypatch.setattr(_common, "compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(_common, "_import_triton", _missing)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert jc.codecs.OneBit(2048).kernel_backend(4096) == "pallas"
+    for _ in range(2):
+      assert jc.codecs.OneBit(64).kernel_backend(1000) is None
+  fallbacks = [w for w in caught if issubclass(w.category, kernels.KernelFallbackWarning)]
+  assert len(fallbacks) == 1 and "no Pallas Triton backend" in str(fallbacks[0].message)
+
+
+@pytest.mark.parametrize(
+  "capability,mosaic_importable,expected",
+  [
+    ((9, 0), True, "mosaic_gpu"),
+    ((8, 0), True, "triton"),  # Mosaic GPU needs sm_90
+    ((9, 0), False, "triton"),  # a jax without Mosaic GPU
+  ],
+)
+def test_compiled_backend_choice(monkeypatch, capability, mosaic_importable, expected):
+  monkeypatch.setattr(_common, "cuda_available", lambda: True)
+  monkeypatch.setattr(_common, "compute_capability", lambda: capability)
+  if not mosaic_importable:
+    monkeypatch.setattr(_mosaic, "_import_plgpu", _missing)
+  assert _common.pick_backend(None, interpret=False) == expected
