@@ -16,7 +16,9 @@ One module per kernel, each with the kernel body, a jitted wrapper around
 
 The codecs (:class:`jaxcomp.codecs.QSGD`, :class:`jaxcomp.codecs.OneBit`) dispatch to
 them with ``implementation=None | "xla" | "pallas" | "native"`` and fall back to XLA for
-shapes the kernels do not handle. The backend (Pallas on Triton) and why: :mod:`._common`.
+shapes the kernels do not handle, and (warning once, :class:`KernelFallbackWarning`)
+where this jax or GPU cannot run them. The backends (Mosaic GPU, and Triton while jax
+has it) and the choice between them: :mod:`._common`.
 
 The benchmarks are not shipped: in a checkout of the repository,
 ``python -m benchmarks.kernels`` measures every kernel's GB/s against the XLA path.

@@ -1,27 +1,18 @@
 """What the kernels share: the backend choice, the launch, exact arithmetic, dispatch.
 
-Backend: Pallas on Triton (``pl.pallas_call`` with
-``jax.experimental.pallas.triton.CompilerParams``). jax 0.10/0.11 lower a bare
-``pl.pallas_call`` on GPU to Mosaic GPU and deprecate that route in favour of
-``plgpu.kernel``; we pass Triton's compiler parameters explicitly instead, because:
+Backends (:func:`pick_backend`): Mosaic GPU (``plgpu.kernel``, :mod:`._mosaic`), jax's
+maintained GPU backend, where this jax (>= 0.12), the GPU (sm_90 or newer; any in
+interpret mode) and the shape (:func:`._mosaic.misfit`) allow; else Pallas on Triton
+(``pl.pallas_call`` with ``jax.experimental.pallas.triton.CompilerParams``, the kernel
+bodies in the per-kernel modules). The Triton versions stay while the supported jax range
+needs them: jax 0.10 has no Mosaic GPU interpret mode to test against, Ampere GPUs have
+no Mosaic GPU, and the Mosaic GPU kernels take only whole tiles of 1-, 2- or 4-bit codes.
+jax deprecates the Triton backend from 0.11 and will remove it; where neither backend
+can run, the codecs use the XLA path and warn once (:func:`use_pallas`,
+:func:`no_backend_for`). jax >= 0.11 needs the target GPU to lower Triton kernels
+without one (``tests/test_kernels.py`` exports under an abstract H100).
 
-* the kernels are bandwidth-bound elementwise passes with row reductions (no matmul,
-  no TMA or warpgroup pipelining to gain), which Triton schedules well;
-* the very same kernel body runs in ``interpret=True`` mode on CPU, where CI tests it
-  bit for bit against the reference; Mosaic GPU kernels need explicit layouts
-  (``plgpu.layout_cast`` on every iota) and a different interpreter;
-* Triton runs on every CUDA GPU jax supports (A100 and older too), Mosaic GPU needs
-  Hopper or newer;
-* the Triton IR is produced at lowering time without a GPU, so ``jax.export`` for the
-  ``cuda`` platform on a CPU-only machine catches unsupported primitives
-  (``tests/test_kernels.py``).
-
-The risk: jax 0.12 warns that the Pallas Triton backend is deprecated and will be
-removed. The kernel bodies are plain jnp on refs and port to ``plgpu.kernel`` by adding layouts; the
-references, tests and dispatch stay. jax >= 0.11 needs the target GPU to lower Triton
-kernels without one (``tests/test_kernels.py`` exports under an abstract H100).
-
-Exact arithmetic: Triton lowers ``x / y`` on float32 to PTX ``div.full.f32`` (an
+Exact arithmetic (Triton): Triton lowers ``x / y`` on float32 to PTX ``div.full.f32`` (an
 approximation within 2 ulp), while XLA divides with correct rounding. A payload must
 be bit-identical to the XLA path's, so compiled kernels divide and take square roots
 with inline ``div.rn.f32`` / ``sqrt.rn.f32`` (:func:`div`, :func:`sqrt`); interpret
