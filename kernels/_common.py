@@ -129,6 +129,10 @@ BACKENDS = ("mosaic_gpu", "triton")
 def _why_not(backend: str, misfit: str | None, *, interpret: bool) -> str | None:
   if backend == "triton":
     return triton_unavailable(interpret=interpret)
+  try:
+    _import_pallas()
+  except ImportError as e:
+    return f"jax.experimental.pallas does not import: {e}"
   from . import _mosaic
 
   return _mosaic.unavailable(interpret=interpret) or misfit
