@@ -164,6 +164,7 @@ int main(int argc, char** argv) {
 
 
 @pytest.mark.slow
+@pytest.mark.once
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flags")
 def test_encode_without_avx512_matches_the_xla_path(tmp_path):
   # -march=native takes the AVX-512 forms where the CPU has them (the encode's CeilToInt
