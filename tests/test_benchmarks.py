@@ -72,7 +72,7 @@ def test_rounds_print_the_median_share_of_the_roof_and_its_range():
 
 
 def test_native_vs_xla_counts_divisions_over_bucket_values_only():
-  from benchmarks import native_vs_xla  # pylint: disable=import-outside-toplevel
+  from benchmarks.studies import native_vs_xla  # pylint: disable=import-outside-toplevel
 
   hlo = "\n".join(
     [
@@ -112,21 +112,21 @@ def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
 
 COMMANDS = (
   "benchmarks.codecs",
-  "benchmarks.collective_probe",
-  "benchmarks.cpu_kernel_loop",
+  "benchmarks.studies.collective_probe",
+  "benchmarks.studies.cpu_kernel_loop",
   "benchmarks.compile_time",
-  "benchmarks.demo_variants",
-  "benchmarks.dgc_warmup_compile",
+  "benchmarks.studies.demo_variants",
+  "benchmarks.studies.dgc_warmup_compile",
   "benchmarks.elias_bits",
-  "benchmarks.elias_device",
+  "benchmarks.studies.elias_device",
   "benchmarks.kernels",
   "benchmarks.launch",
-  "benchmarks.native_vs_xla",
+  "benchmarks.studies.native_vs_xla",
   "benchmarks.network",
   "benchmarks.qsvrg",
-  "benchmarks.tbf_probe",
-  "benchmarks.topk",
-  "benchmarks.xla_cpu_pitfalls",
+  "benchmarks.studies.tbf_probe",
+  "benchmarks.studies.topk",
+  "benchmarks.studies.xla_cpu_pitfalls",
   "examples.mnist1d.main",
 )
 
@@ -151,8 +151,8 @@ def test_every_command_line_prints_its_help():
   # crashed `--help` of benchmarks.codecs
   assert {m.split(".")[0] for m in COMMANDS} == {"benchmarks", "examples"}
   scripts = {
-    f"benchmarks.{p.stem}"
-    for p in (ROOT / "benchmarks").glob("*.py")
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for p in (ROOT / "benchmarks").rglob("*.py")
     if "argparse" in p.read_text()
   }
   assert scripts <= set(COMMANDS), scripts - set(COMMANDS)
@@ -181,7 +181,7 @@ def test_cpu_kernel_loop_builds_and_prices_the_hash():
     [
       sys.executable,
       "-m",
-      "benchmarks.cpu_kernel_loop",
+      "benchmarks.studies.cpu_kernel_loop",
       "--log2n",
       "16",
       "--repeats",
