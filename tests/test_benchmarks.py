@@ -148,7 +148,7 @@ for module in sys.argv[1:]:
 
 def test_every_command_line_prints_its_help():
   # argparse formats help strings with %: a literal % in one (a codec called 'topk0.1%')
-  # crashed `--help` of benchmarks.codecs
+  # must be escaped, or `--help` raises
   assert {m.split(".")[0] for m in COMMANDS} == {"benchmarks", "examples"}
   scripts = {
     ".".join(p.relative_to(ROOT).with_suffix("").parts)
