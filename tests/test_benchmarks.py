@@ -122,6 +122,7 @@ COMMANDS = (
   "benchmarks.studies.dgc_warmup_compile",
   "benchmarks.studies.elias_bits",
   "benchmarks.studies.elias_device",
+  "benchmarks.studies.mipd_capacity",
   "benchmarks.studies.native_vs_xla",
   "benchmarks.studies.qsvrg",
   "benchmarks.studies.tbf_probe",
@@ -232,3 +233,23 @@ def test_kernel_benchmark_runs(capsys):
     assert f"| {name} | 2^10 |" in out
   if not cuda_available():
     assert bench.main(["--sizes", "10"]) == 2  # refuses to time interpret mode
+
+
+@pytest.mark.slow
+def test_mipd_capacity_counts_every_owner_within_its_capacity():
+  out = subprocess.run(
+    [sys.executable, "-m", "benchmarks.studies.mipd_capacity", "--steps", "3"],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=True,
+  ).stdout
+  assert "overflow steps 0" in out, out
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if re.match(r"\| [12] \|", line)]
+  assert len(rows) == 6, out  # two half-update groups (steps 0 and 2 take group 1) x 3 counts
+  for _, name, mean, largest, capacity, above in rows:
+    assert float(mean) <= int(largest) <= int(capacity), (name, out)
+    assert int(above) == 0, (name, out)
+  assert "24 device-steps recorded over 3 steps" in out, out  # 8 devices x 3 steps
