@@ -123,6 +123,7 @@ COMMANDS = (
   "benchmarks.studies.elias_bits",
   "benchmarks.studies.elias_device",
   "benchmarks.studies.mipd_capacity",
+  "benchmarks.studies.mipd_wire",
   "benchmarks.studies.native_vs_xla",
   "benchmarks.studies.qsvrg",
   "benchmarks.studies.tbf_probe",
