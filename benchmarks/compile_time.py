@@ -1,6 +1,6 @@
 """Compile time of one compressed exchange: two-phase vs allgather, measured in one run.
 
-  python benchmarks/compile_time.py [--rows 640 --cols 128 --repeats 3]
+  python -m benchmarks.compile_time [--rows 640 --cols 128 --repeats 3]
 
 Prints the median lower and compile seconds of ``jit(shard_map(tx.update))`` for a
 single (rows, cols) leaf on 8 CPU devices, and the two-phase/allgather ratio.

@@ -333,7 +333,7 @@ inline void QsgdVectors(const QsgdParams& p, int64_t b, const float* v, int64_t 
       JAXCOMP_EACH h[u] ^= h[u] >> 16;
       if (round == 0) JAXCOMP_EACH h[u] ^= k1;
     }
-#endif  // else benchmarks/cpu_kernel_loop.py only: what the hash costs (wrong payloads)
+#endif  // else benchmarks/studies/cpu_kernel_loop.py only: what the hash costs (wrong payloads)
     // The XLA path's rule: with u24 = h >> 8, round r up when u24 < frac(r) * 2**24
     // (u24 < 2**24 converts to float exactly). No clamp to s (the XLA path's jnp.minimum
     // never acts): m * fl(1 / m) <= 1 for every float32 m (tests/test_codecs.py checks
@@ -501,7 +501,7 @@ ffi::Error QsgdEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
         int64_t valid;
         const float* v = LoadBucket(xd, ed, n, bucket, b, scratch.data(), &valid);
         // Software prefetch of the next (whole) bucket: without it the encode waits on
-        // memory in AbsMaxFinite (benchmarks/cpu_kernel_loop.py --stream measures it:
+        // memory in AbsMaxFinite (benchmarks/studies/cpu_kernel_loop.py --stream measures it:
         // docs/benchmarks.md#native-qsgd-encode-loop).
         const bool ahead = (b + 2) * bucket <= n;
         QsgdBucket<BITS>(p, b, v, valid, wd, sd, nd, codes.data(),

@@ -72,7 +72,7 @@ def test_rounds_print_the_median_share_of_the_roof_and_its_range():
 
 
 def test_native_vs_xla_counts_divisions_over_bucket_values_only():
-  from benchmarks import native_vs_xla  # pylint: disable=import-outside-toplevel
+  from benchmarks.studies import native_vs_xla  # pylint: disable=import-outside-toplevel
 
   hlo = "\n".join(
     [
@@ -112,21 +112,23 @@ def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
 
 COMMANDS = (
   "benchmarks.codecs",
-  "benchmarks.collective_probe",
-  "benchmarks.cpu_kernel_loop",
   "benchmarks.compile_time",
-  "benchmarks.demo_variants",
-  "benchmarks.dgc_warmup_compile",
-  "benchmarks.elias_bits",
-  "benchmarks.elias_device",
   "benchmarks.kernels",
   "benchmarks.launch",
-  "benchmarks.native_vs_xla",
   "benchmarks.network",
-  "benchmarks.qsvrg",
-  "benchmarks.tbf_probe",
-  "benchmarks.topk",
-  "benchmarks.xla_cpu_pitfalls",
+  "benchmarks.studies.collective_probe",
+  "benchmarks.studies.cpu_kernel_loop",
+  "benchmarks.studies.demo_variants",
+  "benchmarks.studies.dgc_warmup_compile",
+  "benchmarks.studies.elias_bits",
+  "benchmarks.studies.elias_device",
+  "benchmarks.studies.mipd_capacity",
+  "benchmarks.studies.mipd_wire",
+  "benchmarks.studies.native_vs_xla",
+  "benchmarks.studies.qsvrg",
+  "benchmarks.studies.tbf_probe",
+  "benchmarks.studies.topk",
+  "benchmarks.studies.xla_cpu_pitfalls",
   "examples.mnist1d.main",
 )
 
@@ -148,11 +150,11 @@ for module in sys.argv[1:]:
 
 def test_every_command_line_prints_its_help():
   # argparse formats help strings with %: a literal % in one (a codec called 'topk0.1%')
-  # crashed `--help` of benchmarks.codecs
+  # must be escaped, or `--help` raises
   assert {m.split(".")[0] for m in COMMANDS} == {"benchmarks", "examples"}
   scripts = {
-    f"benchmarks.{p.stem}"
-    for p in (ROOT / "benchmarks").glob("*.py")
+    ".".join(p.relative_to(ROOT).with_suffix("").parts)
+    for p in (ROOT / "benchmarks").rglob("*.py")
     if "argparse" in p.read_text()
   }
   assert scripts <= set(COMMANDS), scripts - set(COMMANDS)
@@ -182,7 +184,7 @@ def test_cpu_kernel_loop_builds_and_prices_the_hash():
     [
       sys.executable,
       "-m",
-      "benchmarks.cpu_kernel_loop",
+      "benchmarks.studies.cpu_kernel_loop",
       "--log2n",
       "16",
       "--repeats",
@@ -233,3 +235,23 @@ def test_kernel_benchmark_runs(capsys):
     assert f"| {name} | 2^10 |" in out
   if not cuda_available():
     assert bench.main(["--sizes", "10"]) == 2  # refuses to time interpret mode
+
+
+@pytest.mark.slow
+def test_mipd_capacity_counts_every_owner_within_its_capacity():
+  out = subprocess.run(
+    [sys.executable, "-m", "benchmarks.studies.mipd_capacity", "--steps", "3"],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=True,
+  ).stdout
+  assert "overflow steps 0" in out, out
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if re.match(r"\| [12] \|", line)]
+  assert len(rows) == 6, out  # two half-update groups (steps 0 and 2 take group 1) x 3 counts
+  for _, name, mean, largest, capacity, above in rows:
+    assert float(mean) <= int(largest) <= int(capacity), (name, out)
+    assert int(above) == 0, (name, out)
+  assert "24 device-steps recorded over 3 steps" in out, out  # 8 devices x 3 steps

@@ -2,7 +2,7 @@
 
 Statistical tests draw M keys at once (``jax.vmap`` over keys), estimate the standard
 error from the samples, and allow about 5 standard errors. Each comes with an exact
-reference computed here in float64 from the spec's formulas (SPEC.md §1, §5), so that
+reference computed here in float64 from the papers' formulas (QSGD §3.1, 1-bit SGD §3), so that
 plausible bugs (floor instead of stochastic rounding, a lost sign, a wrong scale or level
 count, shared randomness) are rejected; the unbiasedness, variance and independence checks
 also run on deliberately wrong quantizers (negative controls) to show that they can fail.
@@ -65,7 +65,7 @@ def _round_trip(codec, x, seed: int = 0):
 
 
 def _rounding_reference(x, levels, bucket_size=None, norm="l2"):
-  """The spec's stochastic rounding in float64: per value ``l``, ``p`` and ``step``.
+  """QSGD's stochastic rounding (the paper's §3.1) in float64: per value ``l``, ``p`` and ``step``.
 
   ``r = |v_i| s / scale``, ``l = floor(r)``, ``p = r - l`` (probability of rounding up),
   ``step = scale / s``; so ``E[Q_i] = sgn(v_i) (l + p) step = v_i`` and
@@ -1014,9 +1014,9 @@ def test_qsgd_scale_is_nan_for_a_non_finite_value_at_any_position(bucket, norm):
     np.testing.assert_allclose(scales[row, others], want[others], rtol=2e-6)
 
 
-# ----------------------------------------------------------------------------- regressions
-# Bugs found while writing this file: finite inputs that decoded to NaN or to zeros, and
-# level counts that float32 cannot represent.
+# -------------------------------------------------------------------------- extreme inputs
+# Finite inputs decode to finite values (neither NaN nor zeros), and level counts that
+# float32 cannot represent are rejected.
 
 
 @pytest.mark.parametrize("magnitude", [3e19, 1e-20])
@@ -1043,7 +1043,8 @@ def test_cast_float16_tiny_max_is_finite():
 
 @pytest.mark.parametrize("levels", [2**24, 2**31 - 1, 2**31, 2**40])
 def test_qsgd_levels_beyond_float32_rejected(levels):
-  """float32(2**31 - 1) = 2**31 overflowed the magnitude code into the sign bit."""
+  """Level counts float32 cannot hold are rejected: float32(2**31 - 1) = 2**31 would
+  overflow the magnitude code into the sign bit."""
   with pytest.raises(ValueError, match="levels"):
     C.QSGD(levels)
 
@@ -1071,8 +1072,8 @@ def test_reciprocal_times_value_never_exceeds_one():
 
 @pytest.mark.parametrize("norm", ["max", "l2"])
 def test_qsgd_huge_bucket_is_not_sent_as_zeros(norm):
-  """A bucket whose scale is >= 2**126 has a subnormal reciprocal; XLA:CPU flushes it to
-  zero, and the bucket went out as all zeros. kernels/_common.inverse_scale scales it."""
+  """A bucket whose scale is >= 2**126 has a subnormal reciprocal, which XLA:CPU flushes
+  to zero; kernels/_common.inverse_scale scales it, so the bucket is not sent as zeros."""
   if norm == "max":
     big = np.float32(np.finfo(np.float32).max)
     x = np.array([big, -big / 2, big / 3, 1e38, -(2.0**126), 1.0, 0.0, -1e37], np.float32)

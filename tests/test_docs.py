@@ -1,5 +1,6 @@
-"""The docstring examples run (doctest), the README's usage names exist, and the links
-between the README, the guides and the benchmarks page resolve."""
+"""The docstring examples run (doctest), the README's usage names exist, the links
+between the README, the guides, the method pages and the benchmarks page resolve, and
+the method pages share one template."""
 
 import doctest
 import glob
@@ -68,7 +69,8 @@ def _links(path):
 @pytest.mark.parametrize(
   "page",
   ["README.md", "docs/benchmarks.md"]
-  + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs/guides/*.md"))),
+  + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs/guides/*.md")))
+  + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs/methods/*.md"))),
 )
 def test_links_resolve(page):
   for target, anchor in _links(os.path.join(ROOT, page)):
@@ -85,3 +87,29 @@ def test_landing_guides_and_benchmarks_have_one_title():
       text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
     assert text.startswith("# "), path
     assert len(re.findall(r"^# ", text, flags=re.M)) == 1, path
+
+
+# docs/methods/index.md names these sections: every method page has them, in this order.
+METHOD_SECTIONS = [
+  "The method",
+  "Use",
+  "Bytes on the wire",
+  "Tests",
+  "Results",
+  "What is exactly the paper, and what departs (and why)",
+]
+
+
+@pytest.mark.parametrize(
+  "page",
+  sorted(
+    os.path.relpath(p, ROOT)
+    for p in glob.glob(os.path.join(ROOT, "docs/methods/*.md"))
+    if not p.endswith("index.md")
+  ),
+)
+def test_method_pages_share_one_template(page):
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+  assert len(re.findall(r"^# ", text, flags=re.M)) == 1, page
+  assert re.findall(r"^## (.+)$", text, flags=re.M) == METHOD_SECTIONS, page

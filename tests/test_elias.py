@@ -1,4 +1,4 @@
-"""Tests of the Elias omega code and QSGD's string format (jaxcomp._src.elias, SPEC.md §1).
+"""Tests of the Elias omega code and QSGD's string format (jaxcomp._src.elias; QSGD §3.1).
 
 The stream format is checked bit for bit against a plain-Python writer of the format as
 the module docstring specifies it (strings of '0'/'1'), independent of the vectorised

@@ -3,8 +3,7 @@
 Large gradients are rare but real (a loss spike, an unnormalised layer). A finite input
 must decode to a finite value close to it wherever float32 can hold the result; where
 it cannot (an l2 norm or an unbiased estimate beyond FLT_MAX) the payload is flagged
-non-finite, never silently wrong. Each case here failed before the fix named in its
-docstring.
+non-finite, never silently wrong.
 """
 
 import jax
@@ -37,9 +36,10 @@ def _f64(a) -> np.ndarray:
 @pytest.mark.parametrize("mag", MAGNITUDES)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_onebit_means_of_large_values(impl, mag):
-  """The bucket sums of each sign overflowed from ~1e36 (512 values), and the means came
-  out ±inf (and inf - inf = NaN in a Pallas residual). kernels/_common.side_mean sums
-  such buckets again, scaled by a power of two."""
+  """The means of each sign are finite at any magnitude: a bucket's plain sum overflows
+  from ~1e36 (512 values), which would give ±inf means (and inf - inf = NaN in a Pallas
+  residual), so kernels/_common.side_mean sums such buckets again, scaled by a power of
+  two."""
   x = _data(mag)
   codec = C.OneBit(bucket_size=512, implementation=impl)
   payload = codec.encode(jnp.asarray(x))
@@ -105,8 +105,8 @@ def test_onebit_fused_feedback_with_large_values(impl):
 @pytest.mark.parametrize("mag", MAGNITUDES)
 def test_qsgd_max_norm_payloads_agree_at_large_values(mag):
   """Max-norm QSGD holds every float32: the payload is bit-identical on all paths and the
-  decode is within a level of the input. The Pallas kernel flagged a bucket as NaN when
-  its plain sum overflowed to inf - inf (values of both signs, near 1e38)."""
+  decode is within a level of the input, also where a bucket's plain sum overflows to
+  inf - inf (values of both signs, near 1e38)."""
   x = _data(mag)
   key = jax.random.key(7)
   payloads = {
@@ -129,10 +129,10 @@ def test_qsgd_max_norm_payloads_agree_at_large_values(mag):
 
 @pytest.mark.parametrize("mag", [1e-30, 1e-20, 1.0, 1e19, 1e30, 1e38, FLT_MAX])
 def test_normal_quantizer_at_any_magnitude(mag):
-  """(x - μ)**2 overflowed once |x| passed ~1.8e19, making σ = inf and every value
-  decode to ±inf; below ~1e-19 it underflowed to σ = 0. Moments are now taken on
-  ``x · 2**-e``; σ >= 2**126 also gets a normal reciprocal (inverse_scale). The
-  decode stays within eq. (10)'s bound of every inlier at every magnitude."""
+  """The decode stays within eq. (10)'s bound of every inlier at every magnitude. The
+  plain (x - μ)**2 overflows once |x| passes ~1.8e19 (σ = inf, every value decoding to
+  ±inf) and underflows below ~1e-19 (σ = 0), so the moments are taken on ``x · 2**-e``;
+  σ >= 2**126 also gets a normal reciprocal (inverse_scale)."""
   x = _data(mag, n=4096)
   q = C.NormalQuantizer(intervals=256)
   payload, overflow = q.encode_with_info(jnp.asarray(x))

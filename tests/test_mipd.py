@@ -776,7 +776,7 @@ THREE_M = {
 
 
 def test_default_traffic_is_flat_in_k():
-  """The issue's target, on a 3.1M-parameter model: bytes per device per step at K = 64
+  """The two-phase exchange's target, on a 3.1M-parameter model: bytes per device per step at K = 64
   within 1.2x of K = 8, and at least 3x below a dense pmean at both. (The capacities'
   margins grow like sqrt(N/K · log K): at 786K parameters 64 vs 8 is 1.23x, at the demo's
   98K 1.3x; docs/methods/mipd.md has the table.)"""

@@ -186,7 +186,7 @@ def test_free_port_is_bindable():
 
 @pytest.mark.slow
 def test_collective_probe_runs_across_two_processes(capsys):
-  from benchmarks import collective_probe  # pylint: disable=import-outside-toplevel
+  from benchmarks.studies import collective_probe  # pylint: disable=import-outside-toplevel
 
   assert collective_probe.main(["--repeats", "1", "--sizes", "65536"]) == 0
   out = capsys.readouterr().out
@@ -236,7 +236,7 @@ def test_network_psum_worker_agrees_on_its_repeats():
 def test_xla_combines_all_reduces_not_all_gathers():
   # Why jaxcomp fuses payloads itself. If a jax release starts combining all-gathers on
   # CPU too, this fails and the docs' reason for gather_tree should be revisited.
-  from benchmarks import collective_probe  # pylint: disable=import-outside-toplevel
+  from benchmarks.studies import collective_probe  # pylint: disable=import-outside-toplevel
 
   counts = collective_probe.combined_counts()
   assert counts["all-reduce"] == 1

@@ -1,4 +1,4 @@
-"""Tests of UnbiasedSparsifier (SPEC.md §2: Wangni, Wang, Liu, Zhang, NeurIPS 2018).
+"""Tests of UnbiasedSparsifier (Wangni, Wang, Liu, Zhang, NeurIPS 2018).
 
 Statistical tests draw M keys at once (``jax.vmap`` over keys) and allow 5 standard
 errors. Where the keep probabilities are known, the standard errors come from the exact

@@ -65,7 +65,7 @@ def exact_lambda(a: Array, epsilon: float) -> Array:
   values and does not jump at them: an entry ``a = τ`` adds ``τ^2 - τ·τ``). So the
   paper's smallest k (largest j) is found by bisection of H on the bit patterns of
   non-negative float32 (31 passes of two masked sums instead of a sort, which costs far
-  more on XLA:CPU; ``python -m benchmarks.xla_cpu_pitfalls`` times both), and
+  more on XLA:CPU; ``python -m benchmarks.studies.xla_cpu_pitfalls`` times both), and
   ``λ = C_1 / (ε S_2 + C_2)`` at the last τ with ``H(τ) > 0``. Returns 0 when ``a`` is
   all zero. :func:`exact_lambda_sorted` is the paper's sorting version, kept as the
   reference.
@@ -199,7 +199,7 @@ class UnbiasedSparsifier(SparseCodec):
     dense_fraction: dense value slots in units of ``m``, in (0, 1]. Only entries with
       ``p_i = 1`` take one, and gradients saturate few entries at small κ, so the
       default 0.25 leaves a wide margin at a quarter of the cost of room for every
-      kept entry (``python -m benchmarks.demo_variants --saturation`` prints the
+      kept entry (``python -m benchmarks.studies.demo_variants --saturation`` prints the
       saturated share per kernel). Raise it to 1 (``"greedy"`` then never overflows
       this part) for inputs with many outliers; each slot costs 32 bits.
 
@@ -301,7 +301,7 @@ class UnbiasedSparsifier(SparseCodec):
     lam = jnp.where(s1 > 0, target / jnp.maximum(s1, _TINY), 0.0)
     # Rows of 16 (zero padded: zeros add nothing to either sum): each round's two sums
     # are one variadic reduction of the rows, then sums of the row sums. XLA:CPU runs
-    # the rounds faster so (``python -m benchmarks.xla_cpu_pitfalls``, the λ rows).
+    # the rounds faster so (``python -m benchmarks.studies.xla_cpu_pitfalls``, the λ rows).
     rows = jnp.pad(a, (0, -n % _ROW)).reshape(-1, _ROW)
     for _ in range(self.rounds):
       # Saturated: a·λ >= 1, i.e. floor(min(a·λ, 1)) = 1 (a float sum, fast on XLA:CPU).

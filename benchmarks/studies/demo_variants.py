@@ -1,10 +1,10 @@
 """Variants of the demo's DGC, Wangni and MIPD exchanges, trained like the demo's rows.
 
-  python -m benchmarks.demo_variants --variants dgc_clip_mean,dgc_no_clip --seed 0
-  python -m benchmarks.demo_variants --variants all --seed 1
-  python -m benchmarks.demo_variants --variants mipd_half,mipd_half_drop,mipd_full
-  python -m benchmarks.demo_variants --saturation
-  python -m benchmarks.demo_variants --mipd-drops
+  python -m benchmarks.studies.demo_variants --variants dgc_clip_mean,dgc_no_clip --seed 0
+  python -m benchmarks.studies.demo_variants --variants all --seed 1
+  python -m benchmarks.studies.demo_variants --variants mipd_half,mipd_half_drop,mipd_full
+  python -m benchmarks.studies.demo_variants --saturation
+  python -m benchmarks.studies.demo_variants --mipd-drops
 
 Each variant trains the demo's CNN (examples/mnist1d, default config, 8 CPU devices)
 with one exchange changed and prints its test accuracy next to a dense run of the same

@@ -1,7 +1,7 @@
 """Quantized SVRG on L2-regularised logistic regression, 8 CPU devices: rate and bits.
 
-  python -m benchmarks.qsvrg                 # d = 32, 8 epochs
-  python -m benchmarks.qsvrg --dim 256 --epochs 10
+  python -m benchmarks.studies.qsvrg                 # d = 32, 8 epochs
+  python -m benchmarks.studies.qsvrg --dim 256 --epochs 10
 
 Runs :func:`jaxcomp.qsvrg` under ``jax.shard_map`` on 8 (simulated) CPU devices, 256
 examples per device, minibatches of 8, one local pass (T = 32 steps) per epoch, with the

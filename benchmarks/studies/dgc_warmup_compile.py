@@ -1,6 +1,6 @@
 """Compile time of the demo's DGC train step with and without the warm-up stages.
 
-  python -m benchmarks.dgc_warmup_compile
+  python -m benchmarks.studies.dgc_warmup_compile
 
 DGC's warm-up keeps payloads static by compiling one exchange per stage (a
 ``lax.switch``); this prints the compile time of the MNIST-1D demo's train step (8 CPU

@@ -12,9 +12,9 @@ out). With ``--stream`` the values are a fresh n-value array, read once, as the 
 kernel reads them; a third row then runs the shipped build without its software
 prefetch of the next bucket:
 
-  python -m benchmarks.cpu_kernel_loop                 # 4-bit codes, bucket 512, 2^24
-  python -m benchmarks.cpu_kernel_loop --stream
-  python -m benchmarks.cpu_kernel_loop --bits 8 --log2n 22 --repeats 7
+  python -m benchmarks.studies.cpu_kernel_loop                 # 4-bit codes, bucket 512, 2^24
+  python -m benchmarks.studies.cpu_kernel_loop --stream
+  python -m benchmarks.studies.cpu_kernel_loop --bits 8 --log2n 22 --repeats 7
 
 ``--against FILE`` adds a build of another ``cpu_codecs.cc`` (an older commit's, from
 ``git show COMMIT:kernels/cpu_codecs.cc > FILE``), so that a change to the kernel is

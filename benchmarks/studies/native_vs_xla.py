@@ -11,8 +11,8 @@ divided, XLA turned the division into that multiplication in some programs and n
 others, and an ulp of ``r = |v| / scale * s`` flipped a stochastic rounding about once
 in 2^21 values: the two paths drifted apart within a few hundred steps.
 
-  python -m benchmarks.native_vs_xla                  # QSGD 4-bit, 400 steps
-  python -m benchmarks.native_vs_xla --bits 2 --bucket 128 --steps 200
+  python -m benchmarks.studies.native_vs_xla                  # QSGD 4-bit, 400 steps
+  python -m benchmarks.studies.native_vs_xla --bits 2 --bucket 128 --steps 200
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ all-gather does), after a handshake. It prints the milliseconds until a process 
 received its ``n`` bytes, and that as MB/s, for every rate, bucket and size, with the
 qdisc's drop counters.
 
-  sudo python -m benchmarks.tbf_probe                       # 1 Gbit/s and 100 Mbit/s
-  sudo python -m benchmarks.tbf_probe --rates 1gbit --burst-ms 10,1 --sizes 1048576
+  sudo python -m benchmarks.studies.tbf_probe                       # 1 Gbit/s and 100 Mbit/s
+  sudo python -m benchmarks.studies.tbf_probe --rates 1gbit --burst-ms 10,1 --sizes 1048576
 
 A message that fits in the bucket's credit leaves at the sender's speed, not the
 rate: with 10 ms of traffic in the bucket (1.25 MB at 1 Gbit/s) a 1 MB payload crossed
@@ -73,7 +73,7 @@ def exchange_ms(nbytes: int) -> list[float]:
       ns,
       sys.executable,
       "-m",
-      "benchmarks.tbf_probe",
+      "benchmarks.studies.tbf_probe",
       "--peer",
       role,
       network.ADDRESSES[i],
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     role, me, other, nbytes = args.peer
     peer(role, me, other, int(nbytes))
     return 0
-  if network.cannot_run("benchmarks/tbf_probe.py"):
+  if network.cannot_run("benchmarks/studies/tbf_probe.py"):
     return 2
   print(
     "| rate | bucket (bytes) | bytes each way | ms (each run, both sides) | MB/s (median) "

@@ -1,6 +1,6 @@
 """XLA:CPU costs that shaped the sparse codecs, each next to its alternative, same run.
 
-  python -m benchmarks.xla_cpu_pitfalls
+  python -m benchmarks.studies.xla_cpu_pitfalls
 
 Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 

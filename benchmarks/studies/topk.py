@@ -1,7 +1,7 @@
 """Top-k selection on CPU: DGC's sampled threshold and the blocked top-k vs lax.top_k.
 
-  python -m benchmarks.topk                  # n = 1M..16M, density 0.1%
-  python -m benchmarks.topk --sizes 1,4 --repeats 3
+  python -m benchmarks.studies.topk                  # n = 1M..16M, density 0.1%
+  python -m benchmarks.studies.topk --sizes 1,4 --repeats 3
 
 For each n it times the encode of :class:`jaxcomp.codecs.TopK` with
 ``method="exact"`` (``lax.top_k`` of |x|), ``"blocked"`` and ``"sampled"`` (median of

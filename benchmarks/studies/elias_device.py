@@ -1,7 +1,7 @@
 """On-device Elias encoder vs the fixed-width QSGD encoder, and the host-callback decode.
 
-  python -m benchmarks.elias_device               # n = 2**16 .. 2**22
-  python -m benchmarks.elias_device --sizes 16,20
+  python -m benchmarks.studies.elias_device               # n = 2**16 .. 2**22
+  python -m benchmarks.studies.elias_device --sizes 16,20
 
 For each n (one bucket, l2 norm, s = √n, the paper's setting) it times, jitted on one
 CPU device (median of ``--repeats`` after a warm-up): the fixed-width ``QSGD.encode``

@@ -1,6 +1,6 @@
 """MIPD's normal quantizer against uniform quantizers with the same bits.
 
-  python -m benchmarks.normal_quantizer
+  python -m benchmarks.studies.normal_quantizer
 
 Prints the mean squared error of ``jc.codecs.NormalQuantizer`` (3σ-rule intervals,
 conditional-mean proxies, outliers exact) next to two uniform quantizers with the same

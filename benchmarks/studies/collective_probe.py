@@ -1,8 +1,8 @@
 """Times psum, all_gather and all_to_all of the same per-process bytes across 2 processes.
 
-  python -m benchmarks.collective_probe            # 2 processes on 127.0.0.1 (gloo)
-  python -m benchmarks.collective_probe --hlo      # what XLA combines (one process)
-  sudo python -m benchmarks.collective_probe --rate 100mbit   # across the throttled link
+  python -m benchmarks.studies.collective_probe            # 2 processes on 127.0.0.1 (gloo)
+  python -m benchmarks.studies.collective_probe --hlo      # what XLA combines (one process)
+  sudo python -m benchmarks.studies.collective_probe --rate 100mbit   # across the throttled link
 
 ``--rate R`` runs the two processes in :mod:`benchmarks.network`'s namespaces, the link
 throttled to ``R`` (tbf, the same bucket as that benchmark), so the bytes each
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
         *prefix(i),
         sys.executable,
         "-m",
-        "benchmarks.collective_probe",
+        "benchmarks.studies.collective_probe",
         "--worker",
         "--process-id",
         str(i),
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     outputs = launch.run_processes(commands("127.0.0.1"), timeout=600)
   else:
     network.rate_bytes_per_s(args.rate)  # validate before building anything
-    if network.cannot_run("benchmarks/collective_probe.py --rate"):
+    if network.cannot_run("benchmarks/studies/collective_probe.py --rate"):
       return 2
     with network.Link() as link:
       bucket = link.set_rate(args.rate)

@@ -1,7 +1,7 @@
 """Length of QSGD's Elias string vs the Theorem 3.2 bound and the fixed-width payload.
 
-  python -m benchmarks.elias_bits                    # n = 2^10..2^20, the demo CNN, timings
-  python -m benchmarks.elias_bits --log2n 10,14 --keys 2 --no-cnn
+  python -m benchmarks.studies.elias_bits                    # n = 2^10..2^20, the demo CNN, timings
+  python -m benchmarks.studies.elias_bits --log2n 10,14 --keys 2 --no-cnn
 
 Three Markdown tables:
 
