@@ -672,6 +672,30 @@ def test_two_phase_capacity_overflow_falls_back_to_the_exact_allgather():
     assert int(st_b.overflow_count) == 1 and int(st_a.overflow_count) == 0
 
 
+def test_two_phase_quantized_pull_near_the_top_of_float32():
+  """A mean whose owner rows reach 2**124..2**125 (the in-program moments of the pull
+  scale it by 2**-124, next to the XLA-folded 1/K): the two-phase output is the
+  all-gather's within the pull quantizer's widest interval (eq. 10, σ of a segment is at
+  most its largest |value|), and no entry the all-gather delivers decodes to 0."""
+  q = jc.codecs.NormalQuantizer(256)
+
+  def grads(t):
+    g = helpers.per_device_grads(jax.random.key(t), SHAPES)
+    return jax.tree.map(lambda x: x / jnp.max(jnp.abs(x.mean(0))) * np.float32(2.0**124.6), g)
+
+  for _, _, (out_a, _), (out_b, st_b) in _same_state_steps(
+    jc.mipd(0.5, collective="allgather", axis_name=AXIS),
+    jc.mipd(0.5, collective="two_phase", axis_name=AXIS),
+    1,
+    grads=grads,
+  ):
+    a, b = _flat(out_a), _flat(out_b)
+    assert np.all(np.isfinite(b))
+    assert not np.any((b == 0) & (a != 0))
+    assert np.max(np.abs(b - a)) <= q.max_error * np.max(np.abs(a)) * (1 + 1e-4)
+    assert int(st_b.overflow_count) == 0 and int(st_b.nonfinite_count) == 0
+
+
 def test_two_phase_pull_overflow_falls_back_to_float32():
   """A heavy-tailed mean (5% of the entries at ±50 on every device) puts about 42 values
   beyond 3σ in each owner's share, past the pull's 13 slots (outlier_fraction=1e-4): the
