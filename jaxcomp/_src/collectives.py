@@ -600,6 +600,26 @@ def resolve(collective: str, codec: Codec, k: int) -> str:
   return "allgather" if k <= 2 or codec.fallback is not None else "two_phase"
 
 
+def leaf_collective(collective: str, codec: Codec, k: int, shape, dtype) -> str:
+  """The exchange ``collective`` stands for on ``k`` devices for one leaf.
+
+  As :func:`resolve`, and ``"auto"`` keeps a leaf on the all-gather when the two-phase
+  exchange would move at least as many bytes for it: ``2(K-1)`` chunk payloads
+  (:meth:`Codec.chunk_shape`) against ``K-1`` payloads of the whole leaf. That happens
+  when the chunks are mostly padding, as with per-column buckets on a matrix of fewer
+  columns than devices (a vector is one column: its K chunks are K whole columns, K-1 of
+  them zeros).
+  """
+  mode = resolve(collective, codec, k)
+  if collective != "auto" or mode != "two_phase":
+    return mode
+  shape = tuple(int(d) for d in shape)
+  chunk = tuple(codec.chunk_shape(shape, k))
+  if 2 * codec.wire_bits(chunk, dtype) >= codec.wire_bits(shape, dtype):
+    return "allgather"
+  return mode
+
+
 #: The exchanges a leaf can take (:func:`route`).
 ROUTES = ("dense", "fused", "local", "two_phase", "psum", "gathered", "fallback")
 

@@ -91,7 +91,7 @@ class _Leaf:
     return not isinstance(self.residual, optax.MaskedNode)
 
 
-def _plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key) -> _Leaf:
+def _plan_leaf(codec, collective, axis_name, filter_fn, i, path, g, e, e2, step_key) -> _Leaf:
   """Decides a leaf's route once, up front (:func:`collectives.route`).
 
   Everything the route depends on is static (filter, shape, dtype, codec, resolved
@@ -100,6 +100,10 @@ def _plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key) -
   before any work is traced for it.
   """
   chosen = treeutil.selected(filter_fn, path, g)
+  mode = collective
+  if axis_name is not None:
+    k = collectives.axis_size(axis_name)
+    mode = collectives.leaf_collective(collective, codec, k, g.shape, g.dtype)
   use_ef = not isinstance(e, optax.MaskedNode)
   fused = (
     use_ef
@@ -336,7 +340,8 @@ def compress(
       if on and axis_name is not None and collective in ("two_phase", "auto"):
         if k is None:
           k = collectives.axis_size(axis_name)
-        two_phase = collectives.resolve(collective, codec, k) == "two_phase"
+        mode = collectives.leaf_collective(collective, codec, k, leaf.shape, leaf.dtype)
+        two_phase = mode == "two_phase"
       if two_phase:
         shape = collectives.chunk_residual_shape(codec, leaf.shape, k)
         chunk_residual.append(jnp.zeros(shape, _F32))
@@ -359,13 +364,11 @@ def compress(
     if state.shapes is not None:
       state.shapes.check(updates, "jc.compress")
     key, step_key = jax.random.split(state.key)
-    mode = collective
     if axis_name is not None:
-      mode = collectives.resolve(collective, codec, collectives.axis_size(axis_name))
       if not codec.shared_randomness:  # else every device draws the same bits
         step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
     plan = [
-      _plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key)
+      _plan_leaf(codec, collective, axis_name, filter_fn, i, path, g, e, e2, step_key)
       for i, ((path, g), e, e2) in enumerate(
         zip(
           leaves, treedef.flatten_up_to(state.residual), treedef.flatten_up_to(state.chunk_residual)
@@ -521,7 +524,11 @@ def onebit_sgd(
   matrix (a tensor of shape ``(m, ...)`` viewed as ``(m, prod(rest))``), exchanged in
   chunks of whole columns. A column of m values then costs ``m + 64`` bits, so short
   columns (a flax convolution kernel ``(width, in, out)`` has columns of ``width``
-  values) cost far more than 1 bit per value.
+  values) cost far more than 1 bit per value. The column axis is the first one: a flax
+  ``Dense`` kernel ``(in, out)`` has ``out`` columns of ``in`` values, one per output
+  unit (its fan-in weights), and a vector is one column. A matrix of fewer columns than
+  devices leaves most two-phase chunks as zero padding; ``collective="auto"`` then
+  all-gathers that leaf wherever the two-phase exchange would move as many bytes or more.
 
   The paper applies AdaGrad/momentum to the aggregated gradient: chain this *before* the
   optimizer, e.g. ``optax.chain(jc.onebit_sgd(axis_name="batch"), optax.sgd(0.1, 0.9))``.
