@@ -466,7 +466,9 @@ def test_capacity_bounds_the_hypergeometric_tail(n, kept, k):
 def _shard_map_step(tx, per_device=False):
   """(init, jit(shard_map(update))) on 8 devices; gradients with a leading device axis."""
   m = helpers.mesh()
-  tx_run = jc.per_device_state(tx) if per_device else tx
+  # per_device_state returns MIPD unchanged (its state is replicated); a chain around
+  # it, wrapped, holds the state per device.
+  tx_run = jc.per_device_state(optax.chain(tx)) if per_device else tx
   specs = jc.state_specs(tx_run, PARAMS, axis_name=AXIS, num_devices=K)
   state = helpers.shard_map_init(tx_run, PARAMS, m)
 
@@ -817,7 +819,7 @@ def test_auto_picks_the_cheaper_exchange():
 
 
 def _flags_program(collective):
-  tx = jc.per_device_state(jc.mipd(0.5, axis_name=AXIS, collective=collective))
+  tx = jc.per_device_state(optax.chain(jc.mipd(0.5, axis_name=AXIS, collective=collective)))
   m = helpers.mesh()
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
   state = jax.jit(jax.shard_map(tx.init, mesh=m, in_specs=P(), out_specs=specs))(PARAMS)

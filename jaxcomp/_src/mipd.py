@@ -630,7 +630,8 @@ def mipd(
   Returns:
     An ``optax.GradientTransformation``; its ``update`` needs ``params`` (the
     interpretability rate reads their norms). The state (:class:`MIPDState`) is the
-    same on every device: keep it replicated, outside ``jc.per_device_state``.
+    same on every device and stays replicated (``jc.per_device_state`` returns the
+    transform unchanged).
 
   Example (inside ``jax.shard_map`` over axis ``"b"``; the state is replicated)::
 
@@ -938,4 +939,4 @@ def mipd(
     )
     return treedef.unflatten(result), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 from typing import Any
 from typing import NamedTuple
+import weakref
 
 import jax
 from jax import lax
@@ -629,6 +630,18 @@ class PerDeviceState(NamedTuple):
   inner: Any  # the wrapped transform's state, every leaf with a leading axis of 1 per device
 
 
+#: The ``init`` functions of the transforms that place their own state under shard_map
+#: (replicated by design, or with their per-device parts wrapped already):
+#: :func:`per_device_state` hands them back unchanged.
+_PLACES_OWN_STATE: weakref.WeakSet = weakref.WeakSet()
+
+
+def places_own_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """Registers ``tx`` as placing its own state (:func:`per_device_state` returns it)."""
+  _PLACES_OWN_STATE.add(tx.init)
+  return tx
+
+
 def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
   """Marks ``tx``'s state as per device, with a leading axis of size 1 on each device.
 
@@ -645,8 +658,16 @@ def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
     step = jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("b")),
                          out_specs=(P(), specs))
 
+  Wrapping is correct for every jaxcomp transform, so one pattern serves every method:
+  :func:`jaxcomp.mipd` (whose state is the same on every device) and
+  :func:`jaxcomp.onebit_adam` (whose state holds replicated moments beside per-device
+  buffers it wraps itself) come back unchanged. Wrap the transform itself, not a chain
+  around those two.
+
   Under ``jax.pmap`` state is per device already; do not wrap.
   """
+  if tx.init in _PLACES_OWN_STATE:
+    return tx
 
   def init_fn(params):
     return PerDeviceState(jax.tree.map(lambda x: x[None], tx.init(params)))
