@@ -27,6 +27,7 @@ from jaxcomp._src import bitpack
 from jaxcomp._src import collectives
 from jaxcomp._src import normal
 from jaxcomp._src import phases
+from jaxcomp._src import pipeline
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
@@ -852,11 +853,7 @@ def mipd(
         "jc.mipd needs params: call tx.update(grads, state, params) "
         "(the interpretability drop rate reads the parameters' norms)"
       )
-    leaves, treedef = treeutil.flat(updates)
-    for path, g in leaves:
-      treeutil.check_leaf(path, g)
-    if state.shapes is not None:
-      state.shapes.check(updates, "jc.mipd")
+    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.mipd")
     on, sel, halves, groups = layout(leaves)
     p_leaves = treedef.flatten_up_to(params)
     preds_all = treedef.flatten_up_to(state.prediction)

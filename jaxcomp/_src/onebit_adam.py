@@ -26,6 +26,7 @@ import optax
 from jaxcomp._src import bitpack
 from jaxcomp._src import collectives
 from jaxcomp._src import phases
+from jaxcomp._src import pipeline
 from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
 
@@ -456,11 +457,7 @@ def onebit_adam(
     return (1 - b1) * mean + b1 * m, (1 - b2) * jnp.square(mean) + b2 * v
 
   def update_fn(updates, state, params=None):
-    leaves, treedef = treeutil.flat(updates)
-    for path, g in leaves:
-      treeutil.check_leaf(path, g)
-    if state.shapes is not None:
-      state.shapes.check(updates, "jc.onebit_adam")
+    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.onebit_adam")
     if wd and params is None:
       raise ValueError("jc.onebit_adam with weight_decay needs params in update")
     gs = [g for _, g in leaves]
@@ -468,8 +465,7 @@ def onebit_adam(
     ms, vs = treedef.flatten_up_to(state.m), treedef.flatten_up_to(state.v)
     ews = treedef.flatten_up_to(state.worker_error.inner)
     ess = treedef.flatten_up_to(state.server_error.inner)
-    comp = [i for i, e in enumerate(ews) if not isinstance(e, optax.MaskedNode)]
-    dense = [i for i, e in enumerate(ews) if isinstance(e, optax.MaskedNode)]
+    comp, dense = pipeline.Split.of([not isinstance(e, optax.MaskedNode) for e in ews])
     check_update(leaves, ms, comp)
     layouts = [_layout(gs[i].size, num_devices(), bucket_size) for i in comp]
     ews = [ews[i][0] for i in comp]

@@ -13,6 +13,7 @@ import optax
 
 from jaxcomp._src import collectives
 from jaxcomp._src import phases
+from jaxcomp._src import pipeline
 from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
 
@@ -227,19 +228,14 @@ def powersgd(
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = treeutil.flat(updates)
-    for path, g in leaves:
-      treeutil.check_leaf(path, g)
-    if state.shapes is not None:
-      state.shapes.check(updates, "jc.powersgd")
+    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.powersgd")
     old_qs = treedef.flatten_up_to(state.q)
     old_es = treedef.flatten_up_to(state.residual)
     key, step_key = jax.random.split(state.key)
     k = 1 if axis_name is None else collectives.axis_size(axis_name)
 
     plans = [plan(path, g) for path, g in leaves]
-    comp = [i for i, p in enumerate(plans) if p is not None]
-    dense = [i for i, p in enumerate(plans) if p is None]
+    comp, dense = pipeline.Split.of([p is not None for p in plans])
     any_bad = jnp.zeros((), bool)
     for i in dense:  # averaged in full precision: a NaN propagates into the mean
       any_bad = any_bad | ~_all_finite(leaves[i][1])
