@@ -292,7 +292,7 @@ def test_local_and_pmap_match_the_hand_computation():
       want = _scaled_sign(x, 64).reshape(x.shape)
       e[n] = x - want
       np.testing.assert_allclose(np.asarray(out[n], np.float64), want, rtol=1e-5, atol=1e-5)
-  tx = jc.ef_signsgd(axis_name=AXIS, filter=ALL)  # two-phase on 8 devices
+  tx = jc.ef_signsgd(axis_name=AXIS, collective="two_phase", filter=ALL)
   state = jax.pmap(lambda _: tx.init(PARAMS), axis_name=AXIS)(jnp.arange(K))
   step = jax.pmap(tx.update, axis_name=AXIS)
   outs, _, _ = _reference("two_phase", None, steps=2)

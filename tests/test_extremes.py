@@ -175,6 +175,20 @@ def test_normal_moments_match_the_plain_formula_bit_for_bit(scale):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("divisor", [8.0, 1000.0])
+@pytest.mark.parametrize("mag", [2.0**124, 2.0**127, FLT_MAX])
+def test_normal_moments_of_a_mean_computed_in_the_same_program(mag, divisor):
+  """``normal.moments`` compiled together with the arithmetic that produced its input (a
+  sum divided by the device count, as in an exchange): XLA may fold that constant into
+  the power-of-two scale, and the moments still equal those of the same values computed
+  apart, to float32 rounding (never (0, 0) for a non-zero input)."""
+  total = jnp.asarray(_data(mag, 384))
+  got = jax.jit(lambda t: jnp.stack(normal.moments(t / divisor)))(total)
+  want = jnp.stack(normal.moments(jax.jit(lambda t: t / divisor)(total)))
+  assert float(got[1]) > 0
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(want[1]))
+
+
 def test_normal_proxies_per_entry_match_the_plain_formula_bit_for_bit():
   """MIPD decodes with per-entry (μ, σ) (its layers' stats gathered per position): the
   plain ``μ + σ p`` bits, as compiled, wherever they are finite."""

@@ -466,7 +466,9 @@ def test_capacity_bounds_the_hypergeometric_tail(n, kept, k):
 def _shard_map_step(tx, per_device=False):
   """(init, jit(shard_map(update))) on 8 devices; gradients with a leading device axis."""
   m = helpers.mesh()
-  tx_run = jc.per_device_state(tx) if per_device else tx
+  # per_device_state returns MIPD unchanged (its state is replicated); a chain around
+  # it, wrapped, holds the state per device.
+  tx_run = jc.per_device_state(optax.chain(tx)) if per_device else tx
   specs = jc.state_specs(tx_run, PARAMS, axis_name=AXIS, num_devices=K)
   state = helpers.shard_map_init(tx_run, PARAMS, m)
 
@@ -676,6 +678,30 @@ def test_two_phase_capacity_overflow_falls_back_to_the_exact_allgather():
     assert int(st_b.overflow_count) == 1 and int(st_a.overflow_count) == 0
 
 
+def test_two_phase_quantized_pull_near_the_top_of_float32():
+  """A mean whose owner rows reach 2**124..2**125 (the in-program moments of the pull
+  scale it by 2**-124, next to the XLA-folded 1/K): the two-phase output is the
+  all-gather's within the pull quantizer's widest interval (eq. 10, σ of a segment is at
+  most its largest |value|), and no entry the all-gather delivers decodes to 0."""
+  q = jc.codecs.NormalQuantizer(256)
+
+  def grads(t):
+    g = helpers.per_device_grads(jax.random.key(t), SHAPES)
+    return jax.tree.map(lambda x: x / jnp.max(jnp.abs(x.mean(0))) * np.float32(2.0**124.6), g)
+
+  for _, _, (out_a, _), (out_b, st_b) in _same_state_steps(
+    jc.mipd(0.5, collective="allgather", axis_name=AXIS),
+    jc.mipd(0.5, collective="two_phase", axis_name=AXIS),
+    1,
+    grads=grads,
+  ):
+    a, b = _flat(out_a), _flat(out_b)
+    assert np.all(np.isfinite(b))
+    assert not np.any((b == 0) & (a != 0))
+    assert np.max(np.abs(b - a)) <= q.max_error * np.max(np.abs(a)) * (1 + 1e-4)
+    assert int(st_b.overflow_count) == 0 and int(st_b.nonfinite_count) == 0
+
+
 def test_two_phase_pull_overflow_falls_back_to_float32():
   """A heavy-tailed mean (5% of the entries at ±50 on every device) puts about 42 values
   beyond 3σ in each owner's share, past the pull's 13 slots (outlier_fraction=1e-4): the
@@ -797,7 +823,7 @@ def test_auto_picks_the_cheaper_exchange():
 
 
 def _flags_program(collective):
-  tx = jc.per_device_state(jc.mipd(0.5, axis_name=AXIS, collective=collective))
+  tx = jc.per_device_state(optax.chain(jc.mipd(0.5, axis_name=AXIS, collective=collective)))
   m = helpers.mesh()
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
   state = jax.jit(jax.shard_map(tx.init, mesh=m, in_specs=P(), out_specs=specs))(PARAMS)

@@ -131,6 +131,37 @@ def test_bias_correction_false_is_deepspeeds_update():
   np.testing.assert_allclose(states[-1].v["w"], v, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_compression_stage_update_with_weight_decay(bias_correction):
+  """After the freeze, a compressed leaf's update is the frozen-v Adam step of the
+  exchanged momentum plus decoupled weight decay: ``-η (m̂ / (sqrt(v̂) + ε) + λ p)``,
+  with ``m̂ = m / (1 - β1^t)`` and ``v̂ = v / (1 - β2^T_w)`` (bias correction), or
+  ``m`` and ``v`` as they are (``bias_correction=False``, DeepSpeed)."""
+  lr, wd, freeze, b1, b2, eps = 1e-2, 0.05, 2, 0.9, 0.999, 1e-8
+  params = {
+    n: jnp.linspace(-1.0, 1.0, int(np.prod(s)), dtype=jnp.float32).reshape(s)
+    for n, s in SHAPES.items()
+  }
+  tx = jc.onebit_adam(
+    lr, freeze_step=freeze, weight_decay=wd, bias_correction=bias_correction, axis_name=AXIS
+  )
+  outs, _, states = _run(tx, 4, params=params)
+  for t in range(freeze, 4):
+    for name in ("w", "u"):
+      m = states[t].m[name].astype(np.float64)
+      v = states[t].v[name].astype(np.float64)
+      np.testing.assert_array_equal(states[t].v[name], states[freeze - 1].v[name])
+      rel = 8 * EPS32  # float32 rounds each term to eps32 of its size (they may cancel)
+      if bias_correction:
+        c1, c2 = 1 - b1 ** (t + 1), 1 - b2**freeze
+        m, v = m / c1, v / c2
+        # 1 - β^t in float32 is off by up to eps32 absolutely: eps32 / c relatively.
+        rel += EPS32 / c1 + EPS32 / c2
+      step, decay = m / (np.sqrt(v) + eps), wd * np.asarray(params[name], np.float64)
+      tol = lr * (rel * np.abs(step) + 8 * EPS32 * np.abs(decay))
+      np.testing.assert_array_less(np.abs(outs[t][name] - (-lr * (step + decay))), tol + 1e-12)
+
+
 # ----------------------------------------------------------------------------- compression
 
 
@@ -303,6 +334,46 @@ def test_coordinates_without_a_warmup_gradient_do_not_move(compress):
       assert np.all(u_w[8:] != 0) and np.all(np.abs(u_w) < 1.0)
 
 
+def test_momentum_mode_dead_coordinates_enter_neither_scale_nor_error():
+  """compress="momentum": coordinates whose frozen v is 0 are left out of the 1-bit
+  scale and the error buffers. With the live momenta all equal, the scale is exactly
+  their value (the dead ones would dilute it), so the exchange is exact: m is the local
+  momentum on the live coordinates, 0 on the dead ones, and no error is kept anywhere."""
+  b1, c = 0.9, 0.25
+  params = {"w": jnp.zeros((64, 96))}
+  tx = jc.onebit_adam(1e-2, freeze_step=1, compress="momentum")
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  g0 = {"w": jnp.full((64, 96), c).at[:8].set(0.0)}  # rows 0-7: no warm-up gradient
+  _, state = update(g0, state)
+  u, state = update({"w": jnp.full((64, 96), c)}, state)  # now every row has one
+  m = np.asarray(state.m["w"])
+  want = b1 * (1 - b1) * c + (1 - b1) * c
+  np.testing.assert_array_equal(m[:8], 0.0)
+  np.testing.assert_allclose(m[8:], want, rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(u["w"])[:8], 0.0)
+  for e in (state.worker_error.inner["w"], state.server_error.inner["w"]):
+    np.testing.assert_allclose(np.asarray(e), 0.0, atol=1e-6 * want)
+
+
+def test_finite_gradient_overflowing_v_is_counted_and_visible():
+  """A finite gradient whose square overflows float32 in the warm-up: v keeps its
+  previous value (0), the step's update is non-finite and moments_nonfinite_count counts
+  it (the gradient itself was finite: nonfinite_count does not)."""
+  params = {"w": jnp.zeros((64, 96))}
+  tx = jc.onebit_adam(1e-2, freeze_step=2)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  u, state = update({"w": jnp.full((64, 96), 1e20)}, state)
+  assert not np.all(np.isfinite(np.asarray(u["w"])))
+  assert int(state.moments_nonfinite_count) == 1
+  np.testing.assert_array_equal(state.nonfinite_count.inner, [0])
+  np.testing.assert_array_equal(np.asarray(state.v["w"]), 0.0)
+  u, state = update({"w": jnp.ones((64, 96))}, state)  # a normal step moves the leaf
+  assert np.all(np.isfinite(np.asarray(u["w"]))) and float(jnp.min(jnp.abs(u["w"]))) > 0
+  assert int(state.moments_nonfinite_count) == 1
+
+
 def test_local_mode_is_one_device():
   """axis_name=None runs the K = 1 arithmetic: the same as a bound axis of 1 device,
   bit for bit, and C[C[x] + e_s] with one chunk."""
@@ -454,9 +525,11 @@ def test_state_specs_and_wrapping_errors():
   assert state.worker_error.inner["w"].shape == (1, 64, 96)
   assert state.server_error.inner["u"].shape == (1, 416)  # ceil(3300/8) -> 13 words
 
-  # Wrapped in jc.per_device_state, m and v would vary (and so would the updates).
+  # per_device_state hands it back as it is; a chain around it, wrapped, would make m
+  # and v vary (and so the updates): that is an error naming the fix.
+  assert jc.per_device_state(tx) is tx
   m = helpers.mesh()
-  wrapped = jc.per_device_state(tx)
+  wrapped = jc.per_device_state(optax.chain(tx))
   wstate = helpers.shard_map_init(wrapped, PARAMS, m)
   with pytest.raises(ValueError, match="per_device_state"):
     helpers.shard_map_update(wrapped, m, PARAMS)(helpers.shard(_grads(0), m), wstate)

@@ -243,12 +243,15 @@ def test_pmap_equals_shard_map():
   state = jax.pmap(lambda _: tx.init(PARAMS), axis_name=AXIS)(jnp.arange(K))
   step = jax.pmap(tx.update, axis_name=AXIS)
   outs, _, _ = _reference("two_phase", steps=2)
+  gathered, _, _ = _reference("allgather", steps=2)
   for t in range(2):
     out, state = step(_grads(t), state)
     for n in PARAMS:
       got = np.asarray(out[n])
       chex.assert_trees_all_equal(got[0], got[K - 1])
-      np.testing.assert_allclose(got[0], outs[t][n], rtol=1e-5, atol=1e-5)
+      # "auto" all-gathers the vector (one column: its two-phase chunks are padding).
+      want = gathered[t][n] if n == "b" else outs[t][n]
+      np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_wire_report_counts_whole_columns():
@@ -260,3 +263,26 @@ def test_wire_report_counts_whole_columns():
   # and 16 float32 per chunk.
   chunk = 256 * 8 // 8 + 16 * 4
   assert report.bytes_received == pytest.approx(2 * (K - 1) * chunk)
+
+
+@pytest.mark.parametrize(
+  "shape, collective",
+  [((4096,), "allgather"), ((1024, 3), "two_phase"), ((1024, 7), "two_phase")],
+)
+def test_default_exchange_never_pays_more_than_the_allgather(shape, collective):
+  """Fewer columns than devices: the two-phase chunks are K blocks of whole columns,
+  mostly zero padding. The default exchange ("auto") takes the two-phase route only
+  where its 2(K-1) chunk payloads cost less than the all-gather's K-1 whole payloads."""
+  params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+  report = jc.wire_report(
+    jc.onebit_sgd(per_column=True, axis_name=AXIS, filter=ALL),
+    params,
+    axis_name=AXIS,
+    num_devices=K,
+  )
+  whole = PER_COLUMN.wire_bits(shape) // 8
+  chunk = PER_COLUMN.wire_bits(PER_COLUMN.chunk_shape(shape, K)) // 8
+  allgather = (K - 1) * whole
+  assert report.bytes_received <= allgather
+  want = allgather if collective == "allgather" else 2 * (K - 1) * chunk
+  assert report.bytes_received == pytest.approx(want)

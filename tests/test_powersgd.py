@@ -139,6 +139,24 @@ def test_fresh_q_is_redrawn_every_step_and_reproducible():
   chex.assert_trees_all_equal(a, a2)  # the same seed, the same draw
 
 
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_warm_start_q_collapsed_by_a_zero_step_is_redrawn(error_feedback):
+  """After an all-zero gradient the warm-start Q̄ is 0; the next Q is redrawn from the
+  state's key, so a rank-1 gradient that is zero in the first row and column (where a
+  QR completion of Q = 0 would look) is still delivered exactly, step after step."""
+  tx = jc.powersgd(1, axis_name=None, error_feedback=error_feedback)
+  params = {"w": jnp.zeros((48, 96))}
+  state = tx.init(params)
+  zero, state = jax.jit(tx.update)({"w": jnp.zeros((48, 96))}, state)
+  assert float(jnp.max(jnp.abs(zero["w"]))) == 0.0
+  u = jnp.arange(48.0).at[0].set(0.0)
+  v = jnp.ones(96).at[0].set(0.0)
+  g = {"w": jnp.outer(u, v)}
+  for _ in range(3):
+    out, state = jax.jit(tx.update)(g, state)
+    np.testing.assert_allclose(out["w"], g["w"], rtol=0, atol=1e-4 * float(jnp.max(g["w"])))
+
+
 # ----------------------------------------------------------------------------- error feedback
 
 

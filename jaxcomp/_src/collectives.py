@@ -325,22 +325,14 @@ def _materialized(compute, received):
   return lax.cond(token != 0x5A, compute, compute)
 
 
-def payload_means(codec: Codec, payloads, axis_name) -> list[Array]:
-  """Means over devices of what each device's ``payloads`` decode to (float32), one each.
+def payload_means(codecs, payloads, axis_name) -> list[Array]:
+  """Means over devices of what each device's ``payloads`` decode to (float32), one
+  each, with a codec per payload (e.g. QSGD levels chosen per leaf).
 
-  One ``all_gather`` for all of them (:func:`gather_tree`) and one ``decode_sum`` per
-  payload (a fused kernel where the codec has one); with ``axis_name=None`` the local
-  decodings. For codecs without a fallback.
-  """
-  payloads = list(payloads)
-  return mixed_payload_means([codec] * len(payloads), payloads, axis_name)
-
-
-def mixed_payload_means(codecs, payloads, axis_name) -> list[Array]:
-  """:func:`payload_means` with a codec per payload (e.g. QSGD levels chosen per leaf).
-
-  Still one ``all_gather`` for all of them; each gathered payload is decoded and summed
-  by its own codec, and the means are written once on XLA:CPU (see :func:`_decode_means`).
+  One ``all_gather`` for all of them (:func:`gather_tree`); each gathered payload is
+  decoded and summed by its own codec (a fused kernel where the codec has one), and the
+  means are written once on XLA:CPU (see :func:`_decode_means`). With ``axis_name=None``
+  the local decodings. For codecs without a fallback.
   """
   codecs, payloads = list(codecs), list(payloads)
   if len(codecs) != len(payloads):
@@ -354,7 +346,7 @@ def mixed_payload_means(codecs, payloads, axis_name) -> list[Array]:
     return _decode_means(codecs, gathered, k)
 
 
-def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
+def _gather_with_dense(codecs, payloads, dense, axis_name) -> tuple[list, list]:
   """:func:`payload_means` of ``payloads`` and the exact means of the ``dense`` arrays,
   all from one ``all_gather``; for axes of at most 2 devices.
 
@@ -366,28 +358,30 @@ def gather_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
   """
   k = axis_size(axis_name)
   if k > 2:
-    raise ValueError(f"gather_means needs an axis of at most 2 devices, got {k}")
+    raise ValueError(f"_gather_with_dense needs an axis of at most 2 devices, got {k}")
   payloads, dense = list(payloads), list(dense)
   gathered = gather_tree(payloads + dense, axis_name)
   with jax.named_scope(DECODE_SCOPE):
-    means = _decode_means([codec] * len(payloads), gathered[: len(payloads)], k)
+    means = _decode_means(list(codecs), gathered[: len(payloads)], k)
     dense_means = [(g[0] + g[1] if k == 2 else g[0]) / k for g in gathered[len(payloads) :]]
   return means, dense_means
 
 
-def exchange_means(codec: Codec, payloads, dense, axis_name) -> tuple[list, list]:
-  """Means of the ``payloads`` (decoded) and of the full-precision ``dense`` arrays.
+def exchange_means(codecs, payloads, dense, axis_name) -> tuple[list, list]:
+  """Means of the ``payloads`` (decoded, a codec each) and of the full-precision
+  ``dense`` arrays.
 
   With payloads on at most 2 devices, one ``all_gather`` carries both
-  (:func:`gather_means`); otherwise the payloads take :func:`payload_means` and the
-  dense arrays one all-reduce (:func:`pmean_tree`). The values are the same either way.
+  (:func:`_gather_with_dense`); otherwise the payloads take :func:`payload_means` and
+  the dense arrays one all-reduce (:func:`pmean_tree`). The values are the same either
+  way.
   """
   payloads, dense = list(payloads), list(dense)
   if dense and axis_name is None:
     raise ValueError("dense arrays need an axis to average over")
   if payloads and dense and axis_size(axis_name) <= 2:
-    return gather_means(codec, payloads, dense, axis_name)
-  means = payload_means(codec, payloads, axis_name) if payloads else []
+    return _gather_with_dense(codecs, payloads, dense, axis_name)
+  means = payload_means(codecs, payloads, axis_name) if payloads else []
   return means, (pmean_tree(dense, axis_name) if dense else [])
 
 
@@ -408,11 +402,6 @@ def pmean_and_count(dense, counts, axis_name) -> tuple[list, list]:
   )
 
 
-def payload_mean(codec: Codec, payload, axis_name) -> Array:
-  """:func:`payload_means` of one payload."""
-  return payload_means(codec, [payload], axis_name)[0]
-
-
 def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   """All-gather the payloads, decode all K, average. Traffic per device: (K-1)·B.
 
@@ -430,7 +419,7 @@ def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
   if fallback is None:
     with jax.named_scope(ENCODE_SCOPE):
       sent = codec.decode(payload, _F32)
-    return Exchanged(payload_mean(codec, payload, axis_name), sent, None, overflow)
+    return Exchanged(payload_means([codec], [payload], axis_name)[0], sent, None, overflow)
   # The fallback codes the same quantization (same key): decode what was sent from it.
   with jax.named_scope(ENCODE_SCOPE):
     fixed = fallback.encode(x, key=key)
@@ -598,6 +587,26 @@ def resolve(collective: str, codec: Codec, k: int) -> str:
   if collective != "auto":
     return collective
   return "allgather" if k <= 2 or codec.fallback is not None else "two_phase"
+
+
+def leaf_collective(collective: str, codec: Codec, k: int, shape, dtype) -> str:
+  """The exchange ``collective`` stands for on ``k`` devices for one leaf.
+
+  As :func:`resolve`, and ``"auto"`` keeps a leaf on the all-gather when the two-phase
+  exchange would move at least as many bytes for it: ``2(K-1)`` chunk payloads
+  (:meth:`Codec.chunk_shape`) against ``K-1`` payloads of the whole leaf. That happens
+  when the chunks are mostly padding, as with per-column buckets on a matrix of fewer
+  columns than devices (a vector is one column: its K chunks are K whole columns, K-1 of
+  them zeros).
+  """
+  mode = resolve(collective, codec, k)
+  if collective != "auto" or mode != "two_phase":
+    return mode
+  shape = tuple(int(d) for d in shape)
+  chunk = tuple(codec.chunk_shape(shape, k))
+  if 2 * codec.wire_bits(chunk, dtype) >= codec.wire_bits(shape, dtype):
+    return "allgather"
+  return mode
 
 
 #: The exchanges a leaf can take (:func:`route`).

@@ -15,6 +15,7 @@ import optax
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
 from jaxcomp._src import phases
+from jaxcomp._src import pipeline
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
@@ -289,7 +290,9 @@ def dgc(
         new_v.append(jnp.where(sent_mask, 0.0, v))
         new_u.append(jnp.where(sent_mask, 0.0, u) if momentum_masking else u)
     # Every leaf's indices and values in one all-gather (with the dense leaves at K <= 2).
-    means, dense_means = collectives.exchange_means(codec, payloads, dense, axis_name)
+    means, dense_means = collectives.exchange_means(
+      [codec] * len(payloads), payloads, dense, axis_name
+    )
     if payloads:
       means = iter(means)
       outs = [next(means).reshape(o.shape) for o in outs]
@@ -321,12 +324,8 @@ def dgc(
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = treeutil.flat(updates)
+    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.dgc")
     paths = [p for p, _ in leaves]
-    for path, g in leaves:
-      treeutil.check_leaf(path, g)
-    if state.shapes is not None:
-      state.shapes.check(updates, "jc.dgc")
     gs = [g.astype(_F32) for _, g in leaves]
     us = treedef.flatten_up_to(state.momentum)
     vs = treedef.flatten_up_to(state.velocity)

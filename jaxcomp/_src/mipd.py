@@ -27,6 +27,7 @@ from jaxcomp._src import bitpack
 from jaxcomp._src import collectives
 from jaxcomp._src import normal
 from jaxcomp._src import phases
+from jaxcomp._src import pipeline
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
@@ -630,7 +631,8 @@ def mipd(
   Returns:
     An ``optax.GradientTransformation``; its ``update`` needs ``params`` (the
     interpretability rate reads their norms). The state (:class:`MIPDState`) is the
-    same on every device: keep it replicated, outside ``jc.per_device_state``.
+    same on every device and stays replicated (``jc.per_device_state`` returns the
+    transform unchanged).
 
   Example (inside ``jax.shard_map`` over axis ``"b"``; the state is replicated)::
 
@@ -851,11 +853,7 @@ def mipd(
         "jc.mipd needs params: call tx.update(grads, state, params) "
         "(the interpretability drop rate reads the parameters' norms)"
       )
-    leaves, treedef = treeutil.flat(updates)
-    for path, g in leaves:
-      treeutil.check_leaf(path, g)
-    if state.shapes is not None:
-      state.shapes.check(updates, "jc.mipd")
+    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.mipd")
     on, sel, halves, groups = layout(leaves)
     p_leaves = treedef.flatten_up_to(params)
     preds_all = treedef.flatten_up_to(state.prediction)
@@ -938,4 +936,4 @@ def mipd(
     )
     return treedef.unflatten(result), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))

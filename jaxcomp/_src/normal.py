@@ -124,12 +124,21 @@ def _check_sigmas(sigmas) -> None:
     raise ValueError(f"sigmas must be a number in (0, 8], got {sigmas!r}")
 
 
+#: Exponent bound of the power-of-two scales: ``2**±100`` leaves a factor ``2**26`` of room
+#: on both sides of float32's normal range, because XLA may fold a constant of the caller's
+#: into the scale (``(t / 8) * 2**-e`` compiled as ``t * 2**-(e+3)``), and a folded scale
+#: below ``2**-126`` is flushed to zero on XLA:CPU: every value would scale to 0.
+_SCALE_EXP = 100
+
+
 def _pow2_scales(m: Array) -> tuple[Array, Array]:
   """``(2**-e, 2**e)`` for the power of two ``2**e <= m`` of positive float32 ``m``
-  (``jnp.frexp``, as ``Cast`` scales fp16), ``e`` clipped to ``[-126, 126]`` so that
-  both are normal floats: multiplying by either is exact."""
+  (``jnp.frexp``, as ``Cast`` scales fp16), ``e`` clipped to ``[-100, 100]``
+  (:data:`_SCALE_EXP`): multiplying by either is exact, and stays so when XLA folds a
+  constant factor of the surrounding program into it. Scaled by ``2**-e`` a finite
+  float32 is below ``2**29`` and its square far from overflow."""
   _, f = jnp.frexp(m.astype(_F32))  # m = r * 2**f, 0.5 <= r < 1
-  e = jnp.clip(f - 1, -126, 126)
+  e = jnp.clip(f - 1, -_SCALE_EXP, _SCALE_EXP)
   one = jnp.ones_like(m, _F32)
   return jnp.ldexp(one, -e), jnp.ldexp(one, e)
 

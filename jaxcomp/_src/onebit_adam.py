@@ -12,6 +12,7 @@ two-stage error feedback. The exchange is the optimizer's own, so the transform 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any
 from typing import NamedTuple
@@ -25,6 +26,7 @@ import optax
 from jaxcomp._src import bitpack
 from jaxcomp._src import collectives
 from jaxcomp._src import phases
+from jaxcomp._src import pipeline
 from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
 
@@ -52,6 +54,8 @@ class OneBitAdamState(NamedTuple):
   worker_error: Any  # PerDeviceState: e_w, shape=(1, *leaf shape), float32, per device
   server_error: Any  # PerDeviceState: e_s, shape=(1, chunk), float32, per device
   nonfinite_count: Any  # PerDeviceState: shape=(1,), int32: steps with a NaN/Inf gradient
+  moments_nonfinite_count: Array  # shape=(), int32, replicated: steps whose new m or v
+  #   was not finite for some leaf (the previous kept; the update marked non-finite)
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
 
@@ -80,16 +84,6 @@ class _Layout:
     """``(k, chunk)`` bool: which entries are the leaf's (the rest is padding)."""
     return np.arange(self.k * self.chunk).reshape(self.k, self.chunk) < self.n
 
-  def valid_in(self, j) -> Array:
-    """``(chunk,)`` bool: the leaf's entries in chunk ``j`` (traced), from an iota."""
-    return j * self.chunk + lax.iota(jnp.int32, self.chunk) < self.n
-
-  def counts(self) -> np.ndarray:
-    """``(k, buckets)`` float32: the leaf's values in each bucket of each chunk."""
-    pad = self.buckets * self.bucket - self.chunk
-    valid = np.pad(self.valid(), ((0, 0), (0, pad)))
-    return valid.reshape(self.k, self.buckets, self.bucket).sum(-1).astype(np.float32)
-
 
 def _layout(n: int, k: int, bucket_size: int | None) -> _Layout:
   per_device = -(-n // k)
@@ -112,6 +106,14 @@ def _rms(v: Array, counts: Array) -> Array:
   safe = jnp.where(amax > 0, amax, 1.0)
   ss = jnp.sum(jnp.square(v / safe[..., None]), axis=-1)
   return jnp.where(counts > 0, safe * jnp.sqrt(ss / jnp.maximum(counts, 1.0)), 0.0)
+
+
+def _bucket_counts(live: Array, lay: _Layout) -> Array:
+  """``(rows, buckets)`` float32: the live entries of each bucket of ``(rows, chunk)``."""
+  rows = live.shape[0]
+  pad = lay.buckets * lay.bucket - lay.chunk
+  lb = (jnp.pad(live, ((0, 0), (0, pad))) if pad else live).reshape(rows, lay.buckets, lay.bucket)
+  return jnp.sum(lb, axis=-1, dtype=_F32)
 
 
 def _bucket_rms(v: Array, lay: _Layout, counts: Array) -> Array:
@@ -145,7 +147,9 @@ class _Exchanged(NamedTuple):
   server_error: Array  # new e_s of the chunk this device owns, shape (chunk,)
 
 
-def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool) -> list[_Exchanged]:
+def _exchange(
+  xs, lives, layouts, server_errors, axis_name, per_tensor_scale: bool
+) -> list[_Exchanged]:
   r"""The compressed all-reduce of 1-bit Adam (Algorithm 1; DeepSpeed's
   ``compressed_allreduce``) for several leaves: one ``all_to_all``, one ``all_gather``.
 
@@ -157,36 +161,43 @@ def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool) -> 
   scale's group (``sign(0) = +1``): the whole leaf for the worker when
   ``per_tensor_scale``, else each bucket of each chunk; each bucket of the owned chunk
   for the server.
+
+  Only the live entries (``lives``: the leaf's coordinates whose frozen ``v`` is
+  positive, the same on every device; the rest must be 0 in ``x``) count in the scales,
+  are sent nonzero, and are decoded: the others, like the chunks' padding, decode to 0.
   """
-  firsts, payloads = [], []
+  firsts, payloads, live_chunks = [], [], []
   with jax.named_scope(phases.ENCODE_SCOPE):
-    for x, lay in zip(xs, layouts):
+    for x, live, lay in zip(xs, lives, layouts):
       flat = x.reshape(-1)
       pad = lay.k * lay.chunk - lay.n
       chunks = (jnp.pad(flat, (0, pad)) if pad else flat).reshape(lay.k, lay.chunk)
+      live = live.reshape(-1)
+      live_rows = (jnp.pad(live, (0, pad)) if pad else live).reshape(lay.k, lay.chunk)
       if per_tensor_scale:
-        scale = _rms(flat, jnp.float32(lay.n))
+        scale = _rms(flat, jnp.sum(live, dtype=_F32))
         # One scale for the whole leaf, sent along with each chunk: the bytes of
         # DeepSpeed's all-gather of the worker's scale, without a collective of its own.
         scales = jnp.broadcast_to(scale, (lay.k, 1))
       else:
-        scales = _bucket_rms(chunks, lay, jnp.asarray(lay.counts()))
+        scales = _bucket_rms(chunks, lay, _bucket_counts(live_rows, lay))
       words = _pack_signs(chunks)
-      sent = _decode(words, scales, lay).reshape(-1)[: lay.n].reshape(x.shape)
-      firsts.append(sent)
+      sent = jnp.where(live_rows, _decode(words, scales, lay), 0.0)
+      firsts.append(sent.reshape(-1)[: lay.n].reshape(x.shape))
+      live_chunks.append(live_rows)
       payloads.append({"words": words, "scales": scales})
   received = collectives.all_to_all_tree(payloads, axis_name) if axis_name is not None else payloads
   mine = lax.axis_index(axis_name) if axis_name is not None else 0
   seconds, new_errors = [], []
-  for got, lay, e_s in zip(received, layouts, server_errors):
-    valid = lay.valid_in(mine)
+  for got, lay, e_s, live_rows in zip(received, layouts, server_errors, live_chunks):
+    valid = live_rows[mine]  # the padding is not live
     with jax.named_scope(phases.DECODE_SCOPE):
-      # Padding was sent as +s: masked, so e_s stays zero there.
+      # Padding and dead entries were sent as +s: masked, so e_s stays zero there.
       avg = jnp.sum(_decode(got["words"], got["scales"], lay), axis=0) / lay.k
       avg = jnp.where(valid, avg, 0.0)
     with jax.named_scope(phases.ENCODE_SCOPE):
       y = avg + e_s
-      scales2 = _bucket_rms(y[None], lay, jnp.asarray(lay.counts())[mine][None])
+      scales2 = _bucket_rms(y[None], lay, _bucket_counts(valid[None], lay))
       words2 = _pack_signs(y[None])
       sent2 = jnp.where(valid, _decode(words2, scales2, lay)[0], 0.0)
       # A non-finite average must not poison the server error: keep the old one.
@@ -199,8 +210,11 @@ def _exchange(xs, layouts, server_errors, axis_name, per_tensor_scale: bool) -> 
   )
   out = []
   with jax.named_scope(phases.DECODE_SCOPE):
-    for g, lay, x, sent, e_s in zip(gathered, layouts, xs, firsts, new_errors):
-      mean = _decode(g["words"], g["scales"], lay).reshape(-1)[: lay.n]  # padding dropped
+    for g, lay, x, sent, e_s, live_rows in zip(
+      gathered, layouts, xs, firsts, new_errors, live_chunks
+    ):
+      mean = jnp.where(live_rows, _decode(g["words"], g["scales"], lay), 0.0)
+      mean = mean.reshape(-1)[: lay.n]  # padding dropped
       out.append(_Exchanged(mean.reshape(x.shape), sent, e_s))
   return out
 
@@ -321,8 +335,9 @@ def onebit_adam(
   all-reduce); report the compression stage on its own with ``freeze_step=0``.
 
   State (:class:`OneBitAdamState`): ``count``, ``m`` and ``v`` are replicated; the error
-  buffers are per device and already wrapped (do **not** wrap the transform in
-  :func:`jaxcomp.per_device_state`); :func:`jaxcomp.state_specs` places both::
+  buffers are per device and already wrapped, so :func:`jaxcomp.per_device_state` hands
+  the transform back unchanged (wrapping it, as every other method, is correct; wrapping
+  a chain around it is not); :func:`jaxcomp.state_specs` places both::
 
     tx = jc.onebit_adam(1e-3, freeze_step=2000, axis_name="b")
     specs = jc.state_specs(tx, params, axis_name="b", num_devices=mesh.size)
@@ -339,8 +354,13 @@ def onebit_adam(
   server error, and a leaf whose new ``m`` or ``v`` is not finite keeps the previous
   ones (the same decision on every device: it reads exchanged values), so no state is
   poisoned; the updates are not finite, on every device (a NaN is never hidden), and
-  ``nonfinite_count`` counts the steps where this device's gradient was not finite. To
-  skip such steps wrap the transform in :func:`jaxcomp.skip_nonfinite`.
+  ``nonfinite_count`` counts the steps where this device's gradient was not finite. A
+  finite gradient can still overflow the moments (``g²`` past ``FLT_MAX`` from about
+  ``1.8e19``): the leaf keeps its previous ``m`` and ``v`` (in the warm-up, a ``v`` of 0
+  that would be frozen and stop the leaf for good), its update is non-finite and
+  ``moments_nonfinite_count`` (replicated) counts the step, as it counts every step whose
+  new moments were rejected. To skip such steps wrap the transform in
+  :func:`jaxcomp.skip_nonfinite`.
 
   Args:
     learning_rate: ``η``, a float or an optax schedule of the step count.
@@ -413,6 +433,7 @@ def onebit_adam(
       worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
       server_error=transforms.PerDeviceState(treedef.unflatten(server)),
       nonfinite_count=transforms.PerDeviceState(jnp.zeros((1,), jnp.int32)),
+      moments_nonfinite_count=jnp.zeros((), jnp.int32),
       shapes=treeutil.LeafShapes.of(params),
     )
 
@@ -422,10 +443,11 @@ def onebit_adam(
       return
     if any(axis_name in collectives.varying_axes(m) for m in ms):
       raise ValueError(
-        f"jc.onebit_adam's m and v vary over axis {axis_name!r}: its state was wrapped "
-        f"in jc.per_device_state. Do not wrap it: m and v are replicated (the updates "
-        f"must be) and its per-device buffers are wrapped already; get the specs with "
-        f"jc.state_specs(jc.onebit_adam(...), params, ...)."
+        f"jc.onebit_adam's m and v vary over axis {axis_name!r}: its state is held per "
+        f"device (a chain around it wrapped in jc.per_device_state?). m and v must be "
+        f"replicated (the updates must be) and its per-device buffers are wrapped "
+        f"already: wrap jc.onebit_adam itself (per_device_state returns it unchanged) "
+        f"or nothing; get the specs with jc.state_specs(tx, params, ...)."
       )
     for i in comp:
       collectives.check_local(*leaves[i], axis_name)
@@ -435,11 +457,7 @@ def onebit_adam(
     return (1 - b1) * mean + b1 * m, (1 - b2) * jnp.square(mean) + b2 * v
 
   def update_fn(updates, state, params=None):
-    leaves, treedef = treeutil.flat(updates)
-    for path, g in leaves:
-      treeutil.check_leaf(path, g)
-    if state.shapes is not None:
-      state.shapes.check(updates, "jc.onebit_adam")
+    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.onebit_adam")
     if wd and params is None:
       raise ValueError("jc.onebit_adam with weight_decay needs params in update")
     gs = [g for _, g in leaves]
@@ -447,8 +465,7 @@ def onebit_adam(
     ms, vs = treedef.flatten_up_to(state.m), treedef.flatten_up_to(state.v)
     ews = treedef.flatten_up_to(state.worker_error.inner)
     ess = treedef.flatten_up_to(state.server_error.inner)
-    comp = [i for i, e in enumerate(ews) if not isinstance(e, optax.MaskedNode)]
-    dense = [i for i, e in enumerate(ews) if isinstance(e, optax.MaskedNode)]
+    comp, dense = pipeline.Split.of([not isinstance(e, optax.MaskedNode) for e in ews])
     check_update(leaves, ms, comp)
     layouts = [_layout(gs[i].size, num_devices(), bucket_size) for i in comp]
     ews = [ews[i][0] for i in comp]
@@ -486,8 +503,9 @@ def onebit_adam(
         xs = []
         for i, e, d, ok in zip(comp, ews, denom, live):
           m_local = (1 - b1) * gs[i].astype(_F32) + b1 * ms[i]
-          xs.append((m_local if d is None else jnp.where(ok, m_local / d, 0.0)) + e)
-      exchanged = _exchange(xs, layouts, ess, axis_name, bucket_size is None)
+          # Dead coordinates enter neither the scales nor the errors (both modes).
+          xs.append(jnp.where(ok, (m_local if d is None else m_local / d) + e, 0.0))
+      exchanged = _exchange(xs, live, layouts, ess, axis_name, bucket_size is None)
       new_ews = []
       for i, x, e, ex, d, ok in zip(comp, xs, ews, exchanged, denom, live):
         new_m[i] = jnp.where(ok, ex.mean if d is None else ex.mean * d, 0.0)
@@ -507,7 +525,7 @@ def onebit_adam(
     c1 = 1 - jnp.float32(b1) ** t if bias_correction else None
     c2 = 1 - jnp.float32(b2) ** t if bias_correction else None
     c2_frozen = v_correction(t)
-    out, keep_m, keep_v = [], [], []
+    out, keep_m, keep_v, moments_ok = [], [], [], []
     is_comp = set(comp)
     for i, (g, m, v, m_old, v_old) in enumerate(zip(gs, new_m, new_v, ms, vs)):
       m_hat, v_hat = m, v
@@ -519,17 +537,22 @@ def onebit_adam(
       u = m_hat / (jnp.sqrt(v_hat) + eps)
       if wd:
         u = u + wd * ps[i].astype(_F32)
-      out.append(((-lr) * u).astype(g.dtype))
-      # New moments that are not finite (the same on every device) keep the old ones.
+      # New moments that are not finite (the same on every device) keep the old ones,
+      # and the update says so: a finite gradient whose square overflows v would
+      # otherwise step 0 silently (and, in the warm-up, leave v at 0 to be frozen).
       ok = jnp.all(jnp.isfinite(m)) & jnp.all(jnp.isfinite(v))
+      moments_ok.append(ok)
+      out.append(treeutil.mark_nonfinite(((-lr) * u).astype(g.dtype), ok))
       keep_m.append(jnp.where(ok, m, m_old))
       keep_v.append(jnp.where(ok, v, v_old))
 
-    bad = (
-      ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (jnp.zeros((), bool))
+    bad = functools.reduce(
+      jnp.logical_or, [~jnp.all(jnp.isfinite(g)) for g in gs], jnp.zeros((), bool)
     )
+    moments_bad = functools.reduce(jnp.logical_or, [~ok for ok in moments_ok], jnp.zeros((), bool))
     if axis_name is not None:
       bad = collectives.any_over_other_axes(bad, axis_name)
+      moments_bad = collectives.any_over_other_axes(moments_bad, axis_name)
     worker = [optax.MaskedNode()] * len(gs)
     server = [optax.MaskedNode()] * len(gs)
     for i, e_w, e_s in zip(comp, new_ews, new_ess):
@@ -543,8 +566,9 @@ def onebit_adam(
       nonfinite_count=transforms.PerDeviceState(
         state.nonfinite_count.inner + bad.astype(jnp.int32)
       ),
+      moments_nonfinite_count=state.moments_nonfinite_count + moments_bad.astype(jnp.int32),
       shapes=state.shapes,
     )
     return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))

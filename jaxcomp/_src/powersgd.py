@@ -13,6 +13,7 @@ import optax
 
 from jaxcomp._src import collectives
 from jaxcomp._src import phases
+from jaxcomp._src import pipeline
 from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
 
@@ -117,7 +118,8 @@ def powersgd(
   mean ``M̄`` onto an ``r``-dimensional subspace found by one step of subspace (power)
   iteration from ``Q`` (``n × r``, the same on every device). With ``warm_start`` ``Q`` is
   the previous step's ``Q̄``, so the iteration continues across steps and tracks the
-  gradient's leading singular subspace; otherwise it is drawn afresh each step (the
+  gradient's leading singular subspace (a column of ``Q̄`` that is exactly 0, after an
+  all-zero gradient, is redrawn from the state's key); otherwise it is drawn afresh each step (the
   draw is the same on every device: shared randomness, or the sums of ``P`` would
   mix different projections). ``Q`` is orthogonalized before use, as in the PyTorch hook
   (the same ``P̂``; better conditioned). With ``r >= min(m, n)`` the update is ``M̄``
@@ -226,19 +228,14 @@ def powersgd(
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = treeutil.flat(updates)
-    for path, g in leaves:
-      treeutil.check_leaf(path, g)
-    if state.shapes is not None:
-      state.shapes.check(updates, "jc.powersgd")
+    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.powersgd")
     old_qs = treedef.flatten_up_to(state.q)
     old_es = treedef.flatten_up_to(state.residual)
     key, step_key = jax.random.split(state.key)
     k = 1 if axis_name is None else collectives.axis_size(axis_name)
 
     plans = [plan(path, g) for path, g in leaves]
-    comp = [i for i, p in enumerate(plans) if p is not None]
-    dense = [i for i, p in enumerate(plans) if p is None]
+    comp, dense = pipeline.Split.of([p is not None for p in plans])
     any_bad = jnp.zeros((), bool)
     for i in dense:  # averaged in full precision: a NaN propagates into the mean
       any_bad = any_bad | ~_all_finite(leaves[i][1])
@@ -254,10 +251,14 @@ def powersgd(
           m = m + old_es[i].reshape(p.rows, p.cols)
         local_ok[i] = _all_finite(m)
         any_bad = any_bad | ~local_ok[i]
+        # Fresh each step, from the key every device holds alike (shared randomness).
+        fresh = jax.random.normal(jax.random.fold_in(step_key, i), (p.cols, p.rank), _F32)
         if warm_start:
-          q = old_qs[i]
-        else:  # fresh each step, from the key every device holds alike
-          q = jax.random.normal(jax.random.fold_in(step_key, i), (p.cols, p.rank), _F32)
+          # A column that collapsed to 0 (a zero gradient step) is redrawn: QR would
+          # complete it with a fixed axis e_j, blind to gradients zero along e_j.
+          q = jnp.where(jnp.all(old_qs[i] == 0, axis=0, keepdims=True), fresh, old_qs[i])
+        else:
+          q = fresh
         qs[i] = _orthonormal(q)
         ms[i] = m
         ps[i] = m @ qs[i]

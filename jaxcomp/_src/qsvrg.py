@@ -354,9 +354,7 @@ def qsvrg(
     if gathered:
       for (i, _, _), mean in zip(
         gathered,
-        collectives.mixed_payload_means(
-          [g[1] for g in gathered], [g[2] for g in gathered], axis_name
-        ),
+        collectives.payload_means([g[1] for g in gathered], [g[2] for g in gathered], axis_name),
       ):
         means[i] = mean
     for cod, group in phased:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-import dataclasses
 import functools
 from typing import Any
 from typing import NamedTuple
+import weakref
 
 import jax
 from jax import lax
@@ -15,7 +15,7 @@ import optax
 
 from jaxcomp._src import codecs as codecs_lib
 from jaxcomp._src import collectives
-from jaxcomp._src import phases
+from jaxcomp._src import pipeline
 from jaxcomp._src import treeutil
 from jaxcomp._src import wangni
 
@@ -66,147 +66,6 @@ class CompressState(NamedTuple):
   nonfinite_count: Array  # shape=(), dtype=int32: steps whose input had NaN/Inf
   overflow_count: Array  # shape=(), dtype=int32: steps a codec took its overflow path
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
-
-
-@dataclasses.dataclass
-class _Leaf:
-  """One gradient leaf through a :func:`compress` step: its route, then what each step
-  (encode, exchange, feedback) made of it. Mutable so that the steps fill it in place,
-  instead of several lists kept in step by position."""
-
-  g: Array
-  route: str  # one of collectives.ROUTES, decided once by _plan_leaf
-  key: Array  # this leaf's encoding key
-  residual: Any  # e in, e' out; optax.MaskedNode: no error feedback here
-  chunk_residual: Any  # the two-phase owner's residual; MaskedNode elsewhere
-  out: Array = None  # the mean; the gradient until its exchange sets it
-  x32: Array = None  # float32 g + e, what the residual is taken from
-  x: Array = None  # x32 in the gradient's dtype: what is encoded
-  finite: Array = None  # bool scalar: this device's input is finite
-  overflow: Array = None  # bool scalar: the codec took its overflow path
-  payload: Any = None  # gathered routes: this device's payload
-
-  @property
-  def feedback(self) -> bool:
-    return not isinstance(self.residual, optax.MaskedNode)
-
-
-def _plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key) -> _Leaf:
-  """Decides a leaf's route once, up front (:func:`collectives.route`).
-
-  Everything the route depends on is static (filter, shape, dtype, codec, resolved
-  collective), so later steps dispatch on one field instead of re-deriving it. A leaf to
-  compress must be this device's own gradient: one already all-reduced is refused here,
-  before any work is traced for it.
-  """
-  chosen = treeutil.selected(filter_fn, path, g)
-  use_ef = not isinstance(e, optax.MaskedNode)
-  fused = (
-    use_ef
-    and chosen
-    and mode == "allgather"
-    and codec.fallback is None
-    and codec.fuses_feedback(g.size, g.dtype)
-  )
-  if chosen:
-    collectives.check_local(path, g, axis_name)
-  return _Leaf(
-    g=g,
-    route=collectives.route(codec, mode, axis_name, selected=chosen, fused=fused),
-    key=jax.random.fold_in(step_key, i),
-    residual=e,
-    chunk_residual=e2,
-    out=g,
-  )
-
-
-def _apply_feedback(leaf: _Leaf, sent: Array) -> None:
-  """``e' = x - Q^{-1}(Q(x))`` where the input was finite; else ``e`` is kept.
-
-  A non-finite step must not poison the residual: the previous one carries over, and
-  the step is counted in ``nonfinite_count`` instead.
-  """
-  if leaf.feedback:
-    leaf.residual = jnp.where(leaf.finite, leaf.x32 - sent.reshape(leaf.g.shape), leaf.residual)
-
-
-def _encode(codec, axis_name, leaf: _Leaf) -> None:
-  """Adds the residual, encodes, and exchanges the routes that go alone.
-
-  Dense leaves are only checked for finiteness (their mean propagates a NaN anyway; the
-  count covers every leaf). Gathered and fused leaves keep their payload for the shared
-  all-gather, two-phase leaves their input for the shared two-phase exchange; the
-  local, psum and fallback routes exchange here, one leaf at a time.
-  """
-  g = leaf.g
-  if leaf.route == "dense":
-    leaf.finite = jnp.all(jnp.isfinite(g))
-    return
-  if leaf.route == "fused":
-    # One kernel reads g and e and writes the payload and e' (the same payload as the
-    # unfused path); a non-finite input keeps e.
-    leaf.payload, new_e, leaf.finite = codec.encode_feedback(g, leaf.residual, key=leaf.key)
-    leaf.residual = lax.cond(leaf.finite, lambda: new_e, lambda e=leaf.residual: e)
-    return
-  leaf.x32 = g.astype(_F32) + leaf.residual if leaf.feedback else g.astype(_F32)
-  leaf.finite = jnp.all(jnp.isfinite(leaf.x32))
-  leaf.x = leaf.x32.astype(g.dtype)  # what is encoded keeps the gradient's dtype
-  if leaf.route == "two_phase":
-    return
-  if leaf.route == "gathered":
-    leaf.payload, leaf.overflow = codec.encode_with_info(leaf.x, key=leaf.key)
-    _apply_feedback(leaf, codec.decode(leaf.payload, _F32))
-    return
-  if leaf.route == "local":
-    ex = collectives.local(codec, leaf.x, leaf.key)
-  elif leaf.route == "psum":
-    ex = collectives.psum_mean(codec, leaf.x, leaf.key, axis_name)
-  else:  # "fallback"
-    ex = collectives.allgather_mean(codec, leaf.x, leaf.key, axis_name)
-  leaf.out = ex.mean.reshape(g.shape).astype(g.dtype)
-  _apply_feedback(leaf, ex.sent)
-  if ex.chunk_residual is not None:
-    leaf.chunk_residual = ex.chunk_residual
-  leaf.overflow = ex.overflow
-
-
-def _exchange_gathered(codec, axis_name, plan: list[_Leaf]) -> None:
-  """Averages the gathered payloads and the dense leaves, all in one exchange.
-
-  One all-gather for every payload pays the collective's latency once per step, not
-  once per leaf; at K <= 2 the dense leaves ride in it too (the same bytes as an
-  all-reduce there), else they share one all-reduce (:func:`collectives.exchange_means`).
-  """
-  gathered = [leaf for leaf in plan if leaf.route in ("gathered", "fused")]
-  dense = [leaf for leaf in plan if leaf.route == "dense"] if axis_name is not None else []
-  means, dense_means = collectives.exchange_means(
-    codec, [leaf.payload for leaf in gathered], [leaf.g for leaf in dense], axis_name
-  )
-  for leaf, mean in zip(dense, dense_means):
-    leaf.out = mean
-  for leaf, mean in zip(gathered, means):
-    leaf.out = mean.reshape(leaf.g.shape).astype(leaf.g.dtype)
-
-
-def _exchange_two_phase(codec, axis_name, phased: list[_Leaf]) -> None:
-  """The two-phase leaves in one ``all_to_all`` and one ``all_gather``, then their
-  first-stage feedback (what was sent is known only after the exchange) and the chunk
-  owners' second-stage residuals."""
-  if not phased:
-    return
-  chunk_residuals = [
-    None if isinstance(leaf.chunk_residual, optax.MaskedNode) else leaf.chunk_residual
-    for leaf in phased
-  ]
-  exs = collectives.two_phase_means(
-    codec, [leaf.x for leaf in phased], [leaf.key for leaf in phased], axis_name, chunk_residuals
-  )
-  for leaf, ex in zip(phased, exs):
-    leaf.out = ex.mean.reshape(leaf.g.shape).astype(leaf.g.dtype)
-    _apply_feedback(leaf, ex.sent)
-    if ex.chunk_residual is not None:
-      leaf.chunk_residual = ex.chunk_residual
-    leaf.overflow = ex.overflow
 
 
 def compress(
@@ -336,7 +195,8 @@ def compress(
       if on and axis_name is not None and collective in ("two_phase", "auto"):
         if k is None:
           k = collectives.axis_size(axis_name)
-        two_phase = collectives.resolve(collective, codec, k) == "two_phase"
+        mode = pipeline.leaf_mode(codec, collective, axis_name, leaf.shape, leaf.dtype)
+        two_phase = mode == "two_phase"
       if two_phase:
         shape = collectives.chunk_residual_shape(codec, leaf.shape, k)
         chunk_residual.append(jnp.zeros(shape, _F32))
@@ -353,32 +213,19 @@ def compress(
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = treeutil.flat(updates)
-    for path, g in leaves:
-      treeutil.check_leaf(path, g)
-    if state.shapes is not None:
-      state.shapes.check(updates, "jc.compress")
+    opened = pipeline.open_update(updates, state.shapes, "jc.compress")
     key, step_key = jax.random.split(state.key)
-    mode = collective
     if axis_name is not None:
-      mode = collectives.resolve(collective, codec, collectives.axis_size(axis_name))
+      collectives.axis_size(axis_name)  # a clear error where the axis is not bound
       if not codec.shared_randomness:  # else every device draws the same bits
         step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
     plan = [
-      _plan_leaf(codec, mode, axis_name, filter_fn, i, path, g, e, e2, step_key)
+      pipeline.plan_leaf(codec, collective, axis_name, filter_fn, i, path, g, e, e2, step_key)
       for i, ((path, g), e, e2) in enumerate(
-        zip(
-          leaves, treedef.flatten_up_to(state.residual), treedef.flatten_up_to(state.chunk_residual)
-        )
+        zip(opened.leaves, opened.flatten(state.residual), opened.flatten(state.chunk_residual))
       )
     ]
-    # Error feedback and encoding, in the profile phase "encode" (the collectives and
-    # decodes of the local/psum/fallback routes inside keep their own scopes).
-    with jax.named_scope(phases.ENCODE_SCOPE):
-      for leaf in plan:
-        _encode(codec, axis_name, leaf)
-    _exchange_gathered(codec, axis_name, plan)
-    _exchange_two_phase(codec, axis_name, [leaf for leaf in plan if leaf.route == "two_phase"])
+    plan = pipeline.run(axis_name, plan)
     any_bad = functools.reduce(jnp.logical_or, [~leaf.finite for leaf in plan], jnp.zeros((), bool))
     any_overflow = functools.reduce(
       jnp.logical_or,
@@ -390,13 +237,13 @@ def compress(
       any_overflow = collectives.any_over_other_axes(any_overflow, axis_name)
     new_state = CompressState(
       key=key,
-      residual=treedef.unflatten([leaf.residual for leaf in plan]),
-      chunk_residual=treedef.unflatten([leaf.chunk_residual for leaf in plan]),
+      residual=opened.unflatten([leaf.residual for leaf in plan]),
+      chunk_residual=opened.unflatten([leaf.chunk_residual for leaf in plan]),
       nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
       overflow_count=state.overflow_count + any_overflow.astype(jnp.int32),
       shapes=state.shapes,
     )
-    return treedef.unflatten([leaf.out for leaf in plan]), new_state
+    return opened.unflatten([leaf.out for leaf in plan]), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -521,7 +368,11 @@ def onebit_sgd(
   matrix (a tensor of shape ``(m, ...)`` viewed as ``(m, prod(rest))``), exchanged in
   chunks of whole columns. A column of m values then costs ``m + 64`` bits, so short
   columns (a flax convolution kernel ``(width, in, out)`` has columns of ``width``
-  values) cost far more than 1 bit per value.
+  values) cost far more than 1 bit per value. The column axis is the first one: a flax
+  ``Dense`` kernel ``(in, out)`` has ``out`` columns of ``in`` values, one per output
+  unit (its fan-in weights), and a vector is one column. A matrix of fewer columns than
+  devices leaves most two-phase chunks as zero padding; ``collective="auto"`` then
+  all-gathers that leaf wherever the two-phase exchange would move as many bytes or more.
 
   The paper applies AdaGrad/momentum to the aggregated gradient: chain this *before* the
   optimizer, e.g. ``optax.chain(jc.onebit_sgd(axis_name="batch"), optax.sgd(0.1, 0.9))``.
@@ -622,6 +473,18 @@ class PerDeviceState(NamedTuple):
   inner: Any  # the wrapped transform's state, every leaf with a leading axis of 1 per device
 
 
+#: The ``init`` functions of the transforms that place their own state under shard_map
+#: (replicated by design, or with their per-device parts wrapped already):
+#: :func:`per_device_state` hands them back unchanged.
+_PLACES_OWN_STATE: weakref.WeakSet = weakref.WeakSet()
+
+
+def places_own_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """Registers ``tx`` as placing its own state (:func:`per_device_state` returns it)."""
+  _PLACES_OWN_STATE.add(tx.init)
+  return tx
+
+
 def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
   """Marks ``tx``'s state as per device, with a leading axis of size 1 on each device.
 
@@ -638,8 +501,16 @@ def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
     step = jax.shard_map(train_step, mesh=mesh, in_specs=(P(), specs, P("b")),
                          out_specs=(P(), specs))
 
+  Wrapping is correct for every jaxcomp transform, so one pattern serves every method:
+  :func:`jaxcomp.mipd` (whose state is the same on every device) and
+  :func:`jaxcomp.onebit_adam` (whose state holds replicated moments beside per-device
+  buffers it wraps itself) come back unchanged. Wrap the transform itself, not a chain
+  around those two.
+
   Under ``jax.pmap`` state is per device already; do not wrap.
   """
+  if tx.init in _PLACES_OWN_STATE:
+    return tx
 
   def init_fn(params):
     return PerDeviceState(jax.tree.map(lambda x: x[None], tx.init(params)))
