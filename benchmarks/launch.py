@@ -7,6 +7,7 @@ From the repository root::
   python -m benchmarks.launch --processes 2 --devices-per-process 2 \
       --method dense,qsgd4,onebit,dgc --config quick --steps 5
   python -m benchmarks.launch --config benchmarks/configs/params2m.py --method dense,onebit
+  python -m benchmarks.launch --method dgc --steps 500 --checkpoint-every 50  # resumable
 
 ``--config`` takes a name (``benchmarks/configs``: ``params2m``, ``params20m``; the
 example's ``examples/mnist1d/configs``: ``default``, ``quick``) or a config file's path.
@@ -14,22 +15,28 @@ example's ``examples/mnist1d/configs``: ``default``, ``quick``) or a config file
 The launcher picks a free port for the coordinator, starts N copies of this module in
 worker mode (``--worker --process-id i --num-processes N --coordinator HOST:PORT``),
 streams their output, kills all of them when one fails, on a timeout or on Ctrl-C,
-checks that every process ends with bit-identical parameters and prints a summary.
+checks that every process ends with bit-identical parameters and prints a summary. It
+holds ``WORKDIR/launch.lock`` (one launch per workdir: :func:`workdir_lock`). When a
+worker fails it prints one line: which worker, how (killed, lost peer, timeout), the
+last complete checkpoints and the command that resumes (:func:`failure_line`).
+``--fault-timeout`` (:data:`DEFAULT_FAULT_TIMEOUT` s) bounds how long a lost peer goes
+unnoticed (:func:`init_distributed`); ``--checkpoint-every N`` checkpoints with Orbax,
+and the same command resumes (``train.train_method``).
 
 Each worker joins ``jax.distributed`` (on CPU with ``D`` devices per process and gloo
 collectives; on GPU XLA's default, NCCL, over the GPUs the process sees: give each
 process its own through ``launch(env=...)``, e.g. ``CUDA_VISIBLE_DEVICES``), builds the
-demo's mesh over every process's devices and trains the demo's CNN with
-``train.make_tx`` and ``train.make_train_step`` (``examples/mnist1d/train.py``). Every
+demo's mesh over every process's devices and trains the demo's CNN with the demo's
+``train.train_method`` (``examples/mnist1d/train.py``). Every
 process generates the same data set, starts from the same parameters and draws the same
 global batches as the single-process trainer on ``jax.device_count()`` devices, but puts
 only its own devices' rows on them. Each writes ``WORKDIR/worker{i}.json`` and prints
 the same JSON on one stdout line starting with :data:`RESULT_MARKER`.
 
 Python API: :func:`launch` (spawn, collect, return the workers' results),
-:func:`worker_args`, :func:`check_identical` and :func:`summary` on the launcher side;
-:func:`init_distributed`, :func:`train_worker`, :func:`train_method`,
-:func:`params_digest` on the worker side.
+:func:`worker_args`, :func:`check_identical`, :func:`summary`, :func:`workdir_lock` and
+:func:`failure_line` on the launcher side; :func:`init_distributed`,
+:func:`train_worker`, :func:`train_method`, :func:`params_digest` on the worker side.
 """
 
 from __future__ import annotations

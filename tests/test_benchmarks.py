@@ -119,6 +119,7 @@ COMMANDS = (
   "benchmarks.dgc_warmup_compile",
   "benchmarks.elias_bits",
   "benchmarks.elias_device",
+  "benchmarks.fault",
   "benchmarks.kernels",
   "benchmarks.launch",
   "benchmarks.native_vs_xla",
