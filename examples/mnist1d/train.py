@@ -503,6 +503,10 @@ def train_method(
     )
     where = f"{checkpoints.directory}/{start_step}"
     check_fingerprint(progress.get("run"), fingerprint, where)
+    if progress["step"] != start_step or len(progress["losses"]) != start_step:
+      raise ValueError(
+        f"the checkpoint in {where} is inconsistent: it records step {progress['step']}"
+      )
     history, losses = progress["history"], progress["losses"]
     print(f"{method}: resuming from step {start_step} ({where})", flush=True)
   else:
