@@ -995,6 +995,10 @@ FAILURE_CAUSES = (
     "lost peer: process {0} sent no heartbeat within --fault-timeout (dead or cut off)",
   ),
   (
+    re.compile(r"(stopped sending heartbeats)"),
+    "lost peer: a process sent no heartbeat within --fault-timeout (dead or cut off)",
+  ),
+  (
     re.compile(r"Timed out waiting (\d+)ms for \w+ operation"),
     "timeout: a collective waited {0} ms for its peers",
   ),

@@ -185,6 +185,11 @@ FATAL = (
   "F1125 22:12:21.271550   13401 client.h:80] Terminating process because the JAX "
   "distributed service detected fatal errors. This most likely indicates that another task died"
 )
+UNHEALTHY = (
+  "E1125 22:36:02.416077   23490 coordination_service.cc:1549] Use error polling to propagate"
+  " the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped"
+  " sending heartbeats):"
+)
 GLOO_TIMEOUT = (
   "ValueError: UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/"
   "unbound_buffer.cc:81] Timed out waiting 8000ms for recv operation to complete"
@@ -197,6 +202,7 @@ GLOO_TIMEOUT = (
     ([HEARTBEAT], [], "lost peer: process 1 sent no heartbeat within --fault-timeout"),
     ([FATAL], [HEARTBEAT], "lost peer: process 1 sent no heartbeat"),  # named by the other
     ([FATAL], [], "the coordination service reported a failed process"),
+    ([UNHEALTHY, FATAL], [], "lost peer: a process sent no heartbeat within --fault-timeout"),
     (["x", GLOO_TIMEOUT, "y"], [], "timeout: a collective waited 8000 ms for its peers"),
     (["Connection closed by peer [10.0.0.2]:5000"], [], "lost peer: a connection to it was closed"),
     (["Traceback", "ValueError: bad"], [], None),
