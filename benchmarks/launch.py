@@ -992,11 +992,11 @@ def complete_checkpoints(workdir: str, methods: Sequence[str]) -> dict[str, int 
 FAILURE_CAUSES = (
   (
     re.compile(r"Task (\d+) heartbeat timeout"),
-    "lost peer: process {0} sent no heartbeat within --fault-timeout (dead or cut off)",
+    "lost peer: process {0} sent no heartbeat within the heartbeat timeout (dead or cut off)",
   ),
   (
     re.compile(r"(stopped sending heartbeats)"),
-    "lost peer: a process sent no heartbeat within --fault-timeout (dead or cut off)",
+    "lost peer: a process sent no heartbeat within the heartbeat timeout (dead or cut off)",
   ),
   (
     re.compile(r"Timed out waiting (\d+)ms for \w+ operation"),

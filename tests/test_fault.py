@@ -199,10 +199,10 @@ GLOO_TIMEOUT = (
 @pytest.mark.parametrize(
   "own, other, cause",
   [
-    ([HEARTBEAT], [], "lost peer: process 1 sent no heartbeat within --fault-timeout"),
+    ([HEARTBEAT], [], "lost peer: process 1 sent no heartbeat within the heartbeat timeout"),
     ([FATAL], [HEARTBEAT], "lost peer: process 1 sent no heartbeat"),  # named by the other
     ([FATAL], [], "the coordination service reported a failed process"),
-    ([UNHEALTHY, FATAL], [], "lost peer: a process sent no heartbeat within --fault-timeout"),
+    ([UNHEALTHY, FATAL], [], "lost peer: a process sent no heartbeat within the heartbeat timeout"),
     (["x", GLOO_TIMEOUT, "y"], [], "timeout: a collective waited 8000 ms for its peers"),
     (["Connection closed by peer [10.0.0.2]:5000"], [], "lost peer: a connection to it was closed"),
     (["Traceback", "ValueError: bad"], [], None),
@@ -226,8 +226,8 @@ def test_failure_line_names_worker_checkpoint_and_command(tmp_path):
   )
   assert line == (
     "worker 0 (pid 101) aborted (SIGABRT) 12.5 s after the start: lost peer: process 1 sent no"
-    " heartbeat within --fault-timeout (dead or cut off); last complete checkpoint: dense step"
-    f" none, dgc step 8 ({workdir}/checkpoints); resume with the same command: python -m X"
+    " heartbeat within the heartbeat timeout (dead or cut off); last complete checkpoint: dense"
+    f" step none, dgc step 8 ({workdir}/checkpoints); resume with the same command: python -m X"
   )
   assert "\n" not in line
 
