@@ -7,6 +7,7 @@ From the repository root::
   python -m benchmarks.launch --processes 2 --devices-per-process 2 \
       --method dense,qsgd4,onebit,dgc --config quick --steps 5
   python -m benchmarks.launch --config benchmarks/configs/params2m.py --method dense,onebit
+  python -m benchmarks.launch --method dgc --steps 500 --checkpoint-every 50  # resumable
 
 ``--config`` takes a name (``benchmarks/configs``: ``params2m``, ``params20m``; the
 example's ``examples/mnist1d/configs``: ``default``, ``quick``) or a config file's path.
@@ -14,22 +15,28 @@ example's ``examples/mnist1d/configs``: ``default``, ``quick``) or a config file
 The launcher picks a free port for the coordinator, starts N copies of this module in
 worker mode (``--worker --process-id i --num-processes N --coordinator HOST:PORT``),
 streams their output, kills all of them when one fails, on a timeout or on Ctrl-C,
-checks that every process ends with bit-identical parameters and prints a summary.
+checks that every process ends with bit-identical parameters and prints a summary. It
+holds ``WORKDIR/launch.lock`` (one launch per workdir: :func:`workdir_lock`). When a
+worker fails it prints one line: which worker, how (killed, lost peer, timeout), the
+last complete checkpoints and the command that resumes (:func:`failure_line`).
+``--fault-timeout`` (:data:`DEFAULT_FAULT_TIMEOUT` s) bounds how long a lost peer goes
+unnoticed (:func:`init_distributed`); ``--checkpoint-every N`` checkpoints with Orbax,
+and the same command resumes (``train.train_method``).
 
 Each worker joins ``jax.distributed`` (on CPU with ``D`` devices per process and gloo
 collectives; on GPU XLA's default, NCCL, over the GPUs the process sees: give each
 process its own through ``launch(env=...)``, e.g. ``CUDA_VISIBLE_DEVICES``), builds the
-demo's mesh over every process's devices and trains the demo's CNN with
-``train.make_tx`` and ``train.make_train_step`` (``examples/mnist1d/train.py``). Every
+demo's mesh over every process's devices and trains the demo's CNN with the demo's
+``train.train_method`` (``examples/mnist1d/train.py``). Every
 process generates the same data set, starts from the same parameters and draws the same
 global batches as the single-process trainer on ``jax.device_count()`` devices, but puts
 only its own devices' rows on them. Each writes ``WORKDIR/worker{i}.json`` and prints
 the same JSON on one stdout line starting with :data:`RESULT_MARKER`.
 
 Python API: :func:`launch` (spawn, collect, return the workers' results),
-:func:`worker_args`, :func:`check_identical` and :func:`summary` on the launcher side;
-:func:`init_distributed`, :func:`train_worker`, :func:`train_method`,
-:func:`params_digest` on the worker side.
+:func:`worker_args`, :func:`check_identical`, :func:`summary`, :func:`workdir_lock` and
+:func:`failure_line` on the launcher side; :func:`init_distributed`,
+:func:`train_worker`, :func:`train_method`, :func:`params_digest` on the worker side.
 """
 
 from __future__ import annotations
@@ -38,12 +45,15 @@ import argparse
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
+import contextlib
 import dataclasses
-import hashlib
+import fcntl
 import importlib
 import json
 import os
 import pathlib
+import re
+import shlex
 import signal
 import socket
 import statistics
@@ -51,16 +61,12 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import jax
-from jax.experimental import multihost_utils
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-import numpy as np
 
 from examples.mnist1d import configs as example_configs
-from examples.mnist1d import input_pipeline
 from examples.mnist1d import train
 import jaxcomp as jc
 
@@ -74,6 +80,11 @@ RESULT_MARKER = "JAXCOMP_WORKER_RESULT "
 
 # Lines of a failing worker's stderr quoted in the launcher's error.
 TAIL_LINES = 30
+
+#: Seconds before a lost peer fails the job (``--fault-timeout``): the heartbeat timeout
+#: and the collective timeout. A peer cut off mid-step is detected after about this
+#: long (docs/benchmarks.md has the measured times), well within a minute.
+DEFAULT_FAULT_TIMEOUT = 30
 
 Prefix = Callable[[int], Sequence[str]]
 Env = Mapping[str, str] | Callable[[int], Mapping[str, str]]
@@ -106,7 +117,12 @@ def config_names() -> list[str]:
 
 
 def load_config(
-  name: str, *, steps: int | None = None, seed: int | None = None, batch: int | None = None
+  name: str,
+  *,
+  steps: int | None = None,
+  seed: int | None = None,
+  batch: int | None = None,
+  checkpoint_every: int | None = None,
 ):
   """The config ``name``'s ``get_config()`` with the command-line overrides applied.
 
@@ -136,6 +152,10 @@ def load_config(
     overrides["per_device_batch_size"] = batch
   if seed is not None:
     overrides["seed"] = seed
+  if checkpoint_every is not None:
+    if checkpoint_every < 0:
+      raise ValueError(f"--checkpoint-every must be >= 0, got {checkpoint_every}")
+    overrides["checkpoint_every"] = checkpoint_every
   return dataclasses.replace(config, **overrides)
 
 
@@ -149,6 +169,25 @@ def cpu_platform_selected() -> bool:
   return not names or "cpu" in names
 
 
+def check_fault_timeout(seconds: int) -> None:
+  """Raises ValueError unless ``seconds`` is a whole number of seconds, at least 1."""
+  if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 1:
+    raise ValueError(f"--fault-timeout must be a whole number of seconds >= 1, got {seconds!r}")
+
+
+def collective_timeout_flags(seconds: int) -> list[str]:
+  """``XLA_FLAGS`` that fail a CPU collective waiting ``seconds`` for its peers.
+
+  ``xla_cpu_collective_timeout_seconds`` bounds a collective across processes (gloo's
+  wait for the peers; XLA's default is 30 minutes). The in-process rendezvous of a
+  process's own devices keeps XLA's own bound
+  (``xla_cpu_collective_call_terminate_timeout_seconds``, 40 s): its devices are
+  threads of one process, which a lost link does not separate.
+  """
+  check_fault_timeout(seconds)
+  return [f"--xla_cpu_collective_timeout_seconds={seconds}"]
+
+
 def init_distributed(
   coordinator: str,
   num_processes: int,
@@ -156,6 +195,7 @@ def init_distributed(
   *,
   devices_per_process: int | None = None,
   initialization_timeout: int = 300,
+  fault_timeout: int | None = DEFAULT_FAULT_TIMEOUT,
 ) -> None:
   """Joins ``jax.distributed``; must run before anything initialises JAX's backends.
 
@@ -163,12 +203,21 @@ def init_distributed(
   and gloo collectives (both only shape the CPU backend: on a GPU host ``jax.devices()``
   stays the GPUs, which use NCCL).
 
+  ``fault_timeout`` bounds how long a lost peer goes unnoticed: it is the coordination
+  service's heartbeat timeout (a process that sends no heartbeat for that long, being
+  dead or cut off, fails the job: every process aborts), the time a finishing process
+  waits for the others at shutdown, and XLA's CPU collective timeout
+  (:func:`collective_timeout_flags`: a collective whose peers are alive but never
+  arrive fails).
+
   Args:
     coordinator: ``HOST:PORT`` of the coordination service, run by process 0.
     num_processes: N, the number of processes.
     process_id: this process, in ``[0, N)``.
     devices_per_process: CPU devices of this process (None: JAX's default).
     initialization_timeout: seconds to wait for every process to connect.
+    fault_timeout: seconds, see above (None: JAX's and XLA's defaults, 100 s of
+      heartbeats, 300 s at shutdown, 30 min per collective).
 
   Raises:
     ValueError: on bad arguments, or when the CPU backend does not end up with
@@ -183,6 +232,17 @@ def init_distributed(
     )
   if devices_per_process is not None and devices_per_process < 1:
     raise ValueError(f"devices_per_process must be positive, got {devices_per_process}")
+  timeouts = {}
+  if fault_timeout is not None:
+    check_fault_timeout(fault_timeout)
+    timeouts = {
+      "heartbeat_timeout_seconds": fault_timeout,
+      "shutdown_timeout_seconds": fault_timeout,
+    }
+    # Read once, when the backend is created: that is after this function.
+    os.environ["XLA_FLAGS"] = " ".join(
+      [os.environ.get("XLA_FLAGS", ""), *collective_timeout_flags(fault_timeout)]
+    ).strip()
   if cpu_platform_selected():
     try:
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -198,6 +258,7 @@ def init_distributed(
     num_processes=num_processes,
     process_id=process_id,
     initialization_timeout=initialization_timeout,
+    **timeouts,
   )
   if (
     devices_per_process is not None
@@ -209,187 +270,54 @@ def init_distributed(
     )
 
 
-def host_to_global(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-  """A global array of ``x``, the same host value in every process.
-
-  Each process puts only the slices of its own (addressable) devices; with ``P()``
-  every device gets all of ``x``, with ``P(AXIS)`` device ``i`` of the mesh gets row ``i``.
-  """
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-def local_leaves(params) -> list[np.ndarray]:
-  """Host copies of the leaves; of a replicated jax.Array, its first local shard."""
-  leaves = []
-  for leaf in jax.tree.leaves(params):
-    if isinstance(leaf, jax.Array):
-      leaf = leaf.addressable_data(0)
-    leaves.append(np.ascontiguousarray(jax.device_get(leaf)))
-  return leaves
-
-
-def params_digest(params) -> str:
-  """sha256 over every leaf's shape, dtype and bytes, in ``jax.tree.leaves`` order."""
-  return _sha256(local_leaves(params))
-
-
-def _sha256(leaves: Sequence[np.ndarray]) -> str:
-  h = hashlib.sha256()
-  for leaf in leaves:
-    h.update(f"{leaf.shape}{leaf.dtype}".encode())
-    h.update(leaf.tobytes())
-  return h.hexdigest()
-
-
-def local_mean(x: jax.Array) -> float:
-  """Mean of this process's shards of a per-device array (host side, no collective)."""
-  return float(np.mean([np.asarray(s.data) for s in x.addressable_shards]))
-
-
-def global_means(local: Sequence[float]) -> list[float]:
-  """Per entry, the mean over processes of every process's ``local`` (all the same
-  length; each process has as many devices): one host all-gather for the whole list."""
-  gathered = multihost_utils.process_allgather(np.asarray(local, np.float32))
-  return [float(v) for v in np.mean(np.reshape(gathered, (-1, len(local))), axis=0)]
-
-
-def local_copies_identical(params) -> bool:
-  """Whether every local device holds the same bytes of every replicated leaf."""
-  for leaf in jax.tree.leaves(params):
-    shards = [np.asarray(s.data).tobytes() for s in leaf.addressable_shards]
-    if any(s != shards[0] for s in shards[1:]):
-      return False
-  return True
-
-
-def overflow_steps(opt_state, mesh) -> int | None:
-  """Most steps any device took an overflow path (``overflow_count``), or None.
-
-  Like ``train.overflow_steps``, but the counts are per device on devices of every
-  process: their maximum is a jitted reduction, which every process must call.
-  """
-  counts = []
-
-  def visit(x):
-    if hasattr(x, "overflow_count"):
-      counts.append(x.overflow_count)
-    return x
-
-  jax.tree.map(visit, opt_state, is_leaf=lambda x: hasattr(x, "overflow_count"))
-  if not counts:
-    return None
-  top = jax.jit(
-    lambda cs: jnp.max(jnp.stack([jnp.max(c) for c in cs])),
-    out_shardings=jax.NamedSharding(mesh, P()),
-  )(counts)
-  return int(top.addressable_data(0))
+#: ``params_digest(params)``: sha256 over the leaves' shapes, dtypes and bytes.
+params_digest = train.params_digest
 
 
 def train_method(
-  method: str, config, *, model, init_params, data, mesh, evaluate: bool = False, profile: int = 0
+  method: str,
+  config,
+  *,
+  model,
+  init_params,
+  data,
+  mesh,
+  workdir: str | None = None,
+  evaluate: bool = False,
+  profile: int = 0,
 ) -> dict[str, Any]:
-  """Trains ``method`` from ``init_params`` on a mesh that may span processes.
+  """Trains ``method`` with the demo's ``train.train_method`` on a mesh spanning processes.
 
   Every process must call it with the same arguments (each jitted call is a collective).
-  One step is in flight at a time: its wall time runs from building the global batch to
-  the host having the step's loss.
+  With ``config.checkpoint_every`` the run checkpoints to and resumes from
+  ``workdir/checkpoints/<method>/`` (``train.train_method``).
 
   Returns:
-    The JSON-ready record of the run: ``step_times_s``, ``median_step_time_s`` (steps
-    after the first), ``final_loss``, ``params_sha256``/``params_checksum`` of the
-    final parameters, ``local_copies_identical``, ``params_change_l2`` (from init), the
-    wire report's bytes (DGC's steady state) and ``test_accuracy`` (None unless
-    ``evaluate``), and with ``profile > 0`` the ``phases`` of that many more steps
-    (:func:`jaxcomp.profile_phases`: ms per step in gradient, encode, exchange,
-    decode, update and idle, on this process's devices), run after everything else.
+    ``train.train_method``'s record (``start_step``, ``losses`` of every step,
+    ``step_times_s`` of the steps run now, ``params_sha256``, ``local_copies_identical``,
+    bytes, ``test_accuracy`` None unless ``evaluate``, ``phases`` with ``profile``),
+    with ``method``, ``num_steps``, ``final_loss`` and ``median_step_time_s`` (the steps
+    after the first; None when this run took no step, its checkpoint being the last).
   """
-  k = mesh.size
-  tx = train.make_tx(method, config)
-  replicated = jax.NamedSharding(mesh, P())
-  per_device = jax.NamedSharding(mesh, P(train.AXIS))
-
-  state_specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
-  params = jax.tree.map(lambda a: host_to_global(a, replicated), init_params)
-  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
-    params
+  record = train.train_method(
+    method,
+    config,
+    model=model,
+    init_params=init_params,
+    data=data,
+    mesh=mesh,
+    workdir=workdir,
+    evaluate=evaluate,
+    profile=profile,
   )
-  batches = input_pipeline.train_batches(
-    data["x"],
-    data["y"],
-    num_devices=k,
-    per_device_batch_size=config.per_device_batch_size,
-    seed=config.seed,
-  )
-
-  start = time.perf_counter()
-  step = train.compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, data)
-  compile_time = time.perf_counter() - start
-
-  step_times, losses = [], []
-  for _ in range(config.num_steps):
-    start = time.perf_counter()
-    batch = tuple(host_to_global(a, per_device) for a in next(batches))
-    params, opt_state, loss = step(params, opt_state, batch)
-    losses.append(local_mean(loss))  # waits for the step
-    step_times.append(time.perf_counter() - start)
-  losses = global_means(losses)  # one collective for all steps, after the timed ones
-
-  accuracy = None
-  if evaluate:
-    test = tuple(
-      host_to_global(a, per_device)
-      for a in input_pipeline.eval_shards(data["x_test"], data["y_test"], k)
-    )
-    accuracy = float(train.make_eval_step(model, mesh)(params, *test).addressable_data(0))
-
-  final = local_leaves(params)
-  change = np.sqrt(
-    sum(
-      np.sum((f.astype(np.float64) - np.asarray(i, np.float64)) ** 2)
-      for f, i in zip(final, jax.tree.leaves(init_params))
-    )
-  )
-  # DGC's bytes are its steady state, as in the demo; other methods have no warm-up.
-  report = train.wire_report(
-    train.make_tx(method, config, train.make_exchange(method, config, warmup=False)), init_params, k
-  )
-  record = {
+  times = record["step_times_s"]
+  return {
     "method": method,
     "num_steps": config.num_steps,
-    "step_times_s": step_times,
-    "median_step_time_s": statistics.median(step_times[1:] or step_times),
-    "compile_time_s": compile_time,
-    "losses": losses,
-    "final_loss": losses[-1],
-    "params_sha256": _sha256(final),
-    "params_checksum": float(sum(np.sum(f, dtype=np.float64) for f in final)),
-    "local_copies_identical": local_copies_identical(params),
-    "params_change_l2": float(change),
-    "overflow_steps": overflow_steps(opt_state, mesh),
-    "bytes_received": None if report is None else report.bytes_received,
-    "dense_bytes": None if report is None else report.dense_bytes,
-    "ratio": None if report is None else report.ratio,
-    "wire_report": None if report is None else str(report),
-    "test_accuracy": accuracy,
-    "phases": None,
+    "median_step_time_s": statistics.median(times[1:] or times) if times else None,
+    "final_loss": record["losses"][-1],
+    **record,
   }
-  if profile:
-    carry = [params, opt_state]
-    batch = tuple(host_to_global(a, per_device) for a in next(batches))
-
-    def run():  # the step donates its state: carry it from call to call
-      carry[0], carry[1], loss = step(carry[0], carry[1], batch)
-      jax.block_until_ready(loss)
-
-    run()
-    prof = jc.profile_phases(run, step, calls=profile)
-    record["phases"] = {
-      "step_ms": 1e3 * prof.step_s,
-      "calls": prof.calls,
-      **{p: 1e3 * t for p, t in prof.phases.items()},
-      "top_ops_ms": {p: [[n, 1e3 * t] for n, t in ops] for p, ops in prof.top_ops.items()},
-    }
-  return record
 
 
 def train_worker(
@@ -423,13 +351,16 @@ def train_worker(
       init_params=init_params,
       data=data,
       mesh=mesh,
+      workdir=workdir,
       evaluate=evaluate,
       profile=profile,
     )
     result["methods"][method] = r
+    median = r["median_step_time_s"]
     print(
-      f"[process {pid}] {method}: {r['num_steps']} steps, final loss "
-      f"{r['final_loss']:.4f}, median step {1e3 * r['median_step_time_s']:.1f} ms, "
+      f"[process {pid}] {method}: {r['num_steps']} steps (from step {r['start_step']}), "
+      f"final loss {r['final_loss']:.4f}, median step "
+      f"{'n/a' if median is None else f'{1e3 * median:.1f} ms'}, "
       f"compile {r['compile_time_s']:.1f} s, params {r['params_sha256'][:16]}",
       flush=True,
     )
@@ -445,18 +376,47 @@ def write_result(result: dict[str, Any], workdir: str) -> str:
   return path
 
 
+def die_with_parent() -> None:
+  """Linux: this process gets SIGKILL when its parent (the launcher) dies, even by
+  SIGKILL, so no worker outlives it. Elsewhere nothing."""
+  if not sys.platform.startswith("linux"):
+    return
+  import ctypes  # pylint: disable=import-outside-toplevel
+
+  pr_set_pdeathsig = 1
+  ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def run_worker(args: argparse.Namespace) -> None:
-  """Worker mode: join the job, train, report, leave together with the others."""
-  config = load_config(args.config, steps=args.steps, seed=args.seed, batch=args.batch)
-  methods = parse_methods(args.method)
-  init_distributed(
-    args.coordinator,
-    args.num_processes,
-    args.process_id,
-    devices_per_process=args.devices_per_process,
-  )
-  result = train_worker(config, methods, args.workdir, evaluate=args.eval, profile=args.profile)
-  write_result(result, args.workdir)
+  """Worker mode: join the job, train, report, leave together with the others.
+
+  On an error the worker prints it and exits at once with code 1, skipping
+  ``jax.distributed``'s shutdown barrier (which would wait for a lost peer).
+  """
+  die_with_parent()
+  try:
+    config = load_config(
+      args.config,
+      steps=args.steps,
+      seed=args.seed,
+      batch=args.batch,
+      checkpoint_every=args.checkpoint_every,
+    )
+    methods = parse_methods(args.method)
+    init_distributed(
+      args.coordinator,
+      args.num_processes,
+      args.process_id,
+      devices_per_process=args.devices_per_process,
+      fault_timeout=args.fault_timeout or None,
+    )
+    result = train_worker(config, methods, args.workdir, evaluate=args.eval, profile=args.profile)
+    write_result(result, args.workdir)
+  except BaseException:  # pylint: disable=broad-exception-caught
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # no atexit: jax.distributed.shutdown() would wait for the lost peer
   jax.distributed.shutdown()  # a barrier: no process leaves while others still run
 
 
@@ -464,11 +424,25 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 class LaunchError(RuntimeError):
-  """A worker failed, or the workers timed out; ``outputs`` holds what they printed."""
+  """A worker failed, or the workers timed out; ``outputs`` holds what they printed,
+  ``failed`` the worker that failed first (None on a timeout or a missing result)."""
 
-  def __init__(self, message: str, outputs: Sequence[WorkerOutput] = ()):
+  def __init__(
+    self,
+    message: str,
+    outputs: Sequence[WorkerOutput] = (),
+    *,
+    failed: WorkerOutput | None = None,
+    timed_out: bool = False,
+  ):
     super().__init__(message)
     self.outputs = list(outputs)
+    self.failed = failed
+    self.timed_out = timed_out
+
+
+class WorkdirLockedError(RuntimeError):
+  """Another launch holds the workdir (its checkpoints and results)."""
 
 
 class ParamsMismatchError(RuntimeError):
@@ -482,6 +456,8 @@ class WorkerOutput:
   process_id: int
   command: list[str]
   returncode: int | None = None
+  pid: int | None = None
+  failed_after_s: float | None = None  # since the start, when it was seen failing
   stdout: list[str] = dataclasses.field(default_factory=list)
   stderr: list[str] = dataclasses.field(default_factory=list)
 
@@ -518,13 +494,24 @@ def worker_args(
   workdir: str | None = None,
   evaluate: bool = False,
   profile: int = 0,
+  checkpoint_every: int | None = None,
+  fault_timeout: int | None = None,
 ) -> list[str]:
-  """The flags of the worker command line shared by all processes (for :func:`launch`)."""
+  """The flags of the worker command line shared by all processes (for :func:`launch`).
+
+  ``fault_timeout`` None leaves the workers' default (:data:`DEFAULT_FAULT_TIMEOUT`);
+  0 gives JAX's and XLA's own timeouts.
+  """
   methods = methods if isinstance(methods, str) else ",".join(methods)
   parse_methods(methods)
   if config.endswith(".py"):
     config = os.path.abspath(config)  # a path the workers find wherever they start
-  load_config(config, steps=steps, seed=seed, batch=batch)  # fail here, not N times
+  # Fail here, not N times.
+  load_config(config, steps=steps, seed=seed, batch=batch, checkpoint_every=checkpoint_every)
+  if fault_timeout:
+    check_fault_timeout(fault_timeout)
+  elif fault_timeout is not None and fault_timeout != 0:
+    raise ValueError(f"--fault-timeout must be >= 0, got {fault_timeout}")
   args = ["--method", methods, "--config", config]
   for flag, value in (
     ("--devices-per-process", devices_per_process),
@@ -532,6 +519,8 @@ def worker_args(
     ("--seed", seed),
     ("--batch", batch),
     ("--workdir", workdir),
+    ("--checkpoint-every", checkpoint_every),
+    ("--fault-timeout", fault_timeout),
   ):
     if value is not None:
       args += [flag, str(value)]
@@ -620,11 +609,14 @@ def run_processes(
   timeout: float | None = None,
   stream: bool = False,
   poll_interval: float = 0.05,
+  pass_fds: Sequence[int] = (),
 ) -> list[WorkerOutput]:
   """Runs ``commands[i]`` as worker ``i``; all succeed, or all are killed.
 
   Each worker runs in its own session (Ctrl-C reaches only this process, which then
-  kills them). With ``stream``, lines are echoed as they come, prefixed ``[wI]``.
+  kills them). With ``stream``, lines are echoed as they come, prefixed ``[wI]``, and
+  the workers' pids are printed as they start. ``pass_fds`` stay open in the workers
+  (e.g. the workdir lock's, so that it is held while any worker lives).
 
   Raises:
     LaunchError: a worker exited non-zero (the others are killed at once), or
@@ -645,8 +637,13 @@ def run_processes(
         bufsize=1,
         env=worker_env(out.process_id, env),
         start_new_session=True,
+        pass_fds=tuple(pass_fds),
       )
       procs.append(p)
+      out.pid = p.pid
+      if stream:
+        with _ECHO_LOCK:
+          print(f"[launch] worker {out.process_id}: pid {p.pid}", file=sys.stderr, flush=True)
       for pipe, lines, echo in (
         (p.stdout, out.stdout, sys.stdout),
         (p.stderr, out.stderr, sys.stderr),
@@ -658,23 +655,29 @@ def run_processes(
         )
         t.start()
         readers.append(t)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
     failed = None
     while failed is None and any(p.poll() is None for p in procs):
       failed = next((o for o, p in zip(outputs, procs) if p.poll()), None)
       if failed is None and deadline is not None and time.monotonic() > deadline:
         _finish(procs, readers, outputs)
         raise LaunchError(
-          f"workers timed out after {timeout:g} s; last output:\n" + _tails(outputs), outputs
+          f"workers timed out after {timeout:g} s; last output:\n" + _tails(outputs),
+          outputs,
+          timed_out=True,
         )
       time.sleep(poll_interval)
     failed = failed or next((o for o, p in zip(outputs, procs) if p.poll()), None)
+    if failed is not None:
+      failed.failed_after_s = time.monotonic() - start
     _finish(procs, readers, outputs)
     if failed is not None:
       raise LaunchError(
         f"worker {failed.process_id} exited with code "
         f"{failed.returncode}; its output ends with:\n{failed.tail()}",
         outputs,
+        failed=failed,
       )
     return outputs
   finally:
@@ -718,6 +721,7 @@ def launch(
   coordinator_host: str = "127.0.0.1",
   timeout: float | None = 600.0,
   stream: bool = False,
+  pass_fds: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
   """Runs ``processes`` workers of this module and returns their results.
 
@@ -734,6 +738,7 @@ def launch(
     coordinator_host: host of the default coordinator address.
     timeout: seconds before every worker is killed (None: no limit).
     stream: echo the workers' output as it comes, prefixed ``[wI]``.
+    pass_fds: file descriptors left open in the workers (:func:`run_processes`).
 
   Returns:
     The workers' results (see :func:`train_worker`), ordered by process id.
@@ -755,7 +760,7 @@ def launch(
     )
     for i in range(processes)
   ]
-  outputs = run_processes(commands, env=env, timeout=timeout, stream=stream)
+  outputs = run_processes(commands, env=env, timeout=timeout, stream=stream, pass_fds=pass_fds)
   return [parse_result(o) for o in outputs]
 
 
@@ -787,7 +792,10 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
   ]
   for method, m in r0["methods"].items():
     runs = [r["methods"][method] for r in results]
-    times = " / ".join(f"{1e3 * run['median_step_time_s']:.1f}" for run in runs)
+    times = " / ".join(
+      "n/a" if run["median_step_time_s"] is None else f"{1e3 * run['median_step_time_s']:.1f}"
+      for run in runs
+    )
     same = len({run["params_sha256"] for run in runs}) == 1 and all(
       run["local_copies_identical"] for run in runs
     )
@@ -884,6 +892,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     default=None,
     help="HOST:PORT of the coordinator (default: 127.0.0.1, free port)",
   )
+  parser.add_argument(
+    "--checkpoint-every",
+    type=int,
+    default=None,
+    metavar="N",
+    help="checkpoint every N steps (and at the last) in WORKDIR/checkpoints/METHOD with"
+    " Orbax; re-running the same command resumes from the latest complete checkpoint"
+    " (0: off, the default)",
+  )
+  parser.add_argument(
+    "--fault-timeout",
+    type=int,
+    default=DEFAULT_FAULT_TIMEOUT,
+    metavar="SECONDS",
+    help="a worker that sends no heartbeat for SECONDS (dead, or cut off) or a collective"
+    " that waits SECONDS for its peers fails the run (0: JAX's and XLA's defaults,"
+    f" 100 s and 30 min; default {DEFAULT_FAULT_TIMEOUT})",
+  )
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
   parser.add_argument("--num-processes", type=int, default=None, help=argparse.SUPPRESS)
@@ -895,8 +921,166 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def run_launcher(args: argparse.Namespace) -> list[dict[str, Any]]:
-  """Launcher mode: start the workers, check their parameters, print a summary."""
+LOCK_NAME = "launch.lock"
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+  """Holds ``WORKDIR/launch.lock`` for one launch at a time; yields its descriptor.
+
+  The lock is an exclusive ``flock`` on the file, which records the owner's pid and
+  host. The kernel drops it when the last process holding the descriptor ends (pass it
+  to the workers: the lock then lasts while any of them lives), so a lock left by a
+  killed launch is stale by construction: it is taken over, with a note naming the
+  previous owner.
+
+  Raises:
+    WorkdirLockedError: another live launch holds it (the message names its pid).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, LOCK_NAME)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    owner = os.pread(fd, 256, 0).decode(errors="replace").strip()
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise WorkdirLockedError(
+        f"{workdir} is in use by another launch ({owner or 'owner unknown'}; lock file "
+        f"{path}): wait for it to end, or pass another --workdir"
+      ) from None
+    if owner:  # the previous owner ended without releasing it: killed
+      pid = owner.split()[1] if owner.startswith("pid ") else "?"
+      state = "not running" if pid.isdigit() and not _pid_alive(int(pid)) else "lock released"
+      print(f"[launch] taking over the stale lock of {owner} ({state}): {path}", file=sys.stderr)
+    os.ftruncate(fd, 0)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    os.pwrite(fd, f"pid {os.getpid()} host {socket.gethostname()} since {stamp}\n".encode(), 0)
+    try:
+      yield fd
+    finally:
+      os.ftruncate(fd, 0)  # released by its owner: an empty file is no stale lock
+  finally:
+    os.close(fd)
+
+
+def complete_checkpoints(workdir: str, methods: Sequence[str]) -> dict[str, int | None]:
+  """Per method, the latest complete (finalized) checkpoint step in
+  ``WORKDIR/checkpoints/<method>``, or None. Orbax writes a step in a temporary
+  directory and renames it to the bare step number once every process has written."""
+  latest = {}
+  for method in methods:
+    d = train.checkpoint_dir(workdir, method)
+    steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
+    latest[method] = max(steps, default=None)
+  return latest
+
+
+# What a failed worker's stderr says, most specific first: (pattern, cause); ``{0}`` is
+# the pattern's group. The coordination service names a process that stopped sending
+# heartbeats (dead, or cut off); gloo names a collective that waited too long.
+FAILURE_CAUSES = (
+  (
+    re.compile(r"Task (\d+) heartbeat timeout"),
+    "lost peer: process {0} sent no heartbeat within the heartbeat timeout (dead or cut off)",
+  ),
+  (
+    re.compile(r"(stopped sending heartbeats)"),
+    "lost peer: a process sent no heartbeat within the heartbeat timeout (dead or cut off)",
+  ),
+  (
+    re.compile(r"Timed out waiting (\d+)ms for \w+ operation"),
+    "timeout: a collective waited {0} ms for its peers",
+  ),
+  (re.compile(r"(heartbeat)", re.I), "lost peer: heartbeats to the coordinator failed"),
+  (
+    re.compile(r"(connection (closed|reset|refused)|broken pipe|socket closed)", re.I),
+    "lost peer: a connection to it was closed",
+  ),
+  (
+    re.compile(r"(distributed service detected fatal errors)"),
+    "the coordination service reported a failed process",
+  ),
+)
+
+
+def failure_cause(*stderrs: Sequence[str]) -> str | None:
+  """The most specific of :data:`FAILURE_CAUSES` found in the stderr lines, searched
+  in the order given (the failed worker's first), or None."""
+  for pattern, cause in FAILURE_CAUSES:
+    for lines in stderrs:
+      for line in reversed(lines):
+        found = pattern.search(line)
+        if found:
+          return cause.format(found.group(1))
+  return None
+
+
+def describe_failure(error: LaunchError) -> str:
+  """Which worker failed and how: ``worker 1 (pid 42) was killed by SIGKILL after 3.1 s``,
+  with the cause its stderr names (lost peer, collective timeout)."""
+  w = error.failed
+  if w is None:
+    return str(error).splitlines()[0]
+  rc = w.returncode
+  if rc == -signal.SIGABRT:
+    how = "aborted (SIGABRT)"
+  elif rc is not None and rc < 0:
+    try:
+      how = f"was killed by {signal.Signals(-rc).name}"
+    except ValueError:
+      how = f"was killed by signal {-rc}"
+  else:
+    how = f"exited with code {rc}"
+  after = "" if w.failed_after_s is None else f" {w.failed_after_s:.1f} s after the start"
+  cause = None
+  if rc is None or -rc not in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+    # It died of an error it detected (SIGABRT, exit code): the cause is in its
+    # stderr or, when it only heard that another failed, in the others'. (A killed
+    # worker's cause is the kill; the others' errors are its consequences.)
+    cause = failure_cause(w.stderr, *[o.stderr for o in error.outputs if o is not w])
+  return f"worker {w.process_id} (pid {w.pid}) {how}{after}" + (f": {cause}" if cause else "")
+
+
+def failure_line(
+  error: LaunchError,
+  *,
+  workdir: str,
+  methods: Sequence[str],
+  checkpoint_every: int | None,
+  command: str,
+) -> str:
+  """One line for a failed launch: what failed, the last complete checkpoints, and the
+  command that resumes (the same command) or reruns."""
+  latest = complete_checkpoints(workdir, methods) if checkpoint_every else {}
+  if not checkpoint_every:
+    where = "no checkpoints kept (--checkpoint-every N keeps them)"
+    resume = f"rerun from step 0: {command}"
+  elif all(step is None for step in latest.values()):
+    where = f"no complete checkpoint in {os.path.join(workdir, 'checkpoints')}"
+    resume = f"rerun (starts at step 0): {command}"
+  else:
+    where = "last complete checkpoint: " + ", ".join(
+      f"{m} step {'none' if step is None else step}" for m, step in latest.items()
+    )
+    where += f" ({os.path.join(workdir, 'checkpoints')})"
+    resume = f"resume with the same command: {command}"
+  return f"{describe_failure(error)}; {where}; {resume}"
+
+
+def run_launcher(args: argparse.Namespace, command: str = "") -> list[dict[str, Any]]:
+  """Launcher mode: lock the workdir, start the workers, check their parameters, print
+  a summary. ``command`` (the command line that resumes) goes into a failure's line."""
   workdir = os.path.abspath(args.workdir)
   forwarded = worker_args(
     args.method,
@@ -908,15 +1092,29 @@ def run_launcher(args: argparse.Namespace) -> list[dict[str, Any]]:
     workdir=workdir,
     evaluate=args.eval,
     profile=args.profile,
+    checkpoint_every=args.checkpoint_every,
+    fault_timeout=args.fault_timeout,
   )
   start = time.perf_counter()
-  results = launch(
-    forwarded,
-    processes=args.processes,
-    coordinator=args.coordinator,
-    timeout=args.timeout,
-    stream=True,
-  )
+  with workdir_lock(workdir) as lock:
+    try:
+      results = launch(
+        forwarded,
+        processes=args.processes,
+        coordinator=args.coordinator,
+        timeout=args.timeout,
+        stream=True,
+        pass_fds=(lock,),
+      )
+    except LaunchError as e:
+      line = failure_line(
+        e,
+        workdir=workdir,
+        methods=parse_methods(args.method),
+        checkpoint_every=args.checkpoint_every,
+        command=command or f"python -m {MODULE} ...",
+      )
+      raise LaunchError(line, e.outputs, failed=e.failed, timed_out=e.timed_out) from e
   print(summary(results))
   print(
     f"wall time {time.perf_counter() - start:.1f} s; results in "
@@ -941,9 +1139,10 @@ def main(argv=None) -> int:
   # A SIGTERM unwinds like Ctrl-C (run_processes kills the workers on the way out):
   # they run in their own sessions, so a signal to the launcher does not reach them.
   signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+  command = shlex.join(["python", "-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
   try:
-    run_launcher(args)
-  except (LaunchError, ParamsMismatchError, ValueError) as e:
+    run_launcher(args, command)
+  except (LaunchError, ParamsMismatchError, WorkdirLockedError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   except KeyboardInterrupt:

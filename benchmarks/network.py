@@ -110,7 +110,13 @@ def tbf_burst(rate: str, burst_ms: float = BURST_MS) -> int | None:
 class Link(contextlib.AbstractContextManager):
   """Two namespaces joined by a veth pair; torn down on exit, whatever happened."""
 
-  def __init__(self):
+  def __init__(
+    self,
+    namespaces: Sequence[str] = NAMESPACES,
+    veths: Sequence[str] = VETHS,
+    addresses: Sequence[str] = ADDRESSES,
+  ):
+    self.namespaces, self.veths, self.addresses = tuple(namespaces), tuple(veths), tuple(addresses)
     self.created_netns: list[str] = []
     self.created_dirs: list[str] = []
     self.created_netns_root = False
@@ -128,7 +134,7 @@ class Link(contextlib.AbstractContextManager):
 
   def _setup(self) -> None:
     existing = _run(["ip", "netns", "list"]).stdout.split()
-    clash = [n for n in NAMESPACES if n in existing]
+    clash = [n for n in self.namespaces if n in existing]
     if clash:
       raise RuntimeError(
         f"network namespaces {clash} exist already (a previous run that "
@@ -138,7 +144,7 @@ class Link(contextlib.AbstractContextManager):
     if not os.path.isdir("/etc/netns"):
       os.makedirs("/etc/netns")
       self.created_netns_root = True
-    for ns, _veth, addr in zip(NAMESPACES, VETHS, ADDRESSES):
+    for ns, addr in zip(self.namespaces, self.addresses):
       _run(["ip", "netns", "add", ns])
       self.created_netns.append(ns)
       d = os.path.join("/etc/netns", ns)
@@ -146,8 +152,8 @@ class Link(contextlib.AbstractContextManager):
       self.created_dirs.append(d)
       with open(os.path.join(d, "hosts"), "w") as f:
         f.write(f"127.0.0.1 localhost\n{addr} {host}\n")
-    _run(["ip", "link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1]])
-    for ns, veth, addr in zip(NAMESPACES, VETHS, ADDRESSES):
+    _run(["ip", "link", "add", self.veths[0], "type", "veth", "peer", "name", self.veths[1]])
+    for ns, veth, addr in zip(self.namespaces, self.veths, self.addresses):
       _run(["ip", "link", "set", veth, "netns", ns])
       self.exec(ns, ["ip", "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", veth])
       self.exec(ns, ["ip", "link", "set", veth, "up"])
@@ -168,7 +174,7 @@ class Link(contextlib.AbstractContextManager):
     """
     bps = rate_bytes_per_s(rate)
     burst = tbf_burst(rate, burst_ms)
-    for ns, veth in zip(NAMESPACES, VETHS):
+    for ns, veth in zip(self.namespaces, self.veths):
       self.exec(ns, ["tc", "qdisc", "del", "dev", veth, "root"], check=False)
       if bps is None:
         continue
@@ -191,6 +197,15 @@ class Link(contextlib.AbstractContextManager):
         ],
       )
     return burst
+
+  def set_up(self, up: bool) -> None:
+    """Brings both ends of the veth up, or down (a partitioned link: nothing crosses)."""
+    for ns, veth in zip(self.namespaces, self.veths):
+      self.exec(ns, ["ip", "link", "set", veth, "up" if up else "down"])
+
+  def worker_prefix(self, process_id: int) -> list[str]:
+    """Worker ``i`` runs in this link's namespace ``i`` (not pinned)."""
+    return ["ip", "netns", "exec", self.namespaces[process_id]]
 
   def teardown(self) -> None:
     for ns in self.created_netns:  # deleting a namespace deletes its veth end (and pair)

@@ -113,6 +113,7 @@ def test_tbf_bucket_is_a_millisecond_of_traffic_at_least_64_kib():
 COMMANDS = (
   "benchmarks.codecs",
   "benchmarks.compile_time",
+  "benchmarks.fault",
   "benchmarks.kernels",
   "benchmarks.launch",
   "benchmarks.network",

@@ -236,8 +236,9 @@ def test_train_batches_resume_where_the_run_was():
 
 @pytest.mark.once
 def test_example_trainer_resumes_bit_identical(tmp_path):
-  """The MNIST-1D trainer with checkpoints: a run that lost its last checkpoint (as if
-  killed after step 4) resumes from step 4 and ends where the uninterrupted run did."""
+  """The MNIST-1D trainer with checkpoints: a run killed while saving step 6 (its save
+  left unfinalized, a file cut short) resumes from step 4, never from the torn save, and
+  ends where the uninterrupted run did."""
   for module in ("flax", "mnist1d", "matplotlib", "tqdm"):
     pytest.importorskip(module)
   from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
@@ -252,9 +253,15 @@ def test_example_trainer_resumes_bit_identical(tmp_path):
   first = train.train_and_evaluate(config, str(tmp_path / "run"))["onebit"]
   assert sorted(p.name for p in ckpts.iterdir()) == ["4", "6"]  # the two latest
   shutil.move(ckpts / "6", tmp_path / "uninterrupted6")
+  # A save cut short: Orbax writes into a temporary directory and renames it when done.
+  torn = ckpts / "6.orbax-checkpoint-tmp-1764108000"
+  shutil.copytree(tmp_path / "uninterrupted6", torn)
+  for f in sorted(p for p in torn.rglob("*") if p.is_file() and p.stat().st_size)[:3]:
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
   second = train.train_and_evaluate(config, str(tmp_path / "run"))["onebit"]
   assert (first["start_step"], second["start_step"]) == (0, 4)
+  assert not torn.exists()  # removed when the manager opened
   # Same evaluations and losses (those before the checkpoint came with it), same params.
   for key in ("history", "test_accuracy", "layer_change"):  # NaN where undefined
     np.testing.assert_equal(second[key], first[key], err_msg=key)

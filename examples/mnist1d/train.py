@@ -9,6 +9,7 @@ line ``updates, opt_state = tx.update(grads, opt_state, params)``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -282,28 +283,133 @@ def make_eval_step(model, mesh):
   )
 
 
+def to_global(tree, sharding: jax.sharding.Sharding):
+  """Global arrays of a pytree of host arrays, the same host value in every process.
+
+  Each process puts only the slices of its own (addressable) devices: with ``P()`` every
+  device gets the whole leaf, with ``P(AXIS)`` device ``i`` of the mesh gets row ``i``.
+  In one process this is ``jax.device_put(tree, sharding)``.
+  """
+  return jax.tree.map(
+    lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index]), tree
+  )
+
+
+def local_leaves(tree) -> list[np.ndarray]:
+  """Host copies of the leaves; of a replicated ``jax.Array``, its first local shard."""
+  leaves = []
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      leaf = leaf.addressable_data(0)
+    leaves.append(np.ascontiguousarray(jax.device_get(leaf)))
+  return leaves
+
+
+def params_digest(params) -> str:
+  """sha256 over every leaf's shape, dtype and bytes, in ``jax.tree.leaves`` order."""
+  h = hashlib.sha256()
+  for leaf in local_leaves(params):
+    h.update(f"{leaf.shape}{leaf.dtype}".encode())
+    h.update(leaf.tobytes())
+  return h.hexdigest()
+
+
+def local_mean(x: jax.Array) -> float:
+  """Mean of this process's shards of a per-device array (waits for it; no collective)."""
+  return float(np.mean([np.asarray(s.data) for s in x.addressable_shards]))
+
+
+def global_means(local: list[float]) -> list[float]:
+  """Per entry, the mean over processes of every process's ``local`` (each process has as
+  many devices): one host all-gather for the whole list, none in a single process."""
+  if jax.process_count() == 1 or not local:
+    return list(local)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  gathered = multihost_utils.process_allgather(np.asarray(local, np.float32))
+  return [float(v) for v in np.mean(np.reshape(gathered, (-1, len(local))), axis=0)]
+
+
+def local_copies_identical(params) -> bool:
+  """Whether every local device holds the same bytes of every replicated leaf."""
+  for leaf in jax.tree.leaves(params):
+    shards = [np.asarray(s.data).tobytes() for s in leaf.addressable_shards]
+    if any(s != shards[0] for s in shards[1:]):
+      return False
+  return True
+
+
 def checkpoint_manager(config, workdir: str | None, method: str):
   """Orbax manager of ``workdir/checkpoints/<method>/``; None without checkpointing.
 
   Orbax is imported here only: it is needed only with ``config.checkpoint_every``.
   Saves are asynchronous (written while training goes on); the two latest are kept.
+  Orbax writes a step into a temporary directory and renames it once every process has
+  written its shards, so a save cut short by a crash is never the latest step; such
+  leftovers are deleted when the manager opens. Every process must create it (in a
+  multi-process run the processes write their own shards, process 0 the metadata).
   """
   if not config.checkpoint_every or workdir is None:
     return None
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   return ocp.CheckpointManager(
-    os.path.abspath(os.path.join(workdir, "checkpoints", method)),
-    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+    checkpoint_dir(workdir, method),
+    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, cleanup_tmp_directories=True),
+  )
+
+
+def checkpoint_dir(workdir: str, method: str) -> str:
+  """``workdir/checkpoints/<method>``, absolute: where ``method``'s checkpoints go."""
+  return os.path.abspath(os.path.join(workdir, "checkpoints", method))
+
+
+def run_fingerprint(method: str, config, num_devices: int, evaluate: bool) -> dict[str, Any]:
+  """What a checkpoint must agree on to be resumed bit-exactly: the method, the device
+  count and the config (JSON), less the fields that do not change the parameters'
+  trajectory (how often to checkpoint, which methods the run trains)."""
+  fields = dataclasses.asdict(config)
+  for name in ("checkpoint_every", "methods"):
+    fields.pop(name, None)
+  return json.loads(
+    json.dumps(
+      {"method": method, "num_devices": num_devices, "evaluate": evaluate, "config": fields}
+    )
+  )
+
+
+def check_fingerprint(saved: dict[str, Any] | None, expected: dict[str, Any], where: str) -> None:
+  """Raises ValueError naming the differing settings unless ``saved == expected``."""
+  if saved == expected:
+    return
+  if saved is None:
+    raise ValueError(
+      f"the checkpoint in {where} records no run settings; remove it or pick another workdir"
+    )
+  diff = []
+  for key in sorted(set(saved) | set(expected)):
+    a, b = saved.get(key), expected.get(key)
+    if key == "config" and isinstance(a, dict) and isinstance(b, dict):
+      diff += [
+        f"{k}: {a.get(k)!r} there, {b.get(k)!r} now"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+      ]
+    elif a != b:
+      diff.append(f"{key}: {a!r} there, {b!r} now")
+  raise ValueError(
+    f"the checkpoint in {where} belongs to another run ({'; '.join(diff)}): resuming it "
+    "would not reproduce the uninterrupted run; remove it or pick another workdir"
   )
 
 
 def save_checkpoint(checkpoints, step: int, params, opt_state, progress: dict) -> None:
   """Saves params and optimizer state (typed keys as raw data) and ``progress`` (JSON:
-  the history so far and the losses since the last evaluation) as ``step``."""
+  the step, the losses and history so far, the run's settings) as ``step``."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
   state = jc.unwrap_keys({"params": params, "opt_state": opt_state})
+  progress = json.loads(json.dumps(progress))  # a copy: the save is asynchronous
   checkpoints.save(
     step,
     args=ocp.args.Composite(
@@ -313,11 +419,12 @@ def save_checkpoint(checkpoints, step: int, params, opt_state, progress: dict) -
 
 
 def restore_checkpoint(checkpoints, tx, init_params, *, mesh, state_specs):
-  """``(step, params, opt_state, progress)`` of the latest checkpoint.
+  """``(step, params, opt_state, progress)`` of the latest complete checkpoint.
 
   The arrays are restored into an abstract target, not a freshly initialised state:
   params replicated, the optimizer state placed by ``state_specs`` (per-device
-  residuals and keys split over the data axis), so the compiled step takes them as is.
+  residuals and keys split over the data axis, each process reading its devices'
+  rows), so the compiled step takes them as is.
   """
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
@@ -351,15 +458,35 @@ def train_method(
   exchange: optax.GradientTransformation | None = None,
   steady_exchange: optax.GradientTransformation | None = None,
   workdir: str | None = None,
+  evaluate: bool = True,
+  profile: int = 0,
 ) -> dict[str, Any]:
   """Trains one method from ``init_params``; returns its accuracy, bytes and timings.
+
+  The mesh may span processes (``jax.distributed``): every process then calls this with
+  the same arguments, generates the same global batch and puts only its own devices'
+  rows on them; losses are averaged over processes on the host.
 
   ``exchange`` replaces ``make_exchange(method, config)`` (for variants of a method);
   the bytes are those of ``steady_exchange`` when given (e.g. DGC without warm-up).
   With ``config.checkpoint_every`` and a ``workdir``, params, optimizer state and
   progress are checkpointed every that many steps (and at the last) in
-  ``workdir/checkpoints/<method>/``, and training resumes from the latest checkpoint
-  found there, on the batches the uninterrupted run would have drawn.
+  ``workdir/checkpoints/<method>/``, and training resumes from the latest complete
+  checkpoint found there, on the batches the uninterrupted run would have drawn, so the
+  final parameters are bit-identical to an uninterrupted run's. A checkpoint of other
+  settings (config, device count) is refused with ValueError. With ``evaluate``
+  (default) the test accuracy is measured every ``config.eval_every`` steps and at the
+  last; with ``profile > 0`` that many more steps are run after everything else and
+  split by phase (:func:`jaxcomp.profile_phases`).
+
+  Returns:
+    ``start_step`` (the checkpoint's step it resumed from, else 0), ``test_accuracy``
+    and ``history`` (None without ``evaluate``), ``losses`` (mean over devices, every
+    step since step 1), ``step_times_s`` (the steps run now: batch to loss on the host,
+    one step in flight), ``train_time_s``, ``compile_time_s``, ``params_sha256`` and
+    ``params_checksum`` of the final parameters, ``local_copies_identical``,
+    ``params_change_l2`` and ``layer_change`` (from init), ``overflow_steps``, the wire
+    report's bytes and ``phases`` (None without ``profile``).
   """
   k = mesh.size
   tx = make_tx(method, config, exchange)
@@ -368,19 +495,25 @@ def train_method(
 
   state_specs = jc.state_specs(tx, init_params, axis_name=AXIS, num_devices=k)
   checkpoints = checkpoint_manager(config, workdir, method)
+  fingerprint = run_fingerprint(method, config, k, evaluate)
   start_step, history, losses = 0, None, []
   if checkpoints is not None and checkpoints.latest_step() is not None:
     start_step, params, opt_state, progress = restore_checkpoint(
       checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs
     )
+    where = f"{checkpoints.directory}/{start_step}"
+    check_fingerprint(progress.get("run"), fingerprint, where)
+    if progress["step"] != start_step or len(progress["losses"]) != start_step:
+      raise ValueError(
+        f"the checkpoint in {where} is inconsistent: it records step {progress['step']}"
+      )
     history, losses = progress["history"], progress["losses"]
-    print(f"{method}: resuming from step {start_step} ({checkpoints.directory})")
+    print(f"{method}: resuming from step {start_step} ({where})", flush=True)
   else:
-    params = jax.device_put(init_params, replicated)
+    params = to_global(init_params, replicated)
     opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
       params
     )
-  test = jax.device_put(input_pipeline.eval_shards(data["x_test"], data["y_test"], k), per_device)
   batches = input_pipeline.train_batches(
     data["x"],
     data["y"],
@@ -393,44 +526,85 @@ def train_method(
   # Compile ahead of time, so that the training time below excludes compilation.
   start = time.perf_counter()
   step = compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, data)
-  evaluate = make_eval_step(model, mesh).lower(params, *test).compile()
+  if evaluate:
+    test = to_global(input_pipeline.eval_shards(data["x_test"], data["y_test"], k), per_device)
+    compiled = make_eval_step(model, mesh).lower(params, *test).compile()
+    accuracy = lambda params: float(compiled(params, *test).addressable_data(0))
   compile_time = time.perf_counter() - start
 
-  if history is None:
-    history = {
-      "step": [0],
-      "test_accuracy": [float(evaluate(params, *test))],
-      "train_loss": [float("nan")],
-    }
-  train_time = 0.0
+  if history is None and evaluate:
+    history = {"step": [0], "test_accuracy": [accuracy(params)], "train_loss": [float("nan")]}
+  pending = []  # this process's loss of each step not yet averaged over the processes
+
+  def flush():  # the same steps in every process: a collective when multi-process
+    losses.extend(global_means(pending))
+    pending.clear()
+
+  step_times = []
   with tqdm(
     total=config.num_steps,
     initial=min(start_step, config.num_steps),
     desc=f"{method:>6}",
     unit="step",
+    disable=jax.process_index() != 0 or None,  # None: off unless on a terminal
   ) as bar:
     for i in range(start_step + 1, config.num_steps + 1):
       start = time.perf_counter()
-      batch = jax.device_put(next(batches), per_device)
+      batch = to_global(next(batches), per_device)
       params, opt_state, loss = step(params, opt_state, batch)
       # Wait for the step: one step in flight at a time. (With more virtual CPU devices
       # than cores, queued multi-device steps can deadlock XLA's CPU collectives: a
       # rendezvous times out before every device arrives.)
-      losses.append(float(np.mean(np.asarray(loss))))
-      train_time += time.perf_counter() - start
+      pending.append(local_mean(loss))
+      step_times.append(time.perf_counter() - start)
       bar.update()
-      if i % config.eval_every == 0 or i == config.num_steps:
-        acc = float(evaluate(params, *test))
+      evaluating = evaluate and (i % config.eval_every == 0 or i == config.num_steps)
+      saving = checkpoints is not None and (
+        i % config.checkpoint_every == 0 or i == config.num_steps
+      )
+      if evaluating or saving:
+        flush()
+      if evaluating:
+        acc = accuracy(params)
+        history["train_loss"].append(float(np.mean(losses[history["step"][-1] :])))
         history["step"].append(i)
         history["test_accuracy"].append(acc)
-        history["train_loss"].append(float(np.mean(losses)))  # since the last eval
-        losses = []
         bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", test_acc=f"{acc:.1%}")
-      if checkpoints is not None and (i % config.checkpoint_every == 0 or i == config.num_steps):
-        save_checkpoint(checkpoints, i, params, opt_state, {"history": history, "losses": losses})
+      if saving:
+        progress = {"step": i, "losses": losses, "history": history, "run": fingerprint}
+        save_checkpoint(checkpoints, i, params, opt_state, progress)
+  flush()
   if checkpoints is not None:
     checkpoints.wait_until_finished()  # the last save is written before we return
     checkpoints.close()
+
+  final = local_leaves(params)
+  change = np.sqrt(
+    sum(
+      np.sum((f.astype(np.float64) - np.asarray(i, np.float64)) ** 2)
+      for f, i in zip(final, jax.tree.leaves(init_params))
+    )
+  )
+  record = {
+    "start_step": start_step,
+    "overflow_steps": overflow_steps(opt_state, mesh),
+    "test_accuracy": history["test_accuracy"][-1] if evaluate else None,
+    "losses": losses,
+    "step_times_s": step_times,
+    "train_time_s": float(sum(step_times)),
+    "compile_time_s": compile_time,
+    "history": history,
+    "params_sha256": params_digest(params),
+    "params_checksum": float(sum(np.sum(f, dtype=np.float64) for f in final)),
+    "local_copies_identical": local_copies_identical(params),
+    "params_change_l2": float(change),
+    "layer_change": layer_change(init_params, final),
+    "phases": None,
+  }
+  if profile:
+    record["phases"] = profile_steps(
+      step, params, opt_state, to_global(next(batches), per_device), profile
+    )
 
   if steady_exchange is None and exchange is None and method == "dgc":
     # Report DGC's steady state; its warm-up stages send more.
@@ -441,18 +615,33 @@ def train_method(
   if steady_exchange is not None:
     tx = make_tx(method, config, steady_exchange)
   report = wire_report(tx, init_params, k)
+  record.update(
+    {
+      "bytes_received": None if report is None else report.bytes_received,
+      "dense_bytes": None if report is None else report.dense_bytes,
+      "ratio": None if report is None else report.ratio,
+      "wire_report": None if report is None else str(report),
+    }
+  )
+  return record
+
+
+def profile_steps(step, params, opt_state, batch, calls: int) -> dict[str, Any]:
+  """``calls`` more steps on ``batch``, split by phase (:func:`jaxcomp.profile_phases`):
+  ms per step in gradient, encode, exchange, decode, update and idle, on this process's
+  devices, and the top ops of each phase."""
+  carry = [params, opt_state]
+
+  def run():  # the step donates its state: carry it from call to call
+    carry[0], carry[1], loss = step(carry[0], carry[1], batch)
+    return loss
+
+  prof = jc.profile_phases(run, step, calls=calls)
   return {
-    "start_step": start_step,
-    "overflow_steps": overflow_steps(opt_state),
-    "test_accuracy": history["test_accuracy"][-1],
-    "bytes_received": None if report is None else report.bytes_received,
-    "dense_bytes": None if report is None else report.dense_bytes,
-    "ratio": None if report is None else report.ratio,
-    "train_time_s": train_time,
-    "compile_time_s": compile_time,
-    "history": history,
-    "wire_report": None if report is None else str(report),
-    "layer_change": layer_change(init_params, params),
+    "step_ms": 1e3 * prof.step_s,
+    "calls": prof.calls,
+    **{p: 1e3 * t for p, t in prof.phases.items()},
+    "top_ops_ms": {p: [[n, 1e3 * t] for n, t in ops] for p, ops in prof.top_ops.items()},
   }
 
 
@@ -471,17 +660,27 @@ def layer_change(before, after) -> dict[str, float]:
   return out
 
 
-def overflow_steps(opt_state) -> int | None:
-  """Steps in which the exchange took its overflow path (``overflow_count``), or None."""
-  found = []
+def overflow_steps(opt_state, mesh=None) -> int | None:
+  """Most steps any device took the exchange's overflow path (``overflow_count``), or
+  None. With ``mesh``, the counts may be per device on devices of every process: their
+  maximum is then a jitted reduction, which every process must call."""
+  counts = []
 
   def visit(x):
     if hasattr(x, "overflow_count"):
-      found.append(int(np.max(np.asarray(x.overflow_count))))
+      counts.append(x.overflow_count)
     return x
 
   jax.tree.map(visit, opt_state, is_leaf=lambda x: hasattr(x, "overflow_count"))
-  return max(found) if found else None
+  if not counts:
+    return None
+  if mesh is None:
+    return max(int(np.max(np.asarray(c))) for c in counts)
+  top = jax.jit(
+    lambda cs: jnp.max(jnp.stack([jnp.max(c) for c in cs])),
+    out_shardings=jax.NamedSharding(mesh, P()),
+  )(counts)
+  return int(top.addressable_data(0))
 
 
 def wire_report(tx, params, num_devices: int) -> jc.WireReport | None:
