@@ -182,6 +182,20 @@ def diloco(
       the number of leaves; ``update`` without ``params``; under ``jax.shard_map``,
       replicated parameters or an exchange over another axis.
 
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxcomp as jc
+    >>> tx = jc.diloco(optax.sgd(0.5), optax.sgd(1.0), sync_every=2, axis_name=None)
+    >>> params, grads = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)  # t = 1: a local step
+    >>> params = optax.apply_updates(params, updates)
+    >>> params["w"].tolist(), state.anchor["w"].tolist()
+    ([-0.5, -0.5], [0.0, 0.0])
+    >>> updates, state = tx.update(grads, state, params)  # t = 2: a sync
+    >>> params = optax.apply_updates(params, updates)
+    >>> params["w"].tolist(), state.anchor["w"].tolist()
+    ([-1.0, -1.0], [-1.0, -1.0])
+
   References:
     Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen. *DiLoCo:
     Distributed Low-Communication Training of Language Models*. 2023.
