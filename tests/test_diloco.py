@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
+from jaxcomp._src import diloco as diloco_lib
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K
@@ -252,7 +253,7 @@ def test_fragments_sync_on_staggered_steps():
   centres = {n: jax.random.normal(k, (K, *s)) for k, (n, s) in zip(keys, sorted(shapes.items()))}
   tx = jc.diloco(optax.sgd(0.25), optax.sgd(1.0), sync_every=4, axis_name=AXIS, fragments=2)
   history = ShardMapRun(tx, params=params).run(8, lambda t: centres)
-  ids = dict(zip(sorted(shapes), jc.diloco.__globals__["fragment_ids"]([1024, 1024], 2)))
+  ids = dict(zip(sorted(shapes), diloco_lib.fragment_ids([1024, 1024], 2)))
   offsets = {n: [0, 2][ids[n]] for n in shapes}
   assert sorted(offsets.values()) == [0, 2]
   prev = params
@@ -268,7 +269,7 @@ def test_fragments_sync_on_staggered_steps():
 
 def test_fragment_ids_balance():
   """Largest leaves first to the lightest fragment: loads within one leaf of each other."""
-  ids = jc.diloco.__globals__["fragment_ids"]([100, 10, 60, 50, 5], 2)
+  ids = diloco_lib.fragment_ids([100, 10, 60, 50, 5], 2)
   loads = [sum(s for s, i in zip([100, 10, 60, 50, 5], ids) if i == f) for f in range(2)]
   assert ids == [0, 0, 1, 1, 0] and loads == [115, 110]
 
@@ -460,3 +461,31 @@ def test_exchange_over_another_axis_is_refused():
   state = jax.pmap(tx.init, axis_name=AXIS)(p)
   with pytest.raises(ValueError, match="not bound"):
     jax.pmap(lambda p, s: tx.update(p, s, p), axis_name=AXIS)(p, state)
+
+
+def test_pmap_with_a_compressed_exchange():
+  """Under jax.pmap, 4-bit QSGD pseudo-gradients (two-phase, error feedback), H=2: the
+  replicas differ after the local step and all sit on the anchor after the sync."""
+  tx = jc.diloco(
+    optax.sgd(0.25),
+    optax.sgd(0.7, momentum=0.9, nesterov=True),
+    sync_every=2,
+    axis_name=AXIS,
+    exchange=jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase", error_feedback=True),
+  )
+  centres = _centres()
+
+  def step(p, state, c):
+    updates, state = tx.update(_quadratic_grads(p, c), state, p)
+    return optax.apply_updates(p, updates), state
+
+  p = _stack(PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(p)
+  step = jax.pmap(step, axis_name=AXIS)
+  p, state = step(p, state, centres)
+  assert np.ptp(np.asarray(p["w"]), axis=0).max() > 0.1  # drifted apart
+  p, state = step(p, state, centres)
+  anchor = np.asarray(state.anchor["w"])
+  np.testing.assert_array_equal(anchor, np.broadcast_to(anchor[0], anchor.shape))
+  np.testing.assert_allclose(np.asarray(p["w"]), anchor, rtol=0, atol=2 * EPS)
+  assert not np.array_equal(anchor[0], np.zeros_like(anchor[0]))
