@@ -489,3 +489,19 @@ def test_pmap_with_a_compressed_exchange():
   np.testing.assert_array_equal(anchor, np.broadcast_to(anchor[0], anchor.shape))
   np.testing.assert_allclose(np.asarray(p["w"]), anchor, rtol=0, atol=2 * EPS)
   assert not np.array_equal(anchor[0], np.zeros_like(anchor[0]))
+
+
+def test_network_model_prices_a_sync_once_per_period():
+  """jc.network.exchange_time averages a sync's time over its period: DiLoCo's time per
+  step is the exchange's over H."""
+  link = jc.network.Link(latency_s=1e-3, bandwidth=100e6 / 8)
+  params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
+  ex = lambda: jc.qsgd(bits=4, axis_name=AXIS)
+  tx = jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=8, axis_name=AXIS, exchange=ex())
+  per_step = jc.network.exchange_time(
+    jc.wire_report(tx, params, axis_name=AXIS, num_devices=K), link
+  )
+  every_step = jc.network.exchange_time(
+    jc.wire_report(ex(), params, axis_name=AXIS, num_devices=K), link
+  )
+  assert per_step == pytest.approx(every_step / 8, rel=1e-12)
