@@ -323,8 +323,8 @@ def test_state_is_stable_and_one_compile():
   state0 = jax.device_get(state0)
   for _, state in history:
     chex.assert_trees_all_equal_shapes_and_dtypes(state0, state)
-  # The exchange's state advances on its fragment's sync steps only: the 4096-value
-  # fragment 0 (offset 0) syncs at t = 2, 4, so its key changes there and nowhere else.
+  # The exchange's state advances on its fragment's sync steps only: w (2048 values,
+  # fragment 0, offset 0) syncs at t = 2, 4, so its key changes there and nowhere else.
   keys = [
     jax.random.key_data(s.exchange_state[0].inner.key) for s in [state0] + [s for _, s in history]
   ]
