@@ -16,6 +16,8 @@ from jaxcomp._src.collectives import vary
 from jaxcomp._src.dgc import DGCState
 from jaxcomp._src.dgc import dgc
 from jaxcomp._src.dgc import dgc_density_schedule
+from jaxcomp._src.diloco import DiLoCoState
+from jaxcomp._src.diloco import diloco
 from jaxcomp._src.mipd import MIPDState
 from jaxcomp._src.mipd import mipd
 from jaxcomp._src.onebit_adam import OneBitAdamState
@@ -52,6 +54,7 @@ __all__ = [
   "CollectiveOp",
   "CompressState",
   "DGCState",
+  "DiLoCoState",
   "MIPDState",
   "OneBitAdamState",
   "PerDeviceState",
@@ -70,6 +73,7 @@ __all__ = [
   "kernels",
   "dgc",
   "dgc_density_schedule",
+  "diloco",
   "mipd",
   "multi_steps",
   "network",

@@ -13,6 +13,7 @@ import jaxcomp as jc
 from jaxcomp import codecs
 from jaxcomp import elias as elias_public
 from jaxcomp._src import dgc
+from jaxcomp._src import diloco
 from jaxcomp._src import elias
 from jaxcomp._src import normal
 from jaxcomp._src import qsvrg
@@ -24,7 +25,19 @@ from jaxcomp.kernels import quantize as quantize_kernel
 
 @pytest.mark.parametrize(
   "module",
-  [codecs, elias_public, transforms, dgc, sparse, wangni, elias, qsvrg, normal, quantize_kernel],
+  [
+    codecs,
+    elias_public,
+    transforms,
+    dgc,
+    diloco,
+    sparse,
+    wangni,
+    elias,
+    qsvrg,
+    normal,
+    quantize_kernel,
+  ],
   ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module):

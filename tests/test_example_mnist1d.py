@@ -1,5 +1,6 @@
 """Smoke test of the MNIST-1D example: the real train_and_evaluate on the quick config."""
 
+import dataclasses
 import json
 import math
 import os
@@ -77,3 +78,19 @@ def test_config_by_name_or_path(tmp_path):
   (tmp_path / "empty.py").write_text("")
   with pytest.raises(ValueError, match="no get_config"):
     configs.load(str(tmp_path / "empty.py"))
+
+
+def test_quick_run_diloco(tmp_path):
+  """The demo's DiLoCo method: params per device, evaluated at the anchor, which every
+  replica sits on after the last step (a sync: 10 steps, syncs every 5); bytes are
+  4-bit QSGD's over sync_every."""
+  config = dataclasses.replace(quick.get_config(), diloco_sync_every=5)
+  mesh, data, model, init_params = train.setup(config, str(tmp_path))
+  common = dict(model=model, init_params=init_params, data=data, mesh=mesh)
+  r = train.train_method("diloco_qsgd4", config, **common)
+  assert r["history"]["step"][-1] == config.num_steps
+  assert 0.0 <= r["test_accuracy"] <= 1.0
+  kernels = [p for p in r["layer_change"] if p.endswith("['kernel']")]
+  assert kernels and all(r["layer_change"][p] > 0 for p in kernels)
+  qsgd = train.wire_report(train.make_tx("qsgd4", config), init_params, mesh.size)
+  assert r["bytes_received"] == pytest.approx(qsgd.bytes_received / 5)

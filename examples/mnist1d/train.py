@@ -36,7 +36,9 @@ METHODS = default_config.Config.methods
 # baseline with all leaves in one all-reduce buffer (jc.pmean_tree), for benchmarks; and
 # 1-bit SGD with the paper's per-column means (costly on the convolution kernels, whose
 # columns are their few spatial taps: docs/methods/onebit_sgd.md).
-EXTRA_METHODS = ("dense_flat", "onebit_per_column")
+# DiLoCo (jc.diloco): local steps, then a synced outer step; the pseudo-gradient dense
+# or 4-bit QSGD (LOCAL_PARAMS below).
+EXTRA_METHODS = ("dense_flat", "onebit_per_column", "diloco", "diloco_qsgd4")
 ALL_METHODS = METHODS + EXTRA_METHODS
 
 # Methods whose exchange carries the momentum (DGC's momentum correction): the optimizer
@@ -58,6 +60,14 @@ ONEBIT_ADAM_FREEZE = 0.5
 # Exchanges whose state is identical on every device (MIPD's prediction is updated from
 # the aggregated gradient only): kept replicated, not wrapped in jc.per_device_state.
 REPLICATED_STATE = ("mipd",)
+
+# DiLoCo's methods: each replica runs the demo's optimizer (make_optimizer) on its own
+# gradients for config.diloco_sync_every steps, then the pseudo-gradients are averaged
+# (densely, or by the exchange make_exchange gives) and the paper's outer Nesterov
+# (DILOCO_OUTER) steps the shared params. The replicas drift apart between syncs, so
+# their params are held per device (one row each, P(AXIS)) and evaluated at the anchor.
+LOCAL_PARAMS = ("diloco", "diloco_qsgd4")
+DILOCO_OUTER = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
 
 # PowerSGD's rank: 2, the paper's setting for image classification (CIFAR-10 ResNet-18).
 # Each kernel, viewed as a (k·in, out) matrix, sends 2(m + n) values instead of m·n.
@@ -109,10 +119,10 @@ def make_exchange(method: str, config=None, *, warmup: bool = True) -> optax.Gra
     return jc.powersgd(POWERSGD_RANK, axis_name=AXIS)  # error feedback and warm start
   if method == "dense":
     return pmean_gradients(AXIS)
-  if method == "dense_flat":
+  if method in ("dense_flat", "diloco"):
     return pmean_gradients(AXIS, flat=True)
   # "auto": two-phase (traffic flat in K), or the all-gather on 2 devices (same bytes).
-  if method == "qsgd4":
+  if method in ("qsgd4", "diloco_qsgd4"):
     return jc.qsgd(bits=4, axis_name=AXIS, collective="auto")
   if method == "qsgd2":
     return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="auto")
@@ -213,6 +223,14 @@ def make_tx(
   """
   if exchange is None:
     exchange = make_exchange(method, config)
+  if method in LOCAL_PARAMS:  # the exchange averages DiLoCo's pseudo-gradients
+    return jc.diloco(
+      make_optimizer(config),
+      optax.sgd(**DILOCO_OUTER),
+      sync_every=config.diloco_sync_every,
+      axis_name=AXIS,
+      exchange=exchange,
+    )
   if method in OPTIMIZER_IN_EXCHANGE:
     return exchange
   if method not in REPLICATED_STATE:
@@ -226,36 +244,43 @@ def cross_entropy(model, params, x: jax.Array, y: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_train_step(model, tx, mesh, state_specs):
+def make_train_step(model, tx, mesh, state_specs, *, local_params: bool = False):
   """jit(shard_map(train_step)): params replicated, batch per device, state per specs.
 
   Returns ``(params, opt_state, losses)`` with each device's loss, shape ``(K,)``: the
   step runs no collective but the exchange's, and the host averages the losses (on a
   high-latency link a ``pmean`` of the loss would cost one more message round per
-  step).
+  step). With ``local_params`` (DiLoCo) the params are per device, one row each.
   """
 
   def train_step(params, opt_state, batch):
     x, y = jax.tree.map(lambda a: a[0], batch)  # this device's (B, ...) slice
+    if local_params:  # this replica's row: it varies over AXIS already
+      params = jax.tree.map(lambda a: a[0], params)
     # Differentiate w.r.t. device-varying params: the local gradient. (W.r.t. the
     # replicated params, shard_map's autodiff would psum it: a dense all-reduce.)
     loss, grads = jax.value_and_grad(cross_entropy, argnums=1)(model, jc.vary(params, AXIS), x, y)
     updates, opt_state = tx.update(grads, opt_state, params)  # the gradient exchange
     params = optax.apply_updates(params, updates)
+    if local_params:
+      params = jax.tree.map(lambda a: a[None], params)
     return params, opt_state, loss[None]
 
+  param_spec = P(AXIS) if local_params else P()
   return jax.jit(
     jax.shard_map(
       train_step,
       mesh=mesh,
-      in_specs=(P(), state_specs, P(AXIS)),
-      out_specs=(P(), state_specs, P(AXIS)),
+      in_specs=(param_spec, state_specs, P(AXIS)),
+      out_specs=(param_spec, state_specs, P(AXIS)),
     ),
     donate_argnums=(0, 1),
   )
 
 
-def compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, data):
+def compile_train_step(
+  model, tx, mesh, state_specs, params, opt_state, config, data, *, local_params: bool = False
+):
   """:func:`make_train_step` compiled ahead of time for global batches of ``config``."""
   per_device = jax.NamedSharding(mesh, P(AXIS))
   batch_spec = tuple(
@@ -265,7 +290,9 @@ def compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, 
     for a in (data["x"], data["y"])
   )
   return (
-    make_train_step(model, tx, mesh, state_specs).lower(params, opt_state, batch_spec).compile()
+    make_train_step(model, tx, mesh, state_specs, local_params=local_params)
+    .lower(params, opt_state, batch_spec)
+    .compile()
   )
 
 
@@ -490,6 +517,10 @@ def train_method(
   """
   k = mesh.size
   tx = make_tx(method, config, exchange)
+  local = method in LOCAL_PARAMS  # DiLoCo: params per device, evaluated at the anchor
+  if local and config.checkpoint_every:
+    raise ValueError(f"{method}: the demo does not checkpoint DiLoCo's per-device params")
+  shared = lambda params, opt_state: opt_state.anchor if local else params
   replicated = jax.NamedSharding(mesh, P())
   per_device = jax.NamedSharding(mesh, P(AXIS))
 
@@ -514,6 +545,10 @@ def train_method(
     opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
       params
     )
+    if local:  # one row per replica
+      params = to_global(
+        jax.tree.map(lambda p: np.broadcast_to(p, (k, *p.shape)), init_params), per_device
+      )
   batches = input_pipeline.train_batches(
     data["x"],
     data["y"],
@@ -525,15 +560,21 @@ def train_method(
 
   # Compile ahead of time, so that the training time below excludes compilation.
   start = time.perf_counter()
-  step = compile_train_step(model, tx, mesh, state_specs, params, opt_state, config, data)
+  step = compile_train_step(
+    model, tx, mesh, state_specs, params, opt_state, config, data, local_params=local
+  )
   if evaluate:
     test = to_global(input_pipeline.eval_shards(data["x_test"], data["y_test"], k), per_device)
-    compiled = make_eval_step(model, mesh).lower(params, *test).compile()
+    compiled = make_eval_step(model, mesh).lower(shared(params, opt_state), *test).compile()
     accuracy = lambda params: float(compiled(params, *test).addressable_data(0))
   compile_time = time.perf_counter() - start
 
   if history is None and evaluate:
-    history = {"step": [0], "test_accuracy": [accuracy(params)], "train_loss": [float("nan")]}
+    history = {
+      "step": [0],
+      "test_accuracy": [accuracy(shared(params, opt_state))],
+      "train_loss": [float("nan")],
+    }
   pending = []  # this process's loss of each step not yet averaged over the processes
 
   def flush():  # the same steps in every process: a collective when multi-process
@@ -565,7 +606,7 @@ def train_method(
       if evaluating or saving:
         flush()
       if evaluating:
-        acc = accuracy(params)
+        acc = accuracy(shared(params, opt_state))
         history["train_loss"].append(float(np.mean(losses[history["step"][-1] :])))
         history["step"].append(i)
         history["test_accuracy"].append(acc)
@@ -578,7 +619,7 @@ def train_method(
     checkpoints.wait_until_finished()  # the last save is written before we return
     checkpoints.close()
 
-  final = local_leaves(params)
+  final = local_leaves(shared(params, opt_state))
   change = np.sqrt(
     sum(
       np.sum((f.astype(np.float64) - np.asarray(i, np.float64)) ** 2)
@@ -594,9 +635,9 @@ def train_method(
     "train_time_s": float(sum(step_times)),
     "compile_time_s": compile_time,
     "history": history,
-    "params_sha256": params_digest(params),
+    "params_sha256": params_digest(shared(params, opt_state)),
     "params_checksum": float(sum(np.sum(f, dtype=np.float64) for f in final)),
-    "local_copies_identical": local_copies_identical(params),
+    "local_copies_identical": local_copies_identical(shared(params, opt_state)),
     "params_change_l2": float(change),
     "layer_change": layer_change(init_params, final),
     "phases": None,

@@ -126,6 +126,9 @@ def exchange_time(
 ) -> float:
   """Seconds per step of the collectives in ``report`` (``jc.wire_report``) on ``link``.
 
+  A collective that runs once every ``n`` steps (``op.every``, e.g. the sync of
+  :func:`jaxcomp.diloco`) counts ``1/n`` of its time: the average over steps.
+
   Args:
     report: the wire report of a transform at ``report.num_devices`` devices.
     link: the link's α and β.
@@ -142,6 +145,7 @@ def exchange_time(
   return float(
     sum(
       op.count
+      / op.every
       * by_primitive.get(wire.canonical(op.primitive), link).collective_time(
         op.primitive, op.operand_bytes, k
       )

@@ -19,12 +19,15 @@ and as much is sent. The dense baseline is a float32 ``pmean`` of every paramete
 Of a ``lax.cond``/``lax.switch`` only the branch that moves the most bytes is counted
 (one branch runs per step; e.g. the first warm-up stage of :func:`jaxcomp.dgc`), so the
 report is an upper bound there; report the steady state of such a transform without it
-(``jc.dgc(..., warmup_steps=0)``).
+(``jc.dgc(..., warmup_steps=0)``). Collectives traced under
+``jax.named_scope(every_scope(n))`` run once every ``n`` steps (e.g. the sync of
+:func:`jaxcomp.diloco`): they count ``1/n`` of their bytes per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 from jax.extend import core as _core
@@ -61,6 +64,17 @@ TRAFFIC = {  # by canonical name
 
 
 _FALLBACK_SCOPE = "jaxcomp_fallback"  # jax.named_scope of rarely taken fallback exchanges
+_EVERY = re.compile(r"jaxcomp_every_(\d+)")
+
+
+def every_scope(n: int) -> str:
+  """The ``jax.named_scope`` of collectives that run once every ``n`` steps: the wire
+  report counts ``1/n`` of their bytes per step (nested scopes multiply)."""
+  return f"jaxcomp_every_{int(n)}"
+
+
+def _every(name_stack: str) -> int:
+  return int(np.prod([int(n) for n in _EVERY.findall(name_stack)], dtype=np.int64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +86,7 @@ class CollectiveOp:
   count: int  # how many times it runs per step (scan trip counts)
   bytes_received: float  # per device per step, by the convention above
   fallback: bool = False  # only on a rare fallback path (not in bytes_received)
+  every: int = 1  # runs once every this many steps (bytes_received is per step: / every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +114,9 @@ class WireReport:
     for op in self.ops:
       lines.append(
         f"  {op.primitive:<22} operand {op.operand_bytes:>12,} B x{op.count:<3}"
-        f" -> {op.bytes_received:,.0f} B" + ("  (fallback only)" if op.fallback else "")
+        f" -> {op.bytes_received:,.0f} B"
+        + (f"  (once every {op.every} steps)" if op.every > 1 else "")
+        + ("  (fallback only)" if op.fallback else "")
       )
     if self.fallback_bytes:
       lines.append(
@@ -134,8 +151,11 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
     name = eqn.primitive.name
     if canonical(name) in TRAFFIC:
       b = sum(_nbytes(v.aval) for v in eqn.invars)
-      fallback = _FALLBACK_SCOPE in str(eqn.source_info.name_stack)
-      out.append(CollectiveOp(name, b, mult, mult * TRAFFIC[canonical(name)](b, k), fallback))
+      stack = str(eqn.source_info.name_stack)
+      fallback = _FALLBACK_SCOPE in stack
+      every = _every(stack)
+      traffic = mult * TRAFFIC[canonical(name)](b, k) / every
+      out.append(CollectiveOp(name, b, mult, traffic, fallback, every))
     if name == "cond":
       # One branch runs per step: count the branch that moves the most bytes (an upper
       # bound; e.g. the first warm-up stage of jc.dgc). Collectives under the
@@ -181,8 +201,10 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
   ``tx.init`` and ``tx.update`` are traced inside ``jax.shard_map`` over an abstract
   mesh with ``num_devices`` devices on ``axis_name`` (no real devices are needed); the
   bytes are read from the operands of the collectives in the traced program, and priced
-  by the ring convention in this module's docstring. The dense baseline is ``lax.pmean``
-  of every leaf of ``params`` in float32: ``2(K-1)/K · 4 · N`` bytes.
+  by the ring convention in this module's docstring; a collective that runs once every
+  ``n`` steps (the sync of :func:`jaxcomp.diloco`) counts ``1/n`` of its bytes. The
+  dense baseline is ``lax.pmean`` of every leaf of ``params`` in float32:
+  ``2(K-1)/K · 4 · N`` bytes.
 
   Args:
     tx: an ``optax.GradientTransformation`` (e.g. a chain starting with ``jc.qsgd``).
@@ -224,10 +246,13 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
 
 
 def merge_ops(ops) -> tuple[CollectiveOp, ...]:
-  """Merges the ops of :func:`collective_ops` by (primitive, operand bytes, fallback)."""
-  merged: dict[tuple[str, int, bool], list] = {}
+  """Merges the ops of :func:`collective_ops` by (primitive, operand bytes, fallback,
+  every)."""
+  merged: dict[tuple[str, int, bool, int], list] = {}
   for op in ops:
-    entry = merged.setdefault((op.primitive, op.operand_bytes, op.fallback), [0, 0.0])
+    entry = merged.setdefault((op.primitive, op.operand_bytes, op.fallback, op.every), [0, 0.0])
     entry[0] += op.count
     entry[1] += op.bytes_received
-  return tuple(CollectiveOp(n, b, c, r, rare) for (n, b, rare), (c, r) in merged.items())
+  return tuple(
+    CollectiveOp(n, b, c, r, rare, every) for (n, b, rare, every), (c, r) in merged.items()
+  )

@@ -42,6 +42,8 @@ class Config:
   # SGD's) when optimizer is "momentum"; with "adamw" it uses learning_rate.
   adam_learning_rate: float = 0.01
   seed: int = 0  # init and shuffling
+  # DiLoCo (methods "diloco", "diloco_qsgd4"): local steps between syncs.
+  diloco_sync_every: int = 10
 
   # Methods to compare, in table order (see train.make_exchange).
   methods: tuple[str, ...] = (

@@ -1,0 +1,371 @@
+r"""DiLoCo (Douillard et al. 2023): local steps, then a compressed outer step.
+
+Each replica trains alone with an inner optimizer for ``sync_every`` steps; then the
+*pseudo-gradient*, the parameters at the last sync minus the replica's own, is averaged
+over the devices (densely, or through any jaxcomp exchange) and an outer optimizer
+steps the shared parameters with it. Optionally the parameters are cut into fragments
+synced in turn (Streaming DiLoCo, Douillard et al. 2025), which spreads the bytes over
+the period instead of sending them all on one step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomp._src import collectives
+from jaxcomp._src import transforms
+from jaxcomp._src import treeutil
+from jaxcomp._src import wire
+from jaxcomp._src import wrappers
+
+Array = jax.Array
+_F32 = jnp.float32
+
+
+class DiLoCoState(NamedTuple):
+  """State of :func:`diloco`.
+
+  ``count``, ``anchor`` and ``outer_state`` are the same on every device (they change
+  only from exchanged, device-independent values) and stay replicated under
+  ``jax.shard_map``. ``inner_state`` and ``exchange_state`` differ between devices:
+  they are :class:`jaxcomp.PerDeviceState`\\ s (a leading axis of 1 per device), which
+  :func:`jaxcomp.state_specs` places on the data axis. ``outer_state`` and
+  ``exchange_state`` hold one entry per fragment (one in all without ``fragments``),
+  each the state of its transform over the parameters with ``optax.MaskedNode()`` in
+  place of the other fragments' leaves.
+  """
+
+  count: Array  # shape=(), dtype=int32: steps taken
+  anchor: Any  # the parameters at the last sync, leaf shapes and dtypes, replicated
+  inner_state: Any  # PerDeviceState: the inner optimizer's state, per device
+  outer_state: tuple  # per fragment: the outer optimizer's state, replicated
+  exchange_state: tuple  # per fragment: PerDeviceState of the exchange's state
+
+
+def _check_transform(tx, name: str, *, optional: bool = False) -> None:
+  if optional and tx is None:
+    return
+  if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    raise TypeError(f"jc.diloco: {name} must be an optax GradientTransformation, got {tx!r}")
+
+
+def fragment_ids(sizes, fragments: int) -> list[int]:
+  """The fragment of each leaf: the largest leaves first, each to the lightest fragment.
+
+  Deterministic (ties go to the lower index), so every device and every call splits the
+  same tree the same way; fragments end up within one leaf's size of each other.
+  """
+  loads = [0] * fragments
+  out = [0] * len(sizes)
+  for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    f = min(range(fragments), key=lambda f: (loads[f], f))
+    out[i] = f
+    loads[f] += sizes[i]
+  return out
+
+
+def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
+  """Step offsets of the fragments, spread evenly over the period: ``f·H // F``."""
+  return [f * sync_every // fragments for f in range(fragments)]
+
+
+def _masked(treedef, leaves, keep) -> Any:
+  """``leaves`` as a tree with ``optax.MaskedNode()`` where ``keep`` is False."""
+  return treedef.unflatten([x if k else optax.MaskedNode() for x, k in zip(leaves, keep)])
+
+
+def diloco(
+  inner: optax.GradientTransformation,
+  outer: optax.GradientTransformation,
+  *,
+  sync_every: int,
+  axis_name: Any,
+  exchange: optax.GradientTransformation | None = None,
+  fragments: int | None = None,
+) -> optax.GradientTransformation:
+  r"""DiLoCo: ``sync_every`` local steps per replica, then an outer step on the mean drift.
+
+  Each device is a replica with its own parameters ``θ_i``. Every step it applies
+  ``inner`` (any optax transformation, e.g. ``optax.adamw``) to its own gradient, with
+  no communication. Every ``H = sync_every``-th step the replicas sync: with ``θ`` the
+  parameters of the last sync (the *anchor*, the same on every device),
+
+  .. math::
+    Δ = \mathrm{exchange}\big(θ - θ_i\big) \approx \tfrac{1}{K}\textstyle\sum_i (θ - θ_i),
+    \qquad θ \leftarrow θ + \mathrm{outer}(Δ),
+
+  and every replica continues from the new ``θ`` (its inner optimizer's state carries
+  on; only the parameters are reset). ``exchange`` is any jaxcomp exchange over
+  ``axis_name`` (e.g. ``jc.qsgd(bits=4, axis_name=...)``, with its error feedback,
+  whose state advances on sync steps only); ``None`` averages ``Δ`` densely (one
+  all-reduce per dtype, :func:`jaxcomp.pmean_tree`). ``outer`` sees ``Δ`` as a
+  gradient: ``optax.sgd(1.0)`` sets ``θ`` to the replicas' mean, the paper's
+  ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` extrapolates past it. With
+  ``sync_every=1``, ``exchange=None``, ``inner=optax.sgd(lr)`` and
+  ``outer=optax.sgd(1.0)`` it is data-parallel SGD with learning rate ``lr``.
+
+  **The parameters are per device.** ``update`` takes this replica's gradient and
+  parameters and returns this replica's updates: ``inner``'s between syncs, and
+  ``θ_new - θ_i`` on a sync step, so that ``optax.apply_updates`` puts every replica on
+  the new anchor (to one rounding of ``θ_i + (θ_new - θ_i)``; the next pseudo-gradient
+  is taken from the anchor, so the rounding does not build up). Under ``jax.pmap`` the
+  parameters are per device anyway. Under ``jax.shard_map`` hold them with a leading
+  device axis, like a :func:`jaxcomp.per_device_state` (globally ``(K, *shape)``,
+  ``P(axis_name)``), initialise the state from the replicated parameters, and evaluate
+  ``state.anchor``::
+
+    tx = jc.diloco(optax.adamw(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True),
+                   sync_every=50, axis_name="b", exchange=jc.qsgd(bits=4, axis_name="b"))
+    specs = jc.state_specs(tx, params, axis_name="b", num_devices=K)
+    opt_state = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)(params)
+    replicas = jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), params)
+
+    def train_step(replicas, opt_state, batch):   # in_specs (P("b"), specs, P("b"))
+      p = jax.tree.map(lambda x: x[0], replicas)  # this replica: varies over "b"
+      grads = jax.grad(loss)(p, batch)            # its local gradient (no psum)
+      updates, opt_state = tx.update(grads, opt_state, p)
+      p = optax.apply_updates(p, updates)
+      return jax.tree.map(lambda x: x[None], p), opt_state
+
+  One compiled program serves every step: each fragment's sync is a ``lax.cond`` on the
+  step count, the same on every device, so every device enters the exchange's
+  collectives on the same steps and none waits alone; steps without a sync run no
+  collective at all.
+
+  ``fragments=F`` (Streaming DiLoCo): the leaves are split into F fragments of about
+  equal size (:func:`fragment_ids`), and fragment ``f`` syncs on the steps
+  ``t ≡ f·H // F (mod H)`` (``t`` counts from 1), each with its own anchor, outer state
+  and exchange state. Every leaf still syncs once per ``H`` steps, but a sync step sends
+  one fragment, about ``1/F`` of the bytes.
+
+  Bytes per device per step: the exchange's bytes for the whole model divided by ``H``
+  on average (:func:`jaxcomp.wire_report` reports that: the sync's collectives count
+  ``1/H`` per step); a sync step itself sends all of them (``fragments=None``) or one
+  fragment's.
+
+  State (:class:`DiLoCoState`): the step count, the anchor and the outer states are
+  replicated; the inner optimizer's and the exchange's states are per device and
+  already wrapped (do **not** wrap ``diloco`` in :func:`jaxcomp.per_device_state`, nor
+  the exchange); :func:`jaxcomp.state_specs` places every part.
+
+  A non-finite gradient makes that replica's pseudo-gradient, hence the mean and the
+  anchor, non-finite on every device at the next sync (visible, never hidden).
+  :func:`jaxcomp.skip_nonfinite` does not apply: its decision reads updates that are the
+  same on every device, and DiLoCo's differ between syncs.
+
+  Args:
+    inner: the replicas' optimizer, applied to the local gradient every step.
+    outer: the optimizer of the anchor, applied to the averaged pseudo-gradient.
+    sync_every: ``H``, the steps between syncs (of each fragment), ``>= 1``.
+    axis_name: the data-parallel axis the replicas live on (``None``: one replica; the
+      mean is the pseudo-gradient itself).
+    exchange: a jaxcomp exchange over ``axis_name`` returning the mean of its input
+      (``jc.qsgd``, ``jc.onebit_sgd``, ``jc.powersgd``, ...), unwrapped; ``None``: a
+      dense float mean. Under ``jax.shard_map`` (check_vma on) an exchange whose result
+      still varies over ``axis_name`` (one built for another axis) is an error.
+    fragments: ``F``, the number of fragments, ``1 <= F <= sync_every`` and at most
+      the number of leaves; ``None``: all leaves sync together.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose ``update(grads, state, params)`` needs
+    this replica's ``params`` and returns this replica's updates.
+
+  Raises:
+    ValueError: ``sync_every < 1``; ``fragments`` outside ``[1, sync_every]`` or above
+      the number of leaves; ``update`` without ``params``; under ``jax.shard_map``,
+      replicated parameters or an exchange over another axis.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxcomp as jc
+    >>> tx = jc.diloco(optax.sgd(0.5), optax.sgd(1.0), sync_every=2, axis_name=None)
+    >>> params, grads = {"w": jnp.zeros(2)}, {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(grads, state, params)  # t = 1: a local step
+    >>> params = optax.apply_updates(params, updates)
+    >>> params["w"].tolist(), state.anchor["w"].tolist()
+    ([-0.5, -0.5], [0.0, 0.0])
+    >>> updates, state = tx.update(grads, state, params)  # t = 2: a sync
+    >>> params = optax.apply_updates(params, updates)
+    >>> params["w"].tolist(), state.anchor["w"].tolist()
+    ([-1.0, -1.0], [-1.0, -1.0])
+
+  References:
+    Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam, Shen. *DiLoCo:
+    Distributed Low-Communication Training of Language Models*. 2023.
+    https://arxiv.org/abs/2311.08105
+
+    Douillard, Donchev, Rush, Kale, Rusu, Hasan, Szlam, et al. *Streaming DiLoCo with
+    overlapping communication: Towards a Distributed Free Lunch*. 2025.
+    https://arxiv.org/abs/2501.18512
+  """
+  _check_transform(inner, "inner")
+  _check_transform(outer, "outer")
+  _check_transform(exchange, "exchange", optional=True)
+  if (
+    isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) or sync_every < 1
+  ):
+    raise ValueError(f"jc.diloco: sync_every must be an integer >= 1, got {sync_every!r}")
+  sync_every = int(sync_every)
+  num_fragments = 1 if fragments is None else fragments
+  if (
+    isinstance(num_fragments, bool)
+    or not isinstance(num_fragments, (int, np.integer))
+    or not 1 <= num_fragments <= sync_every
+  ):
+    raise ValueError(
+      f"jc.diloco: fragments must be an integer in [1, sync_every={sync_every}] (each "
+      f"fragment syncs on its own step of the period) or None, got {fragments!r}"
+    )
+  num_fragments = int(num_fragments)
+  offsets = fragment_offsets(sync_every, num_fragments)
+  inner_pd = transforms.per_device_state(inner)
+  exchange_pd = None if exchange is None else transforms.per_device_state(exchange)
+
+  def split(params):
+    """The tree's leaves, its treedef and each leaf's fragment."""
+    leaves, treedef = jax.tree.flatten(params)
+    if len(leaves) < num_fragments:
+      raise ValueError(
+        f"jc.diloco: fragments={num_fragments} but the parameters have {len(leaves)} "
+        f"leaves; a fragment is a set of whole leaves"
+      )
+    sizes = [int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves]
+    return leaves, treedef, fragment_ids(sizes, num_fragments)
+
+  def init_fn(params):
+    for path, leaf in treeutil.flat(params)[0]:
+      treeutil.check_leaf(path, leaf, "jc.diloco needs floating-point parameters")
+    leaves, treedef, ids = split(params)
+    frag_trees = [_masked(treedef, leaves, [i == f for i in ids]) for f in range(num_fragments)]
+    return DiLoCoState(
+      count=jnp.zeros((), jnp.int32),
+      anchor=jax.tree.map(jnp.asarray, params),
+      inner_state=inner_pd.init(params),
+      outer_state=tuple(outer.init(t) for t in frag_trees),
+      exchange_state=tuple(
+        optax.EmptyState() if exchange_pd is None else exchange_pd.init(t) for t in frag_trees
+      ),
+    )
+
+  def check_update(grads, params):
+    """Under shard_map (check_vma): per-device parameters, local gradients."""
+    if axis_name is None or not collectives.tracks_varying(axis_name):
+      return
+    for path, p in treeutil.flat(params)[0]:
+      if axis_name not in collectives.varying_axes(p):
+        raise ValueError(
+          f"jc.diloco: the parameters at {jax.tree_util.keystr(path)} are replicated "
+          f"over axis {axis_name!r}, but DiLoCo's replicas drift apart between syncs: "
+          f"hold the parameters per device (a leading device axis, P({axis_name!r}), "
+          f"one row per replica) and pass this replica's row to update."
+        )
+    for path, g in treeutil.flat(grads)[0]:
+      collectives.check_local(path, g, axis_name)
+
+  def mean_of(delta, ex_state, anchor):
+    """The exchanged mean of the pseudo-gradient tree, and the exchange's new state."""
+    if exchange_pd is None:
+      if axis_name is None:
+        return delta, ex_state
+      return collectives.pmean_tree(delta, axis_name), ex_state
+    try:
+      mean, ex_state = exchange_pd.update(delta, ex_state, anchor)
+    except NameError as e:  # a collective over an axis that is not bound here
+      raise ValueError(
+        f"jc.diloco: the exchange runs a collective over an axis that is not bound "
+        f"({e}); build it with axis_name={axis_name!r}, the axis jc.diloco syncs over."
+      ) from e
+    if axis_name is not None and collectives.tracks_varying(axis_name):
+      for path, m in treeutil.flat(mean)[0]:
+        if axis_name in collectives.varying_axes(m):
+          raise ValueError(
+            f"jc.diloco: the exchange's result at {jax.tree_util.keystr(path)} still "
+            f"differs between devices on axis {axis_name!r}: the exchange does not "
+            f"average over it (built with another axis_name, or None?); build it with "
+            f"axis_name={axis_name!r}."
+          )
+    return mean, ex_state
+
+  def update_fn(grads, state, params=None):
+    if params is None:
+      raise ValueError(
+        "jc.diloco: update needs params (this replica's parameters): "
+        "tx.update(grads, state, params)"
+      )
+    p_leaves, treedef, ids = split(params)
+    if treedef != jax.tree.structure(state.anchor):
+      raise ValueError(
+        f"jc.diloco: params have tree {treedef}, but init saw {jax.tree.structure(state.anchor)}"
+      )
+    check_update(grads, params)
+    inner_u, inner_state = inner_pd.update(grads, state.inner_state, params)
+    u_leaves = treedef.flatten_up_to(inner_u)
+    a_leaves = treedef.flatten_up_to(state.anchor)
+    t = state.count + 1
+    out, new_anchor = list(u_leaves), list(a_leaves)
+    outer_states, exchange_states = [], []
+    for f in range(num_fragments):
+      keep = [i == f for i in ids]
+      idx = [i for i, k in enumerate(keep) if k]
+
+      def sync(u, a, p, outer_state, ex_state, keep=keep, idx=idx):
+        with jax.named_scope(wire.every_scope(sync_every)):
+          # Δ = θ - (θ_i + u_i), taken as (θ - θ_i) - u_i: exactly -u_i while the
+          # replica sits on the anchor (sync_every=1), with no rounding of θ_i + u_i.
+          delta = [
+            ((a_.astype(_F32) - p_.astype(_F32)) - u_.astype(_F32)).astype(p_.dtype)
+            for u_, a_, p_ in zip(u, a, p)
+          ]
+          full = lambda xs: _masked(treedef, _scatter(xs, idx, len(keep)), keep)
+          mean, ex_state_new = mean_of(full(delta), ex_state, full(a))
+          mean = treedef.flatten_up_to(mean)
+          outer_u, outer_new = outer.update(full([mean[i] for i in idx]), outer_state, full(a))
+          outer_u = treedef.flatten_up_to(outer_u)
+          a_new = [optax.apply_updates(a_, outer_u[i].astype(a_.dtype)) for a_, i in zip(a, idx)]
+          u_new = [(an - p_).astype(u_.dtype) for an, p_, u_ in zip(a_new, p, u)]
+        match = lambda new, old: jax.tree.map(wrappers._match_varying, new, old)  # pylint: disable=protected-access
+        return (
+          match(u_new, u),
+          match(a_new, a),
+          match(outer_new, outer_state),
+          match(ex_state_new, ex_state),
+        )
+
+      def stay(u, a, p, outer_state, ex_state):
+        del p
+        return u, a, outer_state, ex_state
+
+      u = [u_leaves[i] for i in idx]
+      a = [a_leaves[i] for i in idx]
+      p = [p_leaves[i] for i in idx]
+      due = (t - offsets[f]) % sync_every == 0
+      u, a, o, e = lax.cond(due, sync, stay, u, a, p, state.outer_state[f], state.exchange_state[f])
+      for j, i in enumerate(idx):
+        out[i], new_anchor[i] = u[j], a[j]
+      outer_states.append(o)
+      exchange_states.append(e)
+    new_state = DiLoCoState(
+      count=t,
+      anchor=treedef.unflatten(new_anchor),
+      inner_state=inner_state,
+      outer_state=tuple(outer_states),
+      exchange_state=tuple(exchange_states),
+    )
+    return treedef.unflatten(out), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _scatter(xs, idx, n) -> list:
+  """A list of length ``n`` with ``xs`` at positions ``idx`` and ``None`` elsewhere."""
+  out = [None] * n
+  for x, i in zip(xs, idx):
+    out[i] = x
+  return out

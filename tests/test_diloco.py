@@ -1,0 +1,507 @@
+"""jc.diloco: local steps, synced pseudo-gradients, fragments, bytes, state and errors."""
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp as jc
+from jaxcomp._src import diloco as diloco_lib
+from tests import helpers
+from tests.helpers import AXIS
+from tests.helpers import K
+
+EPS = float(jnp.finfo(jnp.float32).eps)
+SHAPES = {"w": (64, 32), "b": (32,)}  # w: 2048 values, compressed by default_filter
+PARAMS = {n: jnp.zeros(s, jnp.float32) for n, s in SHAPES.items()}
+
+
+def _quadratic_grads(p, c):
+  """Gradient of 0.5 ||p - c||^2 (device-specific centres c: each replica's own optimum)."""
+  return jax.tree.map(lambda x, y: x - y, p, c)
+
+
+def _stack(tree, k=K):
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)), tree)
+
+
+def _centres(seed=0, k=K):
+  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+  return {n: jax.random.normal(kk, (k, *s)) for kk, (n, s) in zip(keys, sorted(SHAPES.items()))}
+
+
+class ShardMapRun:
+  """DiLoCo under shard_map (check_vma on): replicas held with a leading device axis."""
+
+  def __init__(self, tx, params=PARAMS, grad_fn=_quadratic_grads, mesh=None):
+    chex.clear_trace_counter()  # this run's step may trace once
+    self.mesh = helpers.mesh() if mesh is None else mesh
+    self.tx = tx
+    self.specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=self.mesh.size)
+    self.init = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs))
+
+    @chex.assert_max_traces(n=1)
+    def step(replicas, state, data):
+      p = jax.tree.map(lambda x: x[0], replicas)
+      grads = grad_fn(p, jax.tree.map(lambda x: x[0], data))
+      updates, state = tx.update(grads, state, p)
+      p = optax.apply_updates(p, updates)
+      return jax.tree.map(lambda x: x[None], p), state
+
+    self.step = jax.jit(
+      jax.shard_map(
+        step,
+        mesh=self.mesh,
+        in_specs=(P(AXIS), self.specs, P(AXIS)),
+        out_specs=(P(AXIS), self.specs),
+      )
+    )
+    self.params = params
+
+  def start(self):
+    state = self.init(jax.device_put(self.params, jax.NamedSharding(self.mesh, P())))
+    return helpers.shard(_stack(self.params, self.mesh.size), self.mesh), state
+
+  def run(self, steps, data, replicas=None, state=None):
+    """Every step's (replicas, state) as host arrays; ``data(t)`` is step t's input."""
+    if replicas is None:
+      replicas, state = self.start()
+    out = []
+    for t in range(1, steps + 1):
+      replicas, state = self.step(replicas, state, helpers.shard(data(t), self.mesh))
+      out.append(jax.device_get((replicas, state)))
+    self.last = (replicas, state)
+    return out
+
+
+def _dp_sgd(lr, steps, centres):
+  """Data-parallel SGD on the quadratic under shard_map: replicated params, the mean
+  gradient from one all-reduce (jc.pmean_tree, as DiLoCo's dense mean), optax.sgd(lr)."""
+  m = helpers.mesh()
+  tx = optax.sgd(lr)
+
+  def step(p, c):
+    grads = _quadratic_grads(jc.vary(p, AXIS), jax.tree.map(lambda x: x[0], c))
+    updates, _ = tx.update(jc.pmean_tree(grads, AXIS), tx.init(p))
+    return optax.apply_updates(p, updates)
+
+  step = jax.jit(jax.shard_map(step, mesh=m, in_specs=(P(), P(AXIS)), out_specs=P()))
+  p = jax.device_put(PARAMS, jax.NamedSharding(m, P()))
+  for _ in range(steps):
+    p = step(p, helpers.shard(centres, m))
+  return jax.device_get(p)
+
+
+@pytest.mark.parametrize("lr", [0.125, 0.3])
+def test_sync_every_one_is_data_parallel_sgd_shard_map(lr):
+  """sync_every=1, exchange=None, inner sgd(lr), outer sgd(1.0): data-parallel SGD.
+
+  Each step's pseudo-gradient is ``-u_i = lr·g_i`` exactly (it is taken as
+  ``(θ - θ_i) - u_i`` with ``θ_i = θ``), so the anchor follows SGD on the mean gradient;
+  the only difference is where ``lr`` multiplies (``mean(lr·g_i)`` vs ``lr·mean(g_i)``):
+  none for a power of two (bit for bit), one rounding per step otherwise. Every replica
+  lands on the anchor at every step.
+  """
+  chex.clear_trace_counter()
+  tx = jc.diloco(optax.sgd(lr), optax.sgd(1.0), sync_every=1, axis_name=AXIS)
+  centres = _centres()
+  steps = 6
+  history = ShardMapRun(tx).run(steps, lambda t: centres)
+  replicas, state = history[-1]
+  want = _dp_sgd(lr, steps, centres)
+  for name in SHAPES:
+    tol = 0.0 if lr == 0.125 else 2 * steps * EPS  # |values| < 1: an ulp <= EPS
+    np.testing.assert_allclose(state.anchor[name], want[name], rtol=0, atol=tol)
+    for r in replicas[name]:
+      np.testing.assert_array_equal(r, state.anchor[name])
+
+
+def test_sync_every_one_is_data_parallel_sgd_pmap():
+  """The same equivalence under jax.pmap, where parameters are per device anyway."""
+  lr = 0.125
+  tx = jc.diloco(optax.sgd(lr), optax.sgd(1.0), sync_every=1, axis_name=AXIS)
+  centres = _centres()
+
+  def step(p, state, c):
+    updates, state = tx.update(_quadratic_grads(p, c), state, p)
+    return optax.apply_updates(p, updates), state
+
+  p = _stack(PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(p)
+  step = jax.pmap(step, axis_name=AXIS)
+  for _ in range(6):
+    p, state = step(p, state, centres)
+  want = _dp_sgd(lr, 6, centres)
+  for name in SHAPES:
+    for i in range(K):
+      np.testing.assert_array_equal(np.asarray(p[name][i]), want[name])
+      np.testing.assert_array_equal(np.asarray(state.anchor[name][i]), want[name])
+
+
+def test_replicas_drift_between_syncs_and_agree_at_syncs():
+  """H=4, inner sgd, outer sgd(1.0): replicas follow local SGD, the anchor moves only at
+  syncs, to the replicas' mean, which is the closed form
+  ``θ' = c̄ + (1 - lr)^H (θ - c̄)`` of H local steps on ``0.5||θ - c_i||^2``."""
+  lr, h = 0.25, 4
+  tx = jc.diloco(optax.sgd(lr), optax.sgd(1.0), sync_every=h, axis_name=AXIS)
+  centres = _centres()
+  history = ShardMapRun(tx).run(2 * h, lambda t: centres)
+  theta = {n: np.zeros(s, np.float64) for n, s in SHAPES.items()}
+  c = {n: np.asarray(v, np.float64) for n, v in centres.items()}
+  for t, (replicas, state) in enumerate(history, start=1):
+    assert int(state.count) == t
+    local = t % h or h  # local steps since the last sync
+    for n in SHAPES:
+      r = replicas[n].astype(np.float64)
+      expect_local = c[n] + (1 - lr) ** local * (theta[n][None] - c[n])
+      if t % h:
+        np.testing.assert_allclose(r, expect_local, rtol=0, atol=1e-5)
+        assert np.min(np.ptp(r, axis=0).max(axis=tuple(range(1, r.ndim - 1)))) > 0.1
+        np.testing.assert_allclose(state.anchor[n], theta[n], rtol=0, atol=1e-5)
+      else:
+        new = expect_local.mean(0)
+        np.testing.assert_allclose(state.anchor[n], new, rtol=0, atol=1e-5)
+        for row in replicas[n]:  # every replica on the new anchor
+          np.testing.assert_allclose(row, state.anchor[n], rtol=0, atol=2 * EPS)
+    if t % h == 0:
+      theta = {n: np.asarray(state.anchor[n], np.float64) for n in SHAPES}
+
+
+def test_inner_state_survives_a_sync():
+  """The inner Adam state is each replica's own, carried through syncs: after 5 steps
+  (syncs at 2 and 4) it equals optax.adam's state after the same 5 local gradients."""
+  h, steps = 2, 5
+  inner = optax.adam(1e-2)
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam: float ** int32 count
+    _inner_state_survives(inner, h, steps)
+
+
+def _inner_state_survives(inner, h, steps):
+  tx = jc.diloco(inner, optax.sgd(0.7, momentum=0.9, nesterov=True), sync_every=h, axis_name=AXIS)
+  grads = [_centres(seed=10 + t) for t in range(steps + 1)]
+  history = ShardMapRun(tx, grad_fn=lambda p, g: g).run(steps, lambda t: grads[t])
+  _, state = history[-1]
+  for i in (0, K - 1):
+    s = inner.init(PARAMS)
+    for t in range(1, steps + 1):
+      _, s = inner.update(jax.tree.map(lambda g: g[i], grads[t]), s)
+    got = jax.tree.map(lambda x: x[i], state.inner_state.inner)
+    chex.assert_trees_all_close(got, jax.device_get(s), rtol=1e-6, atol=1e-7)
+    assert int(got[0].count) == steps  # not reset at the syncs
+
+
+def _lstsq_problem(seed=0):
+  """Least squares with different data and a different optimum on every replica."""
+  d, o, n = 32, 32, 256
+  kx, kw, kd, kn = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(kx, (K, n, d)) + 0.3 * jnp.linspace(-1, 1, K)[:, None, None]
+  w_true = jax.random.normal(kw, (d, o)) / np.sqrt(d)
+  shift = 0.5 * jax.random.normal(kd, (K, d, o)) / np.sqrt(d)  # non-iid targets
+  y = jnp.einsum("knd,kdo->kno", x, w_true[None] + shift) + 0.1 * jax.random.normal(kn, (K, n, o))
+  return x, y
+
+
+def _lstsq_loss(p, x, y):
+  return 0.5 * jnp.mean(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, -1))
+
+
+@pytest.mark.parametrize("exchange", [None, "qsgd4"], ids=["dense", "qsgd4"])
+def test_converges_with_different_data_per_replica(exchange):
+  """Non-iid least squares: DiLoCo (inner SGD, outer Nesterov, H=8) brings the global
+  loss of the anchor within 2% of the optimum's excess at init, dense and with 4-bit
+  QSGD pseudo-gradients; each replica's own optimum is far from the global one."""
+  x, y = _lstsq_problem()
+  ex = None if exchange is None else jc.qsgd(bits=4, axis_name=AXIS)
+  tx = jc.diloco(
+    optax.sgd(0.1),
+    optax.sgd(0.7, momentum=0.9, nesterov=True),
+    sync_every=8,
+    axis_name=AXIS,
+    exchange=ex,
+  )
+  params = {"w": jnp.zeros((32, 32)), "b": jnp.zeros((32,))}
+  run = ShardMapRun(tx, params=params, grad_fn=lambda p, d: jax.grad(_lstsq_loss)(p, *d))
+  history = run.run(160, lambda t: (x, y))
+  _, state = history[-1]
+  xs, ys = np.asarray(x, np.float64).reshape(-1, 32), np.asarray(y, np.float64).reshape(-1, 32)
+  a = np.concatenate([xs, np.ones((len(xs), 1))], 1)
+  sol = np.linalg.lstsq(a, ys, rcond=None)[0]
+  global_loss = lambda w, b: 0.5 * np.mean(np.sum((xs @ w + b - ys) ** 2, -1))
+  best = global_loss(sol[:-1], sol[-1])
+  start = global_loss(np.zeros((32, 32)), np.zeros(32))
+  got = global_loss(np.asarray(state.anchor["w"], np.float64), np.asarray(state.anchor["b"]))
+  assert (got - best) / (start - best) < 0.02, (got, best, start)
+  # Non-iid: a replica's own optimum is a poor global model.
+  own = np.linalg.lstsq(
+    np.concatenate([np.asarray(x[0], np.float64), np.ones((256, 1))], 1),
+    np.asarray(y[0], np.float64),
+    rcond=None,
+  )[0]
+  assert (global_loss(own[:-1], own[-1]) - best) / (start - best) > 0.05
+
+
+def test_fragments_sync_on_staggered_steps():
+  """fragments=2, H=4: the leaves split into two fragments of equal size synced at
+  t ≡ 0 and t ≡ 2 (mod 4); a fragment's anchor moves only on its steps, where the
+  replicas agree on its leaves and still differ on the other fragment's."""
+  shapes = {"a": (32, 32), "b": (32, 32)}
+  params = {n: jnp.zeros(s) for n, s in shapes.items()}
+  keys = jax.random.split(jax.random.key(3), 2)
+  centres = {n: jax.random.normal(k, (K, *s)) for k, (n, s) in zip(keys, sorted(shapes.items()))}
+  tx = jc.diloco(optax.sgd(0.25), optax.sgd(1.0), sync_every=4, axis_name=AXIS, fragments=2)
+  history = ShardMapRun(tx, params=params).run(8, lambda t: centres)
+  ids = dict(zip(sorted(shapes), diloco_lib.fragment_ids([1024, 1024], 2)))
+  offsets = {n: [0, 2][ids[n]] for n in shapes}
+  assert sorted(offsets.values()) == [0, 2]
+  prev = params
+  for t, (replicas, state) in enumerate(history, start=1):
+    for n in shapes:
+      due = (t - offsets[n]) % 4 == 0
+      moved = not np.array_equal(state.anchor[n], prev[n])
+      assert moved == due, (t, n)
+      spread = np.ptp(replicas[n], axis=0).max()
+      assert (spread <= 4 * EPS) == due, (t, n, spread)
+    prev = state.anchor
+
+
+def test_fragment_ids_balance():
+  """Largest leaves first to the lightest fragment: loads within one leaf of each other."""
+  ids = diloco_lib.fragment_ids([100, 10, 60, 50, 5], 2)
+  loads = [sum(s for s, i in zip([100, 10, 60, 50, 5], ids) if i == f) for f in range(2)]
+  assert ids == [0, 0, 1, 1, 0] and loads == [115, 110]
+
+
+@pytest.mark.parametrize("fragments", [None, 2])
+def test_wire_report_divides_by_sync_every(fragments):
+  """The sync's collectives count 1/H per step: DiLoCo's report is the exchange's over
+  H (for the dense mean, the dense all-reduce's); fragments send the same bytes in all."""
+  h = 5
+  params = {"w": jnp.zeros((64, 32)), "v": jnp.zeros((32, 64)), "b": jnp.zeros((32,))}
+  for ex in (None, lambda: jc.qsgd(bits=4, axis_name=AXIS)):
+    tx = jc.diloco(
+      optax.sgd(0.1),
+      optax.sgd(1.0),
+      sync_every=h,
+      axis_name=AXIS,
+      exchange=None if ex is None else ex(),
+      fragments=fragments,
+    )
+    report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=K)
+    if ex is None:
+      want = report.dense_bytes / h
+    else:
+      exchange_report = jc.wire_report(ex(), params, axis_name=AXIS, num_devices=K)
+      want = exchange_report.bytes_received / h
+    if fragments is None or ex is None:  # the same collectives, once every H steps
+      assert report.bytes_received == pytest.approx(want, rel=1e-12)
+    else:  # per-fragment payloads: their own padding and scales, within a few percent
+      assert report.bytes_received == pytest.approx(want, rel=0.05)
+    assert report.ops and all(op.every == h for op in report.ops)
+    assert f"once every {h} steps" in str(report)
+
+
+def test_state_is_stable_and_one_compile():
+  """Inner Adam, outer Nesterov, 4-bit QSGD with error feedback, 2 fragments: the state
+  keeps its shapes, dtypes and specs over syncs and steps between them, in one compile
+  (ShardMapRun's step asserts a single trace)."""
+  chex.clear_trace_counter()
+  tx = jc.diloco(
+    optax.adam(1e-2),
+    optax.sgd(0.7, momentum=0.9, nesterov=True),
+    sync_every=2,
+    axis_name=AXIS,
+    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True),
+    fragments=2,
+  )
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam: float ** int32 count
+    run = ShardMapRun(tx)
+    replicas, state0 = run.start()
+    history = run.run(4, lambda t: _centres(seed=t), replicas, state0)
+  state0 = jax.device_get(state0)
+  for _, state in history:
+    chex.assert_trees_all_equal_shapes_and_dtypes(state0, state)
+  # The exchange's state advances on its fragment's sync steps only: w (2048 values,
+  # fragment 0, offset 0) syncs at t = 2, 4, so its key changes there and nowhere else.
+  keys = [
+    jax.random.key_data(s.exchange_state[0].inner.key) for s in [state0] + [s for _, s in history]
+  ]
+  changed = [not np.array_equal(keys[t], keys[t - 1]) for t in range(1, 5)]
+  assert changed == [False, True, False, True]
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(history[-1][1].anchor))
+
+
+def test_state_specs():
+  """Anchor, count and outer state replicated; inner and exchange states per device."""
+  tx = jc.diloco(
+    optax.adam(1e-3),
+    optax.sgd(0.7, momentum=0.9),
+    sync_every=4,
+    axis_name=AXIS,
+    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True),
+  )
+  specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
+  assert specs.count == P()
+  assert specs.anchor == {"w": P(), "b": P()}
+  assert all(s == P() for s in jax.tree.leaves(specs.outer_state))
+  adam = specs.inner_state.inner[0]
+  assert adam.mu == {"w": P(AXIS), "b": P(AXIS)} and adam.count == P(AXIS)
+  ex = specs.exchange_state[0].inner
+  assert ex.key == P(AXIS) and ex.residual["w"] == P(AXIS)
+
+
+def test_checkpoint_round_trip_resumes_bit_identically():
+  """The state (typed keys included) saved as plain arrays after 3 steps and restored
+  as jc.restore_target places it continues exactly as the uninterrupted run."""
+  chex.clear_trace_counter()
+  tx = jc.diloco(
+    optax.sgd(0.05, momentum=0.9),
+    optax.sgd(0.7, momentum=0.9, nesterov=True),
+    sync_every=2,
+    axis_name=AXIS,
+    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True),
+  )
+  run = ShardMapRun(tx)
+  data = lambda t: _centres(seed=t)
+  replicas, state = run.start()
+  run.run(3, data, replicas, state)
+  replicas, live = run.last
+  saved = jax.tree.map(np.asarray, jc.unwrap_keys(live))  # what a checkpointer writes
+  target = jc.restore_target(tx, PARAMS, mesh=run.mesh, specs=run.specs)
+  for t, x in zip(jax.tree.leaves(target), jax.tree.leaves(live)):
+    assert t.sharding.is_equivalent_to(x.sharding, x.ndim), (t, x.sharding)
+  restored = jax.tree.map(
+    lambda x, like: jax.device_put(x, like.sharding), saved, jc.unwrap_keys(live)
+  )
+  state = jc.wrap_keys(restored, target)
+  assert jax.dtypes.issubdtype(state.exchange_state[0].inner.key.dtype, jax.dtypes.prng_key)
+  resumed = run.run(2, lambda t: data(t + 3), replicas, state)
+  full = run.run(2, lambda t: data(t + 3), replicas, live)
+  chex.assert_trees_all_equal(jc.unwrap_keys(resumed[-1]), jc.unwrap_keys(full[-1]))
+  assert int(resumed[-1][1].count) == 5
+
+
+def test_bad_input():
+  """Clear errors: sync_every, fragments, non-transforms, update without params."""
+  sgd = optax.sgd(0.1)
+  for bad in (0, -1, 1.5, True, None):
+    with pytest.raises(ValueError, match="sync_every must be an integer >= 1"):
+      jc.diloco(sgd, sgd, sync_every=bad, axis_name=AXIS)
+  for bad in (0, 5, 2.0, True):
+    with pytest.raises(ValueError, match="fragments must be an integer"):
+      jc.diloco(sgd, sgd, sync_every=4, axis_name=AXIS, fragments=bad)
+  with pytest.raises(TypeError, match="inner must be an optax GradientTransformation"):
+    jc.diloco(lambda g: g, sgd, sync_every=2, axis_name=AXIS)
+  with pytest.raises(TypeError, match="exchange must be"):
+    jc.diloco(sgd, sgd, sync_every=2, axis_name=AXIS, exchange=jc.codecs.Identity())
+  tx = jc.diloco(sgd, sgd, sync_every=4, axis_name=None, fragments=3)
+  with pytest.raises(ValueError, match="fragments=3 but the parameters have 2 leaves"):
+    tx.init(PARAMS)
+  tx = jc.diloco(sgd, sgd, sync_every=2, axis_name=None)
+  with pytest.raises(ValueError, match="update needs params"):
+    tx.update(PARAMS, tx.init(PARAMS))
+
+
+def test_replicated_params_under_shard_map_are_refused():
+  """Under shard_map, replicated params (P()) cannot drift: a clear error says how to
+  hold them."""
+  m = helpers.mesh()
+  tx = jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2, axis_name=AXIS)
+  specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
+
+  def step(params, state, c):
+    grads = _quadratic_grads(jc.vary(params, AXIS), jax.tree.map(lambda x: x[0], c))
+    return tx.update(grads, state, params)
+
+  f = jax.shard_map(step, mesh=m, in_specs=(P(), specs, P(AXIS)), out_specs=(P(AXIS), specs))
+  state = ShardMapRun(tx).start()[1]
+  with pytest.raises(ValueError, match="hold the parameters per device"):
+    jax.jit(f).lower(PARAMS, state, helpers.shard(_centres(), m))
+
+
+def test_exchange_over_another_axis_is_refused():
+  """An exchange that averages over another mesh axis (or an unbound one) is an error
+  naming the axis DiLoCo syncs over."""
+  mesh2 = jax.make_mesh((4, 2), (AXIS, "other"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  tx = jc.diloco(
+    optax.sgd(0.1),
+    optax.sgd(1.0),
+    sync_every=2,
+    axis_name=AXIS,
+    exchange=jc.qsgd(bits=4, axis_name="other"),
+  )
+  specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=4)
+
+  def step(replicas, state, c):
+    p = jax.tree.map(lambda x: x[0], replicas)
+    p = jc.vary(p, "other")
+    return tx.update(_quadratic_grads(p, jax.tree.map(lambda x: x[0], c)), state, p)
+
+  f = jax.jit(
+    jax.shard_map(step, mesh=mesh2, in_specs=(P(AXIS), specs, P(AXIS)), out_specs=(P(AXIS), specs))
+  )
+  init = jax.shard_map(tx.init, mesh=mesh2, in_specs=P(), out_specs=specs)
+  state = jax.jit(init)(jax.device_put(PARAMS, jax.NamedSharding(mesh2, P())))
+  per_device = jax.NamedSharding(mesh2, P(AXIS))
+  replicas, c = jax.device_put((_stack(PARAMS, 4), _centres(k=4)), per_device)
+  with pytest.raises(ValueError, match=f"build it with axis_name='{AXIS}'"):
+    f.lower(replicas, state, c)
+
+  # Under pmap an exchange over an axis that is not bound is refused too.
+  tx = jc.diloco(
+    optax.sgd(0.1),
+    optax.sgd(1.0),
+    sync_every=1,
+    axis_name=AXIS,
+    exchange=jc.qsgd(bits=4, axis_name="nope"),
+  )
+  p = _stack(PARAMS, 2)
+  state = jax.pmap(tx.init, axis_name=AXIS)(p)
+  with pytest.raises(ValueError, match="not bound"):
+    jax.pmap(lambda p, s: tx.update(p, s, p), axis_name=AXIS)(p, state)
+
+
+def test_pmap_with_a_compressed_exchange():
+  """Under jax.pmap, 4-bit QSGD pseudo-gradients (two-phase, error feedback), H=2: the
+  replicas differ after the local step and all sit on the anchor after the sync."""
+  tx = jc.diloco(
+    optax.sgd(0.25),
+    optax.sgd(0.7, momentum=0.9, nesterov=True),
+    sync_every=2,
+    axis_name=AXIS,
+    exchange=jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase", error_feedback=True),
+  )
+  centres = _centres()
+
+  def step(p, state, c):
+    updates, state = tx.update(_quadratic_grads(p, c), state, p)
+    return optax.apply_updates(p, updates), state
+
+  p = _stack(PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(p)
+  step = jax.pmap(step, axis_name=AXIS)
+  p, state = step(p, state, centres)
+  assert np.ptp(np.asarray(p["w"]), axis=0).max() > 0.1  # drifted apart
+  p, state = step(p, state, centres)
+  anchor = np.asarray(state.anchor["w"])
+  np.testing.assert_array_equal(anchor, np.broadcast_to(anchor[0], anchor.shape))
+  np.testing.assert_allclose(np.asarray(p["w"]), anchor, rtol=0, atol=2 * EPS)
+  assert not np.array_equal(anchor[0], np.zeros_like(anchor[0]))
+
+
+def test_network_model_prices_a_sync_once_per_period():
+  """jc.network.exchange_time averages a sync's time over its period: DiLoCo's time per
+  step is the exchange's over H."""
+  link = jc.network.Link(latency_s=1e-3, bandwidth=100e6 / 8)
+  params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
+  ex = lambda: jc.qsgd(bits=4, axis_name=AXIS)
+  tx = jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=8, axis_name=AXIS, exchange=ex())
+  per_step = jc.network.exchange_time(
+    jc.wire_report(tx, params, axis_name=AXIS, num_devices=K), link
+  )
+  every_step = jc.network.exchange_time(
+    jc.wire_report(ex(), params, axis_name=AXIS, num_devices=K), link
+  )
+  assert per_step == pytest.approx(every_step / 8, rel=1e-12)
