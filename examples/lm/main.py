@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="N",
     help="save every N updates in WORKDIR/checkpoints/METHOD and resume from there (0: off)",
   )
+  p.add_argument(
+    "--stop-at",
+    type=int,
+    default=None,
+    metavar="N",
+    help="stop every method after update N of the --steps schedule",
+  )
   group = p.add_argument_group("multi-process (jax.distributed)")
   group.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's service")
   group.add_argument("--num-processes", type=int, default=1)
@@ -131,7 +138,9 @@ def main(argv=None) -> dict:
   from examples.lm import train  # pylint: disable=import-outside-toplevel
 
   try:
-    return train.train_and_evaluate(config, args.workdir)
+    if args.stop_at is not None and args.stop_at < 1:
+      raise ValueError(f"--stop-at must be >= 1, got {args.stop_at}")
+    return train.train_and_evaluate(config, args.workdir, stop_at=args.stop_at)
   finally:
     if args.coordinator:
       jax.distributed.shutdown()
