@@ -92,12 +92,12 @@ def test_every_method_trains_and_reports(every_method):
 
 def test_resume_is_bit_identical(every_method, tmp_path):
   _, results = every_method
-  config = small_config(methods=("qsgd4",), checkpoint_every=2)  # keys and residuals
+  config = small_config(methods=("onebit",), checkpoint_every=2)  # residuals and keys
   workdir = str(tmp_path)
   train.train_and_evaluate(config, workdir, stop_at=2)  # interrupted after update 2
-  resumed = train.train_and_evaluate(config, workdir)["qsgd4"]
+  resumed = train.train_and_evaluate(config, workdir)["onebit"]
   assert resumed["start_step"] == 2
-  straight = results["qsgd4"]
+  straight = results["onebit"]
   assert resumed["history"]["val_loss"] == straight["history"]["val_loss"]
   for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(straight["params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -76,11 +76,16 @@ def schedule(config) -> optax.Schedule:
 
 
 def pmean_gradients(axis_name: str) -> optax.GradientTransformation:
-  """The dense baseline: a float32 ``lax.pmean`` of every gradient leaf, no state."""
+  """The dense baseline: the float32 mean of every gradient leaf, no state.
+
+  One all-reduce of all leaves in one buffer (``jc.pmean_tree``), as data-parallel
+  frameworks bucket gradients: a ``pmean`` per leaf would pay one message round per
+  leaf, which on gloo costs more than this small model's bytes.
+  """
 
   def update_fn(updates, state, params=None):
     del params
-    return jax.tree.map(lambda g: lax.pmean(g, axis_name), updates), state
+    return jc.pmean_tree(updates, axis_name), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
