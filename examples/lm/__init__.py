@@ -1,0 +1,1 @@
+"""A byte-level transformer language model: dense vs compressed gradient exchange."""

@@ -1,0 +1,70 @@
+"""Default configuration: a ~4.8M-parameter byte-level transformer, every method."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Hyperparameters of :func:`examples.lm.train.train_and_evaluate`.
+
+  Every method trains the same model from the same initialisation on the same
+  batches with the same AdamW schedule; only the gradient exchange (``methods``)
+  differs (1-bit Adam, which is an Adam itself, replaces AdamW).
+  """
+
+  # Data: the Python standard library's .py sources, bytes as tokens.
+  validation_percent: int = 5  # files whose path hash falls below this go to validation
+  seq_len: int = 128  # tokens (bytes) per example
+
+  # Model (models.py): decoder-only, pre-norm, causal attention.
+  vocab_size: int = 256
+  width: int = 256  # model dimension d
+  depth: int = 6  # transformer blocks
+  num_heads: int = 4
+  mlp_ratio: int = 4
+  positions: str = "rotary"  # "rotary" or "learned"
+  compute_dtype: str = "bfloat16"  # matmuls; parameters (master weights) stay float32
+
+  # Optimisation: AdamW with linear warm-up and cosine decay, after the exchange.
+  per_device_batch_size: int = 8  # sequences per device per mini-step
+  accumulation_steps: int = 1  # mini-steps per update (jc.multi_steps)
+  num_steps: int = 2000  # updates
+  learning_rate: float = 3e-3  # peak
+  warmup_steps: int = 100
+  weight_decay: float = 0.1
+  b2: float = 0.95
+  grad_clip: float = 1.0  # global norm of the exchanged mean gradient (0: off)
+  seed: int = 0  # init and batch order
+
+  # Method settings (train.make_exchange).
+  powersgd_rank: int = 4
+  dgc_density: float = 0.01
+  onebit_adam_freeze: float = 0.25  # fraction of the steps in full-precision warm-up
+
+  # Methods to compare, in table order.
+  methods: tuple[str, ...] = (
+    "dense",
+    "qsgd4",
+    "qsgd2",
+    "onebit",
+    "ef_signsgd",
+    "powersgd",
+    "onebit_adam",
+    "dgc",
+  )
+
+  # Evaluation and logging.
+  eval_every: int = 100  # updates between validation losses
+  eval_batches: int = 4  # validation windows = eval_batches x global batch
+  target_loss: float = 0.0  # stop a method once its validation loss is <= this (0: off)
+
+  # Checkpoints (Orbax): every N updates and at the last, in workdir/checkpoints/<method>/;
+  # a run finding one there resumes from it. 0: off.
+  checkpoint_every: int = 0
+
+
+def get_config() -> Config:
+  """Returns the default configuration."""
+  return Config()

@@ -1,0 +1,150 @@
+r"""Trains a byte-level transformer LM: dense vs compressed gradient exchange.
+
+From the repository root::
+
+  python -m examples.lm.main --config tiny                 # seconds, a smoke check
+  python -m examples.lm.main --config small --methods dense,powersgd,onebit_adam
+  python -m examples.lm.main --checkpoint-every 200        # resumes if interrupted
+
+As several processes under ``jax.distributed`` (gloo on CPU), each feeding its own
+devices' rows of the batch; run the same command in every process::
+
+  python -m examples.lm.main --config small --coordinator HOST:PORT \
+      --num-processes 2 --process-id I --devices-per-process 1
+
+Alone on a CPU-only machine JAX is given 8 CPU devices, so the data-parallel exchange
+runs for real between 8 devices. Results (table, JSON, plot) go to ``--workdir``.
+"""
+
+import argparse
+import dataclasses
+import os
+
+import jax
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command-line flags."""
+  from examples.lm import configs  # pylint: disable=import-outside-toplevel
+
+  methods = "dense,qsgd4,qsgd2,onebit,ef_signsgd,powersgd,onebit_adam,dgc"
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", default="runs/lm", help="output directory (and checkpoints)")
+  p.add_argument(
+    "--config",
+    default="default",
+    help=f"one of {','.join(configs.names())} (examples/lm/configs) or a .py file"
+    " providing get_config()",
+  )
+  p.add_argument("--methods", default=None, help=f"comma-separated subset of {methods}")
+  p.add_argument("--steps", type=int, default=None, help="override num_steps (updates)")
+  p.add_argument("--batch", type=int, default=None, help="override per_device_batch_size")
+  p.add_argument("--accumulation", type=int, default=None, help="mini-steps per update")
+  p.add_argument("--learning-rate", type=float, default=None, help="override the peak rate")
+  p.add_argument("--seed", type=int, default=None, help="override the init/batch seed")
+  p.add_argument("--eval-every", type=int, default=None, help="updates between evaluations")
+  p.add_argument(
+    "--target-loss",
+    type=float,
+    default=None,
+    help="stop a method once its validation loss is <= this (time-to-loss runs)",
+  )
+  p.add_argument(
+    "--checkpoint-every",
+    type=int,
+    default=None,
+    metavar="N",
+    help="save every N updates in WORKDIR/checkpoints/METHOD and resume from there (0: off)",
+  )
+  p.add_argument(
+    "--stop-at",
+    type=int,
+    default=None,
+    metavar="N",
+    help="stop every method after update N of the --steps schedule",
+  )
+  group = p.add_argument_group("multi-process (jax.distributed)")
+  group.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's service")
+  group.add_argument("--num-processes", type=int, default=1)
+  group.add_argument("--process-id", type=int, default=0)
+  group.add_argument(
+    "--devices-per-process",
+    type=int,
+    default=None,
+    help="CPU devices per process (default: 8 alone, 1 under --coordinator)",
+  )
+  return p
+
+
+def get_config(args: argparse.Namespace):
+  """The named config with the command-line overrides applied (checked)."""
+  from examples.lm import configs  # pylint: disable=import-outside-toplevel
+  from examples.lm import train  # pylint: disable=import-outside-toplevel
+
+  config = configs.load(args.config).get_config()
+  overrides = {}
+  for flag, field, minimum in (
+    ("steps", "num_steps", 1),
+    ("batch", "per_device_batch_size", 1),
+    ("accumulation", "accumulation_steps", 1),
+    ("eval_every", "eval_every", 1),
+    ("checkpoint_every", "checkpoint_every", 0),
+    ("seed", "seed", None),
+    ("learning_rate", "learning_rate", None),
+    ("target_loss", "target_loss", 0),
+  ):
+    value = getattr(args, flag)
+    if value is None:
+      continue
+    if minimum is not None and value < minimum:
+      raise ValueError(f"--{flag.replace('_', '-')} must be >= {minimum}, got {value}")
+    overrides[field] = value
+  if args.methods is not None:
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = [m for m in methods if m not in train.METHODS]
+    if unknown or not methods:
+      raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(train.METHODS)}")
+    overrides["methods"] = methods
+  return dataclasses.replace(config, **overrides)
+
+
+def init_devices(args: argparse.Namespace) -> None:
+  """Shapes the CPU backend (device count, gloo) and joins ``jax.distributed`` if asked.
+
+  Must run before JAX initialises its backends; on a GPU host the CPU settings are
+  inert and the GPUs are the devices.
+  """
+  cpu = os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu")
+  devices = args.devices_per_process or (1 if args.coordinator else 8)
+  if cpu:
+    try:
+      jax.config.update("jax_num_cpu_devices", devices)
+      if args.coordinator:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except RuntimeError:  # backends already up (imported late): keep their devices
+      if args.coordinator:
+        raise
+  if args.coordinator:
+    jax.distributed.initialize(
+      args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+    )
+
+
+def main(argv=None) -> dict:
+  """Parses the flags, sets up the devices and runs :func:`train.train_and_evaluate`."""
+  args = build_parser().parse_args(argv)
+  config = get_config(args)
+  init_devices(args)
+  from examples.lm import train  # pylint: disable=import-outside-toplevel
+
+  try:
+    if args.stop_at is not None and args.stop_at < 1:
+      raise ValueError(f"--stop-at must be >= 1, got {args.stop_at}")
+    return train.train_and_evaluate(config, args.workdir, stop_at=args.stop_at)
+  finally:
+    if args.coordinator:
+      jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,609 @@
+"""Data-parallel training of a byte-level transformer LM with a jaxcomp gradient exchange.
+
+Each method trains the same ``flax.nnx`` transformer (``models.py``) from the same
+initialisation on the same batches; only the gradient exchange, the first transform of
+the optax chain, differs::
+
+  tx = multi_steps(skip_nonfinite(chain(per_device_state(exchange), clip, adamw)), k)
+
+* **Mixed precision.** The parameters are float32 master weights; the model casts them
+  to ``config.compute_dtype`` (bfloat16) for its matmuls, so gradients, the exchange
+  and AdamW run in float32.
+* **Functional NNX.** ``nnx.split`` gives a graphdef and the parameters as a plain
+  dict; the loss merges them back while tracing. Params and optimizer state are then
+  pytrees that ``jax.shard_map``, optax and Orbax take as they are.
+* **Data parallelism.** ``jax.shard_map`` over every device of every process (one mesh
+  axis, ``"batch"``); the gradient is taken w.r.t. ``jc.vary(params, AXIS)`` so it
+  stays local (w.r.t. the replicated params it would arrive ``psum``'d: a dense
+  all-reduce). Each process builds only its own devices' rows of the batch
+  (``jax.make_array_from_callback``), so the same code runs as one process or as
+  several under ``jax.distributed``.
+* **Accumulation and NaN guard.** ``jc.multi_steps`` runs the exchange and AdamW once
+  per ``accumulation_steps`` mini-steps; ``jc.skip_nonfinite`` inside it drops an
+  update whose gradient is non-finite on any device, on every device alike.
+* **Checkpoints.** Orbax saves params, optimizer state (typed keys unwrapped) and the
+  progress; the data position is the mini-step counter (``input_pipeline``), so a
+  resumed run draws the batches the uninterrupted one would have, and ends with the
+  same bits.
+
+What each method needs on a transformer is in :func:`make_exchange` (and
+docs/guides/lm.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+from flax import nnx
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from examples.lm import input_pipeline
+from examples.lm import models
+from examples.lm.configs import default as default_config
+import jaxcomp as jc
+
+AXIS = "batch"
+
+# The methods, in table order: the default config's list (one place).
+METHODS = default_config.Config.methods
+
+# 1-bit Adam is the whole optimizer (it exchanges Adam's step direction): no AdamW after
+# it, and it places its own per-device buffers (not wrapped in jc.per_device_state).
+OPTIMIZER_IN_EXCHANGE = ("onebit_adam",)
+
+
+def schedule(config) -> optax.Schedule:
+  """Linear warm-up to ``config.learning_rate``, then cosine decay to 0 at the last
+  update (a float32 count: strict dtype promotion rejects optax's int/float mix)."""
+  warmup_cosine = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=config.learning_rate,
+    warmup_steps=min(config.warmup_steps, config.num_steps // 2),
+    decay_steps=config.num_steps,
+  )
+  return lambda count: warmup_cosine(jnp.asarray(count, jnp.float32))
+
+
+def pmean_gradients(axis_name: str) -> optax.GradientTransformation:
+  """The dense baseline: the float32 mean of every gradient leaf, no state.
+
+  One all-reduce of all leaves in one buffer (``jc.pmean_tree``), as data-parallel
+  frameworks bucket gradients: a ``pmean`` per leaf would pay one message round per
+  leaf, which on gloo costs more than this small model's bytes.
+  """
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jc.pmean_tree(updates, axis_name), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def make_exchange(method: str, config, *, warmup: bool = True) -> optax.GradientTransformation:
+  """The gradient exchange of ``method`` (the mean gradient over ``AXIS``).
+
+  As the MNIST-1D demo builds them, with what a transformer under AdamW needs:
+
+  * ``qsgd4`` / ``qsgd2``: unbiased stochastic quantization, no error feedback (4 bits
+    in buckets of 512; 2 bits in buckets of 128, whose variance is otherwise too high).
+  * ``onebit`` / ``ef_signsgd``: biased 1-bit codes with error feedback, chained before
+    AdamW like the others. Adam divides by ``sqrt(v)``; the quantized gradients
+    (bucket means of each sign) distort ``v``, which is why 1-bit SGD was meant for
+    SGD, and 1-bit Adam exists.
+  * ``powersgd``: rank ``config.powersgd_rank`` (the attention and MLP kernels are
+    wide matrices, rank 4 as in the paper's language-model runs); embedding, norms
+    and biases below its compression threshold go dense.
+  * ``dgc``: top-``config.dgc_density`` sparsification with error accumulation and the
+    density warm-up, but **momentum 0**: DGC's momentum correction exists to feed plain
+    SGD, and here AdamW after it keeps its own moments; no local clipping (AdamW's
+    clip follows the exchange).
+  * ``onebit_adam``: the whole optimizer (:func:`make_onebit_adam`).
+
+  ``warmup=False`` gives the steady state (DGC without its density warm-up, 1-bit
+  Adam's compression stage), for byte counts.
+  """
+  if method == "dense":
+    return pmean_gradients(AXIS)
+  if method == "qsgd4":
+    return jc.qsgd(bits=4, axis_name=AXIS, collective="auto")
+  if method == "qsgd2":
+    return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="auto")
+  if method == "onebit":
+    return jc.onebit_sgd(axis_name=AXIS)
+  if method == "ef_signsgd":
+    return jc.ef_signsgd(axis_name=AXIS)
+  if method == "powersgd":
+    return jc.powersgd(config.powersgd_rank, axis_name=AXIS)
+  if method == "dgc":
+    warmup_steps = min(config.warmup_steps, config.num_steps // 2) if warmup else 0
+    return jc.dgc(config.dgc_density, 0.0, warmup_steps=warmup_steps, axis_name=AXIS)
+  if method == "onebit_adam":
+    return make_onebit_adam(config, warmup=warmup)
+  raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+
+
+def make_onebit_adam(config, *, warmup: bool = True) -> optax.GradientTransformation:
+  """1-bit Adam with AdamW's schedule, ``b2`` and decoupled weight decay.
+
+  The first ``config.onebit_adam_freeze`` of the updates are the full-precision
+  warm-up (the paper's 15-25%), after which ``v`` is frozen and the step direction
+  ``m / sqrt(v)`` crosses the wire at 1 bit (``compress="preconditioned"``, as in the
+  MNIST-1D demo). No clipping: the gradient stays local. ``warmup=False``: the
+  compression stage from the first update (for byte counts).
+  """
+  freeze = max(1, round(config.onebit_adam_freeze * config.num_steps)) if warmup else 0
+  return jc.onebit_adam(
+    schedule(config),
+    freeze_step=freeze,
+    b2=config.b2,
+    weight_decay=config.weight_decay,
+    compress="preconditioned",
+    axis_name=AXIS,
+  )
+
+
+def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` traced under standard dtype promotion.
+
+  optax's Adam bias correction raises a float decay to the int32 step count, which
+  ``jax_numpy_dtype_promotion="strict"`` (the tests' setting) rejects; the result is
+  float32 either way.
+  """
+
+  def update_fn(updates, state, params=None):
+    with jax.numpy_dtype_promotion("standard"):
+      return tx.update(updates, state, params)
+
+  return optax.GradientTransformation(tx.init, update_fn)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  """AdamW after the exchange: global-norm clipping of the mean gradient (unless
+  ``grad_clip`` is 0), then ``optax.adamw`` with :func:`schedule`."""
+  adamw = optax.adamw(schedule(config), b2=config.b2, weight_decay=config.weight_decay)
+  if config.grad_clip:
+    adamw = optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+  return standard_promotion(adamw)
+
+
+def make_update(method: str, config, *, warmup: bool = True) -> optax.GradientTransformation:
+  """One update: the exchange (its state per device) and the optimizer after it."""
+  exchange = make_exchange(method, config, warmup=warmup)
+  if method in OPTIMIZER_IN_EXCHANGE:
+    return exchange
+  return optax.chain(jc.per_device_state(exchange), make_optimizer(config))
+
+
+def make_tx(method: str, config) -> optax.GradientTransformation:
+  """:func:`make_update` guarded by ``jc.skip_nonfinite``, accumulated over
+  ``config.accumulation_steps`` mini-steps by ``jc.multi_steps`` (when above 1)."""
+  if config.accumulation_steps < 1:
+    raise ValueError(f"accumulation_steps must be >= 1, got {config.accumulation_steps}")
+  tx = jc.skip_nonfinite(make_update(method, config), axis_name=AXIS)
+  if config.accumulation_steps > 1:
+    tx = jc.multi_steps(tx, config.accumulation_steps)
+  return tx
+
+
+def cross_entropy(graphdef, params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(sum of next-byte cross-entropies in nats, number of predictions) on windows
+  ``(batch, seq_len + 1)``."""
+  model = nnx.merge(graphdef, params)
+  tokens = tokens.astype(jnp.int32)
+  logits = model(tokens[:, :-1])
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+  return jnp.sum(losses), jnp.float32(losses.size)
+
+
+def make_train_step(graphdef, tx, mesh, state_specs):
+  """jit(shard_map(train_step)): params replicated, batch per device, state per specs.
+
+  Returns ``(params, opt_state, losses)`` with each device's mean loss, shape ``(K,)``
+  (no collective but the exchange's).
+  """
+
+  def loss_fn(params, tokens):
+    total, count = cross_entropy(graphdef, params, tokens)
+    return total / count
+
+  def train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(jc.vary(params, AXIS), batch[0])
+    updates, opt_state = tx.update(grads, opt_state, params)  # the gradient exchange
+    return optax.apply_updates(params, updates), opt_state, loss[None]
+
+  return jax.jit(
+    jax.shard_map(
+      train_step,
+      mesh=mesh,
+      in_specs=(P(), state_specs, P(AXIS)),
+      out_specs=(P(), state_specs, P(AXIS)),
+    ),
+    donate_argnums=(0, 1),
+  )
+
+
+def make_eval_step(graphdef, mesh):
+  """jit(shard_map(mean cross-entropy in nats)) over windows ``(K, n, seq_len + 1)``."""
+
+  def evaluate(params, tokens):
+    total, count = cross_entropy(graphdef, params, tokens[0])
+    return lax.psum(total, AXIS) / lax.psum(count, AXIS)
+
+  return jax.jit(jax.shard_map(evaluate, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
+
+
+def global_rows(shape, sharding, rows_fn) -> jax.Array:
+  """A ``(K, ...)`` array over the mesh whose row block ``i`` is ``rows_fn(slice)``:
+  each process computes only the rows of its own devices."""
+  return jax.make_array_from_callback(
+    shape, sharding, lambda index: rows_fn(index[0] if index else slice(None))
+  )
+
+
+def replicate(tree, mesh):
+  """Host arrays -> global arrays replicated on every device of every process."""
+  replicated = jax.NamedSharding(mesh, P())
+  return jax.tree.map(
+    lambda x: jax.make_array_from_callback(np.shape(x), replicated, lambda i: np.asarray(x)[i]),
+    tree,
+  )
+
+
+def scalar(x: jax.Array) -> float:
+  """A replicated scalar as a float (read from this process's first shard)."""
+  return float(np.asarray(x.addressable_data(0)))
+
+
+def local_mean(x: jax.Array) -> float:
+  """Mean of this process's shards of a per-device array."""
+  return float(np.mean([np.asarray(s.data) for s in x.addressable_shards]))
+
+
+def checkpoint_manager(config, workdir: str | None, method: str):
+  """Orbax manager of ``workdir/checkpoints/<method>/`` (two kept), or None when off."""
+  if not config.checkpoint_every or workdir is None:
+    return None
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  return ocp.CheckpointManager(
+    os.path.abspath(os.path.join(workdir, "checkpoints", method)),
+    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+  )
+
+
+def save_checkpoint(checkpoints, step: int, params, opt_state, progress: dict) -> None:
+  """Saves params, optimizer state (typed keys as raw data) and ``progress`` (JSON)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  state = jc.unwrap_keys({"params": params, "opt_state": opt_state})
+  checkpoints.save(
+    step,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress)
+    ),
+  )
+
+
+def restore_checkpoint(checkpoints, tx, init_params, *, mesh, state_specs):
+  """``(step, params, opt_state, progress)`` of the latest checkpoint, restored into
+  an abstract target placed as the compiled step expects (params replicated, the
+  exchange's per-device state split over the axis)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  replicated = jax.NamedSharding(mesh, P())
+  params = jax.tree.map(
+    lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype, sharding=replicated), init_params
+  )
+  target = {
+    "params": params,
+    "opt_state": jc.restore_target(tx, params, mesh=mesh, specs=state_specs),
+  }
+  step = checkpoints.latest_step()
+  restored = checkpoints.restore(
+    step,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(jc.unwrap_keys(target)), progress=ocp.args.JsonRestore()
+    ),
+  )
+  state = jc.wrap_keys(restored.state, target)
+  return step, state["params"], state["opt_state"], restored.progress
+
+
+def count_in_state(opt_state, field: str) -> int | None:
+  """The largest ``field`` counter (e.g. ``notfinite_count``) in the state, or None."""
+  found = []
+
+  def visit(x):
+    if hasattr(x, field):
+      value = getattr(x, field)
+      found.append(int(np.max([np.asarray(s.data) for s in value.addressable_shards])))
+    return x
+
+  jax.tree.map(visit, opt_state, is_leaf=lambda x: hasattr(x, field))
+  return max(found) if found else None
+
+
+def train_method(
+  method: str,
+  config,
+  *,
+  graphdef,
+  init_params,
+  corpus,
+  mesh,
+  workdir: str | None = None,
+  stop_at: int | None = None,
+) -> dict[str, Any]:
+  """Trains one method from ``init_params``; returns its losses, bytes and timings.
+
+  Args:
+    method: one of :data:`METHODS`.
+    config: an ``examples.lm.configs`` config.
+    graphdef: the model's ``nnx`` graphdef.
+    init_params: host copy of the initial parameters (a dict of arrays).
+    corpus: :func:`input_pipeline.load_corpus`'s dict.
+    mesh: the 1-D data-parallel mesh over every device.
+    workdir: checkpoint root (with ``config.checkpoint_every``).
+    stop_at: stop after this update, as an interrupted run would (for resume tests).
+
+  Returns:
+    ``{"val_loss", "bits_per_byte", "bytes_received", "dense_bytes", "ratio",
+    "train_time_s", "compile_time_s", "history", "target_step", "target_time_s",
+    "skipped_steps", "start_step"}``; ``history`` has ``step``, ``val_loss``,
+    ``train_loss`` (this process's devices, mean since the last evaluation) and
+    ``time_s`` (training time so far, evaluation and compilation excluded).
+  """
+  k = mesh.size
+  acc = config.accumulation_steps
+  tx = make_tx(method, config)
+  per_device = jax.NamedSharding(mesh, P(AXIS))
+  state_specs = jc.state_specs(tx, init_params, axis_name=AXIS, num_devices=k)
+  checkpoints = checkpoint_manager(config, workdir, method)
+  start_step, history, losses, train_time = 0, None, [], 0.0
+  if checkpoints is not None and checkpoints.latest_step() is not None:
+    start_step, params, opt_state, progress = restore_checkpoint(
+      checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs
+    )
+    history, losses, train_time = progress["history"], progress["losses"], progress["train_time"]
+    if jax.process_index() == 0:
+      print(f"{method}: resuming from step {start_step} ({checkpoints.directory})")
+  else:
+    params = replicate(init_params, mesh)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
+      params
+    )
+
+  per_eval = config.eval_batches * config.per_device_batch_size
+  val = corpus["validation"]
+  val_shape = (k, per_eval, config.seq_len + 1)
+  val_tokens = global_rows(
+    val_shape,
+    per_device,
+    lambda rows: input_pipeline.eval_windows(
+      val, num_devices=k, per_device=per_eval, seq_len=config.seq_len
+    )[rows],
+  )
+  batch_shape = (k, config.per_device_batch_size, config.seq_len + 1)
+
+  def batch_at(mini_step: int) -> jax.Array:
+    return global_rows(
+      batch_shape,
+      per_device,
+      lambda rows: input_pipeline.train_batch(
+        corpus["train"],
+        mini_step,
+        seed=config.seed,
+        num_devices=k,
+        per_device_batch_size=config.per_device_batch_size,
+        seq_len=config.seq_len,
+        devices=rows,
+      ),
+    )
+
+  # Compile ahead of time, so that the training time excludes compilation.
+  start = time.perf_counter()
+  batch_spec = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=per_device)
+  step = make_train_step(graphdef, tx, mesh, state_specs).lower(params, opt_state, batch_spec)
+  step = step.compile()
+  evaluate = make_eval_step(graphdef, mesh).lower(params, val_tokens).compile()
+  compile_time = time.perf_counter() - start
+
+  if history is None:
+    history = {
+      "step": [0],
+      "val_loss": [scalar(evaluate(params, val_tokens))],
+      "train_loss": [float("nan")],
+      "time_s": [0.0],
+      "target_step": None,
+      "target_time_s": None,
+    }
+  last = config.num_steps if stop_at is None else min(stop_at, config.num_steps)
+  show = jax.process_index() == 0
+  with tqdm(
+    total=config.num_steps,
+    initial=min(start_step, config.num_steps),
+    desc=f"{method:>11}",
+    unit="step",
+    disable=not show,
+  ) as bar:
+    for i in range(start_step + 1, last + 1):
+      if history["target_step"] is not None:
+        break
+      start = time.perf_counter()
+      for j in range(acc):
+        params, opt_state, loss = step(params, opt_state, batch_at((i - 1) * acc + j))
+        # One step in flight at a time (queued multi-device steps on few cores can
+        # deadlock XLA's CPU collectives); this also makes the step times honest.
+        losses.append(local_mean(loss))
+      train_time += time.perf_counter() - start
+      bar.update()
+      if i % config.eval_every == 0 or i == config.num_steps:
+        loss = scalar(evaluate(params, val_tokens))
+        history["step"].append(i)
+        history["val_loss"].append(loss)
+        history["train_loss"].append(float(np.mean(losses)))
+        history["time_s"].append(train_time)
+        losses = []
+        bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", val=f"{loss:.3f}")
+        if config.target_loss and loss <= config.target_loss:  # the same on every process
+          history["target_step"], history["target_time_s"] = i, train_time
+      if checkpoints is not None and (
+        i % config.checkpoint_every == 0 or i == config.num_steps or i == last
+      ):
+        progress = {"history": history, "losses": losses, "train_time": train_time}
+        save_checkpoint(checkpoints, i, params, opt_state, progress)
+  if checkpoints is not None:
+    checkpoints.wait_until_finished()
+    checkpoints.close()
+
+  report = None
+  if k > 1:  # bytes of one update in the steady state (DGC and 1-bit Adam warm up dense)
+    report = jc.wire_report(
+      make_update(method, config, warmup=False), init_params, axis_name=AXIS, num_devices=k
+    )
+  val_loss = history["val_loss"][-1]
+  return {
+    "start_step": start_step,
+    "params": params,
+    "val_loss": val_loss,
+    "bits_per_byte": val_loss / math.log(2),
+    "bytes_received": None if report is None else report.bytes_received,
+    "dense_bytes": None if report is None else report.dense_bytes,
+    "ratio": None if report is None else report.ratio,
+    "train_time_s": train_time,
+    "compile_time_s": compile_time,
+    "history": history,
+    "target_step": history["target_step"],
+    "target_time_s": history["target_time_s"],
+    "skipped_steps": count_in_state(opt_state, "notfinite_count"),
+  }
+
+
+def results_table(results: dict[str, dict[str, Any]], config, num_devices: int) -> str:
+  """A Markdown table of the results, one row per method."""
+  lines = [
+    f"Byte-level LM on the Python standard library, {num_devices} devices,"
+    f" {config.num_steps} updates of {num_devices * config.per_device_batch_size}"
+    f"x{config.accumulation_steps} sequences of {config.seq_len} bytes. Bytes:"
+    " jc.wire_report, received per device per update (steady state). Train time:"
+    " training steps only (evaluation and compilation excluded).",
+    "",
+    "| method | val loss (nats) | bits/byte | vs dense | bytes recv/device/update |"
+    " ratio vs dense | train time (s) | compile (s) |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  dense = results.get("dense", {}).get("val_loss")
+  for method, r in results.items():
+    recv = "n/a" if r["bytes_received"] is None else f"{r['bytes_received']:,.0f}"
+    ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+    rel = "" if dense is None else f"{100 * (r['val_loss'] / dense - 1):+.1f}%"
+    lines.append(
+      f"| {method} | {r['val_loss']:.3f} | {r['bits_per_byte']:.3f} | {rel} | {recv} | {ratio}"
+      f" | {r['train_time_s']:.1f} | {r['compile_time_s']:.1f} |"
+    )
+  return "\n".join(lines)
+
+
+def plot_losses(results: dict[str, dict[str, Any]], path: str) -> None:
+  """Saves validation loss vs step and vs training time, one line per method."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  fig = Figure(figsize=(10, 4), dpi=120)
+  FigureCanvasAgg(fig)
+  by_step, by_time = fig.subplots(1, 2)
+  for method, r in results.items():
+    h = r["history"]
+    by_step.plot(h["step"], h["val_loss"], marker=".", label=method)
+    by_time.plot(h["time_s"], h["val_loss"], marker=".", label=method)
+  for ax, xlabel in ((by_step, "update"), (by_time, "training time (s)")):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.grid(alpha=0.3)
+  by_step.set_title("Byte-level LM: dense vs compressed exchange")
+  by_time.legend()
+  fig.tight_layout()
+  fig.savefig(path)
+
+
+def setup(config):
+  """(mesh over every device of every process, corpus, graphdef, host initial params)."""
+  k = jax.device_count()
+  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  corpus = input_pipeline.load_corpus(config.validation_percent)
+  graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
+  init_params = jax.device_get(state.to_pure_dict())  # every method starts from it
+  num_params = sum(p.size for p in jax.tree.leaves(init_params))
+  if jax.process_index() == 0:
+    print(
+      f"{k} devices ({jax.devices()[0].platform}, {jax.process_count()} processes),"
+      f" {num_params:,} parameters; corpus {len(corpus['train']):,} train bytes"
+      f" ({corpus['train_files']} files) / {len(corpus['validation']):,} validation bytes"
+      f" ({corpus['validation_files']} files); global batch"
+      f" {k * config.per_device_batch_size}x{config.accumulation_steps}, {config.num_steps}"
+      " updates"
+    )
+  return mesh, corpus, graphdef, init_params
+
+
+def train_and_evaluate(config, workdir: str, *, stop_at: int | None = None) -> dict[str, Any]:
+  """Trains every method in ``config.methods``; process 0 writes the results.
+
+  Writes ``results.md`` (the table), ``results.json`` (histories included) and
+  ``val_loss.png`` (validation loss vs update and vs training time) to ``workdir``.
+
+  Args:
+    config: an :class:`examples.lm.configs.default.Config`.
+    workdir: output directory (and checkpoint root with ``config.checkpoint_every``).
+    stop_at: stop every method after this update (an interrupted run).
+
+  Returns:
+    ``{method: results}`` with :func:`train_method`'s keys (``params`` included, as
+    global arrays).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  mesh, corpus, graphdef, init_params = setup(config)
+  k = mesh.size
+  results = {}
+  for method in config.methods:
+    results[method] = train_method(
+      method,
+      config,
+      graphdef=graphdef,
+      init_params=init_params,
+      corpus=corpus,
+      mesh=mesh,
+      workdir=workdir,
+      stop_at=stop_at,
+    )
+  if jax.process_index() == 0:
+    table = results_table(results, config, k)
+    print(table)
+    with open(os.path.join(workdir, "results.md"), "w") as f:
+      f.write(table + "\n")
+    saved = {m: {key: v for key, v in r.items() if key != "params"} for m, r in results.items()}
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+      json.dump(
+        {
+          "config": dataclasses.asdict(config),
+          "num_devices": k,
+          "num_processes": jax.process_count(),
+          "jax": jax.__version__,
+          "results": saved,
+        },
+        f,
+        indent=2,
+      )
+    plot_losses(results, os.path.join(workdir, "val_loss.png"))
+  return results

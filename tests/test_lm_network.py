@@ -1,0 +1,47 @@
+"""benchmarks.lm_network: the scaled-rate mapping, its flags and worker command lines.
+
+(The 2-process smoke run, ``python -m benchmarks.lm_network --smoke``, takes minutes of
+compilation on two cores and is left to the command line.)
+"""
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("flax", minversion="0.12")
+
+from benchmarks import lm_network  # noqa: E402
+from examples.lm.configs import bench  # noqa: E402
+
+
+def test_model_flops_counts_matmuls_and_attention():
+  config = dataclasses.replace(bench.get_config(), per_device_batch_size=2, accumulation_steps=3)
+  tokens = 2 * 3 * config.seq_len
+  expected = tokens * (6 * 1000 + 12 * config.depth * config.seq_len * config.width)
+  assert lm_network.model_flops(config, 1000) == expected
+
+
+def test_scaled_rate_keeps_the_compute_to_communication_ratio():
+  flops, cpu_step, util = 1e12, 0.5, 0.4
+  t_gpu = flops / (lm_network.H100_BF16_FLOPS * util)
+  rate = lm_network.scaled_rate_bits(100e9, flops, cpu_step, util)
+  bits = 8e6  # any message: its share of the step is the same on both machines
+  assert (bits / rate) / cpu_step == pytest.approx((bits / 100e9) / t_gpu)
+  assert lm_network.tc_rate(2.5e6) == "2500kbit"
+  with pytest.raises(ValueError, match="utilisation"):
+    lm_network.scaled_rate_bits(1e9, flops, cpu_step, 0.0)
+  with pytest.raises(ValueError, match="step time"):
+    lm_network.scaled_rate_bits(1e9, flops, 0.0, 0.4)
+
+
+def test_flags_and_commands(capsys):
+  with pytest.raises(SystemExit):
+    lm_network.parse_args(["--help"])
+  assert "--target-step" in capsys.readouterr().out
+  args = lm_network.parse_args(["--smoke"])
+  assert (args.config, args.rates, args.steps % args.eval_every) == ("tiny", "none", 0)
+  with pytest.raises(SystemExit):
+    lm_network.parse_args(["--steps", "100", "--target-step", "200"])
+  commands = lm_network.worker_commands(["--config", "tiny"], coordinator="h:1")
+  assert [c[c.index("--process-id") + 1] for c in commands] == ["0", "1"]
+  assert all(c[1:3] == ["-m", "examples.lm.main"] for c in commands)
