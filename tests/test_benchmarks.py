@@ -116,6 +116,7 @@ COMMANDS = (
   "benchmarks.fault",
   "benchmarks.kernels",
   "benchmarks.launch",
+  "benchmarks.lm_network",
   "benchmarks.network",
   "benchmarks.studies.collective_probe",
   "benchmarks.studies.cpu_kernel_loop",
@@ -131,6 +132,7 @@ COMMANDS = (
   "benchmarks.studies.topk",
   "benchmarks.studies.xla_cpu_pitfalls",
   "examples.mnist1d.main",
+  "examples.lm.main",
 )
 
 _HELP_ALL = """
