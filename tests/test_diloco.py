@@ -352,6 +352,13 @@ def test_state_specs():
   assert ex.key == P(AXIS) and ex.residual["w"] == P(AXIS)
 
 
+def test_per_device_state_hands_diloco_back_unchanged():
+  """Wrapping jc.diloco in jc.per_device_state, as every other method, is the same
+  transform: its per-device parts are wrapped already."""
+  tx = jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2, axis_name=AXIS)
+  assert jc.per_device_state(tx) is tx
+
+
 def test_checkpoint_round_trip_resumes_bit_identically():
   """The state (typed keys included) saved as plain arrays after 3 steps and restored
   as jc.restore_target places it continues exactly as the uninterrupted run."""

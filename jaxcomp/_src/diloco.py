@@ -152,8 +152,9 @@ def diloco(
 
   State (:class:`DiLoCoState`): the step count, the anchor and the outer states are
   replicated; the inner optimizer's and the exchange's states are per device and
-  already wrapped (do **not** wrap ``diloco`` in :func:`jaxcomp.per_device_state`, nor
-  the exchange); :func:`jaxcomp.state_specs` places every part.
+  already wrapped: :func:`jaxcomp.per_device_state` hands ``diloco`` back unchanged
+  (wrapping it, as every other method, is correct); pass the exchange unwrapped.
+  :func:`jaxcomp.state_specs` places every part.
 
   A non-finite gradient makes that replica's pseudo-gradient, hence the mean and the
   anchor, non-finite on every device at the next sync (visible, never hidden).
@@ -360,7 +361,7 @@ def diloco(
     )
     return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
 
 
 def _scatter(xs, idx, n) -> list:
