@@ -1,19 +1,26 @@
 r"""How long the multi-process launcher takes to notice a lost worker, and what it says.
 
-Two faults, each injected into a 2-process run of ``benchmarks.launch`` (MNIST-1D
-``quick`` config, one CPU device per process, checkpoints on) once its first
-checkpoint is complete:
+Faults, each injected into a 2-process run (one CPU device per process, checkpoints
+on) once its first checkpoint is complete:
 
-- ``kill``: ``kill -9`` of worker 1. The launcher is its parent: it sees the exit.
-- ``partition``: the veth between two network namespaces (one worker in each) is set
-  down. Both workers stay alive; only ``jax.distributed``'s heartbeats and the
-  collective timeout (``--fault-timeout``) can tell. Needs root and ``ip``.
+- ``kill``: ``kill -9`` of worker 1 of ``benchmarks.launch`` (MNIST-1D ``quick``
+  config, DGC). The launcher is its parent: it sees the exit.
+- ``partition``: the veth between two network namespaces (one worker of
+  ``benchmarks.launch`` in each) is set down. Both workers stay alive; only
+  ``jax.distributed``'s heartbeats and the collective timeout (``--fault-timeout``)
+  can tell. Needs root and ``ip``.
+- ``lm_kill``: ``kill -9`` of process 1 of the transformer trainer
+  (``examples.lm.main``, ``tiny`` config, 1-bit SGD), started as a user starts it, one
+  command per process, with no launcher: process 0 has to notice by itself.
+  ``lm_kill0``: of process 0 (and the coordination service it runs); process 1 notices.
 
 It prints a Markdown table: per fault and ``--fault-timeout``, the seconds from the
-fault to the launcher's error, and the launcher's one-line diagnosis.
+fault to the end of every process, and the one-line diagnosis (the launcher's; for
+``lm_kill``, process 0's exit and the cause its output names).
 
   python -m benchmarks.fault                        # kill, and partition if root
   sudo python -m benchmarks.fault --faults partition --fault-timeouts 10,30
+  python -m benchmarks.fault --faults lm_kill,lm_kill0 --fault-timeouts 10,30
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import time
 from typing import Any
 
 from benchmarks import launch
+from benchmarks import lm_network
 from benchmarks import network
 
 #: The partition test's own namespaces, veths and addresses (not the network benchmark's).
@@ -40,6 +48,7 @@ ADDRESSES = ("10.231.78.1", "10.231.78.2")
 
 STEPS = 100_000  # more than run before the fault: the run is cut, never finishes
 CHECKPOINT_EVERY = 20
+LM_STEPS = 2_000  # the transformer's run (a tc-free schedule: it is cut long before)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -132,6 +141,93 @@ def measure_kill(
   }
 
 
+def lm_commands(
+  workdir: str,
+  fault_timeout: int,
+  *,
+  config: str = "tiny",
+  steps: int = LM_STEPS,
+  checkpoint_every: int = CHECKPOINT_EVERY,
+  method: str = "onebit",
+) -> list[list[str]]:
+  """The 2 processes' command lines of the transformer trainer (``examples.lm.main``),
+  as a user runs them: the same flags in each, a coordinator on a free local port."""
+  flags = ["--config", config, "--methods", method, "--steps", str(steps)]
+  flags += ["--eval-every", str(steps), "--checkpoint-every", str(checkpoint_every)]
+  flags += ["--fault-timeout", str(fault_timeout), "--workdir", workdir]
+  return lm_network.worker_commands(flags, coordinator=f"127.0.0.1:{launch.free_port()}")
+
+
+def measure_lm_kill(
+  workdir: str,
+  fault_timeout: int,
+  *,
+  timeout: float = 300,
+  method: str = "onebit",
+  victim: int = 1,
+  **kwargs,
+) -> dict[str, Any]:
+  """Starts the 2 LM processes (:func:`lm_commands`; output to
+  ``WORKDIR/process{i}.log``), kills process ``victim`` with SIGKILL after the first
+  checkpoint and waits for the other to end: no launcher, only the survivor itself
+  notices (process 0 runs the coordination service: ``victim=0`` takes it down too).
+  Returns the seconds to the survivor's exit, its exit code, one line (its exit and the
+  cause its output names), the commands (run them again to resume) and the processes
+  that outlived it.
+
+  Raises:
+    RuntimeError: a process ended before the kill (the run was too short).
+    subprocess.TimeoutExpired: the survivor outlived the kill by ``timeout`` (a hang).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  commands = lm_commands(workdir, fault_timeout, method=method, **kwargs)
+  logs = [os.path.join(workdir, f"process{i}.log") for i in range(2)]
+  procs = []
+  try:
+    for i, (command, log) in enumerate(zip(commands, logs)):
+      with open(log, "w") as f:
+        procs.append(
+          subprocess.Popen(
+            command,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=launch.worker_env(i, {"JAX_PLATFORMS": "cpu"}),
+            cwd=launch.REPO_ROOT,
+            start_new_session=True,
+          )
+        )
+    wait_for(first_checkpoint(workdir, method), timeout, "checkpoint")
+    if any(p.poll() is not None for p in procs):
+      raise RuntimeError(f"a process ended before the kill: {[p.poll() for p in procs]}")
+    survivor = procs[1 - victim]
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    start = time.monotonic()
+    survivor.wait(timeout)
+    detected = time.monotonic() - start
+  finally:
+    for p in procs:  # ours, by pid
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+  with open(logs[1 - victim], errors="replace") as f:
+    lines = f.read().splitlines()
+  cause = launch.failure_cause(lines)
+  rc = survivor.returncode
+  how = f"exited with code {rc}" if rc >= 0 else f"was ended by {signal.Signals(-rc).name}"
+  line = f"process {1 - victim} {how}" + (f": {cause}" if cause else "")
+  return {
+    "fault": "lm_kill" if victim == 1 else f"lm_kill{victim}",
+    "fault_timeout": fault_timeout,
+    "detected_s": detected,
+    "returncode": rc,
+    "killed_returncode": procs[victim].returncode,
+    "line": line,
+    "commands": commands,
+    "survivors": [p.pid for p in procs if alive(p.pid)],
+    "pids": [p.pid for p in procs],
+  }
+
+
 def worker_pids(lines: list[str]) -> list[int]:
   """The pids of the ``[launch] worker I: pid P`` lines, by worker."""
   found = {}
@@ -214,10 +310,20 @@ def table(rows: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+MEASURES = {
+  "kill": measure_kill,
+  "partition": measure_partition,
+  "lm_kill": measure_lm_kill,  # process 1
+  "lm_kill0": lambda workdir, seconds: measure_lm_kill(workdir, seconds, victim=0),
+}
+
+
 def main(argv=None) -> int:
   """Measures each fault at each timeout; prints the table. Exit 2 if a fault cannot run."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--faults", default="kill,partition", help="comma-separated: kill,partition")
+  parser.add_argument(
+    "--faults", default="kill,partition", help="comma-separated: kill,partition,lm_kill,lm_kill0"
+  )
   parser.add_argument(
     "--fault-timeouts",
     default=str(launch.DEFAULT_FAULT_TIMEOUT),
@@ -225,7 +331,7 @@ def main(argv=None) -> int:
   )
   args = parser.parse_args(argv)
   faults = [f for f in args.faults.split(",") if f]
-  unknown = set(faults) - {"kill", "partition"}
+  unknown = set(faults) - set(MEASURES)
   if unknown:
     parser.error(f"unknown faults {sorted(unknown)}")
   timeouts = [int(t) for t in args.fault_timeouts.split(",") if t]
@@ -240,8 +346,7 @@ def main(argv=None) -> int:
     for seconds in timeouts:
       workdir = tempfile.mkdtemp(prefix=f"jaxcomp_fault_{fault}_")
       try:
-        measure = measure_kill if fault == "kill" else measure_partition
-        rows.append(measure(workdir, seconds))
+        rows.append(MEASURES[fault](workdir, seconds))
         print(f"{fault}, --fault-timeout {seconds}: {rows[-1]['line']}", flush=True)
       finally:
         shutil.rmtree(workdir, ignore_errors=True)

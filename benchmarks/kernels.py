@@ -34,6 +34,7 @@ from jaxcomp.kernels import cuda_available
 from jaxcomp.kernels import dequantize
 from jaxcomp.kernels import quantize
 from jaxcomp.kernels import sign_pack
+from tests import kernel_references as xla_path  # the XLA codecs, as the kernels are called
 
 _F32 = jnp.float32
 
@@ -69,14 +70,14 @@ def quantize_rows(
   for n in sizes:
     x = jax.random.normal(jax.random.key(1), (n,), _F32)
     e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
-    payload = sum(a.nbytes for a in quantize.quantize_reference(x, key, **q))
+    payload = sum(a.nbytes for a in xla_path.quantize_reference(x, key, **q))
     rows.append(
       bench_row(
         "quantize",
         n,
         4 * n + payload,
         lambda x, k: quantize.quantize(x, k, **q, interpret=interpret),
-        lambda x, k: quantize.quantize_reference(x, k, **q),
+        lambda x, k: xla_path.quantize_reference(x, k, **q),
         x,
         key,
         repeats=repeats,
@@ -88,7 +89,7 @@ def quantize_rows(
         n,
         12 * n + payload,
         lambda x, k, e: quantize.quantize(x, k, e, **q, interpret=interpret),
-        lambda x, k, e: quantize.quantize_reference(x, k, e, **q),
+        lambda x, k, e: xla_path.quantize_reference(x, k, e, **q),
         x,
         key,
         e,
@@ -115,7 +116,7 @@ def dequantize_rows(
   q = dict(levels=levels, bucket_size=bucket_size)
   for n in sizes:
     x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    words, scales = quantize.quantize_reference(x, jax.random.key(0), **q)
+    words, scales = xla_path.quantize_reference(x, jax.random.key(0), **q)
     words, scales = jnp.stack([words] * k), jnp.stack([scales] * k)
     rows.append(
       bench_row(
@@ -123,7 +124,7 @@ def dequantize_rows(
         n,
         words.nbytes + scales.nbytes + 4 * n,
         lambda w, s: dequantize.dequantize_sum(w, s, n=n, **q, interpret=interpret),
-        lambda w, s: dequantize.dequantize_sum_reference(w, s, n=n, **q),
+        lambda w, s: xla_path.dequantize_sum_reference(w, s, n=n, **q),
         words,
         scales,
         repeats=repeats,
@@ -147,7 +148,7 @@ def sign_pack_rows(
   for n in sizes:
     x = jax.random.normal(jax.random.key(1), (n,), _F32)
     e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
-    payload = sign_pack.sign_pack_reference(x, **b)
+    payload = xla_path.sign_pack_reference(x, **b)
     nbytes = sum(a.nbytes for a in payload)
     rows.append(
       bench_row(
@@ -155,7 +156,7 @@ def sign_pack_rows(
         n,
         4 * n + nbytes,
         lambda x: sign_pack.sign_pack(x, **b, interpret=interpret),
-        lambda x: sign_pack.sign_pack_reference(x, **b),
+        lambda x: xla_path.sign_pack_reference(x, **b),
         x,
         repeats=repeats,
       )
@@ -166,7 +167,7 @@ def sign_pack_rows(
         n,
         12 * n + nbytes,
         lambda x, e: sign_pack.sign_pack(x, e, **b, interpret=interpret),
-        lambda x, e: sign_pack.sign_pack_reference(x, e, **b),
+        lambda x, e: xla_path.sign_pack_reference(x, e, **b),
         x,
         e,
         repeats=repeats,
@@ -179,7 +180,7 @@ def sign_pack_rows(
         n,
         k * nbytes + 4 * n,
         lambda w, p, m: sign_pack.sign_unpack_sum(w, p, m, n=n, **b, interpret=interpret),
-        lambda w, p, m: sign_pack.sign_unpack_sum_reference(w, p, m, n=n, **b),
+        lambda w, p, m: xla_path.sign_unpack_sum_reference(w, p, m, n=n, **b),
         *stacked,
         repeats=repeats,
       )

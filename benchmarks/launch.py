@@ -61,11 +61,11 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 import jax
 
+from examples import common
 from examples.mnist1d import configs as example_configs
 from examples.mnist1d import train
 import jaxcomp as jc
@@ -81,10 +81,8 @@ RESULT_MARKER = "JAXCOMP_WORKER_RESULT "
 # Lines of a failing worker's stderr quoted in the launcher's error.
 TAIL_LINES = 30
 
-#: Seconds before a lost peer fails the job (``--fault-timeout``): the heartbeat timeout
-#: and the collective timeout. A peer cut off mid-step is detected after about this
-#: long (docs/benchmarks.md has the measured times), well within a minute.
-DEFAULT_FAULT_TIMEOUT = 30
+#: Seconds before a lost peer fails the job (``--fault-timeout``).
+DEFAULT_FAULT_TIMEOUT = common.DEFAULT_FAULT_TIMEOUT
 
 Prefix = Callable[[int], Sequence[str]]
 Env = Mapping[str, str] | Callable[[int], Mapping[str, str]]
@@ -162,116 +160,13 @@ def load_config(
 # ----------------------------------------------------------------------------- worker
 
 
-def cpu_platform_selected() -> bool:
-  """Whether JAX may run on CPU here: ``JAX_PLATFORMS`` unset, empty or naming cpu."""
-  names = [p.strip().lower() for p in os.environ.get("JAX_PLATFORMS", "").split(",")]
-  names = [n for n in names if n]
-  return not names or "cpu" in names
-
-
-def check_fault_timeout(seconds: int) -> None:
-  """Raises ValueError unless ``seconds`` is a whole number of seconds, at least 1."""
-  if isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 1:
-    raise ValueError(f"--fault-timeout must be a whole number of seconds >= 1, got {seconds!r}")
-
-
-def collective_timeout_flags(seconds: int) -> list[str]:
-  """``XLA_FLAGS`` that fail a CPU collective waiting ``seconds`` for its peers.
-
-  ``xla_cpu_collective_timeout_seconds`` bounds a collective across processes (gloo's
-  wait for the peers; XLA's default is 30 minutes). The in-process rendezvous of a
-  process's own devices keeps XLA's own bound
-  (``xla_cpu_collective_call_terminate_timeout_seconds``, 40 s): its devices are
-  threads of one process, which a lost link does not separate.
-  """
-  check_fault_timeout(seconds)
-  return [f"--xla_cpu_collective_timeout_seconds={seconds}"]
-
-
-def init_distributed(
-  coordinator: str,
-  num_processes: int,
-  process_id: int,
-  *,
-  devices_per_process: int | None = None,
-  initialization_timeout: int = 300,
-  fault_timeout: int | None = DEFAULT_FAULT_TIMEOUT,
-) -> None:
-  """Joins ``jax.distributed``; must run before anything initialises JAX's backends.
-
-  When JAX may use the CPU, first gives the CPU backend ``devices_per_process`` devices
-  and gloo collectives (both only shape the CPU backend: on a GPU host ``jax.devices()``
-  stays the GPUs, which use NCCL).
-
-  ``fault_timeout`` bounds how long a lost peer goes unnoticed: it is the coordination
-  service's heartbeat timeout (a process that sends no heartbeat for that long, being
-  dead or cut off, fails the job: every process aborts), the time a finishing process
-  waits for the others at shutdown, and XLA's CPU collective timeout
-  (:func:`collective_timeout_flags`: a collective whose peers are alive but never
-  arrive fails).
-
-  Args:
-    coordinator: ``HOST:PORT`` of the coordination service, run by process 0.
-    num_processes: N, the number of processes.
-    process_id: this process, in ``[0, N)``.
-    devices_per_process: CPU devices of this process (None: JAX's default).
-    initialization_timeout: seconds to wait for every process to connect.
-    fault_timeout: seconds, see above (None: JAX's and XLA's defaults, 100 s of
-      heartbeats, 300 s at shutdown, 30 min per collective).
-
-  Raises:
-    ValueError: on bad arguments, or when the CPU backend does not end up with
-      ``devices_per_process`` local devices.
-    RuntimeError: when JAX's backends were initialised already.
-  """
-  check_coordinator(coordinator)
-  if num_processes < 1 or not 0 <= process_id < num_processes:
-    raise ValueError(
-      f"need 0 <= process_id < num_processes, got process_id "
-      f"{process_id}, num_processes {num_processes}"
-    )
-  if devices_per_process is not None and devices_per_process < 1:
-    raise ValueError(f"devices_per_process must be positive, got {devices_per_process}")
-  timeouts = {}
-  if fault_timeout is not None:
-    check_fault_timeout(fault_timeout)
-    timeouts = {
-      "heartbeat_timeout_seconds": fault_timeout,
-      "shutdown_timeout_seconds": fault_timeout,
-    }
-    # Read once, when the backend is created: that is after this function.
-    os.environ["XLA_FLAGS"] = " ".join(
-      [os.environ.get("XLA_FLAGS", ""), *collective_timeout_flags(fault_timeout)]
-    ).strip()
-  if cpu_platform_selected():
-    try:
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
-      if devices_per_process is not None:
-        jax.config.update("jax_num_cpu_devices", devices_per_process)
-    except RuntimeError as e:
-      raise RuntimeError(
-        "init_distributed must run before JAX initialises its backends "
-        "(before any jax.devices() or computation)"
-      ) from e
-  jax.distributed.initialize(
-    coordinator,
-    num_processes=num_processes,
-    process_id=process_id,
-    initialization_timeout=initialization_timeout,
-    **timeouts,
-  )
-  if (
-    devices_per_process is not None
-    and jax.default_backend() == "cpu"
-    and jax.local_device_count() != devices_per_process
-  ):
-    raise ValueError(
-      f"asked for {devices_per_process} CPU devices per process, got {jax.local_device_count()}"
-    )
-
-
+# The worker side's distributed set-up, shared with the trainers (examples/common.py).
+cpu_platform_selected = common.cpu_platform_selected
+check_fault_timeout = common.check_fault_timeout
+collective_timeout_flags = common.collective_timeout_flags
+init_distributed = common.init_distributed
 #: ``params_digest(params)``: sha256 over the leaves' shapes, dtypes and bytes.
-params_digest = train.params_digest
+params_digest = common.params_digest
 
 
 def train_method(
@@ -394,7 +289,7 @@ def run_worker(args: argparse.Namespace) -> None:
   ``jax.distributed``'s shutdown barrier (which would wait for a lost peer).
   """
   die_with_parent()
-  try:
+  with common.exit_at_once_on_error():
     config = load_config(
       args.config,
       steps=args.steps,
@@ -412,11 +307,6 @@ def run_worker(args: argparse.Namespace) -> None:
     )
     result = train_worker(config, methods, args.workdir, evaluate=args.eval, profile=args.profile)
     write_result(result, args.workdir)
-  except BaseException:  # pylint: disable=broad-exception-caught
-    traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)  # no atexit: jax.distributed.shutdown() would wait for the lost peer
   jax.distributed.shutdown()  # a barrier: no process leaves while others still run
 
 
@@ -466,11 +356,7 @@ class WorkerOutput:
     return "\n".join((self.stderr or self.stdout)[-lines:])
 
 
-def check_coordinator(address: str) -> None:
-  """Raises ValueError unless ``address`` is ``HOST:PORT`` with a port in 1..65535."""
-  host, sep, port = address.rpartition(":")
-  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-    raise ValueError(f"coordinator must be HOST:PORT, got {address!r}")
+check_coordinator = common.check_coordinator
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -659,7 +545,7 @@ def run_processes(
     deadline = None if timeout is None else start + timeout
     failed = None
     while failed is None and any(p.poll() is None for p in procs):
-      failed = next((o for o, p in zip(outputs, procs) if p.poll()), None)
+      failed = _root_failure(outputs, procs)
       if failed is None and deadline is not None and time.monotonic() > deadline:
         _finish(procs, readers, outputs)
         raise LaunchError(
@@ -668,7 +554,7 @@ def run_processes(
           timed_out=True,
         )
       time.sleep(poll_interval)
-    failed = failed or next((o for o, p in zip(outputs, procs) if p.poll()), None)
+    failed = failed or _root_failure(outputs, procs)
     if failed is not None:
       failed.failed_after_s = time.monotonic() - start
     _finish(procs, readers, outputs)
@@ -682,6 +568,18 @@ def run_processes(
     return outputs
   finally:
     _kill(procs)  # on any exception (Ctrl-C included) no worker outlives the launcher
+
+
+def _root_failure(outputs, procs) -> WorkerOutput | None:
+  """The worker whose failure is the cause, of those that exited non-zero so far.
+
+  A worker killed by a signal comes first: when one dies, its peers see the closed
+  connection and exit with an error of their own, often within the same poll
+  interval, and naming a peer's "lost peer" exit would hide the death that caused it.
+  """
+  failed = [(p.returncode, o) for o, p in zip(outputs, procs) if p.poll()]
+  signalled = [o for rc, o in failed if rc < 0]
+  return (signalled or [o for _, o in failed] or [None])[0]
 
 
 def _finish(procs, readers, outputs) -> None:
@@ -819,8 +717,9 @@ def phase_table(results: Sequence[dict[str, Any]]) -> str:
     for r in results:
       ph = r["methods"][method].get("phases")
       if ph:
+        lost = f" ({len(ph['untraced'])} kernels untraced)" if ph.get("untraced") else ""
         rows.append(
-          f"| {method} | {r['process_id']} | {ph['step_ms']:.1f} | "
+          f"| {method}{lost} | {r['process_id']} | {ph['step_ms']:.1f} | "
           + " | ".join(f"{ph[c]:.1f}" for c in PHASE_COLUMNS)
           + " |"
         )
@@ -980,7 +879,7 @@ def complete_checkpoints(workdir: str, methods: Sequence[str]) -> dict[str, int 
   directory and renames it to the bare step number once every process has written."""
   latest = {}
   for method in methods:
-    d = train.checkpoint_dir(workdir, method)
+    d = common.checkpoint_dir(workdir, method)
     steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
     latest[method] = max(steps, default=None)
   return latest

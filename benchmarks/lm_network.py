@@ -9,7 +9,10 @@ validation loss after ``--target-step`` updates (dense's trajectory is the same 
 every rate, so one unthrottled dense run both sets the target and measures the compute
 step time). A method that has not reached it when the schedule ends is reported as
 such. The time to target is the training time (evaluation and compilation excluded)
-up to the evaluation that first reached it.
+up to the evaluation that first reached it. DiLoCo's methods (``diloco``,
+``diloco_qsgd4``) are evaluated at their anchor, the shared parameters of the last sync:
+with ``--eval-every`` a multiple of the config's ``diloco_sync_every`` (10 in every
+config), each evaluation sees a fresh sync.
 
 **The scaled rate.** On this CPU a step of a small model is ~10^4 times slower than on
 an H100, so a real link makes communication look free. The scaled rate keeps a real
@@ -48,7 +51,7 @@ from benchmarks import launch
 from benchmarks import network
 
 H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM
-DEFAULT_METHODS = ("dense", "qsgd4", "powersgd", "onebit_adam")
+DEFAULT_METHODS = ("dense", "qsgd4", "onebit_adam", "diloco", "diloco_qsgd4")
 DEFAULT_RATES = ("100mbit", "scaled100")
 
 

@@ -47,7 +47,11 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_typehints_description_target = "documented"
 autodoc_preserve_defaults = True
-autosummary_generate = False  # summary tables only; the entries are written by hand
+# Each public object gets a page of its own, generated at build time from the
+# autosummary lists of docs/api/*.rst (docs/_templates/autosummary/object.rst) into
+# docs/api/generated/ (not tracked).
+autosummary_generate = True
+templates_path = ["_templates"]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False

@@ -18,10 +18,13 @@ from jaxcomp._src.dgc import dgc
 from jaxcomp._src.dgc import dgc_density_schedule
 from jaxcomp._src.diloco import DiLoCoState
 from jaxcomp._src.diloco import diloco
+from jaxcomp._src.fsdp import fsdp_gather
+from jaxcomp._src.fsdp import init_fsdp_feedback
 from jaxcomp._src.mipd import MIPDState
 from jaxcomp._src.mipd import mipd
 from jaxcomp._src.onebit_adam import OneBitAdamState
 from jaxcomp._src.onebit_adam import onebit_adam
+from jaxcomp._src.onebit_adam import scale_by_onebit_adam
 from jaxcomp._src.phases import PhaseProfile
 from jaxcomp._src.phases import profile_phases
 from jaxcomp._src.powersgd import PowerSGDState
@@ -31,6 +34,7 @@ from jaxcomp._src.qsvrg import QSVRGState
 from jaxcomp._src.qsvrg import QSVRGWireReport
 from jaxcomp._src.qsvrg import qsvrg
 from jaxcomp._src.qsvrg import qsvrg_wire_report
+from jaxcomp._src.qweights import gather_weights
 from jaxcomp._src.specs import state_specs
 from jaxcomp._src.transforms import CompressState
 from jaxcomp._src.transforms import PerDeviceState
@@ -74,6 +78,9 @@ __all__ = [
   "dgc",
   "dgc_density_schedule",
   "diloco",
+  "fsdp_gather",
+  "gather_weights",
+  "init_fsdp_feedback",
   "mipd",
   "multi_steps",
   "network",
@@ -87,6 +94,7 @@ __all__ = [
   "qsvrg",
   "qsvrg_wire_report",
   "restore_target",
+  "scale_by_onebit_adam",
   "skip_nonfinite",
   "sparsify",
   "state_specs",

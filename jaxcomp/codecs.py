@@ -18,12 +18,14 @@ from jaxcomp._src.codecs import ScaledSign
 from jaxcomp._src.codecs import payload_nbytes
 from jaxcomp._src.elias_codec import EliasQSGD
 from jaxcomp._src.normal import NormalQuantizer
+from jaxcomp._src.qweights import BlockInt8
 from jaxcomp._src.sparse import RandomK
 from jaxcomp._src.sparse import SparseCodec
 from jaxcomp._src.sparse import TopK
 from jaxcomp._src.wangni import UnbiasedSparsifier
 
 __all__ = [
+  "BlockInt8",
   "Cast",
   "Codec",
   "EliasQSGD",

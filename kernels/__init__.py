@@ -1,7 +1,11 @@
 """Pallas GPU kernels for jaxcomp's hot paths, shipped as ``jaxcomp.kernels``.
 
-One module per kernel, each with the kernel body, a jitted wrapper around
-``pl.pallas_call`` and a pure-jnp ``*_reference`` (the XLA codec it must match):
+One module per kernel, each with the kernel body and a jitted wrapper around
+``pl.pallas_call`` (Triton) or ``plgpu.kernel`` (Mosaic GPU, :mod:`._mosaic`); the XLA
+codec each must match bit for bit is :mod:`jaxcomp.codecs`' ``implementation="xla"``
+(``tests/kernel_references.py`` spells it with the kernels' signatures). They import
+only low-level helpers (:mod:`jaxcomp._src.arith`, ``rng``, ``bitpack``); the codecs
+dispatch to them:
 
 * :mod:`~jaxcomp.kernels.quantize`: QSGD's bucket scale (max or l2), stochastic rounding
   with the counter hash of :mod:`jaxcomp._src.rng`, sign and lanes bit packing in one

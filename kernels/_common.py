@@ -1,4 +1,4 @@
-"""What the kernels share: the backend choice, the launch, exact arithmetic, dispatch.
+"""What the kernels share: the backend choice, the launch, dispatch.
 
 Backends (:func:`pick_backend`): Mosaic GPU (``plgpu.kernel``, :mod:`._mosaic`), jax's
 maintained GPU backend, where this jax (>= 0.12), the GPU (sm_90 or newer; any in
@@ -12,14 +12,12 @@ can run, the codecs use the XLA path and warn once (:func:`use_pallas`,
 :func:`no_backend_for`). jax >= 0.11 needs the target GPU to lower Triton kernels
 without one (``tests/test_kernels.py`` exports under an abstract H100).
 
-Exact arithmetic (Triton): Triton lowers ``x / y`` on float32 to PTX ``div.full.f32`` (an
-approximation within 2 ulp), while XLA divides with correct rounding. A payload must
-be bit-identical to the XLA path's, so compiled kernels divide and take square roots
-with inline ``div.rn.f32`` / ``sqrt.rn.f32`` (:func:`div`, :func:`sqrt`); interpret
-mode uses jnp's, which are already exact. The only divisions left are per bucket
-(:func:`inverse_scale`) and per codec (:func:`level_step`): every path, XLA's included,
-multiplies the values by those reciprocals, which is what XLA's algebraic simplifier
-makes of a division by a broadcast anyway.
+The arithmetic every path shares, the XLA path's included (reciprocals, the bucket
+statistics that are sums and are computed before a kernel in one fixed order), is
+:mod:`jaxcomp._src.arith`. Triton lowers ``x / y`` on float32 to PTX ``div.full.f32``
+(an approximation within 2 ulp), while XLA divides with correct rounding, so the
+compiled Triton kernels pass :func:`div` (inline ``div.rn.f32``) to
+:func:`jaxcomp._src.arith.inverse_scale`; interpret mode and Mosaic GPU divide exactly.
 """
 
 from __future__ import annotations
@@ -29,8 +27,14 @@ import functools
 import warnings
 
 import jax
+from jax import lax
 import jax.numpy as jnp
-import numpy as np
+
+from jaxcomp._src import arith
+from jaxcomp._src import bitpack
+from jaxcomp._src import rng
+
+from . import _mosaic
 
 Array = jax.Array
 
@@ -133,9 +137,8 @@ def _why_not(backend: str, misfit: str | None, *, interpret: bool) -> str | None
     _import_pallas()
   except ImportError as e:
     return f"jax.experimental.pallas does not import: {e}"
-  from . import _mosaic
-
-  return _mosaic.unavailable(interpret=interpret) or misfit
+  capability = None if interpret else compute_capability()
+  return _mosaic.unavailable(interpret=interpret, capability=capability) or misfit
 
 
 def pick_backend(misfit: str | None, *, interpret: bool, backend: str | None = None) -> str:
@@ -225,91 +228,6 @@ def use_pallas(implementation: str | None) -> bool:
   return True
 
 
-def level_step(scale: Array, levels: int) -> Array:
-  """QSGD's decode step ``scale / s``, computed as ``scale * fl(1 / s)``.
-
-  XLA's algebraic simplifier rewrites a division by a constant into a multiplication by
-  its float32 reciprocal, so that is what the XLA path computes whatever the source
-  says (``scale / 7`` and ``scale * fl(1/7)`` differ in the last bit for some scales).
-  Every path (XLA, Pallas, the native CPU kernels) spells out the multiplication, so
-  they agree bit for bit without depending on that rewrite.
-  """
-  inverse = np.float32(1) / np.float32(levels)  # IEEE float32 division: correctly rounded
-  return scale * inverse
-
-
-#: Bucket scales from here up have a subnormal float32 reciprocal, which XLA:CPU (it
-#: runs with denormals flushed to zero) would turn into 0, and so the bucket into zeros.
-BIG_SCALE = np.float32(2.0**126)
-
-
-def inverse_scale(safe: Array, *, exact_asm: bool = False) -> tuple[Array, Array]:
-  """``(inv, k)`` for dividing a bucket by its (positive, finite) scale ``safe``.
-
-  ``k`` is 1, or 1/4 where ``safe >= 2**126``; ``inv = fl(1 / (safe * k))``, correctly
-  rounded and never subnormal. A bucket's ratio ``|v| / scale`` is then computed as
-  ``fl(|v| * inv)``, which is ``|v| / scale`` times ``1/k`` (see :func:`level_ratio`).
-
-  Why not a division: XLA's algebraic simplifier rewrites ``A / broadcast(B)`` into
-  ``A * broadcast(1 / B)``, so that multiplication (not a correctly rounded division)
-  is what the XLA path computes whatever the source says; every path (XLA, Pallas,
-  the native CPU kernels) spells it out, so they agree bit for bit without depending on
-  that rewrite. Why ``k``: without it, a bucket whose max is >= 2**126 would get a
-  subnormal reciprocal, flushed to zero on XLA:CPU, and be sent as all zeros.
-  """
-  k = jnp.where(safe >= BIG_SCALE, np.float32(0.25), np.float32(1.0))
-  inv = div(jnp.ones_like(safe), safe * k, exact_asm=exact_asm)
-  return inv, k
-
-
-def level_ratio(a: Array, inv: Array, k: Array, levels: int) -> Array:
-  """QSGD's ``r = a / scale * s`` (``a = |v| <= scale``) as every path computes it:
-  ``fl(fl(a * inv) * fl(s * k))`` with :func:`inverse_scale`'s ``inv, k`` broadcast
-  against ``a`` (``s * k`` is exact: ``k`` is a power of two). ``r <= s``: for every
-  float32 ``m``, ``m * fl(1 / m) <= 1`` (for some mantissas it is ``1 - 2**-24``, for
-  none above 1), so the bucket's max maps to ``s`` or just below it, where
-  it rounds down with probability at most ``s * 2**-23``."""
-  return a * inv * (np.float32(levels) * k)
-
-
-FLT_MAX = np.float32(np.finfo(np.float32).max)
-
-
-def sum_shift(count: int) -> int:
-  """``c`` with ``2**c >= 2 * count``: ``count`` float32 values scaled by ``2**-c`` sum
-  to at most ``FLT_MAX / 2`` (margin for rounding), so the sum cannot overflow."""
-  return (max(int(count), 1) - 1).bit_length() + 1
-
-
-def side_mean(
-  total: Array, scaled_total: Array, count: Array, shift: int, *, exact_asm: bool = False
-) -> Array:
-  """OneBit's mean of one sign's values in a bucket, ``total / count`` (0 when empty).
-
-  ``total`` is their float32 sum, which overflows to ``±inf`` once it passes
-  ``FLT_MAX`` although every value is finite (512 values of 1e36 do). Where it did,
-  the mean comes from ``scaled_total``, the same values summed after scaling by
-  ``2**-shift`` (:func:`sum_shift`: it cannot overflow), as
-  ``fl(scaled_total / count) * 2**shift`` clipped to ``±FLT_MAX`` (the mean of finite
-  values is finite). Where ``scaled_total`` is not finite either, an input was: the
-  mean stays non-finite and the bucket is flagged, never hidden. Power-of-two scaling
-  is exact, so this changes nothing where ``total`` is finite.
-  """
-  safe = jnp.maximum(count, 1.0)
-  plain = div(total, safe, exact_asm=exact_asm)
-  rescued = jnp.clip(
-    div(scaled_total, safe, exact_asm=exact_asm) * np.float32(2.0**shift), -FLT_MAX, FLT_MAX
-  )
-  # |t| <= FLT_MAX is isfinite(t) (NaN compares false), spelled so Mosaic GPU lowers it.
-  finite_total, finite_scaled = jnp.abs(total) <= FLT_MAX, jnp.abs(scaled_total) <= FLT_MAX
-  mean = jnp.where(~finite_total & ~jnp.isnan(total) & finite_scaled, rescued, plain)
-  return jnp.where(count > 0, mean, 0.0)
-
-
-def is_power_of_two(v: int) -> bool:
-  return v > 0 and v & (v - 1) == 0
-
-
 #: Input dtypes the encoding kernels read (others fall back to XLA).
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -323,7 +241,7 @@ def unsupported_bucketing(n: int, bucket_size: int | None, dtype) -> str | None:
   """
   if bucket_size is None:
     return "bucket_size=None (one bucket per tensor)"
-  if not is_power_of_two(bucket_size) or not 32 <= bucket_size <= 65536:
+  if not arith.is_power_of_two(bucket_size) or not 32 <= bucket_size <= 65536:
     return f"bucket_size {bucket_size} is not a power of two in 32..65536"
   if jnp.dtype(dtype) not in DTYPES:
     return f"dtype {jnp.dtype(dtype)}"
@@ -351,7 +269,7 @@ class LaunchConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if not is_power_of_two(self.block_size):
+    if not arith.is_power_of_two(self.block_size):
       raise ValueError(f"block_size must be a power of two, got {self.block_size}")
 
   def rows(self, bucket: int) -> int:
@@ -381,26 +299,8 @@ def div(x: Array, y: Array, *, exact_asm: bool) -> Array:
   return out
 
 
-def sqrt(x: Array, *, exact_asm: bool) -> Array:
-  """float32 square root with correct rounding (as XLA's), compiled or interpreted."""
-  if not exact_asm:
-    return jnp.sqrt(x)
-  from jax.experimental.pallas import triton as pltriton
-
-  [out] = pltriton.elementwise_inline_asm(
-    "sqrt.rn.f32 $0, $1;",
-    args=[x],
-    constraints="=f,f",
-    pack=1,
-    result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
-  )
-  return out
-
-
 def key_words_array(key: Array) -> Array:
   """The two uint32 hash seeds of ``key`` (:func:`jaxcomp._src.rng.key_words`) as ``(2,)``."""
-  from jaxcomp._src import rng
-
   k0, k1 = rng.key_words(key)
   return jnp.stack([k0, k1])
 
@@ -421,6 +321,12 @@ def out_struct(like: Array, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStru
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def varying_axes(x) -> frozenset:
+  """Mesh axes over which ``x`` is typed device-varying (shard_map's check_vma)."""
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(mat.varying) if mat is not None else frozenset()
+
+
 def check_interpretable(interpret: bool, *arrays: Array) -> None:
   """Pallas's interpreter cannot run on values typed as varying under ``check_vma``.
 
@@ -430,8 +336,6 @@ def check_interpretable(interpret: bool, *arrays: Array) -> None:
   """
   if not interpret:
     return
-  from jaxcomp._src.collectives import varying_axes  # (collectives imports the codecs)
-
   axes = frozenset().union(*(varying_axes(a) for a in arrays if a is not None))
   if axes:
     raise ValueError(
@@ -451,7 +355,6 @@ def load_buckets(x_ref, e_ref, *, n: int, rows: int, bucket: int):
   undefined). With an error-feedback residual ``e_ref`` (else ``None``), ``x32 = x + e``
   in float32 and ``v = fl_{x.dtype}(x32)``, what :func:`jaxcomp.compress` encodes.
   """
-  from jax import lax
   from jax.experimental import pallas as pl
 
   start = pl.program_id(0) * (rows * bucket)
@@ -488,14 +391,17 @@ def call_encoder(
   interpret: bool,
   outputs,
   lead=(),
+  per_bucket=(),
 ) -> tuple[Array, ...]:
   """Runs an encoding kernel over ``x``'s buckets, one program per ``config.rows`` buckets.
 
-  ``body(*lead_refs, x_ref, [e_ref], *output_refs, [new_e_ref])`` sees each ``lead``
-  array whole, and a block of ``rows * bucket`` values of the flat ``x`` (and of the
-  residual). ``outputs`` lists ``(shape, dtype, values_per_block)`` of the payload
-  arrays, each a 1-D array written one block per program. With a residual, the last
-  result is the new float32 residual in ``x``'s shape.
+  ``body(*lead_refs, *bucket_refs, x_ref, [e_ref], *output_refs, [new_e_ref])`` sees
+  each ``lead`` array whole, the block's ``rows`` entries of each ``per_bucket`` array
+  (one value per bucket: statistics computed before the kernel), and a block of ``rows
+  * bucket`` values of the flat ``x`` (and of the residual). ``outputs`` lists
+  ``(shape, dtype, values_per_block)`` of the payload arrays, each a 1-D array written
+  one block per program. With a residual, the last result is the new float32 residual
+  in ``x``'s shape.
   """
   from jax.experimental import pallas as pl
 
@@ -504,8 +410,9 @@ def call_encoder(
   rows = config.rows(bucket)
   nb = -(-n // bucket)
   flat = pl.BlockSpec((rows * bucket,), lambda i: (i,))
-  in_specs = [pl.BlockSpec(a.shape, lambda i, nd=a.ndim: (0,) * nd) for a in lead] + [flat]
-  args = [*lead, x.reshape(-1)]
+  in_specs = [pl.BlockSpec(a.shape, lambda i, nd=a.ndim: (0,) * nd) for a in lead]
+  in_specs += [pl.BlockSpec((rows,), lambda i: (i,)) for _ in per_bucket] + [flat]
+  args = [*lead, *per_bucket, x.reshape(-1)]
   out_shape = [out_struct(x, shape, dtype) for shape, dtype, _ in outputs]
   out_specs = [pl.BlockSpec((block,), lambda i: (i,)) for _, _, block in outputs]
   if residual is not None:
@@ -554,10 +461,7 @@ def call_decoder(
   On Mosaic GPU (:func:`pick_backend`) ``mosaic_decode(codes_tile, *bucket_scalars)``
   decodes instead (:func:`jaxcomp.kernels._mosaic.decode_sum`).
   """
-  from jax import lax
   from jax.experimental import pallas as pl
-
-  from jaxcomp._src import bitpack
 
   want = bitpack.num_words(n, bits)
   if words.ndim != 2 or words.shape[1] != want or words.dtype != jnp.uint32:
@@ -571,8 +475,6 @@ def call_decoder(
       raise ValueError(f"{field} must be float32 ({k}, {nb}), got {a.dtype} {a.shape}")
   interpret = resolve_interpret(interpret)
   check_interpretable(interpret, words, *per_bucket.values())
-  from . import _mosaic
-
   misfit = _mosaic.misfit(n, bits, bucket)
   if pick_backend(misfit, interpret=interpret, backend=backend) == "mosaic_gpu":
     return _mosaic.decode_sum(

@@ -1,8 +1,8 @@
 r"""The four kernels on Mosaic GPU (``plgpu.kernel``), jax >= 0.12's maintained backend.
 
-Same payloads and arithmetic as the Triton versions (:mod:`._common`: the counter-hash
-rounding, :func:`~._common.inverse_scale`, :func:`~._common.level_ratio`,
-:func:`~._common.level_step`, :func:`~._common.side_mean`), another data layout:
+Same payloads and arithmetic as the Triton versions (:mod:`jaxcomp._src.arith`: the counter-hash
+rounding, :func:`~.arith.inverse_scale`, :func:`~.arith.level_ratio`,
+:func:`~.arith.level_step`), another data layout:
 
 * A flat tensor of ``n`` values is read as a ``(n / p, p)`` array, ``p = 32 / bits``
   codes per uint32 word: row ``w`` holds the values packed into word ``w``. A tile of
@@ -11,10 +11,13 @@ rounding, :func:`~._common.inverse_scale`, :func:`~._common.level_ratio`,
   registers; a word is the sum over its row of ``code << (bits * column)``, a row
   reduction, so packing needs no reshape and no strided access (Mosaic GPU lowers
   neither).
-* Encoders run one program per bucket: a first loop over the bucket's tiles takes the
-  scale (max and min, the NaN count, for ``norm="l2"`` a second loop the sum of
-  squares; OneBit's sums), a second loop rounds, packs and writes (and the new
-  residual). Decoders run one program per tile and loop over the K payloads.
+* Encoders run one program per bucket: for QSGD's max norm a first loop over the
+  bucket's tiles takes the scale (max and min, the NaN count), then a loop rounds,
+  packs and writes (and the new residual). Statistics that are sums (the l2 scale,
+  OneBit's means) come in as inputs, computed before the kernel by the XLA path's code
+  (:func:`~jaxcomp._src.arith.qsgd_scales`, :func:`~jaxcomp._src.arith.onebit_means`):
+  a sum's bits depend on its order, and a reduction's order inside a kernel is the
+  backend's. Decoders run one program per tile and loop over the K payloads.
 
 What they take (:func:`misfit`): codes of 1, 2 or 4 bits (``p`` in 32, 16, 8), buckets of
 a whole number of tiles (``64 p`` values: 512 for 4-bit QSGD, 1024 for 2-bit, 2048 for
@@ -24,8 +27,7 @@ kernels where jax still has them, else to the XLA path.
 Why these are exact too: Mosaic GPU divides and takes square roots with correct
 rounding unless ``CompilerParams(approx_math=True)`` (not set), so no inline PTX is
 needed; ``floor`` (which Mosaic GPU does not lower) of a non-negative ratio is its
-truncation to an integer. The one difference from XLA is the order of a bucket's sums
-(the l2 norm's sum of squares, OneBit's means): within float32 rounding, as for Triton.
+truncation to an integer. The payloads are the XLA path's bit for bit.
 
 GPU interpret mode (``InterpretGPUParams``) runs these kernels on a CPU; it is imported in
 one place, :func:`interpret_params`.
@@ -38,7 +40,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _common
+from jaxcomp._src import arith
+from jaxcomp._src import rng
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -74,8 +77,9 @@ def interpret_params():
   return InterpretGPUParams()
 
 
-def unavailable(*, interpret: bool) -> str | None:
-  """Why this jax (and GPU) cannot run the Mosaic GPU kernels (``None``: it can)."""
+def unavailable(*, interpret: bool, capability: tuple[int, int] | None = None) -> str | None:
+  """Why this jax (and GPU) cannot run the Mosaic GPU kernels (``None``: it can);
+  ``capability`` is the GPU's CUDA compute capability (``None``: not known)."""
   version = tuple(int(v) for v in jax.__version_info__[:2])
   if version < MIN_JAX:
     return f"jax {jax.__version__} is older than 0.12 (the Mosaic GPU kernels need its plgpu)"
@@ -89,7 +93,7 @@ def unavailable(*, interpret: bool) -> str | None:
     if interpret_params() is None:
       return "this jax has no Mosaic GPU interpret mode (InterpretGPUParams)"
     return None
-  cc = _common.compute_capability()
+  cc = capability
   if cc is not None and cc < MIN_CAPABILITY:
     return (
       f"the GPU has compute capability {cc[0]}.{cc[1]}, Mosaic GPU needs "
@@ -160,8 +164,13 @@ def _views(x: Array, residual: Array | None, per_word: int):
   return args
 
 
-def quantize(x, key_words, residual, *, levels, bucket, norm, out_struct, interpret):
-  """:func:`jaxcomp.kernels.quantize.quantize` on Mosaic GPU (shape checked by caller)."""
+def quantize(x, key_words, residual, scales, *, levels, bucket, out_struct, interpret):
+  """:func:`jaxcomp.kernels.quantize.quantize` on Mosaic GPU (shape checked by caller).
+
+  ``scales``: the l2 scales, computed before the kernel (:func:`jaxcomp._src.arith.qsgd_scales`),
+  or ``None`` for the max norm, which the kernel takes itself (a max is exact in any
+  order). Returns ``(words, [scales if taken here], [new residual])``.
+  """
   n = x.size
   mbits = int(levels).bit_length()
   bits = mbits + 1
@@ -170,62 +179,43 @@ def quantize(x, key_words, residual, *, levels, bucket, norm, out_struct, interp
   words_per_bucket = bucket // per_word
   s = np.float32(levels)
   has_residual = residual is not None
+  given = scales is not None
 
-  def body(kw_ref, x_ref, *refs):
-    if has_residual:
-      e_ref, words_ref, scales_ref, new_e_ref = refs
+  def body(kw_ref, *refs):
+    if given:
+      sc_ref, x_ref, *refs = refs
     else:
-      (words_ref, scales_ref), e_ref = refs, None
+      x_ref, *refs = refs
+    if has_residual:
+      e_ref, words_ref, *refs, new_e_ref = refs
+    else:
+      (words_ref, *refs), e_ref = refs, None
     b = lax.axis_index("i")
 
     def rows(c):
       return pl_ds(b * words_per_bucket + c * TILE_WORDS, TILE_WORDS)
 
-    def stats(c, carry):
-      hi, lo, nans = carry
-      v, _ = _load(x_ref, e_ref, rows(c))
-      return (
-        jnp.maximum(hi, jnp.max(jnp.max(v, axis=1))),
-        jnp.minimum(lo, jnp.min(jnp.min(v, axis=1))),
-        nans + _total(jnp.isnan(v).astype(_F32)),
-      )
-
-    init = (np.float32(-np.inf), np.float32(np.inf), np.float32(0))
-    vmax, vmin, nans = lax.fori_loop(0, chunks, stats, init)
-    amax = jnp.maximum(vmax, -vmin)
-    # isfinite as |t| <= FLT_MAX (false for NaN and inf): Mosaic GPU lowers no is_finite.
-    finite = (nans == 0) & (jnp.abs(vmax) <= _common.FLT_MAX) & (jnp.abs(vmin) <= _common.FLT_MAX)
-    if norm == "max":
-      scale = amax
+    if given:
+      scale = sc_ref[b]
     else:
-      safe = jnp.where(amax > 0, amax, 1.0)
-      inv, k = _common.inverse_scale(safe)
-
-      def squares(c, acc):
-        v, _ = _load(x_ref, e_ref, rows(c))
-        w = v * inv
-        return acc + _total(w * w)
-
-      scale = amax * k * jnp.sqrt(lax.fori_loop(0, chunks, squares, np.float32(0)))
-    scale = jnp.where(finite, scale, jnp.nan)
-    scales_ref[b] = scale
+      scale = _max_scale(x_ref, e_ref, rows, chunks)
+      [scales_ref] = refs
+      scales_ref[b] = scale
 
     positive = scale > 0
     safe = jnp.where(positive, scale, 1.0)
-    inv, k = _common.inverse_scale(safe)
-    step = _common.level_step(scale, levels)
+    inv, k = arith.inverse_scale(safe)
+    step = arith.level_step(scale, levels)
 
     def encode(c, carry):
       v, x32 = _load(x_ref, e_ref, rows(c))
-      ratio = _common.level_ratio(jnp.abs(v), inv, k, levels)
+      ratio = arith.level_ratio(jnp.abs(v), inv, k, levels)
       r = jnp.where(jnp.broadcast_to(positive, v.shape), ratio, 0.0)  # no implicit broadcast
       low = r.astype(jnp.int32).astype(_F32)  # floor: r >= 0
       shape = v.shape
       idx = (
         _iota(shape, 0) * per_word + _iota(shape, 1) + (b * bucket + c * (TILE_WORDS * per_word))
       )
-      from jaxcomp._src import rng
-
       u24 = rng.hash_bits(idx.astype(_U32), kw_ref[0], kw_ref[1]) >> 8
       up = u24.astype(_F32) < (r - low) * np.float32(2.0**24)
       magf = jnp.minimum(low + up.astype(_F32), s)
@@ -240,82 +230,74 @@ def quantize(x, key_words, residual, *, levels, bucket, norm, out_struct, interp
     lax.fori_loop(0, chunks, encode, 0)
 
   nb = n // bucket
-  out_type = [out_struct(x, (n // per_word,), _U32), out_struct(x, (nb,), _F32)]
+  out_type = [out_struct(x, (n // per_word,), _U32)]
+  if not given:
+    out_type.append(out_struct(x, (nb,), _F32))
   if has_residual:
     out_type.append(out_struct(x, (n // per_word, per_word), _F32))
-  outs = _call(
-    body,
-    [key_words, *_views(x, residual, per_word)],
-    tuple(out_type),
-    nb,
-    interpret,
-    "jaxcomp_quantize",
-  )
+  args = [key_words, *([scales] if given else []), *_views(x, residual, per_word)]
+  outs = _call(body, args, tuple(out_type), nb, interpret, "jaxcomp_quantize")
   if has_residual:
     return (*outs[:-1], outs[-1].reshape(x.shape))
   return tuple(outs)
 
 
-def sign_pack(x, residual, *, bucket, out_struct, interpret):
-  """:func:`jaxcomp.kernels.sign_pack.sign_pack` on Mosaic GPU (shape checked by caller)."""
+def _max_scale(x_ref, e_ref, rows, chunks):
+  """A bucket's ``max |v|`` from a loop over its tiles, NaN unless all are finite."""
+
+  def stats(c, carry):
+    hi, lo, nans = carry
+    v, _ = _load(x_ref, e_ref, rows(c))
+    return (
+      jnp.maximum(hi, jnp.max(jnp.max(v, axis=1))),
+      jnp.minimum(lo, jnp.min(jnp.min(v, axis=1))),
+      nans + _total(jnp.isnan(v).astype(_F32)),
+    )
+
+  init = (np.float32(-np.inf), np.float32(np.inf), np.float32(0))
+  vmax, vmin, nans = lax.fori_loop(0, chunks, stats, init)
+  # isfinite as |t| <= FLT_MAX (false for NaN and inf): Mosaic GPU lowers no is_finite.
+  finite = (nans == 0) & (jnp.abs(vmax) <= arith.FLT_MAX) & (jnp.abs(vmin) <= arith.FLT_MAX)
+  return jnp.where(finite, jnp.maximum(vmax, -vmin), jnp.nan)
+
+
+def sign_pack(x, residual, pos, neg, *, bucket, out_struct, interpret):
+  """:func:`jaxcomp.kernels.sign_pack.sign_pack` on Mosaic GPU (shape checked by caller).
+
+  ``pos``, ``neg``: the bucket means, computed before the kernel
+  (:func:`jaxcomp._src.arith.onebit_means`). Returns ``(words, [new residual])``.
+  """
   n = x.size
   per_word = 32
   chunks = bucket // (TILE_WORDS * per_word)
   words_per_bucket = bucket // per_word
   has_residual = residual is not None
-  shift = _common.sum_shift(bucket)
-  down = np.float32(2.0**-shift)
 
-  def body(x_ref, *refs):
+  def body(pos_ref, neg_ref, x_ref, *refs):
     if has_residual:
-      e_ref, words_ref, pos_ref, neg_ref, new_e_ref = refs
+      e_ref, words_ref, new_e_ref = refs
     else:
-      (words_ref, pos_ref, neg_ref), e_ref = refs, None
+      (words_ref,), e_ref = refs, None
     b = lax.axis_index("i")
+    pos_b, neg_b = pos_ref[b], neg_ref[b]
 
-    def rows(c):
-      return pl_ds(b * words_per_bucket + c * TILE_WORDS, TILE_WORDS)
+    def encode(c, carry):
+      r = pl_ds(b * words_per_bucket + c * TILE_WORDS, TILE_WORDS)
+      v, x32 = _load(x_ref, e_ref, r)
+      words_ref[r] = _pack((v < 0).astype(_U32), 1)
+      if has_residual:
+        new_e_ref[r, :] = x32 - jnp.where(v < 0, neg_b, pos_b)
+      return carry
 
-    def sums(c, carry):
-      negs, ps, ns, ps_down, ns_down = carry
-      v, _ = _load(x_ref, e_ref, rows(c))
-      neg = v < 0
-      words_ref[rows(c)] = _pack(neg.astype(_U32), 1)
-      p, q = jnp.maximum(v, 0.0), jnp.minimum(v, 0.0)
-      return (
-        negs + _total(neg.astype(_F32)),
-        ps + _total(p),
-        ns + _total(q),
-        ps_down + _total(p * down),
-        ns_down + _total(q * down),
-      )
+    lax.fori_loop(0, chunks, encode, 0)
 
-    zero = np.float32(0)
-    negs, ps, ns, ps_down, ns_down = lax.fori_loop(0, chunks, sums, (zero,) * 5)
-    count = np.float32(bucket)
-    pos = _common.side_mean(ps, ps_down, count - negs, shift)
-    negm = _common.side_mean(ns, ns_down, negs, shift)
-    pos_ref[b] = pos
-    neg_ref[b] = negm
-    if has_residual:
-
-      def feedback(c, carry):
-        v, x32 = _load(x_ref, e_ref, rows(c))
-        new_e_ref[rows(c), :] = x32 - jnp.where(v < 0, negm, pos)
-        return carry
-
-      lax.fori_loop(0, chunks, feedback, 0)
-
-  nb = n // bucket
-  out_type = [out_struct(x, (n // 32,), _U32), out_struct(x, (nb,), _F32)]
-  out_type.append(out_struct(x, (nb,), _F32))
+  out_type = [out_struct(x, (n // 32,), _U32)]
   if has_residual:
     out_type.append(out_struct(x, (n // 32, 32), _F32))
-  outs = _call(
-    body, _views(x, residual, per_word), tuple(out_type), nb, interpret, "jaxcomp_sign_pack"
-  )
+  args = [pos, neg, *_views(x, residual, per_word)]
+  outs = _call(body, args, tuple(out_type), n // bucket, interpret, "jaxcomp_sign_pack")
   if has_residual:
-    return (*outs[:-1], outs[-1].reshape(x.shape))
+    return (outs[0], outs[1].reshape(x.shape))
   return tuple(outs)
 
 
@@ -361,7 +343,7 @@ def qsgd_decode(levels: int):
   def decode(codes, scale):
     mag = (codes & np.uint32((1 << mbits) - 1)).astype(_F32)
     q = jnp.where((codes >> mbits) != 0, -mag, mag)
-    return q * _common.level_step(scale, levels)
+    return q * arith.level_step(scale, levels)
 
   return decode
 

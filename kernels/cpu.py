@@ -16,9 +16,10 @@ arguments as the Pallas modules:
 What they write is the XLA path's payload, bit for bit: the same counter hash
 (:mod:`jaxcomp._src.rng`), the same float32 operations in the same order (compiled with
 ``-ffp-contract=off``: no fused multiply-adds; ``|v| / scale`` as ``|v| * fl(1 / scale)``,
-:func:`jaxcomp.kernels._common.inverse_scale`; denormals flushed to zero, as XLA:CPU
-does), the same lanes layout. Two sums are taken
-in another order than XLA's, as in the Pallas kernels, and agree to float32 rounding:
+:func:`jaxcomp._src.arith.inverse_scale`; denormals flushed to zero, as XLA:CPU
+does), the same lanes layout. Two sums are taken in another order than XLA's (inside
+the one pass over a bucket; the Pallas kernels take them from XLA instead), and agree
+to float32 rounding:
 OneBit's bucket means and QSGD's ``norm="l2"`` scales. ``tests/test_cpu_kernels.py``
 checks all of it against the XLA path.
 
@@ -260,9 +261,7 @@ def _call(target: str, outs, *args, **attrs):
   )
   # Under shard_map (check_vma), an FFI call's results carry no varying axes; they vary
   # wherever an input does (the kernel runs per device), so say so.
-  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
-
-  vma = frozenset().union(*(collectives.varying_axes(a) for a in args))
+  vma = frozenset().union(*(_common.varying_axes(a) for a in args))
   if vma:
     cast = lambda r: lax.pcast(r, tuple(sorted(vma)), to="varying")
     results = (

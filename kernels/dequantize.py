@@ -26,6 +26,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxcomp._src import arith
+
 from . import _common
 from . import _mosaic
 from . import quantize as quantize_lib
@@ -39,7 +41,7 @@ DequantizeConfig = _common.LaunchConfig
 
 def _decode_block(words, scale, *, rows, bucket, levels, exact_asm):
   """float32 ``(rows, bucket)`` values of one payload's block (words ``(W,)``)."""
-  del exact_asm  # no division left: the step is a multiplication (_common.level_step)
+  del exact_asm  # no division left: the step is a multiplication (arith.level_step)
   mbits = int(levels).bit_length()
   bits = mbits + 1
   per_word = 32 // bits
@@ -47,7 +49,7 @@ def _decode_block(words, scale, *, rows, bucket, levels, exact_asm):
   codes = ((words[:, None] >> shifts) & jnp.uint32((1 << bits) - 1)).reshape(rows, bucket)
   mag = (codes & jnp.uint32((1 << mbits) - 1)).astype(_F32)
   q = jnp.where((codes >> mbits) != 0, -mag, mag)
-  step = _common.level_step(scale, levels)
+  step = arith.level_step(scale, levels)
   return q * step[:, None]
 
 
@@ -101,13 +103,3 @@ def dequantize_sum(
     backend=backend,
     mosaic_decode=_mosaic.qsgd_decode(levels),
   )
-
-
-def dequantize_sum_reference(
-  words: Array, scales: Array, *, n: int, levels: int, bucket_size: int
-) -> Array:
-  """The XLA path: :meth:`jaxcomp.codecs.QSGD.decode_sum` of the stacked payload."""
-  from jaxcomp._src import codecs
-
-  codec = codecs.QSGD(levels, bucket_size, "max", implementation="xla")
-  return codec.decode_sum(codecs.Payload({"words": words, "scales": scales}, (n,), _F32))

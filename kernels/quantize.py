@@ -16,9 +16,12 @@ value's flat index ``i`` under the key: no random numbers are read from memory. 
 are packed ``32 / (m + 1)`` per uint32 word (the lanes layout of
 :mod:`jaxcomp._src.bitpack`), so the kernel writes exactly the payload of
 :class:`jaxcomp.codecs.QSGD` and its ``decode`` is shared: ``words`` and ``scales`` are
-bit-identical to :func:`quantize_reference` for the same key (for ``norm="l2"`` up to
-the order of the sum of squares inside a bucket, which a compiled kernel may take
-differently from XLA; interpret mode matches bit for bit).
+bit-identical to the XLA path's (``QSGD(..., implementation="xla").encode``) for the
+same key. The l2 scale is a sum,
+whose float32 value depends on the order of its additions: the wrapper computes it in
+XLA before the kernel, with the XLA path's own code
+(:func:`jaxcomp._src.arith.qsgd_scales`: exact squares, a pairwise sum), and the
+kernel takes it as an input; the max scale (exact in any order) the kernel takes itself.
 
 Fused error feedback: with ``residual=e``, the kernel quantizes
 ``v = fl_{dtype}(x + e)`` (``x + e`` in float32, rounded to ``x``'s dtype, as
@@ -31,14 +34,14 @@ codes are zero, and its residual is NaN (:func:`jaxcomp.compress` then keeps the
 
 Example (interpret mode, as on a machine without a GPU):
 
->>> import jax, jax.numpy as jnp
+>>> import jax, jax.numpy as jnp, jaxcomp as jc
 >>> from jaxcomp.kernels import quantize
 >>> x, key = jnp.linspace(-1.0, 1.0, 1000), jax.random.key(0)
 >>> words, scales = quantize.quantize(x, key, levels=7, bucket_size=256, interpret=True)
 >>> words.shape, scales.shape  # 1000 4-bit codes, 4 buckets
 ((125,), (4,))
->>> ref_words, ref_scales = quantize.quantize_reference(x, key, levels=7, bucket_size=256)
->>> bool((words == ref_words).all() and (scales == ref_scales).all())
+>>> ref = jc.codecs.QSGD(7, 256, "max", implementation="xla").encode(x, key=key).arrays
+>>> bool((words == ref["words"]).all() and (scales == ref["scales"]).all())
 True
 
 Reference: Alistarh et al., *QSGD: Communication-Efficient SGD via Gradient
@@ -54,6 +57,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxcomp._src import arith
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
 
@@ -87,11 +91,15 @@ def unsupported(n: int, *, levels: int, bucket_size: int | None, dtype) -> str |
   return _common.unsupported_bucketing(n, bucket_size, dtype)
 
 
-def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_asm, has_residual):
-  if has_residual:
-    e_ref, words_ref, scales_ref, new_e_ref = refs
+def _quantize_kernel(kw_ref, *refs, n, bucket, rows, levels, norm, exact_asm, has_residual):
+  if norm == "l2":  # the scales come in (computed in XLA: arith.qsgd_scales)
+    sc_ref, x_ref, *refs = refs
   else:
-    (words_ref, scales_ref), e_ref = refs, None
+    x_ref, *refs = refs
+  if has_residual:
+    e_ref, words_ref, *refs, new_e_ref = refs
+  else:
+    (words_ref, *refs), e_ref = refs, None
   length = rows * bucket
   mbits = int(levels).bit_length()
   bits = mbits + 1
@@ -100,29 +108,27 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
 
   _, idx, v, x32 = _common.load_buckets(x_ref, e_ref, n=n, rows=rows, bucket=bucket)
 
-  # Scale: max |v| as max(max v, -min v); NaN when the bucket is not all finite. NaNs are
-  # counted (a max may skip them); not summed: large finite values of both signs can sum
-  # to inf - inf = NaN, which would flag a finite bucket as NaN.
-  vmax = jnp.max(v, axis=1)
-  vmin = jnp.min(v, axis=1)
-  amax = jnp.maximum(vmax, -vmin)
-  nans = jnp.sum(jnp.isnan(v).astype(_F32), axis=1)
-  finite = (nans == 0) & jnp.isfinite(vmax) & jnp.isfinite(vmin)
-  if norm == "max":
-    scale = amax
+  if norm == "l2":
+    scale = sc_ref[...]
   else:
-    safe = jnp.where(amax > 0, amax, 1.0)
-    inv, k = _common.inverse_scale(safe, exact_asm=exact_asm)
-    w = v * inv[:, None]
-    scale = amax * k * _common.sqrt(jnp.sum(w * w, axis=1), exact_asm=exact_asm)
-  scale = jnp.where(finite, scale, jnp.nan)
+    # max |v| as max(max v, -min v); NaN when the bucket is not all finite. NaNs are
+    # counted (a max may skip them); not summed: large finite values of both signs can
+    # sum to inf - inf = NaN, which would flag a finite bucket as NaN. A max is exact in
+    # any order: this is the XLA path's scale, bit for bit.
+    vmax = jnp.max(v, axis=1)
+    vmin = jnp.min(v, axis=1)
+    nans = jnp.sum(jnp.isnan(v).astype(_F32), axis=1)
+    finite = (nans == 0) & jnp.isfinite(vmax) & jnp.isfinite(vmin)
+    scale = jnp.where(finite, jnp.maximum(vmax, -vmin), jnp.nan)
+    [scales_ref] = refs
+    scales_ref[...] = scale
 
   # Stochastic rounding with the counter hash of the flat (padded) index.
   positive = scale > 0
   safe = jnp.where(positive, scale, 1.0)
-  inv, k = _common.inverse_scale(safe, exact_asm=exact_asm)
+  inv, k = arith.inverse_scale(safe, divide=functools.partial(_common.div, exact_asm=exact_asm))
   r = jnp.where(
-    positive[:, None], _common.level_ratio(jnp.abs(v), inv[:, None], k[:, None], levels), 0.0
+    positive[:, None], arith.level_ratio(jnp.abs(v), inv[:, None], k[:, None], levels), 0.0
   )
   low = jnp.floor(r)
   u24 = rng.hash_bits(idx.astype(_U32), kw_ref[0], kw_ref[1]) >> 8
@@ -136,10 +142,9 @@ def _quantize_kernel(kw_ref, x_ref, *refs, n, bucket, rows, levels, norm, exact_
   lanes = codes.reshape(length // per_word, per_word)
   shifts = lax.broadcasted_iota(_U32, lanes.shape, 1) * jnp.uint32(bits)
   words_ref[...] = jnp.sum(lanes << shifts, axis=1, dtype=_U32)
-  scales_ref[...] = scale
 
   if has_residual:
-    step = _common.level_step(scale, levels)
+    step = arith.level_step(scale, levels)
     sent = jnp.where(neg, -magf, magf) * step[:, None]
     new_e_ref[...] = (x32 - sent).reshape(length)
 
@@ -186,20 +191,36 @@ def quantize(
     raise ValueError(f"the quantize kernel does not handle this input: {why}")
   interpret = _common.resolve_interpret(interpret)
   _common.check_interpretable(interpret, x, key, residual)
+  _common.check_residual(x, residual)
   bits = bits_per_value(levels)
+  scales = None
+  if norm == "l2":  # a sum: computed in XLA, in the XLA path's order, by its code
+    b = min(bucket_size, n)  # the codec's buckets (one short one when n < bucket_size)
+    v = arith.encoded_values(x, residual)
+    scales = arith.qsgd_scales(arith.to_buckets(v, b, -(-n // b)), "l2")
   misfit = _mosaic.misfit(n, bits, bucket_size)
   if _common.pick_backend(misfit, interpret=interpret, backend=backend) == "mosaic_gpu":
-    _common.check_residual(x, residual)
-    return _mosaic.quantize(
+    outs = _mosaic.quantize(
       x,
       _common.key_words_array(key),
       residual,
+      scales,
       levels=levels,
       bucket=bucket_size,
-      norm=norm,
       out_struct=_common.out_struct,
       interpret=interpret,
     )
+  else:
+    outs = _triton_quantize(x, key, residual, scales, levels, bucket_size, config, interpret)
+  if scales is None:
+    return outs
+  return (outs[0], scales, *outs[1:])
+
+
+def _triton_quantize(x, key, residual, scales, levels, bucket_size, config, interpret):
+  """The Triton kernel's ``(words, [scales if computed inside], [residual])``."""
+  n = x.size
+  bits = bits_per_value(levels)
   rows = config.rows(bucket_size)
   kernel = functools.partial(
     _quantize_kernel,
@@ -207,10 +228,13 @@ def quantize(
     bucket=bucket_size,
     rows=rows,
     levels=levels,
-    norm=norm,
+    norm="max" if scales is None else "l2",
     exact_asm=not interpret,
     has_residual=residual is not None,
   )
+  outputs = [((bitpack.num_words(n, bits),), _U32, rows * bucket_size * bits // 32)]
+  if scales is None:
+    outputs.append(((-(-n // bucket_size),), _F32, rows))
   return _common.call_encoder(
     kernel,
     x,
@@ -220,29 +244,6 @@ def quantize(
     config=config,
     interpret=interpret,
     lead=(_common.key_words_array(key),),
-    outputs=[
-      ((bitpack.num_words(n, bits),), _U32, rows * bucket_size * bits // 32),
-      ((-(-n // bucket_size),), _F32, rows),
-    ],
+    per_bucket=() if scales is None else (scales,),
+    outputs=outputs,
   )
-
-
-def quantize_reference(
-  x: Array,
-  key: Array,
-  residual: Array | None = None,
-  *,
-  levels: int,
-  bucket_size: int,
-  norm: str = "max",
-) -> tuple[Array, ...]:
-  """The XLA path: :class:`jaxcomp.codecs.QSGD`'s encode (and decode for the residual)."""
-  from jaxcomp._src import codecs
-
-  codec = codecs.QSGD(levels, bucket_size, norm, implementation="xla")
-  if residual is None:
-    p = codec.encode(x, key=key)
-    return p.arrays["words"], p.arrays["scales"]
-  x32 = x.astype(_F32) + residual
-  p = codec.encode(x32.astype(x.dtype), key=key)
-  return p.arrays["words"], p.arrays["scales"], x32 - codec.decode(p, _F32)

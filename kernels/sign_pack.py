@@ -1,4 +1,4 @@
-r"""1-bit SGD in one pass: sign bits and per-bucket positive/negative means.
+r"""1-bit SGD's encode: sign bits, per-bucket positive/negative means, fused feedback.
 
 Per bucket ``v`` of ``bucket_size`` values (Seide et al. 2014):
 
@@ -11,9 +11,12 @@ two means in float32: exactly :class:`jaxcomp.codecs.OneBit`'s payload. With
 ``residual=e`` the kernel also fuses the error feedback of :func:`jaxcomp.onebit_sgd`:
 it encodes ``v = fl_{dtype}(x + e)`` and returns ``e' = (x + e) - Q(v)``.
 
-The sign words are bit-identical to :func:`sign_pack_reference`; the means are sums
-taken in another order than XLA's, so they agree to float32 rounding (a few ulp), not
-bit for bit.
+The payload is bit-identical to the XLA path's (``OneBit(..., implementation="xla")``),
+and so is the residual (``x + e - mean``: no product that XLA could contract into an
+FMA). The means are sums, whose float32 values depend on the order of their additions:
+the wrapper computes them in XLA before the kernel, with the XLA path's own code
+(:func:`jaxcomp._src.arith.onebit_means`, pairwise sums), and the kernel packs the
+signs and writes the residual.
 
 :func:`sign_unpack_sum` is the receiving side: the sum of K gathered payloads decoded
 in one pass, in rank order, like :meth:`OneBit.decode_sum <jaxcomp.codecs.Codec.decode_sum>`.
@@ -31,7 +34,8 @@ import functools
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
+
+from jaxcomp._src import arith
 
 from . import _common
 from . import _mosaic
@@ -51,39 +55,19 @@ def unsupported(n: int, *, bucket_size: int | None, dtype=jnp.float32) -> str | 
   return _common.unsupported_bucketing(n, bucket_size, dtype)
 
 
-def _sign_pack_kernel(x_ref, *refs, n, bucket, rows, exact_asm, has_residual):
+def _sign_pack_kernel(pos_ref, neg_ref, x_ref, *refs, n, bucket, rows, has_residual):
   if has_residual:
-    e_ref, words_ref, pos_ref, neg_ref, new_e_ref = refs
+    e_ref, words_ref, new_e_ref = refs
   else:
-    (words_ref, pos_ref, neg_ref), e_ref = refs, None
+    (words_ref,), e_ref = refs, None
   length = rows * bucket
-  start, _, v, x32 = _common.load_buckets(x_ref, e_ref, n=n, rows=rows, bucket=bucket)
+  _, _, v, x32 = _common.load_buckets(x_ref, e_ref, n=n, rows=rows, bucket=bucket)
   neg = v < 0
-
-  # Values of this bucket that exist (the last bucket is short): clip(n - first, 0, b).
-  first = lax.broadcasted_iota(jnp.int32, (rows,), 0) * bucket + start
-  count = jnp.clip(n - first, 0, bucket).astype(_F32)
-  neg_count = jnp.sum(neg.astype(_F32), axis=1)
-  pos_count = count - neg_count
-  pos_part, neg_part = jnp.maximum(v, 0.0), jnp.minimum(v, 0.0)
-  # The scaled sums too (cheap next to the loads): used where a plain sum overflowed.
-  shift = _common.sum_shift(bucket)
-  down = np.float32(2.0**-shift)
-
-  def mean(part, c):
-    return _common.side_mean(
-      jnp.sum(part, axis=1), jnp.sum(part * down, axis=1), c, shift, exact_asm=exact_asm
-    )
-
-  pos = mean(pos_part, pos_count)
-  negm = mean(neg_part, neg_count)
   lanes = neg.astype(_U32).reshape(length // 32, 32)
   shifts = lax.broadcasted_iota(_U32, lanes.shape, 1)
   words_ref[...] = jnp.sum(lanes << shifts, axis=1, dtype=_U32)
-  pos_ref[...] = pos
-  neg_ref[...] = negm
   if has_residual:
-    sent = jnp.where(neg, negm[:, None], pos[:, None])
+    sent = jnp.where(neg, neg_ref[...][:, None], pos_ref[...][:, None])
     new_e_ref[...] = (x32 - sent).reshape(length)
 
 
@@ -119,23 +103,22 @@ def sign_pack(
     raise ValueError(f"the sign_pack kernel does not handle this input: {why}")
   interpret = _common.resolve_interpret(interpret)
   _common.check_interpretable(interpret, x, residual)
+  _common.check_residual(x, residual)
+  # The means are sums: computed in XLA, in the XLA path's order, by its code, over the
+  # codec's buckets (one short one when n < bucket_size).
+  b = min(bucket_size, n)
+  pos, neg = arith.onebit_means(arith.encoded_values(x, residual), None, b=b, nb=-(-n // b))
   misfit = _mosaic.misfit(n, 1, bucket_size)
   if _common.pick_backend(misfit, interpret=interpret, backend=backend) == "mosaic_gpu":
-    _common.check_residual(x, residual)
-    return _mosaic.sign_pack(
-      x, residual, bucket=bucket_size, out_struct=_common.out_struct, interpret=interpret
+    words, *new_residual = _mosaic.sign_pack(
+      x, residual, pos, neg, bucket=bucket_size, out_struct=_common.out_struct, interpret=interpret
     )
+    return (words, pos, neg, *new_residual)
   rows = config.rows(bucket_size)
-  nb = -(-n // bucket_size)
   kernel = functools.partial(
-    _sign_pack_kernel,
-    n=n,
-    bucket=bucket_size,
-    rows=rows,
-    exact_asm=not interpret,
-    has_residual=residual is not None,
+    _sign_pack_kernel, n=n, bucket=bucket_size, rows=rows, has_residual=residual is not None
   )
-  return _common.call_encoder(
+  words, *new_residual = _common.call_encoder(
     kernel,
     x,
     residual,
@@ -143,27 +126,10 @@ def sign_pack(
     bucket=bucket_size,
     config=config,
     interpret=interpret,
-    outputs=[
-      ((-(-n // 32),), _U32, rows * bucket_size // 32),
-      ((nb,), _F32, rows),
-      ((nb,), _F32, rows),
-    ],
+    per_bucket=(pos, neg),
+    outputs=[((-(-n // 32),), _U32, rows * bucket_size // 32)],
   )
-
-
-def sign_pack_reference(
-  x: Array, residual: Array | None = None, *, bucket_size: int
-) -> tuple[Array, ...]:
-  """The XLA path: :class:`jaxcomp.codecs.OneBit`'s encode (and decode for the residual)."""
-  from jaxcomp._src import codecs
-
-  codec = codecs.OneBit(bucket_size, implementation="xla")
-  if residual is None:
-    p = codec.encode(x)
-    return p.arrays["words"], p.arrays["pos"], p.arrays["neg"]
-  x32 = x.astype(_F32) + residual
-  p = codec.encode(x32.astype(x.dtype))
-  return p.arrays["words"], p.arrays["pos"], p.arrays["neg"], x32 - codec.decode(p, _F32)
+  return (words, pos, neg, *new_residual)
 
 
 def _unpack_block(words, pos, neg, *, rows, bucket, exact_asm):
@@ -214,13 +180,3 @@ def sign_unpack_sum(
     backend=backend,
     mosaic_decode=_mosaic.onebit_decode,
   )
-
-
-def sign_unpack_sum_reference(
-  words: Array, pos: Array, neg: Array, *, n: int, bucket_size: int
-) -> Array:
-  """The XLA path: :meth:`jaxcomp.codecs.OneBit.decode_sum` of the stacked payload."""
-  from jaxcomp._src import codecs
-
-  codec = codecs.OneBit(bucket_size, implementation="xla")
-  return codec.decode_sum(codecs.Payload({"words": words, "pos": pos, "neg": neg}, (n,), _F32))

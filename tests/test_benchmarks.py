@@ -118,6 +118,8 @@ COMMANDS = (
   "benchmarks.launch",
   "benchmarks.lm_network",
   "benchmarks.network",
+  "benchmarks.sharded",
+  "benchmarks.sharded_ef",
   "benchmarks.studies.collective_probe",
   "benchmarks.studies.cpu_kernel_loop",
   "benchmarks.studies.demo_variants",

@@ -800,20 +800,20 @@ def test_onebit_word_aligned_buckets(bucket, n):
 def test_onebit_sums_two_levels_match_one_reduction():
   # The two paths of OneBit's bucket statistics on the same word-aligned buckets: equal
   # counts, sums equal up to the order of the float32 additions.
+  from jaxcomp._src import arith  # pylint: disable=import-outside-toplevel
   from jaxcomp._src import bitpack  # pylint: disable=import-outside-toplevel
-  from jaxcomp._src import codecs as codecs_lib  # pylint: disable=import-outside-toplevel
 
   x = _normal(64 * 40 - 13, seed=21) + np.float32(0.2)  # a ragged last bucket of 64
   v = jnp.pad(jnp.asarray(x), (0, 13)).reshape(40, 64)
   words = bitpack.pack_bits(jnp.asarray(x < 0).astype(jnp.uint32), 1)
-  one = codecs_lib._onebit_sums(v, words, two_level=False)  # pylint: disable=protected-access
-  two = codecs_lib._onebit_sums(v, words, two_level=True)  # pylint: disable=protected-access
+  one = arith.onebit_sums(v, words, two_level=False)  # pylint: disable=protected-access
+  two = arith.onebit_sums(v, words, two_level=True)  # pylint: disable=protected-access
   np.testing.assert_array_equal(one[2], two[2])
   np.testing.assert_array_equal(two[2], np.pad(x < 0, (0, 13)).reshape(40, 64).sum(1))
   for a, b in zip(one[:2], two[:2]):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="whole words"):
-    codecs_lib._onebit_sums(v[:, :48], words, two_level=True)  # pylint: disable=protected-access
+    arith.onebit_sums(v[:, :48], words, two_level=True)  # pylint: disable=protected-access
 
 
 def test_onebit_partial_bucket_and_whole_tensor():
@@ -1062,7 +1062,7 @@ def test_reciprocal_times_value_never_exceeds_one():
   """m · fl(1/m) <= 1 for every float32 mantissa (all of [1, 2); powers of two scale
   out): QSGD's r = |v|·fl(1/max)·s never exceeds s, so no path needs its clamp to s.
   It is 1 − 2^-24 for about 15% of them: there the max rounds down with probability
-  at most s·2^-23 (kernels/_common.level_ratio)."""
+  at most s·2^-23 (arith.level_ratio)."""
   m = (np.arange(2**23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
   p = m * (np.float32(1) / m)
   assert p.dtype == np.float32 and p.max() == 1.0
@@ -1073,7 +1073,7 @@ def test_reciprocal_times_value_never_exceeds_one():
 @pytest.mark.parametrize("norm", ["max", "l2"])
 def test_qsgd_huge_bucket_is_not_sent_as_zeros(norm):
   """A bucket whose scale is >= 2**126 has a subnormal reciprocal, which XLA:CPU flushes
-  to zero; kernels/_common.inverse_scale scales it, so the bucket is not sent as zeros."""
+  to zero; arith.inverse_scale scales it, so the bucket is not sent as zeros."""
   if norm == "max":
     big = np.float32(np.finfo(np.float32).max)
     x = np.array([big, -big / 2, big / 3, 1e38, -(2.0**126), 1.0, 0.0, -1e37], np.float32)

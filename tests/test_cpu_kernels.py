@@ -25,6 +25,7 @@ from jaxcomp._src import bitpack
 from jaxcomp._src import rng
 from jaxcomp.kernels import cpu
 from tests import helpers
+from tests import kernel_references as refs
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler here")
 
@@ -58,7 +59,7 @@ def _codes(words, levels, n):
 def test_quantize_max_norm_is_bit_identical(n, bucket, levels, dtype):
   x, key = _x(n, dtype), jax.random.key(7)
   out = jax.jit(lambda x, k: cpu.quantize(x, k, levels=levels, bucket_size=bucket))(x, key)
-  ref = kernels.quantize.quantize_reference(x, key, levels=levels, bucket_size=bucket)
+  ref = refs.quantize_reference(x, key, levels=levels, bucket_size=bucket)
   chex.assert_trees_all_equal(out, ref)
   assert out[0].shape == (bitpack.num_words(n, kernels.quantize.bits_per_value(levels)),)
 
@@ -67,7 +68,7 @@ def test_quantize_l2_norm_matches_up_to_sum_order():
   n, bucket, levels = 4096, 32, 127
   x, key = _x(n), jax.random.key(7)
   words, scales = cpu.quantize(x, key, levels=levels, bucket_size=bucket, norm="l2")
-  ref_words, ref_scales = kernels.quantize.quantize_reference(
+  ref_words, ref_scales = refs.quantize_reference(
     x, key, levels=levels, bucket_size=bucket, norm="l2"
   )
   np.testing.assert_allclose(scales, ref_scales, rtol=4 * EPS, atol=0)
@@ -84,7 +85,7 @@ def test_quantize_fused_error_feedback_is_bit_identical(n, bucket, levels):
   x, key = _x(n), jax.random.key(5)
   e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32)
   out = cpu.quantize(x, key, e, levels=levels, bucket_size=bucket)
-  ref = kernels.quantize.quantize_reference(x, key, e, levels=levels, bucket_size=bucket)
+  ref = refs.quantize_reference(x, key, e, levels=levels, bucket_size=bucket)
   chex.assert_trees_all_equal(out, ref)  # words, scales and e' = (x + e) - decode
 
 
@@ -107,7 +108,7 @@ def test_quantize_extreme_values_are_bit_identical(levels):
   e = jnp.zeros_like(x)
   for key in (jax.random.key(0), jax.random.key(1)):
     out = cpu.quantize(x, key, e, levels=levels, bucket_size=64)
-    ref = kernels.quantize.quantize_reference(x, key, e, levels=levels, bucket_size=64)
+    ref = refs.quantize_reference(x, key, e, levels=levels, bucket_size=64)
     chex.assert_trees_all_equal(out, ref)
 
 
@@ -124,7 +125,7 @@ def test_two_bit_huge_bucket_takes_the_float_rounding():
   x[at] = 1.0
   x = jnp.asarray(x)
   out = cpu.quantize(x, key, levels=1, bucket_size=32)
-  ref = kernels.quantize.quantize_reference(x, key, levels=1, bucket_size=32)
+  ref = refs.quantize_reference(x, key, levels=1, bucket_size=32)
   chex.assert_trees_all_equal(out, ref)
   assert _codes(out[0], 1, x.size)[at] == 0
 
@@ -218,7 +219,7 @@ def test_encode_without_avx512_matches_the_xla_path(tmp_path):
         check=True,
         timeout=60,
       )
-      words, scales = kernels.quantize.quantize_reference(
+      words, scales = refs.quantize_reference(
         jnp.asarray(x), key, levels=levels, bucket_size=bucket
       )
       got = np.fromfile(tmp_path / "out.bin", np.uint32)
@@ -227,9 +228,7 @@ def test_encode_without_avx512_matches_the_xla_path(tmp_path):
       )
       np.testing.assert_array_equal(got[words.size :].view(np.float32), np.asarray(scales))
   # The crafted values all round up to magnitude 1 (the data test what they claim to).
-  ref = kernels.quantize.quantize_reference(
-    jnp.asarray(cases[0][0]), key, levels=1, bucket_size=bucket
-  )
+  ref = refs.quantize_reference(jnp.asarray(cases[0][0]), key, levels=1, bucket_size=bucket)
   crafted_at = (u24 < 2**23) & (np.arange(n) % bucket != 0)
   assert crafted_at.sum() > n // 3
   assert np.all((_codes(ref[0], 1, n) & 1)[crafted_at] == 1)
@@ -245,7 +244,7 @@ def test_denormals_are_flushed_as_on_xla_cpu():
   x = jnp.asarray(np.concatenate([[1e-30], np.full(63, -1e-40)]).astype(np.float32))
   e = jnp.zeros_like(x)
   out = cpu.quantize(x, jax.random.key(0), e, levels=7, bucket_size=64)
-  ref = kernels.quantize.quantize_reference(x, jax.random.key(0), e, levels=7, bucket_size=64)
+  ref = refs.quantize_reference(x, jax.random.key(0), e, levels=7, bucket_size=64)
   chex.assert_trees_all_equal(out, ref)
   assert np.all(np.asarray(out[2])[1:] == 0)
 
@@ -254,7 +253,7 @@ def test_quantize_nonfinite_bucket_is_marked_not_hidden():
   x = _x(300).at[70].set(jnp.nan).at[200].set(-jnp.inf)
   e = jnp.zeros((300,), jnp.float32)
   words, scales, new_e = cpu.quantize(x, jax.random.key(0), e, levels=7, bucket_size=64)
-  ref = kernels.quantize.quantize_reference(x, jax.random.key(0), e, levels=7, bucket_size=64)
+  ref = refs.quantize_reference(x, jax.random.key(0), e, levels=7, bucket_size=64)
   chex.assert_trees_all_equal((words, scales, new_e), ref)
   assert np.isnan(scales[1]) and np.isnan(scales[3])
   assert np.isfinite(np.delete(np.asarray(scales), [1, 3])).all()
@@ -263,9 +262,7 @@ def test_quantize_nonfinite_bucket_is_marked_not_hidden():
   z = cpu.quantize(jnp.zeros((64,)), jax.random.key(0), e[:64], levels=7, bucket_size=32)
   chex.assert_trees_all_equal(
     z,
-    kernels.quantize.quantize_reference(
-      jnp.zeros((64,)), jax.random.key(0), e[:64], levels=7, bucket_size=32
-    ),
+    refs.quantize_reference(jnp.zeros((64,)), jax.random.key(0), e[:64], levels=7, bucket_size=32),
   )
 
 
@@ -276,12 +273,10 @@ def test_dequantize_sum_is_the_ordered_sum_bit_for_bit(k, n, bucket, levels):
   xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
   keys = jax.random.split(jax.random.key(4), k)
   words, scales = jax.vmap(
-    lambda x, kk: kernels.quantize.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
+    lambda x, kk: refs.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
   )(xs, keys)
   out = cpu.dequantize_sum(words, scales, n=n, levels=levels, bucket_size=bucket)
-  ref = kernels.dequantize.dequantize_sum_reference(
-    words, scales, n=n, levels=levels, bucket_size=bucket
-  )
+  ref = refs.dequantize_sum_reference(words, scales, n=n, levels=levels, bucket_size=bucket)
   chex.assert_trees_all_equal(out, ref)
 
 
@@ -303,7 +298,7 @@ def test_sign_pack_matches_onebit(n, bucket, dtype, feedback):
   if e is not None and dtype != jnp.float32:
     pytest.skip("fused feedback is float32 only")
   out = cpu.sign_pack(x, e, bucket_size=bucket)
-  ref = kernels.sign_pack.sign_pack_reference(x, e, bucket_size=bucket)
+  ref = refs.sign_pack_reference(x, e, bucket_size=bucket)
   chex.assert_trees_all_equal(out[0], ref[0])  # the sign words: bit for bit
   # The means are sums in another order: a few ulp of the bucket's largest value.
   scale = float(jnp.max(jnp.abs(x.astype(jnp.float32) + (0.0 if e is None else e))))
@@ -314,7 +309,7 @@ def test_sign_pack_matches_onebit(n, bucket, dtype, feedback):
 def test_sign_pack_nonfinite_and_signed_zero():
   x = jnp.array([-0.0, 0.0, 1.0, -2.0] * 16, jnp.float32)  # 64 values, 2 buckets
   words, pos, neg = cpu.sign_pack(x, bucket_size=32)
-  chex.assert_trees_all_equal(words, kernels.sign_pack.sign_pack_reference(x, bucket_size=32)[0])
+  chex.assert_trees_all_equal(words, refs.sign_pack_reference(x, bucket_size=32)[0])
   # -0.0 counts as non-negative: 24 of each 32 values, summing to 8
   np.testing.assert_array_equal(pos, np.float32(8) / np.float32(24) * np.ones(2, np.float32))
   np.testing.assert_array_equal(neg, [-2.0, -2.0])
@@ -325,11 +320,9 @@ def test_sign_pack_nonfinite_and_signed_zero():
 @pytest.mark.parametrize("k,n,bucket", [(1, 2000, 64), (6, 77, 512), (2, BIG, 32)])
 def test_sign_unpack_sum_is_the_ordered_sum(k, n, bucket):
   xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
-  words, pos, neg = jax.vmap(
-    lambda x: kernels.sign_pack.sign_pack_reference(x, bucket_size=bucket)
-  )(xs)
+  words, pos, neg = jax.vmap(lambda x: refs.sign_pack_reference(x, bucket_size=bucket))(xs)
   out = cpu.sign_unpack_sum(words, pos, neg, n=n, bucket_size=bucket)
-  ref = kernels.sign_pack.sign_unpack_sum_reference(words, pos, neg, n=n, bucket_size=bucket)
+  ref = refs.sign_unpack_sum_reference(words, pos, neg, n=n, bucket_size=bucket)
   chex.assert_trees_all_equal(out, ref)
 
 

@@ -33,6 +33,18 @@ def _centres(seed=0, k=K):
   return {n: jax.random.normal(kk, (k, *s)) for kk, (n, s) in zip(keys, sorted(SHAPES.items()))}
 
 
+def _pmap_run(tx, params=PARAMS):
+  """DiLoCo under jax.pmap on the quadratic: ``(replicas, state, step)``, with
+  ``step(p, state, centres) -> (p, state)``."""
+
+  def step(p, state, c):
+    updates, state = tx.update(_quadratic_grads(p, c), state, p)
+    return optax.apply_updates(p, updates), state
+
+  p = _stack(params)
+  return p, jax.pmap(tx.init, axis_name=AXIS)(p), jax.pmap(step, axis_name=AXIS)
+
+
 class ShardMapRun:
   """DiLoCo under shard_map (check_vma on): replicas held with a leading device axis."""
 
@@ -125,13 +137,7 @@ def test_sync_every_one_is_data_parallel_sgd_pmap():
   tx = jc.diloco(optax.sgd(lr), optax.sgd(1.0), sync_every=1, axis_name=AXIS)
   centres = _centres()
 
-  def step(p, state, c):
-    updates, state = tx.update(_quadratic_grads(p, c), state, p)
-    return optax.apply_updates(p, updates), state
-
-  p = _stack(PARAMS)
-  state = jax.pmap(tx.init, axis_name=AXIS)(p)
-  step = jax.pmap(step, axis_name=AXIS)
+  p, state, step = _pmap_run(tx)
   for _ in range(6):
     p, state = step(p, state, centres)
   want = _dp_sgd(lr, 6, centres)
@@ -482,13 +488,7 @@ def test_pmap_with_a_compressed_exchange():
   )
   centres = _centres()
 
-  def step(p, state, c):
-    updates, state = tx.update(_quadratic_grads(p, c), state, p)
-    return optax.apply_updates(p, updates), state
-
-  p = _stack(PARAMS)
-  state = jax.pmap(tx.init, axis_name=AXIS)(p)
-  step = jax.pmap(step, axis_name=AXIS)
+  p, state, step = _pmap_run(tx)
   p, state = step(p, state, centres)
   assert np.ptp(np.asarray(p["w"]), axis=0).max() > 0.1  # drifted apart
   p, state = step(p, state, centres)

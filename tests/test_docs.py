@@ -17,6 +17,7 @@ from jaxcomp._src import diloco
 from jaxcomp._src import elias
 from jaxcomp._src import normal
 from jaxcomp._src import qsvrg
+from jaxcomp._src import qweights
 from jaxcomp._src import sparse
 from jaxcomp._src import transforms
 from jaxcomp._src import wangni
@@ -35,6 +36,7 @@ from jaxcomp.kernels import quantize as quantize_kernel
     wangni,
     elias,
     qsvrg,
+    qweights,
     normal,
     quantize_kernel,
   ],

@@ -1,7 +1,8 @@
 """The docs site: every public name has an API entry, and the site builds without warnings.
 
-The entries are autodoc directives (``.. autofunction:: name`` and friends) in the
-sources under docs/api/; the coverage checks parse them, no Sphinx needed.
+The entries are the names in the ``.. autosummary::`` lists with a ``:toctree:`` under
+docs/api/ (each gets a page of its own, generated at build time), or autodoc directives
+(``.. automodule::`` and friends); the coverage checks parse them, no Sphinx needed.
 """
 
 import glob
@@ -32,6 +33,9 @@ _MODULE = re.compile(r"(?:\.\.\s+|```\{)(?:current)?module(?:::|\})\s+([\w.]+)")
 _AUTOMODULE = re.compile(r"(?:\.\.\s+|```\{)automodule(?:::|\})\s+([\w.]+)")
 
 
+_AUTOSUMMARY = re.compile(r"(?:\.\.\s+|```\{)autosummary(?:::|\})")
+
+
 def _api_sources() -> list[str]:
   return sorted(glob.glob(os.path.join(API, "*.rst")) + glob.glob(os.path.join(API, "*.md")))
 
@@ -46,16 +50,35 @@ def api_entries() -> dict[str, tuple[str, str]]:
   for path in _api_sources():
     module = None
     with open(path, encoding="utf-8") as f:
-      for line in f:
-        line = line.strip()
-        if m := _MODULE.match(line) or _AUTOMODULE.match(line):
-          module = m.group(1)
-        if m := _ENTRY.match(line):
-          kind, name = m.groups()
-          if kind != "module" and not name.startswith("jaxcomp") and module:
-            name = f"{module}.{name}"
-          entries[name] = (kind, os.path.relpath(path, ROOT))
+      lines = f.read().splitlines()
+    for i, raw in enumerate(lines):
+      line = raw.strip()
+      if m := _MODULE.match(line) or _AUTOMODULE.match(line):
+        module = m.group(1)
+      found = []
+      if m := _ENTRY.match(line):
+        found.append(m.groups())
+      elif _AUTOSUMMARY.match(line):
+        found.extend(("autosummary", name) for name in _autosummary_names(lines[i + 1 :]))
+      for kind, name in found:
+        if kind != "module" and not name.startswith("jaxcomp") and module:
+          name = f"{module}.{name}"
+        entries[name] = (kind, os.path.relpath(path, ROOT))
   return entries
+
+
+def _autosummary_names(rest: list[str]) -> list[str]:
+  """The names an ``autosummary`` directive lists (the lines after it): none unless it
+  has a ``:toctree:`` option (only those generate entries)."""
+  options, names = set(), []
+  for line in rest:
+    if line.strip() and not line.startswith(" "):
+      break
+    if m := re.match(r"\s+:(\w+):", line):
+      options.add(m.group(1))
+    elif line.strip():
+      names.append(line.strip())
+  return names if "toctree" in options else []
 
 
 def _public(module) -> list[str]:
@@ -67,8 +90,9 @@ def test_every_public_name_has_an_api_entry(module):
   entries = api_entries()
   missing = [name for name in _public(module) if name not in entries]
   assert not missing, (
-    f"no entry under docs/api/ for {missing}: add an autofunction/autoclass/automodule "
-    "directive for each (and a line in the summary table of docs/api/index.md)"
+    f"no entry under docs/api/ for {missing}: list each in an "
+    "autosummary with :toctree: generated in its group's page (and in the summary "
+    "table of docs/api/index.md)"
   )
 
 

@@ -14,20 +14,31 @@ pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tqdm")
 
 import jax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 import numpy as np  # noqa: E402
 
 from examples.lm import input_pipeline  # noqa: E402
 from examples.lm import main  # noqa: E402
 from examples.lm import train  # noqa: E402
 from examples.lm.configs import tiny  # noqa: E402
+import jaxcomp as jc  # noqa: E402
 
 STEPS = 4
 
 
 def small_config(**overrides):
-  """The tiny config cut to one block (compile time grows with the number of leaves)."""
+  """The tiny config cut to one block (compile time grows with the number of leaves),
+  DiLoCo syncing every 2 updates (twice in the run), and the sign codes without their
+  dense warm-up (tested on its own below: both branches of its switch double the two
+  methods' compile time)."""
   return dataclasses.replace(
-    tiny.get_config(), depth=1, num_steps=STEPS, eval_every=STEPS, **overrides
+    tiny.get_config(),
+    depth=1,
+    num_steps=STEPS,
+    eval_every=STEPS,
+    diloco_sync_every=2,
+    sign_warmup=0.0,
+    **overrides,
   )
 
 
@@ -87,20 +98,74 @@ def test_every_method_trains_and_reports(every_method):
   assert ratio["dense"] == pytest.approx(1.0)
   assert all(r["dense_bytes"] == results["dense"]["bytes_received"] for r in results.values())
   assert 4 < ratio["qsgd4"] < ratio["qsgd2"] < ratio["onebit"]
-  assert all(ratio[m] > 4 for m in train.METHODS if m != "dense"), ratio
+  # DiLoCo sends its exchange's bytes once per sync_every (2) updates.
+  assert ratio["diloco"] == pytest.approx(2.0)
+  assert ratio["diloco_qsgd4"] == pytest.approx(2 * ratio["qsgd4"])
+  local = train.LOCAL_PARAMS
+  assert all(ratio[m] > 4 for m in train.METHODS if m not in ("dense", *local)), ratio
+  for method in local:  # the params returned are the anchor: replicated, not per device
+    leaves = jax.tree.leaves(results[method]["params"])
+    assert all(a.sharding.is_fully_replicated for a in leaves), method
 
 
-def test_resume_is_bit_identical(every_method, tmp_path):
+@pytest.mark.parametrize(
+  "method, stop",
+  [
+    ("onebit", 2),  # residuals and keys
+    ("diloco_qsgd4", 3),  # between syncs: the replicas' own rows, the exchange's residuals
+  ],
+)
+def test_resume_is_bit_identical(every_method, tmp_path, method, stop):
   _, results = every_method
-  config = small_config(methods=("onebit",), checkpoint_every=2)  # residuals and keys
+  config = small_config(methods=(method,), checkpoint_every=2)
   workdir = str(tmp_path)
-  train.train_and_evaluate(config, workdir, stop_at=2)  # interrupted after update 2
-  resumed = train.train_and_evaluate(config, workdir)["onebit"]
-  assert resumed["start_step"] == 2
-  straight = results["onebit"]
+  train.train_and_evaluate(config, workdir, stop_at=stop)  # interrupted after update `stop`
+  resumed = train.train_and_evaluate(config, workdir)[method]
+  assert resumed["start_step"] == stop
+  straight = results[method]
   assert resumed["history"]["val_loss"] == straight["history"]["val_loss"]
+  assert resumed["params_sha256"] == straight["params_sha256"]
   for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(straight["params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_dense_warmup_is_dense_then_the_exchange():
+  k = jax.device_count()
+  mesh = jax.make_mesh((k,), (train.AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  params = {"w": np.zeros((64, 32), np.float32)}
+  grads = np.random.default_rng(0).normal(size=(k, 64, 32)).astype(np.float32)
+  rows = jax.device_put(grads, jax.NamedSharding(mesh, P(train.AXIS)))
+
+  def steps(tx, n):
+    specs = jc.state_specs(tx, params, axis_name=train.AXIS, num_devices=k)
+
+    def step(g, state):
+      out, state = tx.update({"w": g[0]}, state, params)
+      return out["w"][None], state
+
+    run = jax.jit(
+      jax.shard_map(
+        step, mesh=mesh, in_specs=(P(train.AXIS), specs), out_specs=(P(train.AXIS), specs)
+      )
+    )
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    outs = []
+    for _ in range(n):
+      out, state = run(rows, state)
+      outs.append(np.asarray(out))
+    return outs, state
+
+  onebit = lambda: jc.per_device_state(jc.onebit_sgd(axis_name=train.AXIS))
+  outs, state = steps(train.dense_warmup(onebit(), 2), 3)
+  mean = np.broadcast_to(grads.mean(axis=0), outs[0].shape)
+  for out in outs[:2]:  # the dense mean
+    np.testing.assert_allclose(out, mean, rtol=1e-5, atol=1e-6)
+  # Then the exchange, from the state it had before the warm-up (no residual yet).
+  (first,), _ = steps(onebit(), 1)
+  np.testing.assert_array_equal(outs[2], first)
+  assert np.abs(first - mean).max() > 0.1
+  assert int(state.count) == 3
+  assert train.dense_warmup(onebit, 0) is onebit
 
 
 def test_flags_and_help(capsys):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
+from jaxcomp._src import arith
 from jaxcomp._src import normal
-from jaxcomp.kernels import _common
 
 C = jc.codecs
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -38,7 +38,7 @@ def _f64(a) -> np.ndarray:
 def test_onebit_means_of_large_values(impl, mag):
   """The means of each sign are finite at any magnitude: a bucket's plain sum overflows
   from ~1e36 (512 values), which would give ±inf means (and inf - inf = NaN in a Pallas
-  residual), so kernels/_common.side_mean sums such buckets again, scaled by a power of
+  residual), so kernels/arith.side_mean sums such buckets again, scaled by a power of
   two."""
   x = _data(mag)
   codec = C.OneBit(bucket_size=512, implementation=impl)
@@ -69,19 +69,19 @@ def test_onebit_rescue_leaves_other_buckets_bit_identical(impl):
 def test_onebit_side_mean_clips_and_flags():
   """side_mean: a rescued mean never rounds past FLT_MAX; a non-finite input stays
   non-finite (flagged); an empty side is 0."""
-  shift = _common.sum_shift(4)
+  shift = arith.sum_shift(4)
   big = np.float32(FLT_MAX)
   vals = np.full(4, big, np.float32)
   scaled = jnp.sum(jnp.asarray(vals) * np.float32(2.0**-shift))
   total = jnp.sum(jnp.asarray(vals))
   assert np.isinf(total)
-  out = _common.side_mean(total, scaled, jnp.float32(4), shift)
+  out = arith.side_mean(total, scaled, jnp.float32(4), shift)
   assert float(out) == FLT_MAX
-  out = _common.side_mean(jnp.float32(np.inf), jnp.float32(np.inf), jnp.float32(4), shift)
+  out = arith.side_mean(jnp.float32(np.inf), jnp.float32(np.inf), jnp.float32(4), shift)
   assert np.isinf(float(out))
-  out = _common.side_mean(jnp.float32(np.nan), jnp.float32(np.nan), jnp.float32(4), shift)
+  out = arith.side_mean(jnp.float32(np.nan), jnp.float32(np.nan), jnp.float32(4), shift)
   assert np.isnan(float(out))
-  assert float(_common.side_mean(jnp.float32(0), jnp.float32(0), jnp.float32(0), shift)) == 0
+  assert float(arith.side_mean(jnp.float32(0), jnp.float32(0), jnp.float32(0), shift)) == 0
 
 
 @pytest.mark.parametrize("impl", ["native", "pallas"])
@@ -242,7 +242,7 @@ def test_beyond_float32_is_flagged_not_hidden():
 
 def test_qsgd_top_level_of_a_flt_max_bucket_is_finite_for_every_level_count():
   """Max-norm QSGD decodes code ``q <= s`` as ``q * fl(scale * fl(1/s))``
-  (:func:`_common.level_step`). For a bucket whose max is FLT_MAX that is finite only
+  (:func:`arith.level_step`). For a bucket whose max is FLT_MAX that is finite only
   if ``fl(s * fl(FLT_MAX * fl(1/s))) <= FLT_MAX``: checked in IEEE float32 for every
   level count a code of at most 16 bits holds (s = 1..32767), and through the codec
   for the code widths 2, 4, 8 and 16."""

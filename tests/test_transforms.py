@@ -1,4 +1,5 @@
-"""One harness over every transform, plus bad input, the NaN policy and convergence."""
+"""One harness over every transform and codec (dtypes, state, one compilation, the error
+against the mean under shard_map and pmap), plus bad input, the NaN policy and convergence."""
 
 import chex
 import jax
@@ -10,6 +11,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
+from jaxcomp._src import normal as normal_lib
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K
@@ -45,6 +47,27 @@ FACTORIES = {
   "ef_signsgd": lambda axis: jc.ef_signsgd(axis_name=axis),
   "ef_signsgd_allgather": lambda axis: jc.ef_signsgd(
     bucket_size=256, axis_name=axis, collective="allgather"
+  ),
+  "topk": lambda axis: jc.compress(jc.codecs.TopK(0.1), axis_name=axis),
+  "randomk": lambda axis: jc.compress(jc.codecs.RandomK(0.25), axis_name=axis),
+  "elias_qsgd": lambda axis: jc.compress(
+    jc.codecs.EliasQSGD(7, bucket_size=512, norm="max"), axis_name=axis
+  ),
+  "normal": lambda axis: jc.compress(jc.codecs.NormalQuantizer(256), axis_name=axis),
+  "sparsify": lambda axis: jc.sparsify(epsilon=1.0, density=0.5, method="exact", axis_name=axis),
+  # Momentum correction on the harness's second step (u = v = 0 after the zero step):
+  # v = g, and DGC sends its top 10%.
+  "dgc": lambda axis: jc.dgc(0.1, axis_name=axis),
+  # Not quantized, every layer exchanged each step, and one compressed layer (w32), so
+  # that the update after the zero step (prediction 0) is the mean of each device's top
+  # half of w32 exactly; the default configuration's quantization and half updates are
+  # tested in tests/test_mipd.py.
+  "mipd": lambda axis: jc.mipd(
+    0.5,
+    quantize=False,
+    half_update=False,
+    filter=lambda path, leaf: jax.tree_util.keystr(path) == "['w32']",
+    axis_name=axis,
   ),
 }
 
@@ -102,6 +125,34 @@ def test_harness_shard_map(name):
   g = np.asarray(grads["w32"], np.float64).reshape(K, -1)
   mean = g.mean(0)
   err = np.linalg.norm(np.asarray(updates["w32"], np.float64).reshape(-1) - mean)
+  assert err / np.linalg.norm(mean) <= BOUNDS[name](g), (err / np.linalg.norm(mean), name)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_harness_pmapped(name):
+  """The same checks on 8 devices under jax.pmap, the state per device as it is. (The
+  name avoids "pmap." in the step's qualified name, which chex takes for a jax.pmap.)"""
+  chex.clear_trace_counter()
+  tx = FACTORIES[name](AXIS)
+  stacked = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), tree)
+  state = jax.pmap(tx.init, axis_name=AXIS)(stacked(PARAMS))
+
+  @chex.assert_max_traces(n=1)
+  def step(grads, state):
+    return tx.update(grads, state, PARAMS)
+
+  update = jax.pmap(step, axis_name=AXIS)
+  zeros, state1 = update(stacked(PARAMS), state)
+  chex.assert_trees_all_equal(jax.device_get(zeros), jax.device_get(stacked(PARAMS)))
+  grads = jax.vmap(_random_grads)(jax.random.split(jax.random.key(1), K))
+  updates, state2 = update(grads, state1)
+  chex.assert_trees_all_equal_shapes_and_dtypes(updates, stacked(PARAMS))
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, state1, state2)
+  for leaf in jax.tree.leaves(updates):  # the same mean on every device
+    chex.assert_trees_all_equal(leaf[0], leaf[K - 1])
+  g = np.asarray(grads["w32"], np.float64).reshape(K, -1)
+  mean = g.mean(0)
+  err = np.linalg.norm(np.asarray(updates["w32"][0], np.float64).reshape(-1) - mean)
   assert err / np.linalg.norm(mean) <= BOUNDS[name](g), (err / np.linalg.norm(mean), name)
 
 
@@ -274,6 +325,96 @@ def _scaled_sign(rows, bucket, chunk=None):
   return out
 
 
+def _top(g, k):
+  """Each row of g with all but its k largest magnitudes zeroed."""
+  out = np.zeros_like(g)
+  for d, row in enumerate(g):
+    idx = np.argsort(-np.abs(row))[:k]
+    out[d, idx] = row[idx]
+  return out
+
+
+def _randomk_worst_bound(ratio):
+  """RandomK at density 1/ratio (an integer): systematic sampling keeps every ratio-th
+  entry from a random start, so device d's draw is one of ``ratio`` phases and the
+  update is one of ratio^K vectors. The bound is the largest error among all of them
+  (exact enumeration through the Gram matrix of the devices' per-phase errors)."""
+
+  def bound(g):
+    k_dev, n = g.shape
+    phase = np.arange(n) % ratio
+    errs = np.stack(
+      [np.stack([np.where(phase == c, ratio * row, 0.0) - row for c in range(ratio)]) for row in g]
+    ).reshape(k_dev * ratio, n)
+    gram = errs @ errs.T
+    grid = np.meshgrid(*[np.arange(ratio)] * k_dev, indexing="ij")
+    combos = np.stack(grid, -1).reshape(-1, k_dev)  # every device's phase, all ratio^K
+    rows = combos + ratio * np.arange(k_dev)  # (combos, K) rows of errs
+    sq = sum(gram[rows[:, a], rows[:, b]] for a in range(k_dev) for b in range(k_dev))
+    return np.sqrt(sq.max()) / k_dev / np.linalg.norm(g.mean(0)) + _SLACK
+
+  return bound
+
+
+def _wangni_exact_p(a, epsilon):
+  """Algorithm 2 of Wangni et al. (closed form, by sorting): p = min(λ|a|, 1) with the
+  fewest kept entries in expectation subject to E||Q(a)||² = (1 + ε)||a||²."""
+  mags = np.sort(np.abs(a))[::-1]
+  total = np.sum(mags**2)
+  for k in range(len(mags)):  # k saturated entries (p = 1)
+    rest = mags[k:]
+    lam = rest.sum() / (epsilon * total + np.sum(rest**2))
+    if lam * rest[0] <= 1:
+      break
+  p = np.minimum(lam * np.abs(a), 1.0)
+  # The constraint holds with equality (a check of this reimplementation).
+  np.testing.assert_allclose(np.sum(a**2 / p), (1 + epsilon) * total, rtol=1e-9)
+  return p
+
+
+def _bernoulli_bound(p_of):
+  """An unbiased Bernoulli sparsifier Q(x)_i = Z_i x_i / p_i (independent Z_i), through
+  the all-gather: E[S] + Z sd(S) exactly, as _qsgd_bound, with per-entry error moments
+  var = x²(1-p)/p and E e⁴ = x⁴ (1-p) ((1-p)³/p³ + 1)."""
+
+  def bound(g):
+    p = np.stack([p_of(row) for row in g])
+    var = g**2 * (1 - p) / p
+    m4 = g**4 * (1 - p) * ((1 - p) ** 3 / p**3 + 1)
+    k = g.shape[0]
+    mean_var = var.sum(0) / k**2
+    var_sq = ((m4 - 3 * var**2).sum(0) + 2 * var.sum(0) ** 2) / k**4
+    hi = mean_var.sum() + Z * np.sqrt(var_sq.sum())
+    return np.sqrt(hi) / np.linalg.norm(g.mean(0)) + _SLACK
+
+  return bound
+
+
+def _normal_quantizer_bound(intervals, sigmas):
+  """The normal quantizer is deterministic: a value within μ ± sigmas·σ decodes to a
+  point of its interval (its conditional mean), so it errs by at most the interval's
+  width; the others are sent exactly. The bound sums those widths per device (from the
+  interval table: the format's definition), float64. The codec's (μ, σ) are float32, so
+  a value near an edge may fall in the next interval: each value is charged the widest
+  of its interval and the two beside it, and values up to 0.1% beyond the range count
+  as inside."""
+  _, edges, _ = normal_lib.intervals_table(intervals, sigmas)
+  w = np.diff(edges)
+  widths = np.maximum(np.maximum(w, np.r_[w[1:], w[-1]]), np.r_[w[0], w[:-1]])
+
+  def bound(g):
+    err = 0.0
+    for row in g:
+      mu, sigma = row.mean(), row.std()
+      z = np.abs(row - mu) / sigma
+      inside = z < sigmas * 1.001
+      j = np.clip(np.searchsorted(edges, z, side="right") - 1, 0, len(widths) - 1)
+      err += np.sqrt(np.sum(np.where(inside, widths[j] * sigma, 0.0) ** 2))
+    return err / g.shape[0] / np.linalg.norm(g.mean(0)) + _SLACK
+
+  return bound
+
+
 BOUNDS = {
   "identity": _exact_bound(lambda g: g.mean(0)),
   "bf16": _exact_bound(lambda g: _cast(g, jnp.bfloat16).mean(0)),
@@ -297,6 +438,13 @@ BOUNDS = {
     lambda g: _scaled_sign(_scaled_sign(g, _CHUNK, _CHUNK).mean(0)[None], _CHUNK, _CHUNK)[0]
   ),
   "ef_signsgd_allgather": _exact_bound(lambda g: _scaled_sign(g, 256).mean(0)),
+  "topk": _exact_bound(lambda g: _top(g, 461).mean(0)),  # ceil(0.1 · 4608)
+  "randomk": _randomk_worst_bound(4),
+  "elias_qsgd": _qsgd_bound(7, 512, "max"),  # QSGD's quantization, draw for draw
+  "normal": _normal_quantizer_bound(256, 3.0),
+  "sparsify": _bernoulli_bound(lambda row: _wangni_exact_p(row, 1.0)),
+  "dgc": _exact_bound(lambda g: _top(g, 461).mean(0)),
+  "mipd": _exact_bound(lambda g: _top(g, 2304).mean(0)),  # round(0.5 · 4608) dropped
 }
 
 
@@ -345,7 +493,7 @@ def _optimizer_harness(name, update, state, grads_of, adam_means):
     for g in adam_means:
       ref, s = adam.update(g, s)
   for leaf in ("w32", "w16"):
-    a = np.asarray(state3.m[leaf], np.float64).ravel()
+    a = np.asarray(state3[0].m[leaf], np.float64).ravel()
     b = np.asarray(s[0].mu[leaf], np.float64).ravel()
     cos = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
     assert cos > 0.4, (name, leaf, cos)

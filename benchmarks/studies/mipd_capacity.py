@@ -79,15 +79,15 @@ def _counts(group, members, gs, preds, pnorms, quantizer):
   )
   coded = group.code(*group.select(g_m, keep))
   owners = mipd_lib._Owners(group, k, quantizer, 2)  # pylint: disable=protected-access
-  mask, outl = owners.rows(coded["mask"], False), owners.rows(coded["outl"], False)
+  mask, outl = owners.rows(coded.mask, False), owners.rows(coded.outl, False)
   kept = jnp.sum(mask, axis=1, dtype=jnp.int32)
   push_out = jnp.sum(outl, axis=1, dtype=jnp.int32)
   # The owners' sums and counts, as the push delivers them, then the pulled vectors.
-  rows = {"flat": owners.rows(coded["flat"], 0.0), "mask": mask}
-  rows["codes"], rows["outl"] = owners.rows(coded["codes"], 0), outl
+  rows = {"flat": owners.rows(coded.flat, 0.0), "mask": mask}
+  rows["codes"], rows["outl"] = owners.rows(coded.codes, 0), outl
   payload, _ = jax.vmap(
     lambda r: owners.row.pack(
-      r["flat"], r["mask"], r["codes"], r["outl"], coded["stats"], coded["finite"]
+      r["flat"], r["mask"], r["codes"], r["outl"], coded.stats, coded.finite
     )
   )(rows)
   got = collectives.all_to_all_tree(payload, AXIS)

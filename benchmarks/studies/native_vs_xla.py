@@ -6,7 +6,7 @@ both from the same parameters on the same batches, and compares the parameters e
 ``--every`` steps: the first step at which they differ, and in how many values. It also
 counts the divisions over (buckets, bucket) arrays that XLA compiled in the encode
 (``jaxcomp_encode``) inside the whole step: none, since every path multiplies by the
-per-bucket reciprocal (``kernels/_common.inverse_scale``). Before that, the source
+per-bucket reciprocal (``jaxcomp/_src/arith.inverse_scale``). Before that, the source
 divided, XLA turned the division into that multiplication in some programs and not in
 others, and an ulp of ``r = |v| / scale * s`` flipped a stochastic rounding about once
 in 2^21 values: the two paths drifted apart within a few hundred steps.

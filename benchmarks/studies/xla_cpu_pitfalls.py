@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from benchmarks import _timing
 from benchmarks._timing import median_time
 import jaxcomp as jc
+from jaxcomp._src import arith
 from jaxcomp._src import bitpack
-from jaxcomp._src import codecs
 from jaxcomp._src import collectives
 from jaxcomp._src import mipd
 from jaxcomp._src import sparse
@@ -252,7 +252,7 @@ def main(argv=None) -> None:
     ),
     # QSGD's scale and NaN check: max, min and a sum as library reductions (three
     # passes; the library max skips NaNs, hence the sum), or max and min in one
-    # NaN-propagating variadic reduction (codecs._row_max_min).
+    # NaN-propagating variadic reduction (arith.row_max_min).
     (
       "max, min and sum per bucket of 512 (three reductions), n=16M",
       _ms(
@@ -267,7 +267,7 @@ def main(argv=None) -> None:
     ),
     (
       "max and min per bucket of 512, one variadic reduction, n=16M",
-      _ms(lambda a: codecs._row_max_min(a.reshape(-1, 512)), s16, repeats=r),
+      _ms(lambda a: arith.row_max_min(a.reshape(-1, 512)), s16, repeats=r),
     ),  # pylint: disable=protected-access
     (
       "sum(x*x) per bucket of 512, n=16M",
@@ -278,7 +278,7 @@ def main(argv=None) -> None:
     (
       "OneBit bucket sums, one reduction per bucket of 1024, n=4M",
       _ms(
-        lambda v, w: codecs._onebit_sums(v, w, two_level=False),
+        lambda v, w: arith.onebit_sums(v, w, two_level=False),
         *onebit_args,  # pylint: disable=protected-access
         repeats=r,
       ),
@@ -286,7 +286,7 @@ def main(argv=None) -> None:
     (
       "OneBit bucket sums, rows of 32 then per bucket, n=4M",
       _ms(
-        lambda v, w: codecs._onebit_sums(v, w, two_level=True),
+        lambda v, w: arith.onebit_sums(v, w, two_level=True),
         *onebit_args,  # pylint: disable=protected-access
         repeats=r,
       ),

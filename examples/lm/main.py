@@ -10,7 +10,14 @@ As several processes under ``jax.distributed`` (gloo on CPU), each feeding its o
 devices' rows of the batch; run the same command in every process::
 
   python -m examples.lm.main --config small --coordinator HOST:PORT \
-      --num-processes 2 --process-id I --devices-per-process 1
+      --num-processes 2 --process-id I --devices-per-process 1 \
+      [--checkpoint-every N] [--fault-timeout SECONDS]
+
+With ``--checkpoint-every`` every process writes its own devices' shards, and running
+the same commands again after a crash resumes from the latest complete checkpoint with
+the same final bits (``params_sha256`` in ``results.json``). A process that dies or is
+cut off fails the others within ``--fault-timeout`` seconds (30); a process that sees
+an error exits at once with its traceback.
 
 Alone on a CPU-only machine JAX is given 8 CPU devices, so the data-parallel exchange
 runs for real between 8 devices. Results (table, JSON, plot) go to ``--workdir``.
@@ -18,16 +25,18 @@ runs for real between 8 devices. Results (table, JSON, plot) go to ``--workdir``
 
 import argparse
 import dataclasses
-import os
 
 import jax
+
+from examples import common
 
 
 def build_parser() -> argparse.ArgumentParser:
   """The command-line flags."""
   from examples.lm import configs  # pylint: disable=import-outside-toplevel
+  from examples.lm.configs import default  # pylint: disable=import-outside-toplevel
 
-  methods = "dense,qsgd4,qsgd2,onebit,ef_signsgd,powersgd,onebit_adam,dgc"
+  methods = ",".join(default.Config.methods)
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--workdir", default="runs/lm", help="output directory (and checkpoints)")
   p.add_argument(
@@ -73,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     default=None,
     help="CPU devices per process (default: 8 alone, 1 under --coordinator)",
   )
+  group.add_argument(
+    "--fault-timeout",
+    type=int,
+    default=common.DEFAULT_FAULT_TIMEOUT,
+    metavar="SECONDS",
+    help="a process that sends no heartbeat for SECONDS (dead, or cut off) or a collective"
+    " that waits SECONDS for its peers fails the run (0: JAX's and XLA's defaults,"
+    f" 100 s and 30 min; default {common.DEFAULT_FAULT_TIMEOUT})",
+  )
   return p
 
 
@@ -109,41 +127,51 @@ def get_config(args: argparse.Namespace):
 
 
 def init_devices(args: argparse.Namespace) -> None:
-  """Shapes the CPU backend (device count, gloo) and joins ``jax.distributed`` if asked.
+  """Shapes the CPU backend (device count, gloo) and joins ``jax.distributed`` if asked,
+  with ``--fault-timeout`` bounding how long a lost peer goes unnoticed
+  (``examples.common.init_distributed``).
 
   Must run before JAX initialises its backends; on a GPU host the CPU settings are
   inert and the GPUs are the devices.
   """
-  cpu = os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu")
   devices = args.devices_per_process or (1 if args.coordinator else 8)
-  if cpu:
+  if args.coordinator:
+    if args.fault_timeout < 0:
+      raise ValueError(f"--fault-timeout must be >= 0, got {args.fault_timeout}")
+    common.init_distributed(
+      args.coordinator,
+      args.num_processes,
+      args.process_id,
+      devices_per_process=devices,
+      fault_timeout=args.fault_timeout or None,
+    )
+  elif common.cpu_platform_selected():
     try:
       jax.config.update("jax_num_cpu_devices", devices)
-      if args.coordinator:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except RuntimeError:  # backends already up (imported late): keep their devices
-      if args.coordinator:
-        raise
-  if args.coordinator:
-    jax.distributed.initialize(
-      args.coordinator, num_processes=args.num_processes, process_id=args.process_id
-    )
+      pass
 
 
 def main(argv=None) -> dict:
   """Parses the flags, sets up the devices and runs :func:`train.train_and_evaluate`."""
   args = build_parser().parse_args(argv)
   config = get_config(args)
-  init_devices(args)
-  from examples.lm import train  # pylint: disable=import-outside-toplevel
+  if args.stop_at is not None and args.stop_at < 1:
+    raise ValueError(f"--stop-at must be >= 1, got {args.stop_at}")
+  if not args.coordinator:
+    init_devices(args)
+    from examples.lm import train  # pylint: disable=import-outside-toplevel
 
-  try:
-    if args.stop_at is not None and args.stop_at < 1:
-      raise ValueError(f"--stop-at must be >= 1, got {args.stop_at}")
     return train.train_and_evaluate(config, args.workdir, stop_at=args.stop_at)
-  finally:
-    if args.coordinator:
-      jax.distributed.shutdown()
+  # One of several processes: on an error, leave at once (the others learn it from the
+  # exit, or within --fault-timeout), not after jax.distributed's shutdown barrier.
+  with common.exit_at_once_on_error():
+    init_devices(args)
+    from examples.lm import train  # pylint: disable=import-outside-toplevel
+
+    results = train.train_and_evaluate(config, args.workdir, stop_at=args.stop_at)
+  jax.distributed.shutdown()  # a barrier: no process leaves while others still run
+  return results
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import math
 import os
 import time
 from typing import Any
+from typing import NamedTuple
 
 from flax import nnx
 import jax
@@ -48,6 +49,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from examples import common
 from examples.lm import input_pipeline
 from examples.lm import models
 from examples.lm.configs import default as default_config
@@ -61,6 +63,16 @@ METHODS = default_config.Config.methods
 # 1-bit Adam is the whole optimizer (it exchanges Adam's step direction): no AdamW after
 # it, and it places its own per-device buffers (not wrapped in jc.per_device_state).
 OPTIMIZER_IN_EXCHANGE = ("onebit_adam",)
+
+# DiLoCo (jc.diloco): each replica runs make_optimizer (clip, AdamW) on its own gradients
+# for config.diloco_sync_every updates, then the pseudo-gradients are averaged (densely,
+# or as 4-bit QSGD) and the paper's outer Nesterov SGD steps the shared parameters. The
+# replicas drift apart between syncs, so their params are held per device (one row
+# each, P(AXIS)); evaluation and the returned params are the anchor (the shared model).
+LOCAL_PARAMS = ("diloco", "diloco_qsgd4")
+
+# 1-bit codes whose first config.sign_warmup of the updates exchange the dense mean.
+SIGN_METHODS = ("onebit", "ef_signsgd")
 
 
 def schedule(config) -> optax.Schedule:
@@ -100,7 +112,8 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
   * ``onebit`` / ``ef_signsgd``: biased 1-bit codes with error feedback, chained before
     AdamW like the others. Adam divides by ``sqrt(v)``; the quantized gradients
     (bucket means of each sign) distort ``v``, which is why 1-bit SGD was meant for
-    SGD, and 1-bit Adam exists.
+    SGD, and 1-bit Adam exists. With ``config.sign_warmup`` their first updates
+    exchange the dense mean (:func:`dense_warmup`).
   * ``powersgd``: rank ``config.powersgd_rank`` (the attention and MLP kernels are
     wide matrices, rank 4 as in the paper's language-model runs); embedding, norms
     and biases below its compression threshold go dense.
@@ -109,20 +122,23 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
     SGD, and here AdamW after it keeps its own moments; no local clipping (AdamW's
     clip follows the exchange).
   * ``onebit_adam``: the whole optimizer (:func:`make_onebit_adam`).
+  * ``diloco`` / ``diloco_qsgd4``: the exchange of DiLoCo's pseudo-gradients (the dense
+    mean, or 4-bit QSGD as ``qsgd4``); :func:`make_update` wraps it in ``jc.diloco``.
 
   ``warmup=False`` gives the steady state (DGC without its density warm-up, 1-bit
-  Adam's compression stage), for byte counts.
+  Adam's compression stage, the sign codes without their dense warm-up), for byte
+  counts.
   """
-  if method == "dense":
+  if method in ("dense", "diloco"):
     return pmean_gradients(AXIS)
-  if method == "qsgd4":
+  if method in ("qsgd4", "diloco_qsgd4"):
     return jc.qsgd(bits=4, axis_name=AXIS, collective="auto")
   if method == "qsgd2":
     return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="auto")
-  if method == "onebit":
-    return jc.onebit_sgd(axis_name=AXIS)
-  if method == "ef_signsgd":
-    return jc.ef_signsgd(axis_name=AXIS)
+  if method in SIGN_METHODS:
+    codes = jc.onebit_sgd if method == "onebit" else jc.ef_signsgd
+    steps = round(config.sign_warmup * config.num_steps) if warmup else 0
+    return dense_warmup(jc.per_device_state(codes(axis_name=AXIS)), steps)
   if method == "powersgd":
     return jc.powersgd(config.powersgd_rank, axis_name=AXIS)
   if method == "dgc":
@@ -131,6 +147,46 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
   if method == "onebit_adam":
     return make_onebit_adam(config, warmup=warmup)
   raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+
+
+class DenseWarmupState(NamedTuple):
+  """State of :func:`dense_warmup`: the update count (replicated) and the exchange's."""
+
+  count: jax.Array  # shape=(), dtype=int32
+  inner_state: Any
+
+
+def dense_warmup(
+  exchange: optax.GradientTransformation, steps: int
+) -> optax.GradientTransformation:
+  """The dense mean for the first ``steps`` updates, then ``exchange``.
+
+  A biased 1-bit code chained before AdamW feeds Adam's second moment ``v`` with the
+  codes' magnitudes (bucket means) instead of the gradient's coordinates, and its error
+  feedback starts from the large, fast-changing gradients of the first updates. Dense
+  updates first let Adam's moments form on the true mean gradient; the exchange's state
+  (error feedback) starts when it does. Both branches run collectives, so the count that
+  picks one is replicated (``exchange`` is given already per device). ``steps=0``:
+  ``exchange`` itself.
+  """
+  if steps <= 0:
+    return exchange
+  dense = pmean_gradients(AXIS)
+
+  def init_fn(params):
+    return DenseWarmupState(jnp.zeros((), jnp.int32), exchange.init(params))
+
+  def update_fn(updates, state, params=None):
+    def warm(inner):
+      return dense.update(updates, optax.EmptyState())[0], inner
+
+    def compressed(inner):
+      return exchange.update(updates, inner, params)
+
+    out, inner = lax.cond(state.count < steps, warm, compressed, state.inner_state)
+    return out, DenseWarmupState(state.count + 1, inner)
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def make_onebit_adam(config, *, warmup: bool = True) -> optax.GradientTransformation:
@@ -178,11 +234,23 @@ def make_optimizer(config) -> optax.GradientTransformation:
 
 
 def make_update(method: str, config, *, warmup: bool = True) -> optax.GradientTransformation:
-  """One update: the exchange (its state per device) and the optimizer after it."""
+  """One update: the exchange (its state per device) and the optimizer after it; for
+  DiLoCo, ``jc.diloco`` with the optimizer inside and the exchange at the syncs."""
   exchange = make_exchange(method, config, warmup=warmup)
+  if method in LOCAL_PARAMS:
+    outer = optax.sgd(config.diloco_outer_lr, momentum=config.diloco_outer_momentum, nesterov=True)
+    return jc.diloco(
+      make_optimizer(config),
+      outer,
+      sync_every=config.diloco_sync_every,
+      axis_name=AXIS,
+      exchange=exchange,
+    )
   if method in OPTIMIZER_IN_EXCHANGE:
     return exchange
-  return optax.chain(jc.per_device_state(exchange), make_optimizer(config))
+  if method not in SIGN_METHODS:  # dense_warmup places their state itself
+    exchange = jc.per_device_state(exchange)
+  return optax.chain(exchange, make_optimizer(config))
 
 
 def make_tx(method: str, config) -> optax.GradientTransformation:
@@ -206,11 +274,12 @@ def cross_entropy(graphdef, params, tokens: jax.Array) -> tuple[jax.Array, jax.A
   return jnp.sum(losses), jnp.float32(losses.size)
 
 
-def make_train_step(graphdef, tx, mesh, state_specs):
+def make_train_step(graphdef, tx, mesh, state_specs, *, local_params: bool = False):
   """jit(shard_map(train_step)): params replicated, batch per device, state per specs.
 
   Returns ``(params, opt_state, losses)`` with each device's mean loss, shape ``(K,)``
-  (no collective but the exchange's).
+  (no collective but the exchange's). With ``local_params`` (DiLoCo) the params are
+  per device, one row each.
   """
 
   def loss_fn(params, tokens):
@@ -218,16 +287,22 @@ def make_train_step(graphdef, tx, mesh, state_specs):
     return total / count
 
   def train_step(params, opt_state, batch):
+    if local_params:  # this replica's row: it varies over AXIS already
+      params = jax.tree.map(lambda a: a[0], params)
     loss, grads = jax.value_and_grad(loss_fn)(jc.vary(params, AXIS), batch[0])
     updates, opt_state = tx.update(grads, opt_state, params)  # the gradient exchange
-    return optax.apply_updates(params, updates), opt_state, loss[None]
+    params = optax.apply_updates(params, updates)
+    if local_params:
+      params = jax.tree.map(lambda a: a[None], params)
+    return params, opt_state, loss[None]
 
+  param_spec = P(AXIS) if local_params else P()
   return jax.jit(
     jax.shard_map(
       train_step,
       mesh=mesh,
-      in_specs=(P(), state_specs, P(AXIS)),
-      out_specs=(P(), state_specs, P(AXIS)),
+      in_specs=(param_spec, state_specs, P(AXIS)),
+      out_specs=(param_spec, state_specs, P(AXIS)),
     ),
     donate_argnums=(0, 1),
   )
@@ -265,59 +340,37 @@ def scalar(x: jax.Array) -> float:
   return float(np.asarray(x.addressable_data(0)))
 
 
+def diloco_anchor(opt_state):
+  """The anchor (the shared parameters at the last sync) of the ``jc.diloco`` state
+  inside ``opt_state``."""
+  is_diloco = lambda x: isinstance(x, jc.DiLoCoState)
+  states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_diloco) if is_diloco(x)]
+  if len(states) != 1:
+    raise ValueError(f"expected one jc.diloco state in opt_state, found {len(states)}")
+  return states[0].anchor
+
+
+def per_device_rows(tree, mesh):
+  """Host arrays -> global ``(K, ...)`` arrays with the same row on every device (the
+  replicas' starting params, one row each)."""
+  k, rows = mesh.size, jax.NamedSharding(mesh, P(AXIS))
+  return jax.tree.map(
+    lambda x: global_rows(
+      (k, *np.shape(x)), rows, lambda r: np.broadcast_to(x, (k, *np.shape(x)))[r]
+    ),
+    tree,
+  )
+
+
 def local_mean(x: jax.Array) -> float:
   """Mean of this process's shards of a per-device array."""
   return float(np.mean([np.asarray(s.data) for s in x.addressable_shards]))
 
 
-def checkpoint_manager(config, workdir: str | None, method: str):
-  """Orbax manager of ``workdir/checkpoints/<method>/`` (two kept), or None when off."""
-  if not config.checkpoint_every or workdir is None:
-    return None
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
-  return ocp.CheckpointManager(
-    os.path.abspath(os.path.join(workdir, "checkpoints", method)),
-    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
-  )
-
-
-def save_checkpoint(checkpoints, step: int, params, opt_state, progress: dict) -> None:
-  """Saves params, optimizer state (typed keys as raw data) and ``progress`` (JSON)."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
-  state = jc.unwrap_keys({"params": params, "opt_state": opt_state})
-  checkpoints.save(
-    step,
-    args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress)
-    ),
-  )
-
-
-def restore_checkpoint(checkpoints, tx, init_params, *, mesh, state_specs):
-  """``(step, params, opt_state, progress)`` of the latest checkpoint, restored into
-  an abstract target placed as the compiled step expects (params replicated, the
-  exchange's per-device state split over the axis)."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
-  replicated = jax.NamedSharding(mesh, P())
-  params = jax.tree.map(
-    lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype, sharding=replicated), init_params
-  )
-  target = {
-    "params": params,
-    "opt_state": jc.restore_target(tx, params, mesh=mesh, specs=state_specs),
-  }
-  step = checkpoints.latest_step()
-  restored = checkpoints.restore(
-    step,
-    args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(jc.unwrap_keys(target)), progress=ocp.args.JsonRestore()
-    ),
-  )
-  state = jc.wrap_keys(restored.state, target)
-  return step, state["params"], state["opt_state"], restored.progress
+# Checkpoints (examples/common.py): Orbax, the whole state, every process its own rows.
+checkpoint_manager = common.checkpoint_manager
+save_checkpoint = common.save_checkpoint
+restore_checkpoint = common.restore_checkpoint
 
 
 def count_in_state(opt_state, field: str) -> int | None:
@@ -367,22 +420,35 @@ def train_method(
   k = mesh.size
   acc = config.accumulation_steps
   tx = make_tx(method, config)
+  local = method in LOCAL_PARAMS  # DiLoCo: params per device, evaluated at the anchor
+  shared = lambda params, opt_state: diloco_anchor(opt_state) if local else params
   per_device = jax.NamedSharding(mesh, P(AXIS))
   state_specs = jc.state_specs(tx, init_params, axis_name=AXIS, num_devices=k)
   checkpoints = checkpoint_manager(config, workdir, method)
+  fingerprint = common.run_fingerprint(method, config, k)
   start_step, history, losses, train_time = 0, None, [], 0.0
   if checkpoints is not None and checkpoints.latest_step() is not None:
+    # Every process restores its own devices' rows of the per-device state; the
+    # progress (JSON) is process 0's, its train losses included.
     start_step, params, opt_state, progress = restore_checkpoint(
-      checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs
+      checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs, local_params=local
     )
+    where = f"{checkpoints.directory}/{start_step}"
+    common.check_fingerprint(progress.get("run"), fingerprint, where)
+    if progress["step"] != start_step:
+      raise ValueError(
+        f"the checkpoint in {where} is inconsistent: it records step {progress['step']}"
+      )
     history, losses, train_time = progress["history"], progress["losses"], progress["train_time"]
     if jax.process_index() == 0:
-      print(f"{method}: resuming from step {start_step} ({checkpoints.directory})")
+      print(f"{method}: resuming from step {start_step} ({where})", flush=True)
   else:
     params = replicate(init_params, mesh)
     opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
       params
     )
+    if local:  # one row per replica
+      params = per_device_rows(init_params, mesh)
 
   per_eval = config.eval_batches * config.per_device_batch_size
   val = corpus["validation"]
@@ -414,15 +480,15 @@ def train_method(
   # Compile ahead of time, so that the training time excludes compilation.
   start = time.perf_counter()
   batch_spec = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=per_device)
-  step = make_train_step(graphdef, tx, mesh, state_specs).lower(params, opt_state, batch_spec)
-  step = step.compile()
-  evaluate = make_eval_step(graphdef, mesh).lower(params, val_tokens).compile()
+  step = make_train_step(graphdef, tx, mesh, state_specs, local_params=local)
+  step = step.lower(params, opt_state, batch_spec).compile()
+  evaluate = make_eval_step(graphdef, mesh).lower(shared(params, opt_state), val_tokens).compile()
   compile_time = time.perf_counter() - start
 
   if history is None:
     history = {
       "step": [0],
-      "val_loss": [scalar(evaluate(params, val_tokens))],
+      "val_loss": [scalar(evaluate(shared(params, opt_state), val_tokens))],
       "train_loss": [float("nan")],
       "time_s": [0.0],
       "target_step": None,
@@ -449,7 +515,7 @@ def train_method(
       train_time += time.perf_counter() - start
       bar.update()
       if i % config.eval_every == 0 or i == config.num_steps:
-        loss = scalar(evaluate(params, val_tokens))
+        loss = scalar(evaluate(shared(params, opt_state), val_tokens))
         history["step"].append(i)
         history["val_loss"].append(loss)
         history["train_loss"].append(float(np.mean(losses)))
@@ -459,13 +525,22 @@ def train_method(
         if config.target_loss and loss <= config.target_loss:  # the same on every process
           history["target_step"], history["target_time_s"] = i, train_time
       if checkpoints is not None and (
-        i % config.checkpoint_every == 0 or i == config.num_steps or i == last
+        i % config.checkpoint_every == 0 or i in (config.num_steps, last, history["target_step"])
       ):
-        progress = {"history": history, "losses": losses, "train_time": train_time}
+        progress = {
+          "step": i,
+          "history": history,
+          "losses": losses,
+          "train_time": train_time,
+          "run": fingerprint,
+        }
         save_checkpoint(checkpoints, i, params, opt_state, progress)
   if checkpoints is not None:
-    checkpoints.wait_until_finished()
+    checkpoints.wait_until_finished()  # the last save is written before we return
     checkpoints.close()
+  digest = common.params_digest(shared(params, opt_state))  # DiLoCo: the anchor
+  if jax.process_count() > 1:  # each process's copy, to compare across processes
+    print(f"[process {jax.process_index()}] {method}: params sha256 {digest}", flush=True)
 
   report = None
   if k > 1:  # bytes of one update in the steady state (DGC and 1-bit Adam warm up dense)
@@ -475,7 +550,8 @@ def train_method(
   val_loss = history["val_loss"][-1]
   return {
     "start_step": start_step,
-    "params": params,
+    "params": shared(params, opt_state),
+    "params_sha256": digest,
     "val_loss": val_loss,
     "bits_per_byte": val_loss / math.log(2),
     "bytes_received": None if report is None else report.bytes_received,

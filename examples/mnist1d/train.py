@@ -9,7 +9,6 @@ line ``updates, opt_state = tx.update(grads, opt_state, params)``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -23,6 +22,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from examples import common
 from examples.mnist1d import input_pipeline
 from examples.mnist1d import models
 from examples.mnist1d.configs import default as default_config
@@ -322,23 +322,10 @@ def to_global(tree, sharding: jax.sharding.Sharding):
   )
 
 
-def local_leaves(tree) -> list[np.ndarray]:
-  """Host copies of the leaves; of a replicated ``jax.Array``, its first local shard."""
-  leaves = []
-  for leaf in jax.tree.leaves(tree):
-    if isinstance(leaf, jax.Array):
-      leaf = leaf.addressable_data(0)
-    leaves.append(np.ascontiguousarray(jax.device_get(leaf)))
-  return leaves
-
-
-def params_digest(params) -> str:
-  """sha256 over every leaf's shape, dtype and bytes, in ``jax.tree.leaves`` order."""
-  h = hashlib.sha256()
-  for leaf in local_leaves(params):
-    h.update(f"{leaf.shape}{leaf.dtype}".encode())
-    h.update(leaf.tobytes())
-  return h.hexdigest()
+#: Host copies of the leaves (of a replicated array, its first local shard).
+local_leaves = common.local_leaves
+#: sha256 over every leaf's shape, dtype and bytes, in ``jax.tree.leaves`` order.
+params_digest = common.params_digest
 
 
 def local_mean(x: jax.Array) -> float:
@@ -366,112 +353,18 @@ def local_copies_identical(params) -> bool:
   return True
 
 
-def checkpoint_manager(config, workdir: str | None, method: str):
-  """Orbax manager of ``workdir/checkpoints/<method>/``; None without checkpointing.
-
-  Orbax is imported here only: it is needed only with ``config.checkpoint_every``.
-  Saves are asynchronous (written while training goes on); the two latest are kept.
-  Orbax writes a step into a temporary directory and renames it once every process has
-  written its shards, so a save cut short by a crash is never the latest step; such
-  leftovers are deleted when the manager opens. Every process must create it (in a
-  multi-process run the processes write their own shards, process 0 the metadata).
-  """
-  if not config.checkpoint_every or workdir is None:
-    return None
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
-  return ocp.CheckpointManager(
-    checkpoint_dir(workdir, method),
-    options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True, cleanup_tmp_directories=True),
-  )
-
-
-def checkpoint_dir(workdir: str, method: str) -> str:
-  """``workdir/checkpoints/<method>``, absolute: where ``method``'s checkpoints go."""
-  return os.path.abspath(os.path.join(workdir, "checkpoints", method))
+# Checkpoints (examples/common.py): Orbax, the whole state, refused when of other settings.
+checkpoint_manager = common.checkpoint_manager
+checkpoint_dir = common.checkpoint_dir
+check_fingerprint = common.check_fingerprint
+save_checkpoint = common.save_checkpoint
+restore_checkpoint = common.restore_checkpoint
 
 
 def run_fingerprint(method: str, config, num_devices: int, evaluate: bool) -> dict[str, Any]:
-  """What a checkpoint must agree on to be resumed bit-exactly: the method, the device
-  count and the config (JSON), less the fields that do not change the parameters'
-  trajectory (how often to checkpoint, which methods the run trains)."""
-  fields = dataclasses.asdict(config)
-  for name in ("checkpoint_every", "methods"):
-    fields.pop(name, None)
-  return json.loads(
-    json.dumps(
-      {"method": method, "num_devices": num_devices, "evaluate": evaluate, "config": fields}
-    )
-  )
-
-
-def check_fingerprint(saved: dict[str, Any] | None, expected: dict[str, Any], where: str) -> None:
-  """Raises ValueError naming the differing settings unless ``saved == expected``."""
-  if saved == expected:
-    return
-  if saved is None:
-    raise ValueError(
-      f"the checkpoint in {where} records no run settings; remove it or pick another workdir"
-    )
-  diff = []
-  for key in sorted(set(saved) | set(expected)):
-    a, b = saved.get(key), expected.get(key)
-    if key == "config" and isinstance(a, dict) and isinstance(b, dict):
-      diff += [
-        f"{k}: {a.get(k)!r} there, {b.get(k)!r} now"
-        for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k)
-      ]
-    elif a != b:
-      diff.append(f"{key}: {a!r} there, {b!r} now")
-  raise ValueError(
-    f"the checkpoint in {where} belongs to another run ({'; '.join(diff)}): resuming it "
-    "would not reproduce the uninterrupted run; remove it or pick another workdir"
-  )
-
-
-def save_checkpoint(checkpoints, step: int, params, opt_state, progress: dict) -> None:
-  """Saves params and optimizer state (typed keys as raw data) and ``progress`` (JSON:
-  the step, the losses and history so far, the run's settings) as ``step``."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
-  state = jc.unwrap_keys({"params": params, "opt_state": opt_state})
-  progress = json.loads(json.dumps(progress))  # a copy: the save is asynchronous
-  checkpoints.save(
-    step,
-    args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress)
-    ),
-  )
-
-
-def restore_checkpoint(checkpoints, tx, init_params, *, mesh, state_specs):
-  """``(step, params, opt_state, progress)`` of the latest complete checkpoint.
-
-  The arrays are restored into an abstract target, not a freshly initialised state:
-  params replicated, the optimizer state placed by ``state_specs`` (per-device
-  residuals and keys split over the data axis, each process reading its devices'
-  rows), so the compiled step takes them as is.
-  """
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
-  replicated = jax.NamedSharding(mesh, P())
-  params = jax.tree.map(
-    lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated), init_params
-  )
-  target = {
-    "params": params,
-    "opt_state": jc.restore_target(tx, params, mesh=mesh, specs=state_specs),
-  }
-  step = checkpoints.latest_step()
-  restored = checkpoints.restore(
-    step,
-    args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(jc.unwrap_keys(target)), progress=ocp.args.JsonRestore()
-    ),
-  )
-  state = jc.wrap_keys(restored.state, target)
-  return step, state["params"], state["opt_state"], restored.progress
+  """What a checkpoint of ``method`` must agree on (:func:`common.run_fingerprint`):
+  the method, the device count, whether the run evaluates, and the config."""
+  return common.run_fingerprint(method, config, num_devices, evaluate=evaluate)
 
 
 def train_method(
@@ -518,8 +411,6 @@ def train_method(
   k = mesh.size
   tx = make_tx(method, config, exchange)
   local = method in LOCAL_PARAMS  # DiLoCo: params per device, evaluated at the anchor
-  if local and config.checkpoint_every:
-    raise ValueError(f"{method}: the demo does not checkpoint DiLoCo's per-device params")
   shared = lambda params, opt_state: opt_state.anchor if local else params
   replicated = jax.NamedSharding(mesh, P())
   per_device = jax.NamedSharding(mesh, P(AXIS))
@@ -530,7 +421,7 @@ def train_method(
   start_step, history, losses = 0, None, []
   if checkpoints is not None and checkpoints.latest_step() is not None:
     start_step, params, opt_state, progress = restore_checkpoint(
-      checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs
+      checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs, local_params=local
     )
     where = f"{checkpoints.directory}/{start_step}"
     check_fingerprint(progress.get("run"), fingerprint, where)
@@ -681,6 +572,7 @@ def profile_steps(step, params, opt_state, batch, calls: int) -> dict[str, Any]:
   return {
     "step_ms": 1e3 * prof.step_s,
     "calls": prof.calls,
+    "untraced": list(prof.untraced),
     **{p: 1e3 * t for p, t in prof.phases.items()},
     "top_ops_ms": {p: [[n, 1e3 * t] for n, t in ops] for p, ops in prof.top_ops.items()},
   }

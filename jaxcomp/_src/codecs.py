@@ -22,6 +22,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp._src import arith
 from jaxcomp._src import bitpack
 from jaxcomp._src import rng
 from jaxcomp.kernels import _common as kernel_common
@@ -33,7 +34,6 @@ from jaxcomp.kernels import sign_pack as sign_pack_kernel
 
 Array = jax.Array
 _F32 = jnp.float32
-_WORD = 32  # values per uint32 word of 1-bit codes
 _MAX_LEVELS = 2**24 - 1  # levels are handled in float32, exact up to 2**24
 
 
@@ -285,41 +285,6 @@ def buckets(n: int, bucket_size: int | None) -> tuple[int, int]:
   return b, -(-n // b)
 
 
-def _to_buckets(flat: Array, b: int, nb: int) -> Array:
-  pad = nb * b - flat.shape[0]
-  # No pad op when none is needed: XLA:CPU then reduces the input itself (fast path).
-  return (jnp.pad(flat, (0, pad)) if pad else flat).reshape(nb, b)
-
-
-def _row_max_min(v: Array) -> tuple[Array, Array]:
-  """``(max, min)`` along axis 1 of ``v`` in one variadic reduction (one pass over ``v``).
-
-  The reducer is ``jnp.maximum`` / ``jnp.minimum``, which propagate NaN (HLO's
-  ``maximum``), so a row holding a NaN gets NaN in both results and a row holding an
-  infinity an infinite one: the same pass tells :func:`_row_absmax_finite` whether the
-  row is finite. ``jnp.max`` / ``jnp.min`` would not do: XLA:CPU hands a plain max of
-  an input to a library kernel that skips NaNs, and as two reductions it reads ``v``
-  twice (``python -m benchmarks.studies.xla_cpu_pitfalls``, the per-bucket rows).
-  """
-  f = v.dtype.type
-  return lax.reduce(
-    (v, v),
-    (f(-jnp.inf), f(jnp.inf)),
-    lambda a, b: (jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])),
-    (1,),
-  )
-
-
-def _row_absmax_finite(v: Array) -> tuple[Array, Array]:
-  """Per row of ``v``: ``max |v|`` and whether the row is all finite, in one pass.
-
-  ``max |v| = max(max v, -min v)``: a reduction of ``abs(v)`` would go through XLA:CPU's
-  generic loop emitter, several times slower (``benchmarks.studies.xla_cpu_pitfalls``).
-  """
-  hi, lo = _row_max_min(v)
-  return jnp.maximum(hi, -lo), jnp.isfinite(hi) & jnp.isfinite(lo)
-
-
 def _kernel_backend(implementation: str | None) -> str | None:
   """Which kernels a codec's ``implementation`` picks for a shape they handle.
 
@@ -334,51 +299,6 @@ def _kernel_backend(implementation: str | None) -> str | None:
   if implementation is None and cpu_kernels.use_by_default():
     return "native"
   return None
-
-
-def _onebit_sums(v: Array, words: Array, *, two_level: bool) -> tuple[Array, Array, Array]:
-  """Per bucket (row of ``v``): the sums of ``max(v, 0)`` and ``min(v, 0)`` and the
-  count of negative values (float32, exact up to 2**24 per bucket; int32 above).
-
-  The sums of each sign, not the total minus one of them: that would cancel
-  catastrophically when one sign dominates a bucket. ``words`` are ``v``'s packed signs
-  (1-bit lanes layout, the padding of the last bucket not included).
-
-  * ``two_level=False``: one variadic reduction of whole buckets computes the three in a
-    single pass over ``v`` (three ``jnp.sum`` calls are three passes on XLA:CPU).
-  * ``two_level=True`` (buckets of whole words, ``32 | bucket``): a variadic reduction
-    over rows of 32 values, then plain reductions of the partial sums per bucket; the
-    count is the popcount of the bucket's sign words (the padding is +0: no bit set).
-    XLA:CPU runs this faster (``python -m benchmarks.studies.xla_cpu_pitfalls``, the OneBit rows).
-  """
-  nb, b = v.shape
-  count_dtype = _F32 if b <= 2**24 else jnp.int32
-  zero = jnp.zeros((), _F32)
-  if not two_level:
-    return lax.reduce(
-      (jnp.maximum(v, 0.0), jnp.minimum(v, 0.0), (v < 0).astype(count_dtype)),
-      (zero, zero, jnp.zeros((), count_dtype)),
-      lambda x, y: tuple(a + c for a, c in zip(x, y)),
-      (1,),
-    )
-  if b % _WORD:
-    raise ValueError(f"two-level sums need buckets of whole words, got {b} values")
-  pos_part, neg_part = lax.reduce(
-    (jnp.maximum(v, 0.0).reshape(-1, _WORD), jnp.minimum(v, 0.0).reshape(-1, _WORD)),
-    (zero, zero),
-    lambda x, y: (x[0] + y[0], x[1] + y[1]),
-    (1,),
-  )
-  per_bucket = b // _WORD
-  bucket_words = jnp.pad(words, (0, nb * per_bucket - words.shape[0]))
-  neg_count = jnp.sum(
-    lax.population_count(bucket_words).reshape(nb, per_bucket), axis=1, dtype=jnp.int32
-  )
-  return (
-    jnp.sum(pos_part.reshape(nb, per_bucket), axis=1),
-    jnp.sum(neg_part.reshape(nb, per_bucket), axis=1),
-    neg_count.astype(count_dtype),
-  )
 
 
 # ----------------------------------------------------------------------------- codecs
@@ -474,9 +394,11 @@ class QSGD(Codec):
       GPU, the native CPU kernels of :mod:`jaxcomp.kernels.cpu` on a CPU backend where
       they build and ``norm="max"``, XLA elsewhere), ``"xla"``, ``"pallas"`` (interpret
       mode off GPU) or ``"native"``. A shape the kernels do not handle (see
-      ``jaxcomp.kernels.quantize.unsupported``) falls back to XLA. All give bit-identical
-      payloads for the same key with ``norm="max"``; with ``"l2"`` the kernels sum a
-      bucket's squares in another order, so a scale may differ in its last bits.
+      ``jaxcomp.kernels.quantize.unsupported``) falls back to XLA. XLA and the Pallas
+      kernels give bit-identical payloads for the same key (the l2 scale is computed by
+      the same code for both); the native kernels too with ``norm="max"``, while with
+      ``"l2"`` they sum a bucket's squares in another order, so a scale may differ in
+      its last bits.
 
   References:
     Alistarh, Grubic, Li, Tomioka, Vojnovic. *QSGD: Communication-Efficient SGD via
@@ -510,19 +432,9 @@ class QSGD(Codec):
 
   def scales(self, v: Array) -> Array:
     """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array; NaN for a bucket
-    that holds a NaN or an infinity."""
-    amax, finite = _row_absmax_finite(v)
-    return jnp.where(finite, self._scale_from_absmax(v, amax), jnp.nan)
-
-  def _scale_from_absmax(self, v: Array, amax: Array) -> Array:
-    if self.norm == "max":
-      return amax
-    # ||v|| = amax * ||v / amax||: no float32 overflow above 1.8e19, no underflow below 1e-19.
-    # v / amax as v * fl(1 / (amax * k)) (kernels/_common.inverse_scale), so the norm is
-    # (amax * k) * ||v * inv|| (amax * k is exact: k is a power of two).
-    safe = jnp.where(amax > 0, amax, jnp.ones_like(amax))
-    inv, k = kernel_common.inverse_scale(safe)
-    return amax * k * jnp.sqrt(jnp.sum(jnp.square(v * inv[:, None]), axis=1))
+    that holds a NaN or an infinity (:func:`jaxcomp._src.arith.qsgd_scales`: the
+    kernels take the same function's scales, so they agree bit for bit)."""
+    return arith.qsgd_scales(v, self.norm)
 
   def quantize(self, x: Array, *, key: Array | None = None) -> tuple[Array, Array, Array]:
     """The quantization before packing: ``(scales, magnitudes, negative)``.
@@ -540,19 +452,19 @@ class QSGD(Codec):
     key = self._require_key(key)
     n = x.size
     b, nb = buckets(n, self.bucket_size)
-    v = _to_buckets(x.reshape(-1).astype(_F32), b, nb)
+    v = arith.to_buckets(x.reshape(-1).astype(_F32), b, nb)
     # A bucket holding NaN/Inf gets a NaN scale, so it decodes to NaN: never hidden
     # (the codes of a non-finite value are meaningless).
     scale = self.scales(v)
     s = jnp.float32(self.levels)
-    # r = |v| / scale * s as fl(fl(|v| * inv) * fl(s * k)) (kernels/_common.level_ratio):
+    # r = |v| / scale * s as fl(fl(|v| * inv) * fl(s * k)) (arith.level_ratio):
     # what XLA compiles a division by the broadcast scale into anyway, spelled out so
     # that the Pallas and native kernels compute the same bits.
     safe = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-    inv, k = kernel_common.inverse_scale(safe)
+    inv, k = arith.inverse_scale(safe)
     r = jnp.where(
       (scale > 0)[:, None],
-      kernel_common.level_ratio(jnp.abs(v), inv[:, None], k[:, None], self.levels),
+      arith.level_ratio(jnp.abs(v), inv[:, None], k[:, None], self.levels),
       0.0,
     )
     # r is finite (0 in a non-finite bucket, whose NaN scale marks it) and <= s (|v| *
@@ -636,8 +548,8 @@ class QSGD(Codec):
     mask = jnp.uint32((1 << self.magnitude_bits) - 1)
     mag = (codes & mask).astype(_F32)
     neg = (codes >> self.magnitude_bits) != 0
-    q = _to_buckets(jnp.where(neg, -mag, mag), b, nb)
-    step = kernel_common.level_step(scales, self.levels)
+    q = arith.to_buckets(jnp.where(neg, -mag, mag), b, nb)
+    step = arith.level_step(scales, self.levels)
     return (q * step[:, None]).reshape(-1)[:n]
 
 
@@ -667,7 +579,7 @@ class OneBit(Codec):
 
   The means of finite values are finite: a bucket whose float32 sum of one sign
   overflows (values from about ``FLT_MAX / bucket_size``) is summed again scaled by a
-  power of two (:func:`jaxcomp.kernels._common.side_mean`), on every path.
+  power of two (:func:`jaxcomp._src.arith.side_mean`), on every path.
 
   Wire format: signs packed 32 per uint32, plus two float32 per bucket (per column:
   ``ceil(m n / 32)`` words and ``2 n`` floats, at most ``m n + 31 + 64 n`` bits).
@@ -678,9 +590,10 @@ class OneBit(Codec):
     implementation: ``None`` (the Pallas kernels on a CUDA GPU, the native CPU kernels
       on a CPU backend where they build, XLA elsewhere), ``"xla"``, ``"pallas"``
       (interpret mode off GPU) or ``"native"``; shapes the kernels do not handle, and
-      ``per_column=True``, fall back to XLA. The sign words are bit-identical between all
-      of them; the means agree to float32 rounding (their sums are taken in different
-      orders).
+      ``per_column=True``, fall back to XLA. XLA and the Pallas kernels give
+      bit-identical payloads (the means are computed by the same code for both); the
+      native kernels the same sign words, and means to float32 rounding (their sums are
+      taken in another order).
     per_column: one pair of reconstruction values per column of the matrix view
       (keyword only).
 
@@ -764,7 +677,7 @@ class OneBit(Codec):
 
     ``finite`` is then read off the means (a non-finite value makes its bucket's mean
     non-finite; a bucket sum beyond float32's range does not: the kernels sum such a
-    bucket again, scaled, as :func:`jaxcomp.kernels._common.side_mean` describes).
+    bucket again, scaled, as :func:`jaxcomp._src.arith.side_mean` describes).
     """
     del key
     _check_float(g)
@@ -782,36 +695,9 @@ class OneBit(Codec):
       return self._kernel_encode(x)[0]
     b, nb = self._bucket_layout(x.shape)
     flat = self._flat(x)
-    v = _to_buckets(flat, b, nb)
+    v = arith.to_buckets(flat, b, nb)
     words = bitpack.pack_bits((v < 0).reshape(-1)[:n].astype(jnp.uint32), 1)
-    two_level = b > 0 and b % _WORD == 0
-    pos_sum, neg_sum, neg_count = _onebit_sums(v, words, two_level=two_level)
-    # Padding is +0, counted as non-negative: take it out of the counts.
-    pos_count = (jnp.asarray(_valid_counts(n, b, nb, neg_count.dtype)) - neg_count).astype(_F32)
-    neg_count = neg_count.astype(_F32)
-
-    # A sum past FLT_MAX (finite values from ~FLT_MAX / b): sum again scaled by
-    # 2**-shift, only when some bucket overflowed (kernel_common.side_mean). The means
-    # are the cond's outputs, so a decode fused after them reads two small arrays; fused
-    # into the decode, side_mean's arithmetic would be redone per value.
-    shift = kernel_common.sum_shift(b)
-
-    def rescued():  # from `flat`, not `v`: a branch operand is materialised, and `v` is
-      down = np.float32(2.0**-shift)  # otherwise fused into the reductions
-      scaled = _onebit_sums(_to_buckets(flat * down, b, nb), words, two_level=two_level)
-      return (
-        kernel_common.side_mean(pos_sum, scaled[0], pos_count, shift),
-        kernel_common.side_mean(neg_sum, scaled[1], neg_count, shift),
-      )
-
-    def plain():
-      return (
-        jnp.where(pos_count > 0, pos_sum / jnp.maximum(pos_count, 1.0), 0.0),
-        jnp.where(neg_count > 0, neg_sum / jnp.maximum(neg_count, 1.0), 0.0),
-      )
-
-    overflow = jnp.any(jnp.isinf(pos_sum)) | jnp.any(jnp.isinf(neg_sum))
-    pos, neg = lax.cond(overflow, rescued, plain)
+    pos, neg = arith.onebit_means(flat, words, b=b, nb=nb)
     arrays = {"words": words, "pos": pos, "neg": neg}
     return Payload(arrays, tuple(x.shape), jnp.dtype(x.dtype))
 
@@ -826,20 +712,11 @@ class OneBit(Codec):
     if self.uses_kernel(n):
       return self._kernel_decode_sum(jax.tree.map(lambda a: a[None], payload.arrays), n)
     b, nb = self._bucket_layout(payload.shape)
-    neg = _to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
+    neg = arith.to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
     out = jnp.where(neg, payload.arrays["neg"][:, None], payload.arrays["pos"][:, None])
     if self.per_column:  # (columns, m) back to the (m, columns) matrix view
       return out.T
     return out.reshape(-1)[:n]
-
-
-def _valid_counts(n: int, b: int, nb: int, dtype: Any) -> np.ndarray:
-  """How many of the ``n`` values each of ``nb`` buckets of ``b`` holds (the last may be
-  short), a numpy constant of ``dtype``."""
-  valid = np.full((nb,), b, np.dtype(dtype))
-  if nb:
-    valid[-1] = n - (nb - 1) * b
-  return valid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -864,7 +741,7 @@ class ScaledSign(Codec):
 
   A bucket holding a NaN gets a NaN scale, one holding an infinity an infinite one, so
   neither is hidden; a sum of finite values beyond float32's range is taken again scaled
-  by a power of two (:func:`jaxcomp.kernels._common.side_mean`), so the scale of finite
+  by a power of two (:func:`jaxcomp._src.arith.side_mean`), so the scale of finite
   values is finite.
 
   Wire format: signs packed 32 per uint32 (``ceil(n / 32)`` words), plus one float32
@@ -896,19 +773,19 @@ class ScaledSign(Codec):
     n = x.size
     b, nb = buckets(n, self.bucket_size)
     flat = x.reshape(-1).astype(_F32)
-    v = _to_buckets(flat, b, nb)
+    v = arith.to_buckets(flat, b, nb)
     words = bitpack.pack_bits((v < 0).reshape(-1)[:n].astype(jnp.uint32), 1)
-    two_level = b % _WORD == 0
+    two_level = b % arith.WORD == 0
     # ||v||_1 as the sums of each sign (one pass, no abs reduction; no cancellation).
-    pos_sum, neg_sum, _ = _onebit_sums(v, words, two_level=two_level)
+    pos_sum, neg_sum, _ = arith.onebit_sums(v, words, two_level=two_level)
     l1 = pos_sum - neg_sum
-    count = _valid_counts(n, b, nb, _F32)
+    count = arith.valid_counts(n, b, nb, _F32)
     safe, has = np.maximum(count, np.float32(1)), count > 0
-    shift = kernel_common.sum_shift(b)
+    shift = arith.sum_shift(b)
 
     def rescaled():  # finite values summing past FLT_MAX: their l1 norm scaled by 2**-shift
-      scaled = _onebit_sums(
-        _to_buckets(flat * np.float32(2.0**-shift), b, nb), words, two_level=two_level
+      scaled = arith.onebit_sums(
+        arith.to_buckets(flat * np.float32(2.0**-shift), b, nb), words, two_level=two_level
       )
       return scaled[0] - scaled[1]
 
@@ -916,7 +793,7 @@ class ScaledSign(Codec):
     # outside the cond (under vmap in shard_map, a constant met inside a cond's branch is
     # cast to varying by mistake).
     scaled_l1 = lax.cond(jnp.any(jnp.isinf(l1)), rescaled, lambda: jnp.zeros_like(l1))
-    big = jnp.clip(scaled_l1 / safe * np.float32(2.0**shift), 0.0, kernel_common.FLT_MAX)
+    big = jnp.clip(scaled_l1 / safe * np.float32(2.0**shift), 0.0, arith.FLT_MAX)
     # Where the scaled norm is not finite either, an input was: the scale stays so.
     scales = jnp.where(has, jnp.where(jnp.isinf(l1) & jnp.isfinite(scaled_l1), big, l1 / safe), 0.0)
     return Payload({"words": words, "scales": scales}, tuple(x.shape), jnp.dtype(x.dtype))
@@ -924,6 +801,6 @@ class ScaledSign(Codec):
   def _decode_f32(self, payload: Payload) -> Array:
     n = math.prod(payload.shape)
     b, nb = buckets(n, self.bucket_size)
-    neg = _to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
+    neg = arith.to_buckets(bitpack.unpack_bits(payload.arrays["words"], 1, n), b, nb) != 0
     scale = payload.arrays["scales"][:, None]
     return jnp.where(neg, -scale, scale).reshape(-1)[:n]

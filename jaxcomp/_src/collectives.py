@@ -552,6 +552,108 @@ def two_phase_means(codec: Codec, xs, keys, axis_name, chunk_residuals=None) -> 
   return out
 
 
+def shard_rows(x: Array, k: int, what: str = "x") -> Array:
+  """``x`` cut along its first axis into the K shards ``P(axis)`` gives the devices,
+  stacked: ``(K, d0/K, *x.shape[1:])``; row j is device j's shard. A ``ValueError``
+  names ``what`` when the first axis does not divide by K."""
+  if x.ndim == 0 or x.shape[0] % k:
+    raise ValueError(
+      f"{what} has shape {tuple(x.shape)}: a reduce-scatter cuts each leaf along its "
+      f"first axis into {k} shards, which needs a first axis divisible by {k}; declare "
+      f"the leaf unsharded (P() in param_specs) or pad it"
+    )
+  return x.reshape((k, x.shape[0] // k) + tuple(x.shape[1:]))
+
+
+def psum_scatter_tree(tree, axis_name):
+  """``lax.psum_scatter(x, scatter_dimension=0, tiled=True) / K`` of every array of
+  ``tree`` (its first axis divisible by K), as one reduce-scatter per dtype.
+
+  The dense counterpart of :func:`reduce_scatter_means`: device j gets the mean of
+  row j (:func:`shard_rows`), shaped ``(d0/K, ...)``, in the arrays' dtype. The arrays
+  of one dtype (and one set of varying axes) are cut into their K rows, concatenated
+  row by row and scattered once, so a model's leaves cost one collective's latency.
+  """
+  k = axis_size(axis_name)
+  leaves, treedef = jax.tree.flatten(tree)
+  rows = [shard_rows(x, k, f"leaf {i}") for i, x in enumerate(leaves)]
+  groups: dict = {}
+  for i, x in enumerate(leaves):
+    groups.setdefault((jnp.dtype(x.dtype), varying_axes(x)), []).append(i)
+  out = [None] * len(leaves)
+  for idx in groups.values():
+    flat = jnp.concatenate([rows[i].reshape(k, -1) for i in idx], axis=1)
+    mine = lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)[0]
+    offset = 0
+    for i in idx:
+      n = rows[i][0].size
+      out[i] = mine[offset : offset + n].reshape(rows[i].shape[1:]) / k
+      offset += n
+  return treedef.unflatten(out)
+
+
+def reduce_scatter_means(codec: Codec | None, xs, keys, axis_name) -> list[Exchanged]:
+  r"""A compressed reduce-scatter: this device's shard of the mean of every ``x``.
+
+  The ZeRO/FSDP gradient exchange (ZeRO++'s qgZ, with any codec). Each tensor ``x``
+  (this device's full-size local gradient, first axis divisible by K) is cut along its
+  first axis into K rows, row j being the shard ``P(axis)`` gives device j
+  (:func:`shard_rows`). Each row is encoded on its own (``jax.vmap``, a key per row
+  split from ``key``), row j's payload goes to device j in one ``all_to_all`` for all
+  tensors (:func:`all_to_all_tree`), and device j decodes the K payloads of its row and
+  sums them in float32 (``codec.decode_sum``, never a low-precision reduction):
+
+  .. math:: \bar g_j = \frac1K \sum_{i=1}^{K} Q^{-1}(Q(x^{(i)}_j)).
+
+  Per device the traffic is ``(K-1)/K`` of the compressed payload of ``x`` (a dense
+  float32 ``psum_scatter`` moves ``(K-1)/K · 4n`` bytes), and no device ever holds the
+  full mean. With an unbiased codec (QSGD) the shard is an unbiased estimate of the
+  mean's shard, its variance the codec's per row divided by K.
+
+  ``codec=None`` is the dense exchange, :func:`psum_scatter_tree` (one reduce-scatter
+  per dtype, in the arrays' dtype; ``sent`` is ``x`` itself).
+
+  Args:
+    codec: a codec without a fallback (a fixed-width payload), or ``None`` (dense).
+    xs: the tensors, each this device's full-size local value.
+    keys: a typed key per tensor (already folded with the device index where the
+      codec's randomness is per device); split into K row keys.
+    axis_name: the mapped axis of K devices the shards are spread over.
+
+  Returns:
+    An :class:`Exchanged` per tensor: ``mean`` this device's shard of the mean,
+    ``(d0/K, *x.shape[1:])`` in float32; ``sent`` what this device's K payloads decode
+    to, in ``x``'s full shape (float32), for error feedback; ``chunk_residual`` None;
+    ``overflow`` whether the codec overflowed on any row.
+  """
+  k = axis_size(axis_name)
+  xs, keys = list(xs), list(keys)
+  if codec is None:
+    means = psum_scatter_tree(xs, axis_name)
+    return [
+      Exchanged(m.astype(_F32), x.astype(_F32), None, jnp.zeros((), bool))
+      for m, x in zip(means, xs)
+    ]
+  if codec.fallback is not None:
+    raise ValueError(
+      f"{type(codec).__name__} has a fallback format for overflows, which needs the "
+      f"all-gather exchange; a reduce-scatter needs a fixed-width codec"
+    )
+  firsts = []
+  for i, (x, key) in enumerate(zip(xs, keys)):
+    rows = shard_rows(x, k, f"tensor {i}")
+    with jax.named_scope(ENCODE_SCOPE):
+      payloads, overflow = jax.vmap(lambda v, kk: codec.encode_with_info(v, key=kk))(
+        rows, jax.random.split(key, k)
+      )
+      sent = jax.vmap(lambda p: codec.decode(p, _F32))(payloads).reshape(x.shape)
+    firsts.append((payloads, sent, jnp.any(overflow)))
+  received = all_to_all_tree([f[0] for f in firsts], axis_name)
+  with jax.named_scope(DECODE_SCOPE):
+    means = _decode_means([codec] * len(xs), received, k)
+  return [Exchanged(m, sent, None, overflow) for m, (_, sent, overflow) in zip(means, firsts)]
+
+
 def _real_entries(codec: Codec, x: Array, k: int, axis_name) -> Array | None:
   """Where this device's two-phase chunk of ``x`` holds values of ``x`` (the rest is the
   zero padding past its end), or ``None`` when no chunk is padded.
@@ -573,7 +675,28 @@ def chunk_residual_shape(codec: Codec, shape, k: int) -> tuple[int, ...]:
   return tuple(codec.chunk_shape(shape, k))
 
 
-COLLECTIVES = ("allgather", "two_phase", "psum", "auto")
+COLLECTIVES = ("allgather", "two_phase", "psum", "auto", "reduce_scatter")
+
+
+#: Why :func:`jaxcomp.dgc` and :func:`jaxcomp.mipd` have no reduce-scatter exchange.
+DGC_NO_REDUCE_SCATTER = (
+  "its top-k selection, momentum correction and residual run on each device's whole "
+  "gradient, and its exchange sums sparse entries chosen over the whole tensor"
+)
+MIPD_NO_REDUCE_SCATTER = (
+  "its prediction and the kept entries it exchanges are chosen over the whole "
+  "gradient, with state that is the same on every device"
+)
+
+
+def refuse_reduce_scatter(collective: str, who: str, why: str) -> None:
+  """A ``ValueError`` saying why ``who`` has no ``collective="reduce_scatter"``."""
+  if collective == "reduce_scatter":
+    raise ValueError(
+      f"{who} does not support collective='reduce_scatter': {why}. For parameters "
+      f"sharded over the data axis use jc.compress (or jc.qsgd, jc.onebit_sgd, "
+      f"jc.ef_signsgd, jc.sparsify) with collective='reduce_scatter'"
+    )
 
 
 def resolve(collective: str, codec: Codec, k: int) -> str:
@@ -610,7 +733,17 @@ def leaf_collective(collective: str, codec: Codec, k: int, shape, dtype) -> str:
 
 
 #: The exchanges a leaf can take (:func:`route`).
-ROUTES = ("dense", "fused", "local", "two_phase", "psum", "gathered", "fallback")
+ROUTES = (
+  "dense",
+  "fused",
+  "local",
+  "two_phase",
+  "psum",
+  "gathered",
+  "fallback",
+  "dense_scatter",
+  "reduce_scatter",
+)
 
 
 def route(codec: Codec, mode: str, axis_name, *, selected: bool, fused: bool = False) -> str:
@@ -626,6 +759,10 @@ def route(codec: Codec, mode: str, axis_name, *, selected: bool, fused: bool = F
   * ``"gathered"``: payloads all-gathered together with the other leaves'.
   * ``"fallback"``: a variable-length codec with an overflow branch: its own all-gather
     (:func:`allgather_mean`), since the branch decides per leaf what is sent.
+  * ``"dense_scatter"``: a leaf sharded over the axis that the filter leaves out:
+    its shard of the mean by a dense reduce-scatter (:func:`psum_scatter_tree`).
+  * ``"reduce_scatter"``: a sharded leaf, batched with the other such leaves into one
+    compressed reduce-scatter (:func:`reduce_scatter_means`).
 
   The order of the tests is the precedence: a fused leaf is gathered even without an
   axis (the payloads are then decoded locally).
@@ -641,11 +778,11 @@ def route(codec: Codec, mode: str, axis_name, *, selected: bool, fused: bool = F
     One of :data:`ROUTES`.
   """
   if not selected:
-    return "dense"
+    return "dense_scatter" if mode == "reduce_scatter" else "dense"
   if fused and mode == "allgather" and codec.fallback is None:
     return "fused"
   if axis_name is None:
     return "local"
-  if mode in ("two_phase", "psum"):
+  if mode in ("two_phase", "psum", "reduce_scatter"):
     return mode
   return "gathered" if codec.fallback is None else "fallback"

@@ -1,7 +1,14 @@
-"""Deep Gradient Compression (Lin et al., ICLR 2018) as an optax transform."""
+"""Deep Gradient Compression (Lin et al., ICLR 2018) as an optax transform.
+
+Written as named steps over a frozen :class:`_Options`: ``_local_gradients`` (local
+clipping), ``_dense_momentum`` for the leaves left out, ``_accumulate`` (momentum
+correction), ``_sparse_leaves`` (selection, masking, the exchange of one warm-up
+stage), ``_exchange`` (the stage's ``lax.switch``), wired by ``_update``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -127,6 +134,201 @@ def _clip(gs: list[Array], threshold: float, mode: str) -> list[Array]:
   return [g * factor(sq) for g, sq in zip(gs, squares)]
 
 
+def _check_options(density, warmup_steps, momentum, clip_norm, clip, collective, chunk_size):
+  """Every argument check of :func:`dgc`, in one place; returns the warm-up stages."""
+  stages = warmup_densities(density, warmup_steps)
+  if not 0 <= momentum < 1:
+    raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+  if clip_norm is not None and not clip_norm > 0:
+    raise ValueError(f"clip_norm must be positive or None, got {clip_norm!r}")
+  if clip not in CLIP_MODES:
+    raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}")
+  collectives.refuse_reduce_scatter(collective, "jc.dgc", collectives.DGC_NO_REDUCE_SCATTER)
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+  codecs_lib.check_positive_int(chunk_size, "chunk_size")
+  return stages
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """The options of :func:`dgc`, checked and resolved."""
+
+  codecs: tuple  # a TopK per warm-up stage
+  starts: tuple[int, ...]  # each stage's first step
+  momentum: float
+  nesterov: bool
+  clip_norm: float | None
+  clip: str
+  momentum_masking: bool
+  axis_name: Any
+  collective: str
+  chunk_size: int
+  filter_fn: transforms.FilterFn
+  seed: int
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _init(opts: _Options, params) -> DGCState:
+  """Zero momentum for every leaf, zero velocity for the compressed ones."""
+  leaves, treedef = treeutil.flat(params)
+  mom, vel = [], []
+  for path, leaf in leaves:
+    treeutil.check_leaf(path, leaf)
+    mom.append(jnp.zeros(leaf.shape, _F32))
+    on = treeutil.selected(opts.filter_fn, path, leaf)
+    vel.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
+  return DGCState(
+    count=jnp.zeros((), jnp.int32),
+    key=jax.random.key(opts.seed),
+    momentum=treedef.unflatten(mom),
+    velocity=treedef.unflatten(vel),
+    nonfinite_count=jnp.zeros((), jnp.int32),
+    shapes=treeutil.LeafShapes.of(params),
+  )
+
+
+def _dense_momentum(opts: _Options, g, u):
+  """Momentum SGD for a leaf the filter leaves out: (local update, new momentum)."""
+  m = opts.momentum
+  u = m * (u + g) if opts.nesterov else m * u + g
+  return (g + u if opts.nesterov else u), u
+
+
+def _accumulate(opts: _Options, g, u, v):
+  """Momentum correction (§3.2): the momentum before sparsification, ``v += u``."""
+  m = opts.momentum
+  if opts.nesterov:
+    u = m * (u + g)
+    return u, v + u + g
+  u = m * u + g
+  return u, v + u
+
+
+def _sparse_leaves(opts: _Options, stage_index: int, gs, us, vs, keys, dense=()):
+  """One warm-up stage's exchange of the compressed leaves: (outputs, new u, new v,
+  means of the full-precision ``dense`` leaves, which share the exchange:
+  :func:`collectives.exchange_means`)."""
+  codec = opts.codecs[stage_index]
+  chunked = opts.collective == "chunked" and opts.axis_name is not None
+  outs, new_u, new_v, payloads = [], [], [], []
+  with jax.named_scope(phases.ENCODE_SCOPE):  # accumulation, selection, masks
+    for g, u, v, key in zip(gs, us, vs, keys):
+      u, v = _accumulate(opts, g, u, v)
+      if chunked:
+        mean, sent_mask = _chunked_exchange(v, codec.density, opts.chunk_size, opts.axis_name)
+        outs.append(mean.reshape(v.shape))
+      else:
+        payload = codec.encode(v, key=key)
+        idx = payload.arrays["indices"].astype(jnp.int32)
+        sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(v.shape)
+        payloads.append(payload)
+        outs.append(v)  # replaced by the mean below
+      new_v.append(jnp.where(sent_mask, 0.0, v))
+      new_u.append(jnp.where(sent_mask, 0.0, u) if opts.momentum_masking else u)
+  # Every leaf's indices and values in one all-gather (with the dense leaves at K <= 2).
+  means, dense_means = collectives.exchange_means(
+    [codec] * len(payloads), payloads, dense, opts.axis_name
+  )
+  if payloads:
+    means = iter(means)
+    outs = [next(means).reshape(o.shape) for o in outs]
+  return outs, new_u, new_v, dense_means
+
+
+def _exchange(opts: _Options, count, args, dense, num):
+  """The warm-up stage of step ``count`` exchanges the compressed leaves ``args``;
+  returns (its :func:`_sparse_leaves` result, the means of the ``dense`` leaves).
+
+  With one stage its all-gather carries the dense leaves too. With several, the stage
+  is a ``lax.switch`` branch, and the dense leaves' all-reduce goes before it: under
+  check_vma it also makes the branch index invariant (every device must take the
+  same collectives).
+  """
+  axis_name = opts.axis_name
+  if len(opts.codecs) == 1:
+    sparse_out = _sparse_leaves(opts, 0, *args, dense)
+    return sparse_out, sparse_out[3]
+  stage = _stage(count, jnp.asarray(opts.starts, jnp.int32))
+  if axis_name is not None and collectives.tracks_varying(axis_name):
+    # The count is the same on every device but held in per-device state: the branch
+    # index must be typed invariant so that every device takes the same collectives.
+    # It rides in the dense leaves' all-reduce (the sum of K equal stages).
+    dense_means, (total,) = collectives.pmean_and_count(dense, [stage], axis_name)
+    stage = total // num
+  else:
+    dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
+  branches = [functools.partial(_sparse_leaves, opts, j) for j in range(len(opts.codecs))]
+  return lax.switch(stage, branches, *args), dense_means
+
+
+def _local_gradients(opts: _Options, leaves, on, step_key):
+  """(float32 gradients, clipped; finite everywhere; K; this device's step key)."""
+  axis_name = opts.axis_name
+  gs = [g.astype(_F32) for _, g in leaves]
+  num = 1
+  if axis_name is not None:
+    num = collectives.axis_size(axis_name)
+    step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
+    for (path, _), g, sel in zip(leaves, gs, on):
+      if sel:
+        collectives.check_local(path, g, axis_name)
+  finite = (
+    jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (jnp.ones((), bool))
+  )
+  if axis_name is not None:  # the shards of a tensor-parallel group skip together
+    finite = ~collectives.any_over_other_axes(~finite, axis_name)
+  if opts.clip_norm is not None and gs:
+    gs = _clip(gs, opts.clip_norm / math.sqrt(num), opts.clip)
+  return gs, finite, num, step_key
+
+
+def _update(opts: _Options, updates, state: DGCState):
+  """One DGC step: clip, dense momentum for the leaves left out, accumulate, select and
+  exchange the compressed ones (this step's warm-up stage)."""
+  leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.dgc")
+  us = treedef.flatten_up_to(state.momentum)
+  vs = treedef.flatten_up_to(state.velocity)
+  on = [not isinstance(v, optax.MaskedNode) for v in vs]
+  key, step_key = jax.random.split(state.key)
+  gs, finite, num, step_key = _local_gradients(opts, leaves, on, step_key)
+  outs, new_u, new_v = [None] * len(gs), list(us), list(vs)
+  off = [i for i, o in enumerate(on) if not o]
+  for i in off:
+    outs[i], new_u[i] = _dense_momentum(opts, gs[i], us[i])
+  sel = [i for i, o in enumerate(on) if o]
+  args = (
+    [gs[i] for i in sel],
+    [us[i] for i in sel],
+    [vs[i] for i in sel],
+    [jax.random.fold_in(step_key, i) for i in sel],
+  )
+  dense = [outs[i] for i in off] if opts.axis_name is not None else []
+  sparse_out, dense_means = _exchange(opts, state.count, args, dense, num)
+  if opts.axis_name is not None:
+    for i, mean in zip(off, dense_means):
+      outs[i] = mean
+  for pos, i in enumerate(sel):
+    outs[i], new_u[i], new_v[i] = (part[pos] for part in sparse_out[:3])
+  new_u = [jnp.where(finite, a, b) for a, b in zip(new_u, us)]
+  new_v = [jnp.where(finite, a, b) if o else b for a, b, o in zip(new_v, vs, on)]
+  outs = [o.astype(g.dtype) for o, (_, g) in zip(outs, leaves)]
+  new_state = DGCState(
+    count=state.count + 1,
+    key=key,
+    momentum=treedef.unflatten(new_u),
+    velocity=treedef.unflatten(new_v),
+    nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+    shapes=state.shapes,
+  )
+  return treedef.unflatten(outs), new_state
+
+
+# ----------------------------------------------------------------------------- transform
+
+
 def dgc(
   density: float = 0.001,
   momentum: float = 0.9,
@@ -227,154 +429,27 @@ def dgc(
     Bandwidth for Distributed Training*. ICLR 2018. https://arxiv.org/abs/1712.01887
     (``docs/methods/dgc.md``: what is exactly the paper and what departs).
   """
-  stages = warmup_densities(density, warmup_steps)
-  if not 0 <= momentum < 1:
-    raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-  if clip_norm is not None and not clip_norm > 0:
-    raise ValueError(f"clip_norm must be positive or None, got {clip_norm!r}")
-  if clip not in CLIP_MODES:
-    raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}")
-  if collective not in COLLECTIVES:
-    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-  codecs_lib.check_positive_int(chunk_size, "chunk_size")
-  codecs = [sparse.TopK(d, method) for _, d in stages]  # validates method
-  starts = jnp.asarray([s for s, _ in stages], jnp.int32)
-  filter_fn = transforms.default_filter if filter is None else filter
-  m = float(momentum)
+  stages = _check_options(density, warmup_steps, momentum, clip_norm, clip, collective, chunk_size)
+  opts = _Options(
+    codecs=tuple(sparse.TopK(d, method) for _, d in stages),  # validates method
+    starts=tuple(s for s, _ in stages),
+    momentum=float(momentum),
+    nesterov=nesterov,
+    clip_norm=clip_norm,
+    clip=clip,
+    momentum_masking=momentum_masking,
+    axis_name=axis_name,
+    collective=collective,
+    chunk_size=chunk_size,
+    filter_fn=transforms.default_filter if filter is None else filter,
+    seed=seed,
+  )
 
   def init_fn(params):
-    leaves, treedef = treeutil.flat(params)
-    mom, vel = [], []
-    for path, leaf in leaves:
-      treeutil.check_leaf(path, leaf)
-      mom.append(jnp.zeros(leaf.shape, _F32))
-      on = treeutil.selected(filter_fn, path, leaf)
-      vel.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
-    return DGCState(
-      count=jnp.zeros((), jnp.int32),
-      key=jax.random.key(seed),
-      momentum=treedef.unflatten(mom),
-      velocity=treedef.unflatten(vel),
-      nonfinite_count=jnp.zeros((), jnp.int32),
-      shapes=treeutil.LeafShapes.of(params),
-    )
-
-  def dense_leaf(g, u):
-    """Momentum SGD for a leaf the filter leaves out: (local update, new momentum)."""
-    u = m * (u + g) if nesterov else m * u + g
-    return (g + u if nesterov else u), u
-
-  def sparse_leaves(stage_index, gs, us, vs, keys, dense=()):
-    """One warm-up stage's exchange of the compressed leaves: (outputs, new u, new v,
-    means of the full-precision ``dense`` leaves, which share the exchange:
-    :func:`collectives.exchange_means`)."""
-    codec = codecs[stage_index]
-    outs, new_u, new_v, payloads = [], [], [], []
-    with jax.named_scope(phases.ENCODE_SCOPE):  # accumulation, selection, masks
-      for g, u, v, key in zip(gs, us, vs, keys):
-        if nesterov:
-          u = m * (u + g)
-          v = v + u + g
-        else:
-          u = m * u + g
-          v = v + u
-        if collective == "chunked" and axis_name is not None:
-          mean, sent_mask = _chunked_exchange(v, codec.density, chunk_size, axis_name)
-          outs.append(mean.reshape(v.shape))
-        else:
-          payload = codec.encode(v, key=key)
-          idx = payload.arrays["indices"].astype(jnp.int32)
-          sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(v.shape)
-          payloads.append(payload)
-          outs.append(v)  # replaced by the mean below
-        new_v.append(jnp.where(sent_mask, 0.0, v))
-        new_u.append(jnp.where(sent_mask, 0.0, u) if momentum_masking else u)
-    # Every leaf's indices and values in one all-gather (with the dense leaves at K <= 2).
-    means, dense_means = collectives.exchange_means(
-      [codec] * len(payloads), payloads, dense, axis_name
-    )
-    if payloads:
-      means = iter(means)
-      outs = [next(means).reshape(o.shape) for o in outs]
-    return outs, new_u, new_v, dense_means
-
-  def exchange(count, args, dense, num):
-    """The warm-up stage of step ``count`` exchanges the compressed leaves ``args``;
-    returns (its :func:`sparse_leaves` result, the means of the ``dense`` leaves).
-
-    With one stage its all-gather carries the dense leaves too. With several, the stage
-    is a ``lax.switch`` branch, and the dense leaves' all-reduce goes before it: under
-    check_vma it also makes the branch index invariant (every device must take the
-    same collectives).
-    """
-    if len(codecs) == 1:
-      sparse_out = sparse_leaves(0, *args, dense)
-      return sparse_out, sparse_out[3]
-    stage = _stage(count, starts)
-    if axis_name is not None and collectives.tracks_varying(axis_name):
-      # The count is the same on every device but held in per-device state: the branch
-      # index must be typed invariant so that every device takes the same collectives.
-      # It rides in the dense leaves' all-reduce (the sum of K equal stages).
-      dense_means, (total,) = collectives.pmean_and_count(dense, [stage], axis_name)
-      stage = total // num
-    else:
-      dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
-    branches = [functools.partial(sparse_leaves, j) for j in range(len(codecs))]
-    return lax.switch(stage, branches, *args), dense_means
+    return _init(opts, params)
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.dgc")
-    paths = [p for p, _ in leaves]
-    gs = [g.astype(_F32) for _, g in leaves]
-    us = treedef.flatten_up_to(state.momentum)
-    vs = treedef.flatten_up_to(state.velocity)
-    on = [not isinstance(v, optax.MaskedNode) for v in vs]
-    key, step_key = jax.random.split(state.key)
-    if axis_name is not None:
-      num = collectives.axis_size(axis_name)
-      step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
-      for path, g, sel in zip(paths, gs, on):
-        if sel:
-          collectives.check_local(path, g, axis_name)
-    else:
-      num = 1
-    finite = (
-      jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (jnp.ones((), bool))
-    )
-    if axis_name is not None:  # the shards of a tensor-parallel group skip together
-      finite = ~collectives.any_over_other_axes(~finite, axis_name)
-    if clip_norm is not None and gs:
-      gs = _clip(gs, clip_norm / math.sqrt(num), clip)
-    outs, new_u, new_v = [None] * len(gs), list(us), list(vs)
-    off = [i for i, o in enumerate(on) if not o]
-    for i in off:
-      outs[i], new_u[i] = dense_leaf(gs[i], us[i])
-    sel = [i for i, o in enumerate(on) if o]
-    args = (
-      [gs[i] for i in sel],
-      [us[i] for i in sel],
-      [vs[i] for i in sel],
-      [jax.random.fold_in(step_key, i) for i in sel],
-    )
-    dense = [outs[i] for i in off] if axis_name is not None else []
-    sparse_out, dense_means = exchange(state.count, args, dense, num)
-    if axis_name is not None:
-      for i, mean in zip(off, dense_means):
-        outs[i] = mean
-    for pos, i in enumerate(sel):
-      outs[i], new_u[i], new_v[i] = (part[pos] for part in sparse_out[:3])
-    new_u = [jnp.where(finite, a, b) for a, b in zip(new_u, us)]
-    new_v = [jnp.where(finite, a, b) if o else b for a, b, o in zip(new_v, vs, on)]
-    outs = [o.astype(g.dtype) for o, (_, g) in zip(outs, leaves)]
-    new_state = DGCState(
-      count=state.count + 1,
-      key=key,
-      momentum=treedef.unflatten(new_u),
-      velocity=treedef.unflatten(new_v),
-      nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-      shapes=state.shapes,
-    )
-    return treedef.unflatten(outs), new_state
+    return _update(opts, updates, state)
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -10,6 +10,7 @@ the period instead of sending them all on one step.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -206,6 +207,37 @@ def diloco(
     overlapping communication: Towards a Distributed Free Lunch*. 2025.
     https://arxiv.org/abs/2501.18512
   """
+  o = _options(inner, outer, exchange, sync_every, axis_name, fragments)
+  return transforms.places_own_state(
+    optax.GradientTransformation(
+      lambda params: _init(o, params),
+      lambda grads, state, params=None: _update(o, grads, state, params),
+    )
+  )
+
+
+def _scatter(xs, idx, n) -> list:
+  """A list of length ``n`` with ``xs`` at positions ``idx`` and ``None`` elsewhere."""
+  out = [None] * n
+  for x, i in zip(xs, idx):
+    out[i] = x
+  return out
+
+
+class _Options(NamedTuple):
+  """:func:`diloco`'s options, checked (the transforms wrapped for per-device state)."""
+
+  inner: optax.GradientTransformation  # per_device_state(inner)
+  outer: optax.GradientTransformation
+  exchange: optax.GradientTransformation | None  # per_device_state(exchange), or None
+  sync_every: int
+  num_fragments: int
+  offsets: tuple[int, ...]  # the step offset of each fragment's sync in the period
+  axis_name: Any
+
+
+def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Options:
+  """The factory's argument checks, in one place: an :class:`_Options` or a ValueError."""
   _check_transform(inner, "inner")
   _check_transform(outer, "outer")
   _check_transform(exchange, "exchange", optional=True)
@@ -225,148 +257,159 @@ def diloco(
       f"fragment syncs on its own step of the period) or None, got {fragments!r}"
     )
   num_fragments = int(num_fragments)
-  offsets = fragment_offsets(sync_every, num_fragments)
-  inner_pd = transforms.per_device_state(inner)
-  exchange_pd = None if exchange is None else transforms.per_device_state(exchange)
+  return _Options(
+    inner=transforms.per_device_state(inner),
+    outer=outer,
+    exchange=None if exchange is None else transforms.per_device_state(exchange),
+    sync_every=sync_every,
+    num_fragments=num_fragments,
+    offsets=tuple(fragment_offsets(sync_every, num_fragments)),
+    axis_name=axis_name,
+  )
 
-  def split(params):
-    """The tree's leaves, its treedef and each leaf's fragment."""
-    leaves, treedef = jax.tree.flatten(params)
-    if len(leaves) < num_fragments:
-      raise ValueError(
-        f"jc.diloco: fragments={num_fragments} but the parameters have {len(leaves)} "
-        f"leaves; a fragment is a set of whole leaves"
-      )
-    sizes = [int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves]
-    return leaves, treedef, fragment_ids(sizes, num_fragments)
 
-  def init_fn(params):
-    for path, leaf in treeutil.flat(params)[0]:
-      treeutil.check_leaf(path, leaf, "jc.diloco needs floating-point parameters")
-    leaves, treedef, ids = split(params)
-    frag_trees = [_masked(treedef, leaves, [i == f for i in ids]) for f in range(num_fragments)]
-    return DiLoCoState(
-      count=jnp.zeros((), jnp.int32),
-      anchor=jax.tree.map(jnp.asarray, params),
-      inner_state=inner_pd.init(params),
-      outer_state=tuple(outer.init(t) for t in frag_trees),
-      exchange_state=tuple(
-        optax.EmptyState() if exchange_pd is None else exchange_pd.init(t) for t in frag_trees
-      ),
+def _split(o: _Options, params):
+  """The tree's leaves, its treedef and each leaf's fragment."""
+  leaves, treedef = jax.tree.flatten(params)
+  if len(leaves) < o.num_fragments:
+    raise ValueError(
+      f"jc.diloco: fragments={o.num_fragments} but the parameters have {len(leaves)} "
+      f"leaves; a fragment is a set of whole leaves"
     )
+  sizes = [int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves]
+  return leaves, treedef, fragment_ids(sizes, o.num_fragments)
 
-  def check_update(grads, params):
-    """Under shard_map (check_vma): per-device parameters, local gradients."""
-    if axis_name is None or not collectives.tracks_varying(axis_name):
-      return
-    for path, p in treeutil.flat(params)[0]:
-      if axis_name not in collectives.varying_axes(p):
+
+def _init(o: _Options, params) -> DiLoCoState:
+  """The anchor at ``params``, the inner state, and per fragment the outer and exchange
+  states (of the fragment's leaves, the others masked)."""
+  for path, leaf in treeutil.flat(params)[0]:
+    treeutil.check_leaf(path, leaf, "jc.diloco needs floating-point parameters")
+  leaves, treedef, ids = _split(o, params)
+  frag_trees = [_masked(treedef, leaves, [i == f for i in ids]) for f in range(o.num_fragments)]
+  return DiLoCoState(
+    count=jnp.zeros((), jnp.int32),
+    anchor=jax.tree.map(jnp.asarray, params),
+    inner_state=o.inner.init(params),
+    outer_state=tuple(o.outer.init(t) for t in frag_trees),
+    exchange_state=tuple(
+      optax.EmptyState() if o.exchange is None else o.exchange.init(t) for t in frag_trees
+    ),
+  )
+
+
+def _check_update(o: _Options, grads, params) -> None:
+  """Under shard_map (check_vma): per-device parameters, local gradients."""
+  if o.axis_name is None or not collectives.tracks_varying(o.axis_name):
+    return
+  for path, p in treeutil.flat(params)[0]:
+    if o.axis_name not in collectives.varying_axes(p):
+      raise ValueError(
+        f"jc.diloco: the parameters at {jax.tree_util.keystr(path)} are replicated "
+        f"over axis {o.axis_name!r}, but DiLoCo's replicas drift apart between syncs: "
+        f"hold the parameters per device (a leading device axis, P({o.axis_name!r}), "
+        f"one row per replica) and pass this replica's row to update."
+      )
+  for path, g in treeutil.flat(grads)[0]:
+    collectives.check_local(path, g, o.axis_name)
+
+
+def _mean_of(o: _Options, delta, ex_state, anchor):
+  """The exchanged mean of the pseudo-gradient tree, and the exchange's new state."""
+  if o.exchange is None:
+    if o.axis_name is None:
+      return delta, ex_state
+    return collectives.pmean_tree(delta, o.axis_name), ex_state
+  try:
+    mean, ex_state = o.exchange.update(delta, ex_state, anchor)
+  except NameError as e:  # a collective over an axis that is not bound here
+    raise ValueError(
+      f"jc.diloco: the exchange runs a collective over an axis that is not bound "
+      f"({e}); build it with axis_name={o.axis_name!r}, the axis jc.diloco syncs over."
+    ) from e
+  if o.axis_name is not None and collectives.tracks_varying(o.axis_name):
+    for path, m in treeutil.flat(mean)[0]:
+      if o.axis_name in collectives.varying_axes(m):
         raise ValueError(
-          f"jc.diloco: the parameters at {jax.tree_util.keystr(path)} are replicated "
-          f"over axis {axis_name!r}, but DiLoCo's replicas drift apart between syncs: "
-          f"hold the parameters per device (a leading device axis, P({axis_name!r}), "
-          f"one row per replica) and pass this replica's row to update."
+          f"jc.diloco: the exchange's result at {jax.tree_util.keystr(path)} still "
+          f"differs between devices on axis {o.axis_name!r}: the exchange does not "
+          f"average over it (built with another axis_name, or None?); build it with "
+          f"axis_name={o.axis_name!r}."
         )
-    for path, g in treeutil.flat(grads)[0]:
-      collectives.check_local(path, g, axis_name)
+  return mean, ex_state
 
-  def mean_of(delta, ex_state, anchor):
-    """The exchanged mean of the pseudo-gradient tree, and the exchange's new state."""
-    if exchange_pd is None:
-      if axis_name is None:
-        return delta, ex_state
-      return collectives.pmean_tree(delta, axis_name), ex_state
-    try:
-      mean, ex_state = exchange_pd.update(delta, ex_state, anchor)
-    except NameError as e:  # a collective over an axis that is not bound here
-      raise ValueError(
-        f"jc.diloco: the exchange runs a collective over an axis that is not bound "
-        f"({e}); build it with axis_name={axis_name!r}, the axis jc.diloco syncs over."
-      ) from e
-    if axis_name is not None and collectives.tracks_varying(axis_name):
-      for path, m in treeutil.flat(mean)[0]:
-        if axis_name in collectives.varying_axes(m):
-          raise ValueError(
-            f"jc.diloco: the exchange's result at {jax.tree_util.keystr(path)} still "
-            f"differs between devices on axis {axis_name!r}: the exchange does not "
-            f"average over it (built with another axis_name, or None?); build it with "
-            f"axis_name={axis_name!r}."
-          )
-    return mean, ex_state
 
-  def update_fn(grads, state, params=None):
-    if params is None:
-      raise ValueError(
-        "jc.diloco: update needs params (this replica's parameters): "
-        "tx.update(grads, state, params)"
-      )
-    p_leaves, treedef, ids = split(params)
-    if treedef != jax.tree.structure(state.anchor):
-      raise ValueError(
-        f"jc.diloco: params have tree {treedef}, but init saw {jax.tree.structure(state.anchor)}"
-      )
-    check_update(grads, params)
-    inner_u, inner_state = inner_pd.update(grads, state.inner_state, params)
-    u_leaves = treedef.flatten_up_to(inner_u)
-    a_leaves = treedef.flatten_up_to(state.anchor)
-    t = state.count + 1
-    out, new_anchor = list(u_leaves), list(a_leaves)
-    outer_states, exchange_states = [], []
-    for f in range(num_fragments):
-      keep = [i == f for i in ids]
-      idx = [i for i, k in enumerate(keep) if k]
+def _sync(o: _Options, treedef, keep, idx, u, a, p, outer_state, ex_state):
+  """One fragment's sync: the pseudo-gradient's mean, the outer step from the anchor,
+  and each replica's update that lands it on the new anchor. ``u``, ``a``, ``p``: the
+  fragment's inner updates, anchor and parameters (leaves at ``idx`` of ``keep``)."""
+  with jax.named_scope(wire.every_scope(o.sync_every)):
+    # Δ = θ - (θ_i + u_i), taken as (θ - θ_i) - u_i: exactly -u_i while the
+    # replica sits on the anchor (sync_every=1), with no rounding of θ_i + u_i.
+    delta = [
+      ((a_.astype(_F32) - p_.astype(_F32)) - u_.astype(_F32)).astype(p_.dtype)
+      for u_, a_, p_ in zip(u, a, p)
+    ]
+    full = lambda xs: _masked(treedef, _scatter(xs, idx, len(keep)), keep)
+    mean, ex_state_new = _mean_of(o, full(delta), ex_state, full(a))
+    mean = treedef.flatten_up_to(mean)
+    outer_u, outer_new = o.outer.update(full([mean[i] for i in idx]), outer_state, full(a))
+    outer_u = treedef.flatten_up_to(outer_u)
+    a_new = [optax.apply_updates(a_, outer_u[i].astype(a_.dtype)) for a_, i in zip(a, idx)]
+    u_new = [(an - p_).astype(u_.dtype) for an, p_, u_ in zip(a_new, p, u)]
+  match = lambda new, old: jax.tree.map(wrappers._match_varying, new, old)  # pylint: disable=protected-access
+  return (
+    match(u_new, u),
+    match(a_new, a),
+    match(outer_new, outer_state),
+    match(ex_state_new, ex_state),
+  )
 
-      def sync(u, a, p, outer_state, ex_state, keep=keep, idx=idx):
-        with jax.named_scope(wire.every_scope(sync_every)):
-          # Δ = θ - (θ_i + u_i), taken as (θ - θ_i) - u_i: exactly -u_i while the
-          # replica sits on the anchor (sync_every=1), with no rounding of θ_i + u_i.
-          delta = [
-            ((a_.astype(_F32) - p_.astype(_F32)) - u_.astype(_F32)).astype(p_.dtype)
-            for u_, a_, p_ in zip(u, a, p)
-          ]
-          full = lambda xs: _masked(treedef, _scatter(xs, idx, len(keep)), keep)
-          mean, ex_state_new = mean_of(full(delta), ex_state, full(a))
-          mean = treedef.flatten_up_to(mean)
-          outer_u, outer_new = outer.update(full([mean[i] for i in idx]), outer_state, full(a))
-          outer_u = treedef.flatten_up_to(outer_u)
-          a_new = [optax.apply_updates(a_, outer_u[i].astype(a_.dtype)) for a_, i in zip(a, idx)]
-          u_new = [(an - p_).astype(u_.dtype) for an, p_, u_ in zip(a_new, p, u)]
-        match = lambda new, old: jax.tree.map(wrappers._match_varying, new, old)  # pylint: disable=protected-access
-        return (
-          match(u_new, u),
-          match(a_new, a),
-          match(outer_new, outer_state),
-          match(ex_state_new, ex_state),
-        )
 
-      def stay(u, a, p, outer_state, ex_state):
-        del p
-        return u, a, outer_state, ex_state
+def _stay(u, a, p, outer_state, ex_state):
+  """A fragment off its sync step: the inner updates as they are, the state unchanged."""
+  del p
+  return u, a, outer_state, ex_state
 
-      u = [u_leaves[i] for i in idx]
-      a = [a_leaves[i] for i in idx]
-      p = [p_leaves[i] for i in idx]
-      due = (t - offsets[f]) % sync_every == 0
-      u, a, o, e = lax.cond(due, sync, stay, u, a, p, state.outer_state[f], state.exchange_state[f])
-      for j, i in enumerate(idx):
-        out[i], new_anchor[i] = u[j], a[j]
-      outer_states.append(o)
-      exchange_states.append(e)
-    new_state = DiLoCoState(
-      count=t,
-      anchor=treedef.unflatten(new_anchor),
-      inner_state=inner_state,
-      outer_state=tuple(outer_states),
-      exchange_state=tuple(exchange_states),
+
+def _update(o: _Options, grads, state: DiLoCoState, params):
+  """The inner step on this replica's gradient; each fragment due this step syncs."""
+  if params is None:
+    raise ValueError(
+      "jc.diloco: update needs params (this replica's parameters): tx.update(grads, state, params)"
     )
-    return treedef.unflatten(out), new_state
-
-  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
-
-
-def _scatter(xs, idx, n) -> list:
-  """A list of length ``n`` with ``xs`` at positions ``idx`` and ``None`` elsewhere."""
-  out = [None] * n
-  for x, i in zip(xs, idx):
-    out[i] = x
-  return out
+  p_leaves, treedef, ids = _split(o, params)
+  if treedef != jax.tree.structure(state.anchor):
+    raise ValueError(
+      f"jc.diloco: params have tree {treedef}, but init saw {jax.tree.structure(state.anchor)}"
+    )
+  _check_update(o, grads, params)
+  inner_u, inner_state = o.inner.update(grads, state.inner_state, params)
+  u_leaves = treedef.flatten_up_to(inner_u)
+  a_leaves = treedef.flatten_up_to(state.anchor)
+  t = state.count + 1
+  out, new_anchor = list(u_leaves), list(a_leaves)
+  outer_states, exchange_states = [], []
+  for f in range(o.num_fragments):
+    keep = [i == f for i in ids]
+    idx = [i for i, k in enumerate(keep) if k]
+    sync = functools.partial(_sync, o, treedef, keep, idx)
+    u = [u_leaves[i] for i in idx]
+    a = [a_leaves[i] for i in idx]
+    p = [p_leaves[i] for i in idx]
+    due = (t - o.offsets[f]) % o.sync_every == 0
+    u, a, o_f, e = lax.cond(
+      due, sync, _stay, u, a, p, state.outer_state[f], state.exchange_state[f]
+    )
+    for j, i in enumerate(idx):
+      out[i], new_anchor[i] = u[j], a[j]
+    outer_states.append(o_f)
+    exchange_states.append(e)
+  new_state = DiLoCoState(
+    count=t,
+    anchor=treedef.unflatten(new_anchor),
+    inner_state=inner_state,
+    outer_state=tuple(outer_states),
+    exchange_state=tuple(exchange_states),
+  )
+  return treedef.unflatten(out), new_state

@@ -5,13 +5,19 @@ synchronously inside collectives, either all-gathering every device's sparse, qu
 payload, or as a parameter server sharded over the devices (push with ``all_to_all``,
 pull with ``all_gather``). Either way every device decodes the same aggregate, so the
 server's state (the exponential-smoothing prediction) is kept, identically, on every
-device. The adaptations are listed in :func:`mipd`'s docstring and in
-``docs/methods/mipd.md``.
+device. What departs from the paper, and why, is listed in ``docs/methods/mipd.md``.
+
+The method is written as named steps over a frozen :class:`_Options`: ``_layout``
+(the static groups), ``_sync`` (the all-reduce every device agrees on first),
+``_select_and_code`` (drop rates, per-layer top-k, quantization: a :class:`_Coded`),
+the exchange (:mod:`jaxcomp._src.mipd_exchange`), ``_predict`` (the server's
+prediction), wired by ``_half_step`` and ``_update``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -23,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import bitpack
 from jaxcomp._src import collectives
+from jaxcomp._src import mipd_exchange
 from jaxcomp._src import normal
 from jaxcomp._src import phases
 from jaxcomp._src import pipeline
@@ -169,143 +175,16 @@ def balanced_halves(sizes: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, .
   return tuple(sorted(groups[0])), tuple(sorted(groups[1]))
 
 
-# ----------------------------------------------------------------------------- payload
+# Re-exported from the exchange module (the tests and studies read them here).
+_Coded = mipd_exchange._Coded  # pylint: disable=protected-access
+_Format = mipd_exchange._Format  # pylint: disable=protected-access
+_Owners = mipd_exchange._Owners  # pylint: disable=protected-access
+_capacity = mipd_exchange._capacity  # pylint: disable=protected-access
+_layer_codes = mipd_exchange._layer_codes  # pylint: disable=protected-access
+owner_index = mipd_exchange.owner_index
 
 
-class _Format:
-  """Static wire format of one payload: a vector of ``n`` entries in layer segments.
-
-  Up to ``slots`` entries travel, their positions as a bitmap of ``n`` bits or as
-  ``slots`` indices (whichever is smaller; nothing when ``dense``: every entry is sent),
-  their values as normal-quantizer codes against the segment's ``(μ, σ)`` (``quantizer``)
-  or as float32 (``quantizer=None``); values beyond ``μ ± 3σ`` as exact (index, float32)
-  pairs in ``outliers`` slots. :meth:`pack` reports when either capacity overflowed.
-  """
-
-  def __init__(
-    self, sizes: Sequence[int], slots: int, outliers: int, quantizer, dense: bool = False
-  ):
-    self.sizes = tuple(int(s) for s in sizes)
-    self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
-    self.n = int(self.offsets[-1])
-    self.dense = bool(dense)
-    self.slots = self.n if self.dense else int(slots)
-    self.quantizer = quantizer
-    self.outliers = int(outliers) if quantizer is not None else 0
-    self.index_bytes = sparse.index_dtype(self.n).itemsize if self.n else 1
-    self.bitmap = not self.dense and 32 * -(-self.n // 32) < self.slots * 8 * self.index_bytes
-
-  @property
-  def nbytes(self) -> int:
-    """Bytes of one payload (what :meth:`pack` returns)."""
-    b = 0
-    if not self.dense:
-      b += 4 * bitpack.num_words(self.n, 1) if self.bitmap else self.slots * self.index_bytes
-    q = self.quantizer
-    if q is None:
-      return b + 4 * self.slots
-    return (
-      b
-      + 4 * bitpack.num_words(self.slots, q.bits)
-      + 8 * len(self.sizes)
-      + self.outliers * (self.index_bytes + 4)
-    )
-
-  def pack(
-    self,
-    flat: Array,
-    mask: Array,
-    codes: Array | None,
-    outl: Array | None,
-    stats: Array | None,
-    finite: Array,
-  ) -> tuple[dict, Array]:
-    """Payload of the entries of flat ``x`` under ``mask``; (arrays, overflowed).
-
-    ``codes``, ``outl`` (kept entries beyond the range) and ``stats`` (``(μ, σ)`` per
-    segment) come from :func:`_layer_codes`. A non-finite ``finite`` sends NaN stats and
-    values, so the receivers' sums are non-finite too.
-    """
-    n, q = self.n, self.quantizer
-    arrays = {}
-    main = mask
-    if q is not None:
-      out_idx = sparse.compact(outl, self.outliers)
-      out_vals = jnp.where(out_idx < n, flat[jnp.minimum(out_idx, n - 1)], 0.0)
-      # Sent exactly: not among the coded entries.
-      main = mask & ~jnp.zeros((n,), bool).at[out_idx].set(True, mode="drop")
-      arrays["stats"] = jnp.where(finite, stats, jnp.nan)
-      arrays["outlier_indices"] = out_idx.astype(sparse.index_dtype(n))
-      arrays["outlier_values"] = jnp.where(finite, out_vals, jnp.nan)
-    if self.dense:  # every entry coded; an outlier's code is ignored on decoding
-      pos = jnp.arange(n, dtype=jnp.int32)
-    else:
-      pos = sparse.compact(main, self.slots)
-      if self.bitmap:
-        arrays["bitmap"] = bitpack.pack_bits(main.astype(jnp.uint32), 1)
-      else:
-        arrays["indices"] = pos.astype(sparse.index_dtype(n))
-    safe = jnp.minimum(pos, n - 1)
-    if q is not None:
-      arrays["codes"] = bitpack.pack_bits(codes[safe], q.bits)
-    else:
-      arrays["values"] = jnp.where(finite, jnp.where(pos < n, flat[safe], 0.0), jnp.nan)
-    return arrays, self.overflows(mask, outl)
-
-  def overflows(self, mask: Array, outl: Array | None) -> Array:
-    """Whether the entries of ``mask``, or the outliers ``outl``, exceed the slots."""
-    over = jnp.zeros((), bool) if self.dense else (jnp.sum(mask, dtype=jnp.int32) > self.slots)
-    if self.quantizer is not None:
-      over = over | (jnp.sum(outl, dtype=jnp.int32) > self.outliers)
-    return over
-
-  def entries(self, arrays: dict) -> tuple[Array, Array]:
-    """(positions, float32 values) of one payload; padding slots have position n."""
-    n, q = self.n, self.quantizer
-    if self.dense:
-      pos = jnp.arange(n, dtype=jnp.int32)
-    elif self.bitmap:
-      pos = sparse.compact(bitpack.unpack_bits(arrays["bitmap"], 1, n) != 0, self.slots)
-    else:
-      pos = arrays["indices"].astype(jnp.int32)
-    if q is None:
-      return pos, arrays["values"]
-    codes = bitpack.unpack_bits(arrays["codes"], q.bits, self.slots)
-    seg = jnp.searchsorted(jnp.asarray(self.offsets[1:-1], jnp.int32), pos, side="right")
-    stats = arrays["stats"][seg]
-    vals = normal.proxy_values(codes, stats[:, 0], stats[:, 1], q.intervals, q.sigmas)
-    out = arrays["outlier_indices"].astype(jnp.int32)
-    if self.dense:  # the outliers' exact values replace their codes
-      pos = pos.at[out].set(n, mode="drop")
-    return (
-      jnp.concatenate([pos, out]),
-      jnp.concatenate([jnp.where(pos < n, vals, 0.0), arrays["outlier_values"]]),
-    )
-
-  def sum_and_count(self, stacked: dict) -> tuple[Array, Array]:
-    """Sum over the stacked payloads (leading axis), and how many sent each entry."""
-    pos, vals = jax.vmap(self.entries)(stacked)
-    total = sparse.scatter(self.n, pos, vals)
-    count = sparse.scatter(self.n, pos, jnp.ones(pos.shape, _F32))
-    return total, count
-
-  def values(self, arrays: dict) -> Array:
-    """The dense vector of one payload (entries not sent are 0)."""
-    return sparse.scatter(self.n, *self.entries(arrays))
-
-
-def _layer_codes(flats: Sequence[Array], masks: Sequence[Array], quantizer):
-  """Per segment ``f`` of ``flats``: the normal quantizer's codes against the moments of
-  all of ``f`` (the distribution the paper models; the kept entries are its tails), and
-  the kept entries beyond the range. Returns (codes, outlier mask, stats (L, 2))."""
-  stats, codes, outl = [], [], []
-  for f, m in zip(flats, masks):
-    mu, sigma = normal.moments(f)
-    c, o = normal.interval_codes(f, mu, sigma, quantizer.intervals, quantizer.sigmas)
-    stats.append(jnp.stack([mu, sigma]))
-    codes.append(c)
-    outl.append(o & m)
-  return jnp.concatenate(codes), jnp.concatenate(outl), jnp.stack(stats)
+# ----------------------------------------------------------------------------- groups
 
 
 class _Group:
@@ -347,126 +226,12 @@ class _Group:
     flats = [g.reshape(-1) for g in gs]
     return flats, [top_mask(f, keep[i]) for i, f in enumerate(flats)]
 
-  def code(self, flats: Sequence[Array], masks: Sequence[Array]) -> dict:
+  def code(self, flats: Sequence[Array], masks: Sequence[Array]) -> _Coded:
     """The group's flat values, mask, and (quantized) codes, outliers and stats."""
-    flat = jnp.concatenate(flats)
-    out = dict(
-      flat=flat,
-      mask=jnp.concatenate(masks),
-      codes=None,
-      outl=None,
-      stats=None,
-      finite=jnp.all(jnp.isfinite(flat)),
-    )
-    if self.quantizer is not None:
-      out["codes"], out["outl"], out["stats"] = _layer_codes(flats, masks, self.quantizer)
-    return out
+    return mipd_exchange.code(flats, masks, self.quantizer)
 
 
-# ----------------------------------------------------------------------------- two-phase
-
-
-#: Bound on the probability, per step and group, that the two-phase exchange's capacities
-#: overflow where the all-gather's would not (then the step falls back to the all-gather).
-_OVERFLOW_BOUND = 1e-6
-_OWNER_SEED = 20220301  # the fixed random assignment of entries to owners
-
-
-@functools.lru_cache(maxsize=64)
-def owner_index(sizes: tuple[int, ...], k: int) -> np.ndarray:
-  """Which entries of a group each of ``k`` devices owns: ``(k, M)`` int32 positions.
-
-  Layer ``i`` (``s_i`` entries) gets ``K·m_i`` slots, ``m_i = ceil(s_i / K)``: its entries
-  and ``K·m_i - s_i`` padding slots (position ``n``, the group's size). A fixed random
-  permutation (seeded: the same on every device and process) shuffles the slots and deals
-  them out in ``K`` chunks of ``m_i``; device j's row is its chunk of every layer, in
-  layer order, ``M = Σ_i m_i`` entries. The assignment is random so that any set of
-  entries (a layer's largest magnitudes, whatever their structure: rows, channels) is
-  split over the owners like a random sample, whose counts concentrate (:func:`_capacity`).
-  """
-  rng = np.random.default_rng(_OWNER_SEED)
-  n = int(sum(sizes))
-  rows, offset = [], 0
-  for s in sizes:
-    m = -(-int(s) // k)
-    slots = rng.permutation(k * m)
-    rows.append(np.where(slots < s, offset + slots, n).reshape(k, m))
-    offset += int(s)
-  out = np.concatenate(rows, axis=1).astype(np.int32)
-  out.setflags(write=False)  # cached: shared by every caller
-  return out
-
-
-def _capacity(mean: float, m: int, k: int) -> int:
-  """Slots for the count of a random sample's members in a row of ``m`` owner slots.
-
-  Under the random assignment (:func:`owner_index`) the entries of a fixed set that fall
-  in one device's row are a sum over layers of independent hypergeometric counts, with
-  mean at most ``mean`` and variance at most ``min(mean, m/4)``. Hoeffding's inequality
-  (which holds for sampling without replacement, Hoeffding 1963 §6) and Bernstein's
-  bound the chance it exceeds ``mean + t``; ``t`` is the smaller of the two that puts
-  this at ``_OVERFLOW_BOUND / (2K²)``: a union over K senders, K owners and the two
-  capacities (kept entries, outliers) leaves at most ``_OVERFLOW_BOUND`` per step.
-  """
-  log = math.log(2 * k * k / _OVERFLOW_BOUND)
-  var = min(mean, m / 4)
-  t = min(math.sqrt(m * log / 2), log / 3 + math.sqrt(log * log / 9 + 2 * log * var))
-  return int(min(m, math.ceil(mean + t)))
-
-
-class _Owners:
-  """Static layout of a group's two-phase exchange on ``k`` devices.
-
-  Push: a device sends owner j the kept entries of j's row (:func:`owner_index`) in a
-  static capacity (:func:`_capacity` of ``kept/K``, and of ``outliers/K`` for the exact
-  outliers), positions as a bitmap of the row or indices into it, values coded against
-  the sender's per-layer ``(μ, σ)``. Pull: owner j's averaged row (and the received mean,
-  when the prediction smooths it) coded against each layer segment's own ``(μ, σ)``, or
-  float32 (``pull_quantizer=None``).
-  """
-
-  def __init__(self, group: _Group, k: int, pull_quantizer, vectors: int):
-    self.k = k
-    self.index = owner_index(group.sizes, k)
-    seg = [-(-s // k) for s in group.sizes]
-    self.m = int(sum(seg))
-    dense = group.drops == 0
-    slots = self.m if dense else _capacity(group.kept / k, self.m, k)
-    outliers = _capacity(group.fmt.outliers / k, self.m, k) if group.fmt.outliers else 0
-    self.row = _Format(seg, slots, outliers, group.quantizer, dense)
-    self.vectors = vectors
-    self.pull = None
-    if pull_quantizer is not None:  # outlier room as for the push's (data-dependent here)
-      pull_outliers = _capacity(sparse.num_entries(group.outlier_fraction, group.n) / k, self.m, k)
-      self.pull = _Format(seg, self.m, pull_outliers, pull_quantizer, dense=True)
-
-  def nbytes(self) -> float:
-    """Bytes received per device per step (ring convention of :mod:`jaxcomp.wire`)."""
-    k = self.k
-    pull = self.pull.nbytes if self.pull is not None else 4 * self.m
-    return (k - 1) / k * k * self.row.nbytes + (k - 1) * self.vectors * pull
-
-  def rows(self, x: Array, fill) -> Array:
-    """``(K, M)``: the entries of the group's flat ``x`` each owner reduces."""
-    return jnp.concatenate([x, jnp.full((1,), fill, x.dtype)])[jnp.asarray(self.index)]
-
-  def unrows(self, rows: Array, n: int) -> Array:
-    """The group's flat vector from the ``(K, M)`` rows of all owners."""
-    return (
-      jnp.zeros((n,), rows.dtype)
-      .at[jnp.asarray(self.index).reshape(-1)]
-      .set(rows.reshape(-1), mode="drop")
-    )
-
-
-def _match(x: Array, like: Array) -> Array:
-  """``x`` typed varying over every mesh axis ``like`` varies over (shard_map's
-  check_vma), so that the two branches of a ``lax.cond`` have the same type."""
-  extra = tuple(sorted(collectives.varying_axes(like) - collectives.varying_axes(x)))
-  return lax.pcast(x, extra, to="varying") if extra else x
-
-
-# ----------------------------------------------------------------------------- transform
+# ----------------------------------------------------------------------------- state
 
 
 class MIPDState(NamedTuple):
@@ -487,6 +252,272 @@ class MIPDState(NamedTuple):
 
 
 COLLECTIVES = ("auto", "allgather", "two_phase")
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def _check_options(drop_rate, min_keep, beta, alpha, predict_from, collective, quantize_pull):
+  """Every argument check of :func:`mipd`, in one place."""
+  if (
+    isinstance(drop_rate, bool)
+    or not isinstance(drop_rate, (int, float))
+    or not (0 <= drop_rate < 1)
+  ):
+    raise ValueError(f"drop_rate must be a number in [0, 1), got {drop_rate!r}")
+  if not 0 <= min_keep <= 1 - drop_rate:
+    raise ValueError(
+      f"min_keep must be in [0, 1 - drop_rate] = [0, {1 - drop_rate}] (the "
+      f"layers must be able to drop drop_rate of the entries), got {min_keep!r}"
+    )
+  if not 0 <= beta <= 1:
+    raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+  if not 0 < alpha <= 1:
+    raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+  if predict_from not in PREDICT_FROM:
+    raise ValueError(f"predict_from must be one of {PREDICT_FROM}, got {predict_from!r}")
+  collectives.refuse_reduce_scatter(collective, "jc.mipd", collectives.MIPD_NO_REDUCE_SCATTER)
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+  if quantize_pull is not None and not isinstance(quantize_pull, bool):
+    raise TypeError(f"quantize_pull must be a bool or None, got {quantize_pull!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """The options of :func:`mipd`, checked and resolved."""
+
+  drop_rate: float
+  beta: float
+  alpha: float
+  min_keep: float
+  outlier_fraction: float
+  quantizer: normal.NormalQuantizer | None  # the push's codes (None: float32)
+  pull_quantizer: normal.NormalQuantizer | None  # the two-phase pull's codes
+  pulled: int  # vectors the two-phase pull carries (G, and G_r when both are needed)
+  half_update: bool
+  compensate: bool
+  predict_from: str
+  collective: str
+  axis_name: Any
+  filter_fn: transforms.FilterFn
+
+
+class _Layout(NamedTuple):
+  """The static split of a gradient's leaves into MIPD's groups."""
+
+  on: list  # per leaf: compressed (selected by the filter)
+  sel: list  # the compressed leaves' positions
+  halves: tuple  # two tuples of positions in sel (the second empty without half updates)
+  groups: list  # the _Group of each half
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _selected(opts: _Options, leaves) -> list:
+  return [treeutil.selected(opts.filter_fn, p, x) for p, x in leaves]
+
+
+def _layout(opts: _Options, leaves) -> _Layout:
+  """The compressed leaves, their halves and each half's static group."""
+  on = _selected(opts, leaves)
+  sel = [i for i, o in enumerate(on) if o]
+  sizes = [int(np.prod(leaves[i][1].shape)) for i in sel]
+  halves = balanced_halves(sizes) if opts.half_update else (tuple(range(len(sel))), ())
+  groups = [
+    _Group(
+      [sizes[j] for j in h],
+      opts.drop_rate,
+      opts.quantizer,
+      opts.outlier_fraction,
+      min_keep=opts.min_keep,
+    )
+    for h in halves
+  ]
+  return _Layout(on, sel, halves, groups)
+
+
+def _init(opts: _Options, params) -> MIPDState:
+  """A zero prediction for every compressed leaf, nothing observed yet."""
+  leaves, treedef = treeutil.flat(params)
+  for path, leaf in leaves:
+    treeutil.check_leaf(path, leaf)
+  on = _selected(opts, leaves)
+  pred = [jnp.zeros(x.shape, _F32) if o else optax.MaskedNode() for (_, x), o in zip(leaves, on)]
+  return MIPDState(
+    count=jnp.zeros((), jnp.int32),
+    prediction=treedef.unflatten(pred),
+    observed=jnp.zeros((sum(on),), bool),
+    nonfinite_count=jnp.zeros((), jnp.int32),
+    overflow_count=jnp.zeros((), jnp.int32),
+    shapes=treeutil.LeafShapes.of(params),
+  )
+
+
+def _check_local(opts: _Options, leaves, sel) -> None:
+  """Under shard_map, the compressed gradients must be local (varying over the axis)."""
+  axis_name = opts.axis_name
+  if axis_name is None or not collectives.tracks_varying(axis_name):
+    return
+  for i in sel:
+    if axis_name not in collectives.varying_axes(leaves[i][1]):
+      raise ValueError(
+        f"the gradient at {jax.tree_util.keystr(leaves[i][0])} is already "
+        f"replicated over axis {axis_name!r}: differentiate with respect to "
+        f"jc.vary(params, {axis_name!r}) to get the local gradient."
+      )
+
+
+def _sync(opts: _Options, leaves, lay: _Layout, gs, parity):
+  """(dense leaves averaged, finite everywhere, the shared parity).
+
+  One all-reduce for everything the devices must agree on before the exchange: the
+  leaves MIPD leaves out (averaged in full precision), whether any device's gradient is
+  non-finite (skip the state update on every device alike), and the half-update parity
+  (held in per-device state, typed varying under shard_map: every device must take the
+  same branch).
+  """
+  axis_name = opts.axis_name
+  finite = (
+    jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (jnp.ones((), bool))
+  )
+  off = [g for (_, g), o in zip(leaves, lay.on) if not o]
+  if axis_name is None:
+    return off, finite, parity
+  sync_parity = bool(
+    opts.half_update
+    and lay.sel
+    and collectives.tracks_varying(axis_name)
+    and axis_name in collectives.varying_axes(parity)
+  )
+  flags = ([~finite] if gs else []) + ([parity] if sync_parity else [])
+  off, sums = collectives.pmean_and_count(off, flags, axis_name)
+  if gs:
+    finite = sums.pop(0) == 0  # no device had a non-finite gradient
+  if sync_parity:
+    parity = sums.pop(0) // collectives.axis_size(axis_name)
+  # The shards of a tensor-parallel group skip together.
+  finite = ~collectives.any_over_other_axes(~finite, axis_name)
+  return off, finite, parity
+
+
+def _select_and_code(opts: _Options, group: _Group, g_m, p_m, pnorms) -> _Coded:
+  """Drop rates (eq. 7) from the parameter and prediction-error norms, each layer's
+  ``keep`` largest magnitudes, and their codes."""
+  with jax.named_scope(phases.ENCODE_SCOPE):
+    errs = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g - p))) for g, p in zip(g_m, p_m)])
+    rates = drop_rates(jnp.stack(pnorms), errs, opts.beta)
+    keep = jnp.asarray(group.sizes, jnp.int32) - allocate_drops(rates, group.caps, group.drops)
+    return group.code(*group.select(g_m, keep))
+
+
+def _predict(opts: _Options, group: _Group, members, mean, received, gs, preds, observed):
+  """Per member: its mean (leaf shape) and its new prediction (ESP, eqs. 3–5)."""
+  a = opts.alpha
+  means_out, new_p = [], []
+  for pos, j in enumerate(members):
+    lo, hi = int(group.offsets[pos]), int(group.offsets[pos + 1])
+    m = mean[lo:hi].reshape(gs[j].shape)
+    obs = m if opts.predict_from == "compensated" else received[lo:hi].reshape(gs[j].shape)
+    means_out.append(m)
+    new_p.append(jnp.where(observed[j], a * obs + (1 - a) * preds[j], obs))
+  return means_out, new_p
+
+
+def _exchange_group(opts: _Options, group: _Group, members, gs, preds, pnorms, observed):
+  """One group's exchange: (mean per member, new prediction per member, overflow)."""
+  axis_name = opts.axis_name
+  overflow = jnp.zeros((), bool)
+  if not members:
+    return [], [], overflow
+  g_m = [gs[j] for j in members]
+  p_m = [preds[j] for j in members]
+  if group.drops == 0 and group.quantizer is None:
+    # Nothing dropped, nothing quantized: the payload is linear, so all-reduce it
+    # (a ring psum moves 2(K-1)/K of it instead of the all-gather's K-1).
+    flat = jnp.concatenate([g.reshape(-1) for g in g_m])
+    mean = received = flat if axis_name is None else lax.pmean(flat, axis_name)
+  else:
+    coded = _select_and_code(opts, group, g_m, p_m, [pnorms[j] for j in members])
+    p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
+    owners = mipd_exchange.plan(
+      group,
+      collective=opts.collective,
+      axis_name=axis_name,
+      pull_quantizer=opts.pull_quantizer,
+      vectors=opts.pulled,
+    )
+    mean, received, overflow = mipd_exchange.exchange(
+      group, coded, p_flat, owners=owners, axis_name=axis_name, compensate=opts.compensate
+    )
+  means_out, new_p = _predict(opts, group, members, mean, received, gs, preds, observed)
+  if axis_name is not None:  # the same in both half-update branches
+    overflow = collectives.any_over_other_axes(overflow, axis_name)
+  return means_out, new_p, overflow
+
+
+def _half_step(opts: _Options, lay: _Layout, gs, preds, pnorms, observed, active: int):
+  """Exchange group ``active``; the other group's update is its prediction."""
+  members = lay.halves[active]
+  means, new_p, overflow = _exchange_group(
+    opts, lay.groups[active], members, gs, preds, pnorms, observed
+  )
+  outs, preds_out = list(preds), list(preds)
+  for pos, j in enumerate(members):
+    outs[j], preds_out[j] = means[pos], new_p[pos]
+  seen = observed.at[jnp.asarray(members, jnp.int32)].set(True) if members else observed
+  return outs, preds_out, seen, overflow
+
+
+def _update(opts: _Options, updates, state: MIPDState, params):
+  """One MIPD step: agree, exchange this step's group, update the prediction."""
+  if params is None:
+    raise ValueError(
+      "jc.mipd needs params: call tx.update(grads, state, params) "
+      "(the interpretability drop rate reads the parameters' norms)"
+    )
+  leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.mipd")
+  lay = _layout(opts, leaves)
+  sel = lay.sel
+  p_leaves = treedef.flatten_up_to(params)
+  preds_all = treedef.flatten_up_to(state.prediction)
+  gs = [leaves[i][1].astype(_F32) for i in sel]
+  preds = [preds_all[i] for i in sel]
+  pnorms = [jnp.sqrt(jnp.sum(jnp.square(p_leaves[i].astype(_F32)))) for i in sel]
+  _check_local(opts, leaves, sel)
+  off, finite, parity = _sync(opts, leaves, lay, gs, state.count % 2)
+  step = functools.partial(_half_step, opts, lay, gs, preds, pnorms, state.observed)
+  if opts.half_update and sel:
+    outs, new_preds, seen, overflow = lax.cond(parity == 1, lambda: step(1), lambda: step(0))
+  elif sel:
+    outs, new_preds, seen, overflow = step(0)
+  else:
+    outs, new_preds, seen, overflow = [], [], state.observed, jnp.zeros((), bool)
+  new_preds = [jnp.where(finite, n, p) for n, p in zip(new_preds, preds)]
+  result, pred_tree = [], list(preds_all)
+  pos = {i: j for j, i in enumerate(sel)}
+  off = iter(off)
+  for i, ((_, g), o) in enumerate(zip(leaves, lay.on)):
+    if o:
+      # The half update sends the other group's prediction in place of its mean: a
+      # non-finite step (agreed above) must still give a non-finite mean everywhere.
+      result.append(treeutil.mark_nonfinite(outs[pos[i]].astype(g.dtype), finite))
+      pred_tree[i] = new_preds[pos[i]]
+    else:
+      result.append(next(off))
+  new_state = MIPDState(
+    count=state.count + 1,
+    prediction=treedef.unflatten(pred_tree),
+    observed=jnp.where(finite, seen, state.observed),
+    nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+    overflow_count=state.overflow_count + overflow.astype(jnp.int32),
+    shapes=state.shapes,
+  )
+  return treedef.unflatten(result), new_state
+
+
+# ----------------------------------------------------------------------------- transform
 
 
 def mipd(
@@ -578,34 +609,12 @@ def mipd(
   all-gathered as float32. Both are counted in ``overflow_count`` and listed by
   :func:`jaxcomp.wire_report` as ``fallback_bytes``.
 
-  Adaptations to synchronous data parallelism (the paper uses an asynchronous
-  parameter server):
-
-  * the server's prediction and compensation run identically on every device (from the
-    all-gathered payloads), or on the owner of each entry (two-phase), whose pulled
-    result every device decodes alike; state is the same everywhere and can be
-    replicated;
-  * the two-phase pull is the averaged gradient, quantized; the paper's workers pull
-    parameters in float32 (its drop and quantization only cut the push);
-  * ``r^{ESP}`` uses this device's gradient against the shared prediction, so devices
-    may split their kept entries differently over layers; the *total* kept per device
-    is the static ``N - round(s · N)``, which is what makes the payload static;
-  * the half update alternates groups on the step count instead of the worker pulling
-    half of the parameters; both groups' programs are compiled (``lax.cond``) and
-    :func:`jaxcomp.wire_report` counts the larger group;
-  * proxies are recomputed from ``(μ_i, σ_i)`` (64 bits per layer) instead of sent;
-  * positions travel as a bitmap when that is smaller than the indices (at 50% kept it
-    is, 16x: the paper does not say how positions are coded);
-  * values beyond ``μ_i ± 3σ_i`` travel as (index, float32) pairs in a static capacity
-    of ``ceil(outlier_fraction · N)`` slots per group (per owner: see above); when it
-    overflows on any device, every device sends its kept entries as float32 for that
-    step instead (the same selection, no loss), counted in ``overflow_count``;
-  * ``α`` is not given in the paper: 0.5 by default;
-  * every layer keeps at least ``min_keep`` (10%) of its entries each exchange. With the
-    paper's cap (a layer may drop all of its entries) the rates, which sum to 1 over the
-    layers, hand small layers more drops than they have, and a layer that no device
-    sends gets no gradient: its prediction, smoothed from what was received, stays 0
-    (on the demo's CNN the classifier kernel was dropped whole; ``docs/methods/mipd.md``).
+  Adaptations to synchronous data parallelism (the paper uses an asynchronous parameter
+  server) and the other departures, each with its reason, are listed in
+  ``docs/methods/mipd.md`` ("What is exactly the paper, and what departs"). Among them:
+  every layer keeps at least ``min_keep`` (10%) of its entries each exchange (the
+  paper's cap lets small layers drop whole, and a layer no device sends gets no
+  gradient), and ``α`` (not given in the paper) is 0.5 by default.
 
   Args:
     drop_rate: ``s``, the fraction of each exchanged group's entries dropped, in [0, 1).
@@ -642,298 +651,31 @@ def mipd(
     MIPD: an adaptive gradient sparsification framework for distributed DNNs training.
     IEEE TPDS 33(11), 2022. doi:10.1109/TPDS.2022.3154387
   """
-  if (
-    isinstance(drop_rate, bool)
-    or not isinstance(drop_rate, (int, float))
-    or not (0 <= drop_rate < 1)
-  ):
-    raise ValueError(f"drop_rate must be a number in [0, 1), got {drop_rate!r}")
-  if not 0 <= min_keep <= 1 - drop_rate:
-    raise ValueError(
-      f"min_keep must be in [0, 1 - drop_rate] = [0, {1 - drop_rate}] (the "
-      f"layers must be able to drop drop_rate of the entries), got {min_keep!r}"
-    )
-  if not 0 <= beta <= 1:
-    raise ValueError(f"beta must be in [0, 1], got {beta!r}")
-  if not 0 < alpha <= 1:
-    raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
-  if predict_from not in PREDICT_FROM:
-    raise ValueError(f"predict_from must be one of {PREDICT_FROM}, got {predict_from!r}")
-  if collective not in COLLECTIVES:
-    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-  if quantize_pull is not None and not isinstance(quantize_pull, bool):
-    raise TypeError(f"quantize_pull must be a bool or None, got {quantize_pull!r}")
+  _check_options(drop_rate, min_keep, beta, alpha, predict_from, collective, quantize_pull)
   normal_q = normal.NormalQuantizer(intervals, sigmas, outlier_fraction)
-  quantizer = normal_q if quantize else None
-  pull_quantizer = normal_q if (quantize if quantize_pull is None else quantize_pull) else None
-  # The prediction smooths the received mean, the update is the compensated one: with
-  # both, the pull carries both.
-  pulled = 2 if (compensate and predict_from == "received") else 1
-  filter_fn = transforms.default_filter if filter is None else filter
-  a = float(alpha)
-
-  def selected(leaves):
-    return [treeutil.selected(filter_fn, p, x) for p, x in leaves]
-
-  def layout(leaves):
-    on = selected(leaves)
-    sel = [i for i, o in enumerate(on) if o]
-    sizes = [int(np.prod(leaves[i][1].shape)) for i in sel]
-    halves = balanced_halves(sizes) if half_update else (tuple(range(len(sel))), ())
-    groups = [
-      _Group([sizes[j] for j in h], drop_rate, quantizer, outlier_fraction, min_keep=min_keep)
-      for h in halves
-    ]
-    return on, sel, halves, groups
-
-  def plan(group: _Group) -> _Owners | None:
-    """The group's two-phase layout, or None for the all-gather."""
-    if axis_name is None or collective == "allgather":
-      return None
-    k = collectives.axis_size(axis_name)
-    owners = _Owners(group, k, pull_quantizer, pulled)
-    if collective == "two_phase" or owners.nbytes() < (k - 1) * group.fmt.nbytes:
-      return owners
-    return None
-
-  def agree(flag):
-    """``flag`` or-ed over the devices (every device takes the same branch)."""
-    return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
+  opts = _Options(
+    drop_rate=drop_rate,
+    beta=beta,
+    alpha=float(alpha),
+    min_keep=min_keep,
+    outlier_fraction=outlier_fraction,
+    quantizer=normal_q if quantize else None,
+    pull_quantizer=normal_q if (quantize if quantize_pull is None else quantize_pull) else None,
+    # The prediction smooths the received mean, the update is the compensated one: with
+    # both, the pull carries both.
+    pulled=2 if (compensate and predict_from == "received") else 1,
+    half_update=half_update,
+    compensate=compensate,
+    predict_from=predict_from,
+    collective=collective,
+    axis_name=axis_name,
+    filter_fn=transforms.default_filter if filter is None else filter,
+  )
 
   def init_fn(params):
-    leaves, treedef = treeutil.flat(params)
-    for path, leaf in leaves:
-      treeutil.check_leaf(path, leaf)
-    on = selected(leaves)
-    pred = [jnp.zeros(x.shape, _F32) if o else optax.MaskedNode() for (_, x), o in zip(leaves, on)]
-    return MIPDState(
-      count=jnp.zeros((), jnp.int32),
-      prediction=treedef.unflatten(pred),
-      observed=jnp.zeros((sum(on),), bool),
-      nonfinite_count=jnp.zeros((), jnp.int32),
-      overflow_count=jnp.zeros((), jnp.int32),
-      shapes=treeutil.LeafShapes.of(params),
-    )
-
-  def means(total, count, pred, k):
-    """(mean, received mean) from the sums and the senders' counts (compensation)."""
-    received = total / k
-    return ((total + (k - count) * pred) / k if compensate else received), received
-
-  def gathered(fmt: _Format, coded: dict, p_flat: Array, k: int):
-    """All-gathers the selection in ``fmt``; (mean, received mean, overflowed here)."""
-    arrays, overflow = fmt.pack(
-      coded["flat"], coded["mask"], coded["codes"], coded["outl"], coded["stats"], coded["finite"]
-    )
-    got = (
-      jax.tree.map(lambda x: x[None], arrays)
-      if axis_name is None
-      else collectives.gather_tree(arrays, axis_name)
-    )
-    with jax.named_scope(phases.DECODE_SCOPE):
-      return (*means(*fmt.sum_and_count(got), p_flat, k), overflow)
-
-  def pull(owners: _Owners, vecs: list[Array]):
-    """All-gathers every owner's rows ``vecs``: (list of ``(K, M)``, overflowed)."""
-    fmt = owners.pull
-    if fmt is None:
-      return collectives.gather_tree(vecs, axis_name), jnp.zeros((), bool)
-    payloads, overflow = [], jnp.zeros((), bool)
-    with jax.named_scope(phases.ENCODE_SCOPE):
-      for v in vecs:
-        segs = [v[int(lo) : int(hi)] for lo, hi in zip(fmt.offsets[:-1], fmt.offsets[1:])]
-        codes, outl, stats = _layer_codes(
-          segs, [jnp.ones(s.shape, bool) for s in segs], fmt.quantizer
-        )
-        arrays, o = fmt.pack(
-          v, jnp.ones(v.shape, bool), codes, outl, stats, jnp.all(jnp.isfinite(v))
-        )
-        payloads.append(arrays)
-        overflow = overflow | o
-    overflow = agree(overflow)
-
-    def coded(_):
-      got = collectives.gather_tree(payloads, axis_name)
-      with jax.named_scope(phases.DECODE_SCOPE):
-        return [jax.vmap(fmt.values)(g) for g in got]
-
-    def exact(_):
-      with jax.named_scope("jaxcomp_fallback"):
-        return collectives.gather_tree(vecs, axis_name)
-
-    return lax.cond(overflow, exact, coded, None), overflow
-
-  def two_phase(group: _Group, owners: _Owners, coded: dict, p_flat: Array):
-    """Push (``all_to_all``) to the owners, reduce, pull (``all_gather``)."""
-    k, n = owners.k, group.n
-    with jax.named_scope(phases.ENCODE_SCOPE):
-      rows = {"flat": owners.rows(coded["flat"], 0.0), "mask": owners.rows(coded["mask"], False)}
-      if group.quantizer is not None:
-        rows["codes"] = owners.rows(coded["codes"], 0)
-        rows["outl"] = owners.rows(coded["outl"], False)
-      payload, overflow = jax.vmap(
-        lambda r: owners.row.pack(
-          r["flat"], r["mask"], r.get("codes"), r.get("outl"), coded["stats"], coded["finite"]
-        )
-      )(rows)
-    overflow = agree(jnp.any(overflow))
-
-    def push_and_pull(_):
-      got = collectives.all_to_all_tree(payload, axis_name)
-      with jax.named_scope(phases.DECODE_SCOPE):
-        total, count = owners.row.sum_and_count(got)
-        mine = jnp.asarray(owners.index)[lax.axis_index(axis_name)]
-        pred = jnp.concatenate([p_flat, jnp.zeros((1,), _F32)])[mine]
-        mean, received = means(total, count, pred, k)
-      rows_out, pull_overflow = pull(owners, [mean, received][: owners.vectors])
-      with jax.named_scope(phases.DECODE_SCOPE):
-        # Typed like the fallback's mean, which has the prediction's type (varying when
-        # a caller keeps the state per device).
-        flat = [_match(owners.unrows(r, n), p_flat) for r in rows_out]
-      return flat[0], flat[-1], _match(pull_overflow, overflow)
-
-    def fallback(_):
-      with jax.named_scope("jaxcomp_fallback"):
-        mean, received, _ = gathered(group.exact, coded, p_flat, k)
-      return _match(mean, p_flat), _match(received, p_flat), _match(jnp.zeros((), bool), overflow)
-
-    mean, received, pull_overflow = lax.cond(overflow, fallback, push_and_pull, None)
-    return mean, received, overflow | pull_overflow
-
-  def exchange(group: _Group, members, gs, preds, pnorms, observed):
-    """One group's exchange: (mean per member, new prediction per member, overflow)."""
-    overflow = jnp.zeros((), bool)
-    if not members:
-      return [], [], overflow
-    g_m = [gs[j] for j in members]
-    p_m = [preds[j] for j in members]
-    if group.drops == 0 and group.quantizer is None:
-      # Nothing dropped, nothing quantized: the payload is linear, so all-reduce it
-      # (a ring psum moves 2(K-1)/K of it instead of the all-gather's K-1).
-      flat = jnp.concatenate([g.reshape(-1) for g in g_m])
-      mean = received = flat if axis_name is None else lax.pmean(flat, axis_name)
-    else:
-      with jax.named_scope(phases.ENCODE_SCOPE):  # drop rates, selection, quantization
-        errs = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g - p))) for g, p in zip(g_m, p_m)])
-        rates = drop_rates(jnp.stack([pnorms[j] for j in members]), errs, beta)
-        keep = jnp.asarray(group.sizes, jnp.int32) - allocate_drops(rates, group.caps, group.drops)
-        coded = group.code(*group.select(g_m, keep))
-      k = 1 if axis_name is None else collectives.axis_size(axis_name)
-      p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
-      owners = plan(group)
-      if owners is not None:
-        mean, received, overflow = two_phase(group, owners, coded, p_flat)
-      elif group.quantizer is None:
-        mean, received, _ = gathered(group.fmt, coded, p_flat, k)
-      else:
-        overflow = group.fmt.overflows(coded["mask"], coded["outl"])
-        overflow = overflow if axis_name is None else agree(overflow)
-
-        def exact(_):
-          with jax.named_scope("jaxcomp_fallback"):
-            return gathered(group.exact, coded, p_flat, k)[:2]
-
-        mean, received = lax.cond(
-          overflow, exact, lambda _: gathered(group.fmt, coded, p_flat, k)[:2], None
-        )
-    means_out, new_p = [], []
-    for pos, j in enumerate(members):
-      lo, hi = int(group.offsets[pos]), int(group.offsets[pos + 1])
-      m = mean[lo:hi].reshape(gs[j].shape)
-      obs = m if predict_from == "compensated" else received[lo:hi].reshape(gs[j].shape)
-      means_out.append(m)
-      new_p.append(jnp.where(observed[j], a * obs + (1 - a) * preds[j], obs))
-    if axis_name is not None:  # the same in both half-update branches
-      overflow = collectives.any_over_other_axes(overflow, axis_name)
-    return means_out, new_p, overflow
+    return _init(opts, params)
 
   def update_fn(updates, state, params=None):
-    if params is None:
-      raise ValueError(
-        "jc.mipd needs params: call tx.update(grads, state, params) "
-        "(the interpretability drop rate reads the parameters' norms)"
-      )
-    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.mipd")
-    on, sel, halves, groups = layout(leaves)
-    p_leaves = treedef.flatten_up_to(params)
-    preds_all = treedef.flatten_up_to(state.prediction)
-    gs = [leaves[i][1].astype(_F32) for i in sel]
-    preds = [preds_all[i] for i in sel]
-    pnorms = [jnp.sqrt(jnp.sum(jnp.square(p_leaves[i].astype(_F32)))) for i in sel]
-    if axis_name is not None and collectives.tracks_varying(axis_name):
-      for i in sel:
-        if axis_name not in collectives.varying_axes(leaves[i][1]):
-          raise ValueError(
-            f"the gradient at {jax.tree_util.keystr(leaves[i][0])} is already "
-            f"replicated over axis {axis_name!r}: differentiate with respect to "
-            f"jc.vary(params, {axis_name!r}) to get the local gradient."
-          )
-    finite = (
-      jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in gs])) if gs else (jnp.ones((), bool))
-    )
-    parity = state.count % 2
-    off = [g for (_, g), o in zip(leaves, on) if not o]
-    if axis_name is not None:
-      # One all-reduce for everything the devices must agree on before the exchange:
-      # the leaves MIPD leaves out (averaged in full precision), whether any device's
-      # gradient is non-finite (skip the state update on every device alike), and the
-      # half-update parity (held in per-device state, typed varying under shard_map:
-      # every device must take the same branch).
-      sync_parity = bool(
-        half_update
-        and sel
-        and collectives.tracks_varying(axis_name)
-        and axis_name in collectives.varying_axes(parity)
-      )
-      flags = ([~finite] if gs else []) + ([parity] if sync_parity else [])
-      off, sums = collectives.pmean_and_count(off, flags, axis_name)
-      if gs:
-        finite = sums.pop(0) == 0  # no device had a non-finite gradient
-      if sync_parity:
-        parity = sums.pop(0) // collectives.axis_size(axis_name)
-      # The shards of a tensor-parallel group skip together.
-      finite = ~collectives.any_over_other_axes(~finite, axis_name)
-
-    def step(active):
-      means, new_p, overflow = exchange(
-        groups[active], halves[active], gs, preds, pnorms, state.observed
-      )
-      outs, preds_out = list(preds), list(preds)
-      for pos, j in enumerate(halves[active]):
-        outs[j], preds_out[j] = means[pos], new_p[pos]
-      seen = (
-        state.observed.at[jnp.asarray(halves[active], jnp.int32)].set(True)
-        if (halves[active])
-        else state.observed
-      )
-      return outs, preds_out, seen, overflow
-
-    if half_update and sel:
-      outs, new_preds, seen, overflow = lax.cond(parity == 1, lambda: step(1), lambda: step(0))
-    elif sel:
-      outs, new_preds, seen, overflow = step(0)
-    else:
-      outs, new_preds, seen, overflow = [], [], state.observed, jnp.zeros((), bool)
-    new_preds = [jnp.where(finite, n, p) for n, p in zip(new_preds, preds)]
-    result, pred_tree = [], list(preds_all)
-    pos = {i: j for j, i in enumerate(sel)}
-    off = iter(off)
-    for i, ((_, g), o) in enumerate(zip(leaves, on)):
-      if o:
-        # The half update sends the other group's prediction in place of its mean: a
-        # non-finite step (agreed above) must still give a non-finite mean everywhere.
-        result.append(treeutil.mark_nonfinite(outs[pos[i]].astype(g.dtype), finite))
-        pred_tree[i] = new_preds[pos[i]]
-      else:
-        result.append(next(off))
-    new_state = MIPDState(
-      count=state.count + 1,
-      prediction=treedef.unflatten(pred_tree),
-      observed=jnp.where(finite, seen, state.observed),
-      nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-      overflow_count=state.overflow_count + overflow.astype(jnp.int32),
-      shapes=state.shapes,
-    )
-    return treedef.unflatten(result), new_state
+    return _update(opts, updates, state, params)
 
   return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))

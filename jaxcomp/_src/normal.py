@@ -38,13 +38,13 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp._src import arith
 from jaxcomp._src import bitpack
 from jaxcomp._src import sparse
 from jaxcomp._src.codecs import Codec
 from jaxcomp._src.codecs import Payload
 from jaxcomp._src.codecs import _check_float
 from jaxcomp._src.codecs import check_positive_int
-from jaxcomp.kernels import _common as kernel_common
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -180,7 +180,7 @@ def interval_codes(
   # z = (x - μ) / σ as XLA compiles a division by a broadcast scalar, a multiply by the
   # reciprocal; inverse_scale keeps that reciprocal normal for σ >= 2**126 (a flushed
   # one would put every value in the innermost interval on XLA:CPU).
-  inv, k = kernel_common.inverse_scale(safe)
+  inv, k = arith.inverse_scale(safe)
   z = (x - mu) * inv * k
   a = jnp.abs(z)
   idx = jnp.zeros(x.shape, _F32)

@@ -7,6 +7,13 @@ then freezes ``v`` and uses it as a fixed preconditioner: the rest of the update
 momentum, which is linear in the gradient and is exchanged with 1-bit compression and
 two-stage error feedback. The exchange is the optimizer's own, so the transform takes
 *local* gradients and returns the parameter updates (like ``optax.adam``).
+
+As ``optax.adamw`` is ``chain(scale_by_adam, add_decayed_weights,
+scale_by_learning_rate)``, :func:`onebit_adam` chains :func:`scale_by_onebit_adam` (the
+moments, the exchange, the step direction) with optax's weight decay and learning rate.
+The core is written as named steps over a frozen :class:`_Options`: ``_init``,
+``_warmup_moments`` / ``_compressed_moments`` (the two stages, the latter through
+``_exchange``), ``_compute_directions``, wired by ``_update``.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ COMPRESS = ("momentum", "preconditioned")
 
 
 class OneBitAdamState(NamedTuple):
-  """State of :func:`onebit_adam`.
+  """State of :func:`scale_by_onebit_adam`, the first of :func:`onebit_adam`'s chain.
 
   ``count``, ``m`` and ``v`` are the same on every device (they are updated from the
   exchanged, device-independent values only) and stay replicated under
@@ -219,11 +226,15 @@ def _exchange(
   return out
 
 
-# ----------------------------------------------------------------------------- transform
+# ----------------------------------------------------------------------------- options
 
 
 def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress):
-  if not callable(learning_rate) and not isinstance(learning_rate, numbers.Real):
+  """Every argument check of :func:`onebit_adam` and :func:`scale_by_onebit_adam`
+  (``learning_rate`` and ``weight_decay`` are ``None`` for the latter)."""
+  if learning_rate is not None and (
+    not callable(learning_rate) and not isinstance(learning_rate, numbers.Real)
+  ):
     raise TypeError(f"learning_rate must be a float or an optax schedule, got {learning_rate!r}")
   if (
     isinstance(freeze_step, bool)
@@ -236,7 +247,7 @@ def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket
       raise ValueError(f"{name} must be in [0, 1), got {value!r}")
   if not eps > 0:
     raise ValueError(f"eps must be positive, got {eps!r}")
-  if not weight_decay >= 0:
+  if weight_decay is not None and not weight_decay >= 0:
     raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
   if bucket_size is not None and (
     isinstance(bucket_size, bool)
@@ -246,6 +257,299 @@ def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket
     raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
   if compress not in COMPRESS:
     raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """The options of :func:`scale_by_onebit_adam`, checked and normalised."""
+
+  freeze_step: int
+  b1: float
+  b2: float
+  eps: float
+  bias_correction: bool
+  bucket_size: int | None
+  compress: str
+  axis_name: Any
+  filter_fn: transforms.FilterFn
+
+  def num_devices(self) -> int:
+    return 1 if self.axis_name is None else collectives.axis_size(self.axis_name)
+
+  def v_correction(self, t: Array) -> Array | None:
+    """``1 - β2^min(t, T_w)``: the warm-up's bias correction of v, then the frozen one."""
+    if not self.bias_correction or self.freeze_step == 0:
+      return None
+    return 1 - jnp.float32(self.b2) ** jnp.minimum(t, jnp.float32(self.freeze_step))
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _init(opts: _Options, params) -> OneBitAdamState:
+  """Zero moments for every leaf; error buffers (per device) for the compressed ones."""
+  leaves, treedef = treeutil.flat(params)
+  k = None
+  moments, worker, server = [], [], []
+  for path, leaf in leaves:
+    treeutil.check_leaf(path, leaf)
+    moments.append(jnp.zeros(leaf.shape, _F32))
+    if treeutil.selected(opts.filter_fn, path, leaf):
+      k = opts.num_devices() if k is None else k
+      lay = _layout(int(np.prod(leaf.shape, dtype=np.int64)), k, opts.bucket_size)
+      worker.append(jnp.zeros((1, *leaf.shape), _F32))
+      server.append(jnp.zeros((1, lay.chunk), _F32))
+    else:
+      worker.append(optax.MaskedNode())
+      server.append(optax.MaskedNode())
+  return OneBitAdamState(
+    count=jnp.zeros((), jnp.int32),
+    m=treedef.unflatten(moments),
+    v=treedef.unflatten(list(moments)),
+    worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
+    server_error=transforms.PerDeviceState(treedef.unflatten(server)),
+    nonfinite_count=transforms.PerDeviceState(jnp.zeros((1,), jnp.int32)),
+    moments_nonfinite_count=jnp.zeros((), jnp.int32),
+    shapes=treeutil.LeafShapes.of(params),
+  )
+
+
+def _check_update(opts: _Options, leaves, ms, comp) -> None:
+  """The errors of a misuse under shard_map: a replicated gradient, a wrapped state."""
+  axis_name = opts.axis_name
+  if axis_name is None or not collectives.tracks_varying(axis_name):
+    return
+  if any(axis_name in collectives.varying_axes(m) for m in ms):
+    raise ValueError(
+      f"jc.onebit_adam's m and v vary over axis {axis_name!r}: its state is held per "
+      f"device (a chain around it wrapped in jc.per_device_state?). m and v must be "
+      f"replicated (the updates must be) and its per-device buffers are wrapped "
+      f"already: wrap jc.onebit_adam itself (per_device_state returns it unchanged) "
+      f"or nothing; get the specs with jc.state_specs(tx, params, ...)."
+    )
+  for i in comp:
+    collectives.check_local(*leaves[i], axis_name)
+
+
+def _adam_moments(opts: _Options, mean, m, v):
+  """Adam's moment updates from a (dense, exchanged) mean gradient."""
+  mean = mean.astype(_F32)
+  return (1 - opts.b1) * mean + opts.b1 * m, (1 - opts.b2) * jnp.square(mean) + opts.b2 * v
+
+
+def _dense_means(opts: _Options, xs: list) -> list:
+  """The dense all-reduce (one buffer per dtype) of the leaves ``xs``."""
+  if opts.axis_name is None or not xs:
+    return xs
+  return collectives.pmean_tree(xs, opts.axis_name)
+
+
+class _Moments(NamedTuple):
+  m: list  # new first moments, every leaf
+  v: list  # new second moments, every leaf
+  worker_error: list  # new e_w, compressed leaves
+  server_error: list  # new e_s, compressed leaves
+
+
+def _warmup_moments(opts: _Options, gs, ms, vs, ews, ess) -> _Moments:
+  """Warm-up: Adam's moments of every leaf from the dense mean gradient."""
+  new_m, new_v = [], []
+  for i, mean in enumerate(_dense_means(opts, gs)):
+    a, b = _adam_moments(opts, mean, ms[i], vs[i])
+    new_m.append(a)
+    new_v.append(b)
+  return _Moments(new_m, new_v, ews, ess)
+
+
+def _compressed_moments(opts: _Options, gs, ms, vs, ews, ess, split, layouts) -> _Moments:
+  """Compression stage: ``v`` frozen, the momentum exchanged 1-bit with error feedback."""
+  comp, dense = split
+  new_m, new_v = list(ms), list(vs)
+  for i, mean in zip(dense, _dense_means(opts, [gs[i] for i in dense])):
+    new_m[i], new_v[i] = _adam_moments(opts, mean, ms[i], vs[i])
+  # Coordinates with v = 0 had no gradient in the whole warm-up: Adam's step there is
+  # 0 / (0 + eps) = 0, which a sign cannot say (it would step s / eps). Their
+  # momentum is kept at 0, as DeepSpeed's exp_avg_mask does by hand.
+  live = [vs[i] > 0 for i in comp]
+  # compress="preconditioned": the step direction m / (sqrt(v̂) + eps), a fixed
+  # linear map of m while v is frozen, is what is compressed (and fed back).
+  denom = [None] * len(comp)
+  if opts.compress == "preconditioned":
+    c2 = opts.v_correction(jnp.float32(opts.freeze_step))
+    denom = [jnp.sqrt(vs[i] if c2 is None else vs[i] / c2) + opts.eps for i in comp]
+  with jax.named_scope(phases.ENCODE_SCOPE):
+    xs = []
+    for i, e, d, ok in zip(comp, ews, denom, live):
+      m_local = (1 - opts.b1) * gs[i].astype(_F32) + opts.b1 * ms[i]
+      # Dead coordinates enter neither the scales nor the errors (both modes).
+      xs.append(jnp.where(ok, (m_local if d is None else m_local / d) + e, 0.0))
+  exchanged = _exchange(xs, live, layouts, ess, opts.axis_name, opts.bucket_size is None)
+  new_ews = []
+  for i, x, e, ex, d, ok in zip(comp, xs, ews, exchanged, denom, live):
+    new_m[i] = jnp.where(ok, ex.mean if d is None else ex.mean * d, 0.0)
+    # A non-finite x on this device must not poison its worker error.
+    new_ews.append(jnp.where(jnp.all(jnp.isfinite(x)), x - ex.sent, e))
+  return _Moments(new_m, new_v, new_ews, [ex.server_error for ex in exchanged])
+
+
+class _Steps(NamedTuple):
+  directions: list  # m̂ / (sqrt(v̂) + ε) per leaf, in the gradient's dtype
+  m: list  # the moments kept: the new ones where finite, else the previous
+  v: list
+  moments_bad: Array  # shape=(), bool: some leaf's new moments were not finite
+
+
+def _compute_directions(opts: _Options, count, gs, new: _Moments, ms, vs, comp) -> _Steps:
+  """Adam's step direction of every leaf (bias-corrected; compressed leaves with the
+  frozen ``v``'s correction), keeping the previous moments where the new ones overflow."""
+  t = (count + 1).astype(_F32)
+  c1 = 1 - jnp.float32(opts.b1) ** t if opts.bias_correction else None
+  c2 = 1 - jnp.float32(opts.b2) ** t if opts.bias_correction else None
+  c2_frozen = opts.v_correction(t)
+  out, keep_m, keep_v, bad = [], [], [], jnp.zeros((), bool)
+  is_comp = set(comp)
+  for i, (g, m, v, m_old, v_old) in enumerate(zip(gs, new.m, new.v, ms, vs)):
+    m_hat, v_hat = m, v
+    if opts.bias_correction:
+      m_hat = m / c1
+      cv = c2_frozen if i in is_comp else c2
+      if cv is not None:
+        v_hat = v / cv
+    u = m_hat / (jnp.sqrt(v_hat) + opts.eps)
+    # New moments that are not finite (the same on every device) keep the old ones,
+    # and the update says so: a finite gradient whose square overflows v would
+    # otherwise step 0 silently (and, in the warm-up, leave v at 0 to be frozen).
+    ok = jnp.all(jnp.isfinite(m)) & jnp.all(jnp.isfinite(v))
+    bad = jnp.logical_or(bad, ~ok)
+    out.append(treeutil.mark_nonfinite(u.astype(g.dtype), ok))
+    keep_m.append(jnp.where(ok, m, m_old))
+    keep_v.append(jnp.where(ok, v, v_old))
+  return _Steps(out, keep_m, keep_v, bad)
+
+
+def _update(opts: _Options, updates, state: OneBitAdamState):
+  """One step of :func:`scale_by_onebit_adam`: moments (warm-up or compressed), then
+  the step directions and the new state."""
+  leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.onebit_adam")
+  gs = [g for _, g in leaves]
+  ms, vs = treedef.flatten_up_to(state.m), treedef.flatten_up_to(state.v)
+  ews = treedef.flatten_up_to(state.worker_error.inner)
+  ess = treedef.flatten_up_to(state.server_error.inner)
+  split = pipeline.Split.of([not isinstance(e, optax.MaskedNode) for e in ews])
+  comp = split[0]
+  _check_update(opts, leaves, ms, comp)
+  layouts = [_layout(gs[i].size, opts.num_devices(), opts.bucket_size) for i in comp]
+  ews = [ews[i][0] for i in comp]
+  ess = [ess[i][0] for i in comp]
+  compressed = functools.partial(_compressed_moments, opts, gs, ms, vs, ews, ess, split, layouts)
+  warmup = functools.partial(_warmup_moments, opts, gs, ms, vs, ews, ess)
+  if opts.freeze_step == 0:
+    new = compressed()
+  else:
+    new = lax.cond(state.count >= opts.freeze_step, compressed, warmup)
+  steps = _compute_directions(opts, state.count, gs, new, ms, vs, comp)
+
+  bad = functools.reduce(
+    jnp.logical_or, [~jnp.all(jnp.isfinite(g)) for g in gs], jnp.zeros((), bool)
+  )
+  moments_bad = steps.moments_bad
+  if opts.axis_name is not None:
+    bad = collectives.any_over_other_axes(bad, opts.axis_name)
+    moments_bad = collectives.any_over_other_axes(moments_bad, opts.axis_name)
+  worker = [optax.MaskedNode()] * len(gs)
+  server = [optax.MaskedNode()] * len(gs)
+  for i, e_w, e_s in zip(comp, new.worker_error, new.server_error):
+    worker[i], server[i] = e_w[None], e_s[None]
+  new_state = OneBitAdamState(
+    count=state.count + 1,
+    m=treedef.unflatten(steps.m),
+    v=treedef.unflatten(steps.v),
+    worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
+    server_error=transforms.PerDeviceState(treedef.unflatten(server)),
+    nonfinite_count=transforms.PerDeviceState(state.nonfinite_count.inner + bad.astype(jnp.int32)),
+    moments_nonfinite_count=state.moments_nonfinite_count + moments_bad.astype(jnp.int32),
+    shapes=state.shapes,
+  )
+  return treedef.unflatten(steps.directions), new_state
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def scale_by_onebit_adam(
+  *,
+  freeze_step: int,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  bias_correction: bool = True,
+  bucket_size: int | None = None,
+  compress: str = "momentum",
+  axis_name: Any = None,
+  filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
+) -> optax.GradientTransformation:
+  r"""Rescales local gradients by 1-bit Adam's step direction, exchange included.
+
+  The core of :func:`onebit_adam` without its learning rate and weight decay, as
+  ``optax.scale_by_adam`` is the core of ``optax.adamw``: each device's *local*
+  gradient in, the step direction out, the same on every device,
+
+  .. math::
+    d = \frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^{\min(t, T_w)})} + \epsilon}
+
+  with ``m`` and ``v`` from Adam on the dense mean gradient during the warm-up
+  (``t <= T_w``) and, after it, ``v`` frozen and the momentum exchanged 1-bit with
+  two-stage error feedback: the math, the byte counts and the NaN/Inf policy are in
+  :func:`onebit_adam`. ``jc.onebit_adam(lr, weight_decay=λ, ...)`` is
+  ``optax.chain(jc.scale_by_onebit_adam(...), optax.add_decayed_weights(λ),
+  optax.scale_by_learning_rate(lr))``.
+
+  The transform places its own state (:class:`OneBitAdamState`): ``count``, ``m`` and
+  ``v`` replicated, the error buffers per device and wrapped already, so
+  :func:`jaxcomp.per_device_state` hands it back unchanged.
+
+  Args:
+    freeze_step: ``T_w``, the number of full-precision warm-up steps.
+    b1, b2, eps, bias_correction, bucket_size, compress: as in :func:`onebit_adam`.
+    axis_name, filter: as in :func:`onebit_adam`.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose updates are the step directions, in the
+    gradient's dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxcomp as jc
+    >>> tx = jc.scale_by_onebit_adam(freeze_step=100)
+    >>> state = tx.init({"w": jnp.ones((64, 32))})
+    >>> updates, state = tx.update({"w": jnp.ones((64, 32))}, state)
+    >>> round(float(updates["w"][0, 0]), 4)  # Adam's first direction: sign(g)
+    1.0
+
+  References:
+    Tang et al. *1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+    Convergence Speed*. ICML 2021, Algorithm 1. https://arxiv.org/abs/2102.02888
+  """
+  _check_options(None, freeze_step, b1, b2, eps, None, bucket_size, compress)
+  opts = _Options(
+    freeze_step=int(freeze_step),
+    b1=float(b1),
+    b2=float(b2),
+    eps=float(eps),
+    bias_correction=bias_correction,
+    bucket_size=bucket_size,
+    compress=compress,
+    axis_name=axis_name,
+    filter_fn=transforms.default_filter if filter is None else filter,
+  )
+
+  def init_fn(params):
+    return _init(opts, params)
+
+  def update_fn(updates, state, params=None):
+    del params
+    return _update(opts, updates, state)
+
+  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
 
 
 def onebit_adam(
@@ -334,10 +638,15 @@ def onebit_adam(
   :func:`jaxcomp.wire_report` reports its costliest branch, the warm-up (a dense
   all-reduce); report the compression stage on its own with ``freeze_step=0``.
 
-  State (:class:`OneBitAdamState`): ``count``, ``m`` and ``v`` are replicated; the error
-  buffers are per device and already wrapped, so :func:`jaxcomp.per_device_state` hands
-  the transform back unchanged (wrapping it, as every other method, is correct; wrapping
-  a chain around it is not); :func:`jaxcomp.state_specs` places both::
+  It is ``optax.chain(jc.scale_by_onebit_adam(...), optax.add_decayed_weights(λ),
+  optax.scale_by_learning_rate(η))``, as ``optax.adamw`` is (no decay step when
+  ``λ = 0``), so its state is that chain's tuple, :class:`OneBitAdamState` first.
+
+  State (:class:`OneBitAdamState`, ``state[0]``): ``count``, ``m`` and ``v`` are
+  replicated; the error buffers are per device and already wrapped, so
+  :func:`jaxcomp.per_device_state` hands the transform back unchanged (wrapping it, as
+  every other method, is correct; wrapping a chain around it is not);
+  :func:`jaxcomp.state_specs` places both::
 
     tx = jc.onebit_adam(1e-3, freeze_step=2000, axis_name="b")
     specs = jc.state_specs(tx, params, axis_name="b", num_devices=mesh.size)
@@ -398,177 +707,19 @@ def onebit_adam(
     and Section 4. https://arxiv.org/abs/2102.02888
   """
   _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress)
-  filter_fn = transforms.default_filter if filter is None else filter
-  freeze_step = int(freeze_step)
-  b1, b2, eps, wd = float(b1), float(b2), float(eps), float(weight_decay)
-
-  def v_correction(t: Array) -> Array | None:
-    """``1 - β2^min(t, T_w)``: the warm-up's bias correction of v, then the frozen one."""
-    if not bias_correction or freeze_step == 0:
-      return None
-    return 1 - jnp.float32(b2) ** jnp.minimum(t, jnp.float32(freeze_step))
-
-  def num_devices() -> int:
-    return 1 if axis_name is None else collectives.axis_size(axis_name)
-
-  def init_fn(params):
-    leaves, treedef = treeutil.flat(params)
-    k = None
-    moments, worker, server = [], [], []
-    for path, leaf in leaves:
-      treeutil.check_leaf(path, leaf)
-      moments.append(jnp.zeros(leaf.shape, _F32))
-      if treeutil.selected(filter_fn, path, leaf):
-        k = num_devices() if k is None else k
-        lay = _layout(int(np.prod(leaf.shape, dtype=np.int64)), k, bucket_size)
-        worker.append(jnp.zeros((1, *leaf.shape), _F32))
-        server.append(jnp.zeros((1, lay.chunk), _F32))
-      else:
-        worker.append(optax.MaskedNode())
-        server.append(optax.MaskedNode())
-    return OneBitAdamState(
-      count=jnp.zeros((), jnp.int32),
-      m=treedef.unflatten(moments),
-      v=treedef.unflatten(list(moments)),
-      worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
-      server_error=transforms.PerDeviceState(treedef.unflatten(server)),
-      nonfinite_count=transforms.PerDeviceState(jnp.zeros((1,), jnp.int32)),
-      moments_nonfinite_count=jnp.zeros((), jnp.int32),
-      shapes=treeutil.LeafShapes.of(params),
-    )
-
-  def check_update(leaves, ms, comp):
-    """The errors of a misuse under shard_map: a replicated gradient, a wrapped state."""
-    if axis_name is None or not collectives.tracks_varying(axis_name):
-      return
-    if any(axis_name in collectives.varying_axes(m) for m in ms):
-      raise ValueError(
-        f"jc.onebit_adam's m and v vary over axis {axis_name!r}: its state is held per "
-        f"device (a chain around it wrapped in jc.per_device_state?). m and v must be "
-        f"replicated (the updates must be) and its per-device buffers are wrapped "
-        f"already: wrap jc.onebit_adam itself (per_device_state returns it unchanged) "
-        f"or nothing; get the specs with jc.state_specs(tx, params, ...)."
-      )
-    for i in comp:
-      collectives.check_local(*leaves[i], axis_name)
-
-  def adam_moments(mean, m, v):
-    mean = mean.astype(_F32)
-    return (1 - b1) * mean + b1 * m, (1 - b2) * jnp.square(mean) + b2 * v
-
-  def update_fn(updates, state, params=None):
-    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.onebit_adam")
-    if wd and params is None:
-      raise ValueError("jc.onebit_adam with weight_decay needs params in update")
-    gs = [g for _, g in leaves]
-    ps = treedef.flatten_up_to(params) if wd else None
-    ms, vs = treedef.flatten_up_to(state.m), treedef.flatten_up_to(state.v)
-    ews = treedef.flatten_up_to(state.worker_error.inner)
-    ess = treedef.flatten_up_to(state.server_error.inner)
-    comp, dense = pipeline.Split.of([not isinstance(e, optax.MaskedNode) for e in ews])
-    check_update(leaves, ms, comp)
-    layouts = [_layout(gs[i].size, num_devices(), bucket_size) for i in comp]
-    ews = [ews[i][0] for i in comp]
-    ess = [ess[i][0] for i in comp]
-
-    def dense_means(idx):
-      xs = [gs[i] for i in idx]
-      if axis_name is None or not xs:
-        return xs
-      return collectives.pmean_tree(xs, axis_name)
-
-    def warmup():
-      new_m, new_v = [], []
-      for i, mean in enumerate(dense_means(range(len(gs)))):
-        a, b = adam_moments(mean, ms[i], vs[i])
-        new_m.append(a)
-        new_v.append(b)
-      return new_m, new_v, ews, ess
-
-    def compressed():
-      new_m, new_v = list(ms), list(vs)
-      for i, mean in zip(dense, dense_means(dense)):
-        new_m[i], new_v[i] = adam_moments(mean, ms[i], vs[i])
-      # Coordinates with v = 0 had no gradient in the whole warm-up: Adam's step there is
-      # 0 / (0 + eps) = 0, which a sign cannot say (it would step s / eps). Their
-      # momentum is kept at 0, as DeepSpeed's exp_avg_mask does by hand.
-      live = [vs[i] > 0 for i in comp]
-      # compress="preconditioned": the step direction m / (sqrt(v̂) + eps), a fixed
-      # linear map of m while v is frozen, is what is compressed (and fed back).
-      denom = [None] * len(comp)
-      if compress == "preconditioned":
-        c2 = v_correction(jnp.float32(freeze_step))
-        denom = [jnp.sqrt(vs[i] if c2 is None else vs[i] / c2) + eps for i in comp]
-      with jax.named_scope(phases.ENCODE_SCOPE):
-        xs = []
-        for i, e, d, ok in zip(comp, ews, denom, live):
-          m_local = (1 - b1) * gs[i].astype(_F32) + b1 * ms[i]
-          # Dead coordinates enter neither the scales nor the errors (both modes).
-          xs.append(jnp.where(ok, (m_local if d is None else m_local / d) + e, 0.0))
-      exchanged = _exchange(xs, live, layouts, ess, axis_name, bucket_size is None)
-      new_ews = []
-      for i, x, e, ex, d, ok in zip(comp, xs, ews, exchanged, denom, live):
-        new_m[i] = jnp.where(ok, ex.mean if d is None else ex.mean * d, 0.0)
-        # A non-finite x on this device must not poison its worker error.
-        new_ews.append(jnp.where(jnp.all(jnp.isfinite(x)), x - ex.sent, e))
-      return new_m, new_v, new_ews, [ex.server_error for ex in exchanged]
-
-    count = state.count
-    if freeze_step == 0:
-      new_m, new_v, new_ews, new_ess = compressed()
-    else:
-      new_m, new_v, new_ews, new_ess = lax.cond(count >= freeze_step, compressed, warmup)
-
-    t = (count + 1).astype(_F32)
-    lr = learning_rate(count) if callable(learning_rate) else learning_rate
-    lr = jnp.asarray(lr, _F32)
-    c1 = 1 - jnp.float32(b1) ** t if bias_correction else None
-    c2 = 1 - jnp.float32(b2) ** t if bias_correction else None
-    c2_frozen = v_correction(t)
-    out, keep_m, keep_v, moments_ok = [], [], [], []
-    is_comp = set(comp)
-    for i, (g, m, v, m_old, v_old) in enumerate(zip(gs, new_m, new_v, ms, vs)):
-      m_hat, v_hat = m, v
-      if bias_correction:
-        m_hat = m / c1
-        cv = c2_frozen if i in is_comp else c2
-        if cv is not None:
-          v_hat = v / cv
-      u = m_hat / (jnp.sqrt(v_hat) + eps)
-      if wd:
-        u = u + wd * ps[i].astype(_F32)
-      # New moments that are not finite (the same on every device) keep the old ones,
-      # and the update says so: a finite gradient whose square overflows v would
-      # otherwise step 0 silently (and, in the warm-up, leave v at 0 to be frozen).
-      ok = jnp.all(jnp.isfinite(m)) & jnp.all(jnp.isfinite(v))
-      moments_ok.append(ok)
-      out.append(treeutil.mark_nonfinite(((-lr) * u).astype(g.dtype), ok))
-      keep_m.append(jnp.where(ok, m, m_old))
-      keep_v.append(jnp.where(ok, v, v_old))
-
-    bad = functools.reduce(
-      jnp.logical_or, [~jnp.all(jnp.isfinite(g)) for g in gs], jnp.zeros((), bool)
-    )
-    moments_bad = functools.reduce(jnp.logical_or, [~ok for ok in moments_ok], jnp.zeros((), bool))
-    if axis_name is not None:
-      bad = collectives.any_over_other_axes(bad, axis_name)
-      moments_bad = collectives.any_over_other_axes(moments_bad, axis_name)
-    worker = [optax.MaskedNode()] * len(gs)
-    server = [optax.MaskedNode()] * len(gs)
-    for i, e_w, e_s in zip(comp, new_ews, new_ess):
-      worker[i], server[i] = e_w[None], e_s[None]
-    new_state = OneBitAdamState(
-      count=count + 1,
-      m=treedef.unflatten(keep_m),
-      v=treedef.unflatten(keep_v),
-      worker_error=transforms.PerDeviceState(treedef.unflatten(worker)),
-      server_error=transforms.PerDeviceState(treedef.unflatten(server)),
-      nonfinite_count=transforms.PerDeviceState(
-        state.nonfinite_count.inner + bad.astype(jnp.int32)
-      ),
-      moments_nonfinite_count=state.moments_nonfinite_count + moments_bad.astype(jnp.int32),
-      shapes=state.shapes,
-    )
-    return treedef.unflatten(out), new_state
-
-  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
+  core = scale_by_onebit_adam(
+    freeze_step=freeze_step,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    bias_correction=bias_correction,
+    bucket_size=bucket_size,
+    compress=compress,
+    axis_name=axis_name,
+    filter=filter,
+  )
+  # No decay step for λ = 0: optax's asks for params even then, and onebit_adam without
+  # weight decay takes none (both steps' states are empty, so the layout is the same).
+  decay = optax.add_decayed_weights(float(weight_decay)) if weight_decay else optax.identity()
+  tx = optax.chain(core, decay, optax.scale_by_learning_rate(learning_rate))
+  return transforms.places_own_state(tx)

@@ -41,6 +41,7 @@ import statistics
 import tempfile
 import time
 from typing import Any
+import warnings
 
 import jax
 
@@ -65,6 +66,7 @@ _COLLECTIVES = (
   "collective-permute-done",
 )
 
+_KERNELS = (*_COLLECTIVES, "fusion", "custom-call", "dot", "convolution")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
 _CALLS = re.compile(
@@ -84,6 +86,11 @@ class PhaseProfile:
       minus their sum (negative when ops overlapped).
     top_ops: per phase, its five costliest HLO ops as ``(name, seconds per call)``.
     calls: how many calls were profiled.
+    untraced: the kernels of the step's entry computation (fusions, collectives,
+      custom calls, dots, convolutions: each runs on every call) of which the trace
+      holds no event. When not empty the profile is incomplete: their time is in
+      ``idle``. jax 0.12's CPU runtime under ``jax.distributed`` loses events of a
+      step's collectives and of ops that run after them.
   """
 
   PHASES = PHASES  # the phase names, in table order (``idle`` comes after them)
@@ -92,10 +99,12 @@ class PhaseProfile:
   phases: Mapping[str, float]
   top_ops: Mapping[str, tuple[tuple[str, float], ...]]
   calls: int
+  untraced: tuple[str, ...] = ()
 
   def __str__(self) -> str:
     parts = [f"{p} {1e3 * self.phases[p]:.1f}" for p in (*self.PHASES, "idle")]
-    return f"step {1e3 * self.step_s:.1f} ms = " + " + ".join(parts) + " (ms)"
+    note = f"; {len(self.untraced)} collectives untraced" if self.untraced else ""
+    return f"step {1e3 * self.step_s:.1f} ms = " + " + ".join(parts) + f" (ms){note}"
 
 
 def _hlo_text(hlo) -> str:
@@ -174,6 +183,20 @@ def op_phases(hlo) -> dict[str, str]:
     # one phase inside another phase's fusion.
     out[name] = max(("encode", "decode", "gradient"), key=lambda p: votes[p]) if votes else "update"
   return out
+
+
+def _entry_kernels(hlo) -> set[str]:
+  """Names of the entry computation's kernels (fusions, collectives, custom calls,
+  dots, convolutions): each runs, and is traced, on every call."""
+  names, entry = set(), False
+  for line in _hlo_text(hlo).splitlines():
+    if line.rstrip().endswith("{") and " = " not in line:
+      entry = line.startswith("ENTRY")
+      continue
+    m = _INSTRUCTION.match(line) if entry else None
+    if m is not None and m.group(2) in _KERNELS:
+      names.add(m.group(1))
+  return names
 
 
 def _scope_phase(op_name: str) -> str:
@@ -265,6 +288,15 @@ def profile_phases(
     raise RuntimeError(
       f"the trace has no op events of module {module!r}: did run() call this compiled step?"
     )
+  seen = {op for events in per_line.values() for _, _, op in events}
+  untraced = tuple(sorted(_entry_kernels(hlo) - seen))
+  if untraced:
+    warnings.warn(
+      f"the trace has no event of {len(untraced)} of the step's kernels: the profile "
+      "is incomplete, their time is counted as idle",
+      RuntimeWarning,
+      stacklevel=2,
+    )
   totals = collections.Counter()
   by_op = collections.Counter()
   for events in per_line.values():
@@ -282,4 +314,4 @@ def profile_phases(
       :5
     ]
     top[p] = tuple(ops)
-  return PhaseProfile(step_s=step_s, phases=phases, top_ops=top, calls=calls)
+  return PhaseProfile(step_s=step_s, phases=phases, top_ops=top, calls=calls, untraced=untraced)

@@ -10,12 +10,15 @@ ones (``NamedTuple._replace``, nothing mutated):
 2. :func:`exchange_gathered`: the all-gather shared by every gathered payload (and the
    dense leaves' all-reduce);
 3. :func:`exchange_two_phase`: the ``all_to_all`` + ``all_gather`` shared by every
-   two-phase leaf.
+   two-phase leaf;
+4. :func:`exchange_reduce_scatter`: the compressed reduce-scatter shared by every leaf
+   sharded over the axis (and the dense reduce-scatter of the sharded leaves the filter
+   leaves out), which returns this device's shard of the mean (ZeRO/FSDP).
 
 The collectives they call live in :mod:`jaxcomp._src.collectives`, which encodes and
 decodes with the leaf's codec. An exchange is one function from a list of leaves to a
-list of leaves (:data:`EXCHANGES`), so a new collective (a reduce-scatter returning this
-device's shard) is one new function and one new route.
+list of leaves (:data:`EXCHANGES`), so a new collective is one new function and one new
+route.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
 import optax
 
 from jaxcomp._src import collectives
@@ -90,6 +95,152 @@ class Split(NamedTuple):
     return out
 
 
+# ----------------------------------------------------------------------------- sharding
+
+
+def _is_spec(x) -> bool:
+  return x is None or isinstance(x, P)
+
+
+def _axis_names(entry) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def leaf_specs(param_specs, tree) -> list:
+  """A ``PartitionSpec`` per leaf of ``tree`` from ``param_specs``: a pytree of specs
+  with ``tree``'s structure, or a prefix of it (a spec stands for every leaf below it).
+  ``None`` entries are ``P()``. A ``ValueError`` says where the structures differ."""
+  leaves, treedef = treeutil.flat(tree)
+  specs, spec_def = jax.tree.flatten(param_specs, is_leaf=_is_spec)
+  try:
+    subtrees = spec_def.flatten_up_to(treedef.unflatten([x for _, x in leaves]))
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      f"param_specs must be a pytree of PartitionSpecs with the structure of params "
+      f"(or a prefix of it): {e}"
+    ) from e
+  out = []
+  for spec, sub in zip(specs, subtrees):
+    spec = P() if spec is None else spec
+    if not isinstance(spec, P):
+      raise TypeError(f"param_specs must hold PartitionSpecs, got {spec!r}")
+    out.extend([spec] * len(jax.tree.leaves(sub)))
+  return out
+
+
+def sharded_leaves(param_specs, tree, axis_name) -> list[bool]:
+  """Whether each leaf of ``tree`` is sharded over ``axis_name`` along its first axis.
+
+  ``param_specs=None``: every leaf is (the shards of ``P(axis_name)``). A spec that
+  names ``axis_name`` in another dimension, or with other axes in the first, is
+  refused: the reduce-scatter hands device j the j-th block of rows, which is what
+  ``P(axis_name, ...)`` gives it.
+  """
+  leaves, _ = treeutil.flat(tree)
+  if param_specs is None:
+    return [True] * len(leaves)
+  out = []
+  for (path, leaf), spec in zip(leaves, leaf_specs(param_specs, tree)):
+    where = jax.tree_util.keystr(path)
+    if len(spec) > np.ndim(leaf):
+      raise ValueError(
+        f"param_specs at {where}: {spec} has more entries than the leaf has dimensions "
+        f"(shape {np.shape(leaf)})"
+      )
+    first = _axis_names(spec[0]) if len(spec) else ()
+    if any(axis_name in _axis_names(e) for e in list(spec)[1:]) or (
+      axis_name in first and first != (axis_name,)
+    ):
+      raise ValueError(
+        f"param_specs at {where} is {spec}: a leaf sharded over the data axis "
+        f"{axis_name!r} must be sharded along its first dimension by that axis alone, "
+        f"P({axis_name!r}, ...)"
+      )
+    out.append(first == (axis_name,))
+  return out
+
+
+def full_shape(shape, sharded: bool, k: int) -> tuple[int, ...]:
+  """The local gradient's shape for a parameter shard of ``shape``: the first axis times
+  K where the leaf is sharded over the data axis, else ``shape``."""
+  shape = tuple(int(d) for d in shape)
+  if not sharded:
+    return shape
+  if not shape:
+    raise ValueError("a 0-d parameter cannot be sharded over the data axis")
+  return (shape[0] * k,) + shape[1:]
+
+
+def leaf_collective(collective: str, sharded: bool) -> str:
+  """The collective a leaf takes under ``collective``: with ``"reduce_scatter"`` the
+  leaves not sharded over the axis are averaged whole (``"auto"``)."""
+  if collective == "reduce_scatter" and not sharded:
+    return "auto"
+  return collective
+
+
+# ----------------------------------------------------------------------------- residuals
+
+#: The dtypes an error-feedback residual may be held in.
+RESIDUAL_DTYPES = ("float32", "bfloat16", "int8")
+_RESIDUAL_BLOCK = 256  # values per float32 scale of an int8 residual
+
+
+def residual_dtype(dtype) -> str:
+  """``dtype`` as one of :data:`RESIDUAL_DTYPES` (a ``ValueError`` naming the argument)."""
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in RESIDUAL_DTYPES:
+    raise ValueError(f"residual_dtype must be one of {RESIDUAL_DTYPES}, got {dtype!r}")
+  return name
+
+
+def _int8_blocks(n: int) -> int:
+  return -(-n // _RESIDUAL_BLOCK)
+
+
+def residual_zeros(shape, dtype: str) -> tuple[Array, Any]:
+  """A zero residual of ``shape`` held as ``dtype``: ``(values, scales)``; the scales
+  (one float32 per block of 256 values) only for ``"int8"``, else ``MaskedNode``."""
+  if dtype == "int8":
+    size = int(np.prod(shape, dtype=np.int64))
+    return jnp.zeros(shape, jnp.int8), jnp.zeros((_int8_blocks(size),), _F32)
+  return jnp.zeros(shape, dtype), optax.MaskedNode()
+
+
+def load_residual(values: Array, scales: Any) -> Array:
+  """A held residual as float32 (:func:`store_residual`'s inverse, up to its rounding)."""
+  if values.dtype != jnp.int8:
+    return values.astype(_F32)
+  n = values.size
+  blocks = jnp.pad(values.reshape(-1), (0, scales.shape[0] * _RESIDUAL_BLOCK - n))
+  out = blocks.reshape(scales.shape[0], -1).astype(_F32) * scales[:, None]
+  return out.reshape(-1)[:n].reshape(values.shape)
+
+
+def store_residual(e: Array, dtype: str) -> tuple[Array, Any]:
+  """The float32 residual ``e`` held as ``dtype``, rounded to nearest.
+
+  ``"bfloat16"`` keeps 8 significant bits; ``"int8"`` rounds each block of 256 values
+  to ``round(e / s)·s`` with ``s = max|e| / 127`` of the block (a float32 per block):
+  the rounding error is at most ``s/2`` per value, and it is not fed back (the residual
+  delays what compression dropped; what holding it drops is lost).
+  """
+  if dtype != "int8":
+    return e.astype(dtype), optax.MaskedNode()
+  n = e.size
+  nb = _int8_blocks(n)
+  blocks = jnp.pad(e.reshape(-1), (0, nb * _RESIDUAL_BLOCK - n)).reshape(nb, -1)
+  scales = jnp.max(jnp.abs(blocks), axis=1) / 127.0
+  safe = jnp.where(scales > 0, scales, jnp.ones_like(scales))
+  codes = jnp.clip(jnp.round(blocks / safe[:, None]), -127, 127).astype(jnp.int8)
+  return codes.reshape(-1)[:n].reshape(e.shape), scales
+
+
 # ----------------------------------------------------------------------------- leaves
 
 
@@ -109,6 +260,7 @@ class Leaf(NamedTuple):
   finite: Array | None = None  # bool scalar: this device's input is finite
   overflow: Array | None = None  # bool scalar: the codec took its overflow path
   payload: Any = None  # gathered routes: this device's payload
+  residual_scale: Any = None  # an int8 residual's block scales; MaskedNode elsewhere
 
   @property
   def feedback(self) -> bool:
@@ -124,19 +276,25 @@ def leaf_mode(codec, collective: str, axis_name, shape, dtype) -> str:
   return collectives.leaf_collective(collective, codec, k, shape, dtype)
 
 
-def plan_leaf(codec, collective, axis_name, filter_fn, i, path, g, e, e2, step_key) -> Leaf:
+def plan_leaf(
+  codec, collective, axis_name, filter_fn, i, path, g, e, e2, step_key, *, es=None, sharded=False
+) -> Leaf:
   """Decides a leaf's route once, up front (:func:`collectives.route`).
 
   Everything the route depends on is static (filter, shape, dtype, codec, resolved
-  collective), so later steps dispatch on one field instead of re-deriving it. A leaf to
-  compress must be this device's own gradient: one already all-reduced is refused here,
-  before any work is traced for it.
+  collective, whether the leaf is sharded over the axis), so later steps dispatch on one
+  field instead of re-deriving it. A leaf to compress must be this device's own
+  gradient: one already all-reduced is refused here, before any work is traced for it.
+  ``es`` is the residual's block scales where it is held as int8.
   """
   chosen = treeutil.selected(filter_fn, path, g)
+  collective = leaf_collective(collective, sharded)
   mode = leaf_mode(codec, collective, axis_name, g.shape, g.dtype)
   use_ef = not isinstance(e, optax.MaskedNode)
+  es = optax.MaskedNode() if es is None else es
   fused = (
     use_ef
+    and e.dtype == _F32
     and chosen
     and mode == "allgather"
     and codec.fallback is None
@@ -152,24 +310,31 @@ def plan_leaf(codec, collective, axis_name, filter_fn, i, path, g, e, e2, step_k
     residual=e,
     chunk_residual=e2,
     out=g,
+    residual_scale=es,
   )
 
 
-def _feedback(leaf: Leaf, sent: Array) -> Any:
-  """``e' = x - Q^{-1}(Q(x))`` where the input was finite; else ``e`` is kept.
+def _feedback(leaf: Leaf, sent: Array) -> Leaf:
+  """``leaf`` with ``e' = x - Q^{-1}(Q(x))`` where the input was finite; else ``e`` is
+  kept. ``e'`` is held in the residual's dtype (:func:`store_residual`).
 
   A non-finite step must not poison the residual: the previous one carries over, and
   the step is counted in ``nonfinite_count`` instead.
   """
   if not leaf.feedback:
-    return leaf.residual
-  return jnp.where(leaf.finite, leaf.x32 - sent.reshape(leaf.g.shape), leaf.residual)
+    return leaf
+  held = store_residual(leaf.x32 - sent.reshape(leaf.g.shape), leaf.residual.dtype.name)
+  old = (leaf.residual, leaf.residual_scale)
+  e, es = jax.tree.map(lambda new, prev: jnp.where(leaf.finite, new, prev), held, old)
+  return leaf._replace(residual=e, residual_scale=es)
 
 
 def _exchanged(leaf: Leaf, ex: collectives.Exchanged) -> Leaf:
-  """``leaf`` after an exchange that returned ``ex``: its mean, both residuals, overflow."""
-  leaf = leaf._replace(out=ex.mean.reshape(leaf.g.shape).astype(leaf.g.dtype))
-  leaf = leaf._replace(residual=_feedback(leaf, ex.sent), overflow=ex.overflow)
+  """``leaf`` after an exchange that returned ``ex``: its mean (this device's shard after
+  a reduce-scatter), both residuals, overflow."""
+  shape = leaf.g.shape if leaf.route != "reduce_scatter" else ex.mean.shape
+  leaf = leaf._replace(out=ex.mean.reshape(shape).astype(leaf.g.dtype), overflow=ex.overflow)
+  leaf = _feedback(leaf, ex.sent)
   if ex.chunk_residual is not None:
     leaf = leaf._replace(chunk_residual=ex.chunk_residual)
   return leaf
@@ -192,7 +357,7 @@ def encode(axis_name, leaf: Leaf) -> Leaf:
   local, psum and fallback routes exchange here, one leaf at a time.
   """
   g, codec = leaf.g, leaf.codec
-  if leaf.route == "dense":
+  if leaf.route in ("dense", "dense_scatter"):
     return leaf._replace(finite=jnp.all(jnp.isfinite(g)))
   if leaf.route == "fused":
     # One kernel reads g and e and writes the payload and e' (the same payload as the
@@ -200,15 +365,17 @@ def encode(axis_name, leaf: Leaf) -> Leaf:
     payload, new_e, finite = codec.encode_feedback(g, leaf.residual, key=leaf.key)
     residual = lax.cond(finite, lambda: new_e, lambda e=leaf.residual: e)
     return leaf._replace(payload=payload, residual=residual, finite=finite)
-  x32 = g.astype(_F32) + leaf.residual if leaf.feedback else g.astype(_F32)
+  x32 = g.astype(_F32)
+  if leaf.feedback:
+    x32 = x32 + load_residual(leaf.residual, leaf.residual_scale)
   # What is encoded keeps the gradient's dtype.
   leaf = leaf._replace(x32=x32, finite=jnp.all(jnp.isfinite(x32)), x=x32.astype(g.dtype))
-  if leaf.route == "two_phase":
+  if leaf.route in ("two_phase", "reduce_scatter"):
     return leaf
   if leaf.route == "gathered":
     payload, overflow = codec.encode_with_info(leaf.x, key=leaf.key)
     leaf = leaf._replace(payload=payload, overflow=overflow)
-    return leaf._replace(residual=_feedback(leaf, codec.decode(payload, _F32)))
+    return _feedback(leaf, codec.decode(payload, _F32))
   return _exchanged(leaf, _ALONE[leaf.route](codec, leaf.x, leaf.key, axis_name))
 
 
@@ -261,11 +428,37 @@ def exchange_two_phase(axis_name, plan: list[Leaf]) -> list[Leaf]:
   return out
 
 
+def exchange_reduce_scatter(axis_name, plan: list[Leaf]) -> list[Leaf]:
+  """The leaves sharded over the axis: this device's shard of each mean.
+
+  The compressed ones share one compressed reduce-scatter
+  (:func:`collectives.reduce_scatter_means`: one ``all_to_all``, the owner decodes and
+  sums in float32), then take their feedback from what this device sent; the ones the
+  filter leaves out share one dense ``psum_scatter`` per dtype.
+  """
+  scattered = [i for i, leaf in enumerate(plan) if leaf.route == "reduce_scatter"]
+  dense = [i for i, leaf in enumerate(plan) if leaf.route == "dense_scatter"]
+  out = list(plan)
+  if scattered:
+    leaves = [plan[i] for i in scattered]
+    exs = collectives.reduce_scatter_means(
+      leaves[0].codec, [leaf.x for leaf in leaves], [leaf.key for leaf in leaves], axis_name
+    )
+    for i, leaf, ex in zip(scattered, leaves, exs):
+      out[i] = _exchanged(leaf, ex)
+  if dense:
+    means = collectives.psum_scatter_tree([plan[i].g for i in dense], axis_name)
+    for i, mean in zip(dense, means):
+      out[i] = plan[i]._replace(out=mean.astype(plan[i].g.dtype))
+  return out
+
+
 #: The shared exchanges, in the order a step runs them: each maps the planned leaves to
 #: the leaves with their means (a new collective is one more entry).
 EXCHANGES: tuple[Callable[[Any, list[Leaf]], list[Leaf]], ...] = (
   exchange_gathered,
   exchange_two_phase,
+  exchange_reduce_scatter,
 )
 
 

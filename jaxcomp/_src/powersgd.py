@@ -1,7 +1,14 @@
-"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019) as an optax transform."""
+"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019) as an optax transform.
+
+Written in the paper's steps (Algorithm 1), each a module-level function over a frozen
+:class:`_Options`: ``_compute_p`` (``M = g + e``, ``P = M Q``), ``_all_reduce_p``,
+``_compute_q`` (``P̂ = orth(P)``, ``Q = Mᵀ P̂``), ``_all_reduce_q``, ``_decompress``
+(``P̂ Q̄ᵀ``, the warm start and the error feedback), wired by ``_update``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 from typing import NamedTuple
@@ -91,6 +98,188 @@ def _match_varying(new: Array, old: Array) -> Array:
 
 def _all_finite(x: Array) -> Array:
   return jnp.all(jnp.isfinite(x))
+
+
+def _check_options(rank, min_compression, matrix_view) -> None:
+  """Every argument check of :func:`powersgd`, in one place."""
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    raise ValueError(f"rank must be a positive integer, got {rank!r}")
+  if (
+    isinstance(min_compression, bool)
+    or not isinstance(min_compression, (int, float))
+    or (not min_compression >= 0 or math.isinf(min_compression))
+  ):
+    raise ValueError(f"min_compression must be a finite number >= 0, got {min_compression!r}")
+  if matrix_view not in MATRIX_VIEWS:
+    raise ValueError(f"matrix_view must be one of {MATRIX_VIEWS}, got {matrix_view!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """The options of :func:`powersgd`, checked."""
+
+  rank: int
+  error_feedback: bool
+  warm_start: bool
+  min_compression: float
+  matrix_view: str
+  seed: int
+  axis_name: Any
+  filter_fn: transforms.FilterFn
+
+  def plan(self, path, leaf) -> _Plan | None:
+    return _plan(self.filter_fn, path, leaf, self.rank, self.min_compression, self.matrix_view)
+
+  def num_devices(self) -> int:
+    return 1 if self.axis_name is None else collectives.axis_size(self.axis_name)
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _init(opts: _Options, params) -> PowerSGDState:
+  """The shared key, the warm-start Q (the same draw on every device), zero residuals."""
+  leaves, treedef = treeutil.flat(params)
+  key, q_key = jax.random.split(jax.random.key(opts.seed))
+  qs, residual = [], []
+  for i, (path, leaf) in enumerate(leaves):
+    treeutil.check_leaf(path, leaf)
+    p = opts.plan(path, leaf)
+    # The same draw on every device (no device index folded in): shared randomness.
+    qs.append(
+      jax.random.normal(jax.random.fold_in(q_key, i), (p.cols, p.rank), _F32)
+      if p and opts.warm_start
+      else optax.MaskedNode()
+    )
+    residual.append(
+      jnp.zeros(leaf.shape, _F32) if p and opts.error_feedback else optax.MaskedNode()
+    )
+  return PowerSGDState(
+    key=key,
+    q=treedef.unflatten(qs),
+    residual=treedef.unflatten(residual),
+    nonfinite_count=jnp.zeros((), jnp.int32),
+    shapes=treeutil.LeafShapes.of(params),
+  )
+
+
+class _Local(NamedTuple):
+  """One compressed leaf's first local step (Algorithm 1, line 3)."""
+
+  m: Array  # M = g + e, (m, n) float32
+  p: Array  # P = M Q, (m, r): what the first all-reduce sums
+  finite: Array  # shape=(), bool: M is finite on this device
+
+
+def _compute_p(opts: _Options, g, plan: _Plan, old_q, old_e, key) -> _Local:
+  """``M = g + e`` (error feedback), ``Q`` (warm start, or fresh), ``P = M Q``."""
+  m = g.astype(_F32).reshape(plan.rows, plan.cols)
+  if opts.error_feedback:
+    m = m + old_e.reshape(plan.rows, plan.cols)
+  # Fresh each step, from the key every device holds alike (shared randomness).
+  fresh = jax.random.normal(key, (plan.cols, plan.rank), _F32)
+  if opts.warm_start:
+    # A column that collapsed to 0 (a zero gradient step) is redrawn: QR would
+    # complete it with a fixed axis e_j, blind to gradients zero along e_j.
+    q = jnp.where(jnp.all(old_q == 0, axis=0, keepdims=True), fresh, old_q)
+  else:
+    q = fresh
+  return _Local(m, m @ _orthonormal(q), _all_finite(m))
+
+
+def _all_reduce_p(opts: _Options, dense: list, ps: list, k: int) -> tuple[list, list]:
+  """First all-reduce: every ``P`` (summed), and the full-precision leaves (averaged),
+  one buffer per dtype. Returns (dense means, P sums)."""
+  if opts.axis_name is None:
+    return dense, ps
+  summed = collectives.psum_tree(dense + ps, opts.axis_name)
+  return [x / k for x in summed[: len(dense)]], summed[len(dense) :]
+
+
+def _compute_q(local: _Local, p_sum: Array) -> tuple[Array, Array]:
+  """``P̂ = orth(Σ P)`` and this device's ``Q = Mᵀ P̂`` (lines 4-5)."""
+  p_hat = _orthonormal(p_sum)
+  return p_hat, local.m.T @ p_hat
+
+
+def _all_reduce_q(opts: _Options, qs: list) -> list:
+  """Second all-reduce: every ``Q`` (summed)."""
+  return qs if opts.axis_name is None else collectives.psum_tree(qs, opts.axis_name)
+
+
+def _decompress(opts: _Options, g, local: _Local, p_hat, q_sum, k: int, old_q, old_e):
+  """``update = P̂ Q̄ᵀ``, the next warm start ``Q̄`` and the residual ``e = M − P̂ Q̄ᵀ``
+  (lines 6-7); a non-finite exchange keeps the shared Q and delivers nothing."""
+  q_bar = q_sum / k
+  # The same on every device (computed from the sums): a non-finite input anywhere.
+  ok = _all_finite(p_hat) & _all_finite(q_bar)
+  approx = p_hat @ q_bar.T
+  out = treeutil.mark_nonfinite(approx.reshape(g.shape).astype(g.dtype), ok)
+  new_q = old_q
+  if opts.warm_start:
+    new_q = _match_varying(jnp.where(ok, q_bar, old_q), old_q)
+  new_e = old_e
+  if opts.error_feedback:
+    # A failed exchange delivered nothing: a device whose input was finite keeps
+    # all of M for later; one whose input was not keeps its previous residual.
+    m = local.m
+    e = jnp.where(ok, m - approx, jnp.where(local.finite, m, old_e.reshape(m.shape)))
+    new_e = e.reshape(g.shape)
+  return out, new_q, new_e
+
+
+def _update(opts: _Options, updates, state: PowerSGDState):
+  """One step of Algorithm 1 over every compressed leaf at once (two all-reduces)."""
+  leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.powersgd")
+  old_qs = treedef.flatten_up_to(state.q)
+  old_es = treedef.flatten_up_to(state.residual)
+  key, step_key = jax.random.split(state.key)
+  k = opts.num_devices()  # first: a clear error when the axis is not bound
+  plans = [opts.plan(path, g) for path, g in leaves]
+  comp, dense = pipeline.Split.of([p is not None for p in plans])
+  any_bad = jnp.zeros((), bool)
+  for i in dense:  # averaged in full precision: a NaN propagates into the mean
+    any_bad = any_bad | ~_all_finite(leaves[i][1])
+  locals_ = {}
+  with jax.named_scope(phases.ENCODE_SCOPE):
+    for i in comp:
+      path, g = leaves[i]
+      collectives.check_local(path, g, opts.axis_name)
+      key_i = jax.random.fold_in(step_key, i)
+      locals_[i] = _compute_p(opts, g, plans[i], old_qs[i], old_es[i], key_i)
+      any_bad = any_bad | ~locals_[i].finite
+  dense_means, p_sums = _all_reduce_p(
+    opts, [leaves[i][1] for i in dense], [locals_[i].p for i in comp], k
+  )
+  p_hats, q_locals = [], []
+  with jax.named_scope(phases.ENCODE_SCOPE):
+    for i, p_sum in zip(comp, p_sums):
+      p_hat, q_local = _compute_q(locals_[i], p_sum)
+      p_hats.append(p_hat)
+      q_locals.append(q_local)
+  q_sums = _all_reduce_q(opts, q_locals)
+  out = [None] * len(leaves)
+  new_qs, new_es = list(old_qs), list(old_es)
+  for i, mean in zip(dense, dense_means):
+    out[i] = mean
+  with jax.named_scope(phases.DECODE_SCOPE):
+    for i, p_hat, q_sum in zip(comp, p_hats, q_sums):
+      out[i], new_qs[i], new_es[i] = _decompress(
+        opts, leaves[i][1], locals_[i], p_hat, q_sum, k, old_qs[i], old_es[i]
+      )
+  if opts.axis_name is not None:  # the shards of a tensor-parallel group count alike
+    any_bad = collectives.any_over_other_axes(any_bad, opts.axis_name)
+  new_state = PowerSGDState(
+    key=key,
+    q=treedef.unflatten(new_qs),
+    residual=treedef.unflatten(new_es),
+    nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
+    shapes=state.shapes,
+  )
+  return treedef.unflatten(out), new_state
+
+
+# ----------------------------------------------------------------------------- transform
 
 
 def powersgd(
@@ -189,129 +378,23 @@ def powersgd(
     Distributed Optimization*. NeurIPS 2019, Algorithms 1-2 and sections 3-4.
     https://arxiv.org/abs/1905.13727
   """
-  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-    raise ValueError(f"rank must be a positive integer, got {rank!r}")
-  if (
-    isinstance(min_compression, bool)
-    or not isinstance(min_compression, (int, float))
-    or (not min_compression >= 0 or math.isinf(min_compression))
-  ):
-    raise ValueError(f"min_compression must be a finite number >= 0, got {min_compression!r}")
-  if matrix_view not in MATRIX_VIEWS:
-    raise ValueError(f"matrix_view must be one of {MATRIX_VIEWS}, got {matrix_view!r}")
-  filter_fn = transforms.default_filter if filter is None else filter
-
-  def plan(path, leaf):
-    return _plan(filter_fn, path, leaf, rank, float(min_compression), matrix_view)
+  _check_options(rank, min_compression, matrix_view)
+  opts = _Options(
+    rank=rank,
+    error_feedback=error_feedback,
+    warm_start=warm_start,
+    min_compression=float(min_compression),
+    matrix_view=matrix_view,
+    seed=seed,
+    axis_name=axis_name,
+    filter_fn=transforms.default_filter if filter is None else filter,
+  )
 
   def init_fn(params):
-    leaves, treedef = treeutil.flat(params)
-    key, q_key = jax.random.split(jax.random.key(seed))
-    qs, residual = [], []
-    for i, (path, leaf) in enumerate(leaves):
-      treeutil.check_leaf(path, leaf)
-      p = plan(path, leaf)
-      # The same draw on every device (no device index folded in): shared randomness.
-      qs.append(
-        jax.random.normal(jax.random.fold_in(q_key, i), (p.cols, p.rank), _F32)
-        if p and warm_start
-        else optax.MaskedNode()
-      )
-      residual.append(jnp.zeros(leaf.shape, _F32) if p and error_feedback else optax.MaskedNode())
-    return PowerSGDState(
-      key=key,
-      q=treedef.unflatten(qs),
-      residual=treedef.unflatten(residual),
-      nonfinite_count=jnp.zeros((), jnp.int32),
-      shapes=treeutil.LeafShapes.of(params),
-    )
+    return _init(opts, params)
 
   def update_fn(updates, state, params=None):
     del params
-    leaves, treedef = pipeline.open_update(updates, state.shapes, "jc.powersgd")
-    old_qs = treedef.flatten_up_to(state.q)
-    old_es = treedef.flatten_up_to(state.residual)
-    key, step_key = jax.random.split(state.key)
-    k = 1 if axis_name is None else collectives.axis_size(axis_name)
-
-    plans = [plan(path, g) for path, g in leaves]
-    comp, dense = pipeline.Split.of([p is not None for p in plans])
-    any_bad = jnp.zeros((), bool)
-    for i in dense:  # averaged in full precision: a NaN propagates into the mean
-      any_bad = any_bad | ~_all_finite(leaves[i][1])
-
-    ms, qs, ps, local_ok = {}, {}, {}, {}
-    with jax.named_scope(phases.ENCODE_SCOPE):
-      for i in comp:
-        path, g = leaves[i]
-        collectives.check_local(path, g, axis_name)
-        p = plans[i]
-        m = g.astype(_F32).reshape(p.rows, p.cols)
-        if error_feedback:
-          m = m + old_es[i].reshape(p.rows, p.cols)
-        local_ok[i] = _all_finite(m)
-        any_bad = any_bad | ~local_ok[i]
-        # Fresh each step, from the key every device holds alike (shared randomness).
-        fresh = jax.random.normal(jax.random.fold_in(step_key, i), (p.cols, p.rank), _F32)
-        if warm_start:
-          # A column that collapsed to 0 (a zero gradient step) is redrawn: QR would
-          # complete it with a fixed axis e_j, blind to gradients zero along e_j.
-          q = jnp.where(jnp.all(old_qs[i] == 0, axis=0, keepdims=True), fresh, old_qs[i])
-        else:
-          q = fresh
-        qs[i] = _orthonormal(q)
-        ms[i] = m
-        ps[i] = m @ qs[i]
-
-    # First all-reduce: every P, and the full-precision leaves (one buffer per dtype).
-    if axis_name is None:
-      dense_means = [leaves[i][1] for i in dense]
-      p_sums = [ps[i] for i in comp]
-    else:
-      summed = collectives.psum_tree(
-        [leaves[i][1] for i in dense] + [ps[i] for i in comp], axis_name
-      )
-      dense_means = [x / k for x in summed[: len(dense)]]
-      p_sums = summed[len(dense) :]
-
-    p_hats, q_locals = {}, []
-    with jax.named_scope(phases.ENCODE_SCOPE):
-      for i, p_sum in zip(comp, p_sums):
-        p_hats[i] = _orthonormal(p_sum)
-        q_locals.append(ms[i].T @ p_hats[i])
-    # Second all-reduce: every Q.
-    q_sums = q_locals if axis_name is None else collectives.psum_tree(q_locals, axis_name)
-
-    out = [None] * len(leaves)
-    new_qs, new_es = list(old_qs), list(old_es)
-    for i, mean in zip(dense, dense_means):
-      out[i] = mean
-    with jax.named_scope(phases.DECODE_SCOPE):
-      for i, q_sum in zip(comp, q_sums):
-        g = leaves[i][1]
-        q_bar = q_sum / k
-        # The same on every device (computed from the sums): a non-finite input anywhere.
-        ok = _all_finite(p_hats[i]) & _all_finite(q_bar)
-        approx = p_hats[i] @ q_bar.T
-        out[i] = treeutil.mark_nonfinite(approx.reshape(g.shape).astype(g.dtype), ok)
-        if warm_start:
-          new_qs[i] = _match_varying(jnp.where(ok, q_bar, old_qs[i]), old_qs[i])
-        if error_feedback:
-          # A failed exchange delivered nothing: a device whose input was finite keeps
-          # all of M for later; one whose input was not keeps its previous residual.
-          e = jnp.where(
-            ok, ms[i] - approx, jnp.where(local_ok[i], ms[i], old_es[i].reshape(ms[i].shape))
-          )
-          new_es[i] = e.reshape(g.shape)
-    if axis_name is not None:  # the shards of a tensor-parallel group count alike
-      any_bad = collectives.any_over_other_axes(any_bad, axis_name)
-    new_state = PowerSGDState(
-      key=key,
-      q=treedef.unflatten(new_qs),
-      residual=treedef.unflatten(new_es),
-      nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
-      shapes=state.shapes,
-    )
-    return treedef.unflatten(out), new_state
+    return _update(opts, updates, state)
 
   return optax.GradientTransformation(init_fn, update_fn)

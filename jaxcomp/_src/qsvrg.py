@@ -5,6 +5,10 @@ same minibatch, so it cannot be an optax transform of one gradient; :func:`qsvrg
 pure functions over explicit state instead, built from the same codecs and collectives
 as :func:`jaxcomp.compress`. :func:`qsvrg_wire_report` counts the bits of an epoch from
 the traced collectives, like :func:`jaxcomp.wire_report`.
+
+Written as named steps over a frozen :class:`_Options`: ``_init``, ``_snapshot``
+(``∇f(y)``), ``_step`` (one inner iteration through ``_exchange``), ``_end_epoch`` and
+``_epoch``; :func:`qsvrg` only wires them into a :class:`QSVRG`.
 """
 
 from __future__ import annotations
@@ -82,6 +86,219 @@ def default_levels(n: int, bucket_size: int | None = None) -> int:
 
 def _check_leaf(path, leaf) -> None:
   treeutil.check_leaf(path, leaf, "qsvrg needs floating-point parameters")
+
+
+def _check_options(loss_fn, learning_rate, collective, codec, levels, bucket_size) -> None:
+  """Every argument check of :func:`qsvrg`, in one place."""
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+  if not callable(learning_rate):
+    if (
+      isinstance(learning_rate, bool)
+      or not isinstance(learning_rate, (int, float))
+      or (not learning_rate > 0)
+    ):
+      raise ValueError(
+        f"learning_rate must be a positive number or a schedule, got {learning_rate!r}"
+      )
+  if collective not in COLLECTIVES:
+    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+  if codec is not None:
+    if not isinstance(codec, codecs_lib.Codec) and not callable(codec):
+      raise TypeError(
+        f"codec must be a jaxcomp codec or a function of the leaf returning one, got {codec!r}"
+      )
+    if levels is not None or bucket_size is not None:
+      raise ValueError("give either codec or levels/bucket_size (QSGD's), not both")
+  else:
+    codecs_lib.check_positive_int(levels, "levels", allow_none=True)
+    codecs_lib.check_positive_int(bucket_size, "bucket_size", allow_none=True)
+    if levels is not None:
+      codecs_lib.QSGD(levels, bucket_size, "l2")  # validates levels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+  """The options of :func:`qsvrg`, checked."""
+
+  loss_fn: Callable[[Any, Any], Array]
+  learning_rate: float | Callable[[Array], Array]
+  axis_name: Any
+  levels: int | None
+  bucket_size: int | None
+  codec: Any  # a codec, a function of the leaf returning one, or None (QSGD)
+  collective: str
+  filter_fn: Callable[[tuple, Array], bool]
+  seed: int
+
+  def leaf_codec(self, leaf) -> codecs_lib.Codec:
+    """The codec of a leaf: the one given, the function's choice, or QSGD with ``s``."""
+    if isinstance(self.codec, codecs_lib.Codec):
+      return self.codec
+    if self.codec is not None:
+      chosen = self.codec(leaf)
+      if not isinstance(chosen, codecs_lib.Codec):
+        raise TypeError(f"codec(leaf) must return a jaxcomp codec, got {chosen!r}")
+      return chosen
+    s = (
+      self.levels
+      if self.levels is not None
+      else default_levels(math.prod(leaf.shape), self.bucket_size)
+    )
+    return codecs_lib.QSGD(s, self.bucket_size, "l2")
+
+  def local(self, tree):
+    return tree if self.axis_name is None else collectives.vary(tree, self.axis_name)
+
+  def lr(self, count):
+    if not callable(self.learning_rate):
+      return jnp.asarray(self.learning_rate, _F32)
+    with jax.numpy_dtype_promotion("standard"):  # optax schedules mix int and float
+      return jnp.asarray(self.learning_rate(count), _F32)
+
+
+def _zeros32(tree):
+  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _F32), tree)
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def _init(opts: _Options, params) -> QSVRGState:
+  """The snapshot at ``params``; zero full gradient and iterate sum."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    _check_leaf(path, leaf)
+  return QSVRGState(
+    key=jax.random.key(opts.seed),
+    count=jnp.zeros((), jnp.int32),
+    inner_count=jnp.zeros((), jnp.int32),
+    snapshot=jax.tree.map(jnp.asarray, params),
+    full_grad=_zeros32(params),
+    iterate_sum=_zeros32(params),
+  )
+
+
+def _snapshot(opts: _Options, params, state: QSVRGState, full_batch=None, *, grad=None):
+  """Starts an epoch at ``y = params``: ``∇f(y)``, densely averaged over the devices."""
+  axis_name = opts.axis_name
+  if axis_name is not None:
+    collectives.axis_size(axis_name)  # a clear error when the axis is not bound
+  if grad is None:
+    if full_batch is None:
+      raise ValueError(
+        "snapshot needs this device's full_batch, or its full local gradient as grad=..."
+      )
+    grad = jax.grad(opts.loss_fn)(opts.local(params), full_batch)
+  full = jax.tree.map(lambda g: g.astype(_F32), grad)
+  if axis_name is not None:  # one all-reduce per dtype, not one per leaf
+    full = collectives.pmean_tree(full, axis_name)
+  y = jax.tree.map(lambda p, s: jnp.asarray(p, s.dtype), params, state.snapshot)
+  return state._replace(
+    snapshot=y, full_grad=full, iterate_sum=_zeros32(params), inner_count=jnp.zeros((), jnp.int32)
+  )
+
+
+def _step(opts: _Options, params, state: QSVRGState, batch):
+  """One inner iteration: ``x ← x − η · mean_j Q(∇f_j(x) − ∇f_j(y) + ∇f(y))``."""
+  grad_fn = jax.grad(opts.loss_fn)
+  gx = grad_fn(opts.local(params), batch)
+  gy = grad_fn(opts.local(state.snapshot), batch)
+  key, step_key = jax.random.split(state.key)
+  if opts.axis_name is not None:
+    collectives.axis_size(opts.axis_name)
+    step_key = jax.random.fold_in(step_key, lax.axis_index(opts.axis_name))
+  eta = opts.lr(state.count)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  gxs = treedef.flatten_up_to(gx)
+  gys = treedef.flatten_up_to(gy)
+  fulls = treedef.flatten_up_to(state.full_grad)
+  sums = treedef.flatten_up_to(state.iterate_sum)
+  vs = [a.astype(_F32) - b.astype(_F32) + c for a, b, c in zip(gxs, gys, fulls)]
+  means = _exchange(opts, leaves, vs, step_key)
+  new_params, new_sums = [], []
+  for (_, x), mean, acc in zip(leaves, means, sums):
+    x32 = jnp.asarray(x).astype(_F32)
+    new_params.append((x32 - eta * mean.reshape(x32.shape)).astype(x.dtype))
+    new_sums.append(acc + x32)
+  new_state = state._replace(
+    key=key,
+    count=state.count + 1,
+    inner_count=state.inner_count + 1,
+    iterate_sum=treedef.unflatten(new_sums),
+  )
+  return treedef.unflatten(new_params), new_state
+
+
+def _exchange(opts: _Options, leaves, vs, step_key) -> list:
+  """The means over devices of the ``vs``, each leaf routed as in :func:`compress`
+  (:func:`collectives.route`): dense leaves share one all-reduce, gathered payloads
+  one all-gather, two-phase leaves one exchange per codec; local and fallback leaves
+  go alone."""
+  axis_name = opts.axis_name
+  means: list = [None] * len(leaves)
+  dense = []  # leaves the filter leaves out: one all-reduce for all of them
+  gathered = []  # (leaf, codec, payload): one all-gather for all of them
+  phased = []  # (codec, [(leaf, v, key)]): one two-phase exchange per codec
+  for i, ((path, x), v) in enumerate(zip(leaves, vs)):
+    _check_leaf(path, x)
+    chosen = treeutil.selected(opts.filter_fn, path, x)
+    cod = opts.leaf_codec(x) if chosen else None
+    where = collectives.route(cod, opts.collective, axis_name, selected=chosen)
+    leaf_key = jax.random.fold_in(step_key, i)
+    if where == "dense":
+      means[i] = v
+      dense.append(i)
+    elif where == "local":
+      means[i] = collectives.local(cod, v, leaf_key).mean
+    elif where == "two_phase":
+      group = next((g for c, g in phased if c == cod), None)  # codecs may be unhashable
+      if group is None:
+        phased.append((cod, group := []))
+      group.append((i, v, leaf_key))
+    elif where == "gathered":
+      with jax.named_scope(phases.ENCODE_SCOPE):
+        gathered.append((i, cod, cod.encode(v, key=leaf_key)))
+    else:  # "fallback": a variable-length format, its own exchange with the branch
+      means[i] = collectives.allgather_mean(cod, v, leaf_key, axis_name).mean
+  if axis_name is not None and dense:
+    for i, mean in zip(dense, collectives.pmean_tree([means[i] for i in dense], axis_name)):
+      means[i] = mean
+  if gathered:
+    for (i, _, _), mean in zip(
+      gathered,
+      collectives.payload_means([g[1] for g in gathered], [g[2] for g in gathered], axis_name),
+    ):
+      means[i] = mean
+  for cod, group in phased:
+    exs = collectives.two_phase_means(cod, [g[1] for g in group], [g[2] for g in group], axis_name)
+    for (i, _, _), ex in zip(group, exs):
+      means[i] = ex.mean
+  return means
+
+
+def _end_epoch(state: QSVRGState):
+  """The mean iterate of the epoch (the snapshot if no step was taken)."""
+  t = state.inner_count
+
+  def one(acc, y):
+    mean = acc / jnp.maximum(t, 1).astype(_F32)
+    return jnp.where(t > 0, mean, y.astype(_F32)).astype(y.dtype)
+
+  return jax.tree.map(one, state.iterate_sum, state.snapshot)
+
+
+def _epoch(opts: _Options, params, state: QSVRGState, full_batch, batches):
+  """``snapshot``, ``step`` over ``batches`` (a ``lax.scan``), ``end_epoch``."""
+  state = _snapshot(opts, params, state, full_batch)
+
+  def body(carry, batch):
+    return _step(opts, *carry, batch), None
+
+  (_, state), _ = lax.scan(body, (params, state), batches)
+  return _end_epoch(state), state
+
+
+# ----------------------------------------------------------------------------- factory
 
 
 def qsvrg(
@@ -209,181 +426,32 @@ def qsvrg(
     Johnson, Zhang. *Accelerating Stochastic Gradient Descent using Predictive Variance
     Reduction*. NeurIPS 2013.
   """
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
-  if not callable(learning_rate):
-    if (
-      isinstance(learning_rate, bool)
-      or not isinstance(learning_rate, (int, float))
-      or (not learning_rate > 0)
-    ):
-      raise ValueError(
-        f"learning_rate must be a positive number or a schedule, got {learning_rate!r}"
-      )
-  if collective not in COLLECTIVES:
-    raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-  if codec is not None:
-    if not isinstance(codec, codecs_lib.Codec) and not callable(codec):
-      raise TypeError(
-        f"codec must be a jaxcomp codec or a function of the leaf returning one, got {codec!r}"
-      )
-    if levels is not None or bucket_size is not None:
-      raise ValueError("give either codec or levels/bucket_size (QSGD's), not both")
-  else:
-    codecs_lib.check_positive_int(levels, "levels", allow_none=True)
-    codecs_lib.check_positive_int(bucket_size, "bucket_size", allow_none=True)
-    if levels is not None:
-      codecs_lib.QSGD(levels, bucket_size, "l2")  # validates levels
-
-  def leaf_codec(leaf) -> codecs_lib.Codec:
-    if isinstance(codec, codecs_lib.Codec):
-      return codec
-    if codec is not None:
-      chosen = codec(leaf)
-      if not isinstance(chosen, codecs_lib.Codec):
-        raise TypeError(f"codec(leaf) must return a jaxcomp codec, got {chosen!r}")
-      return chosen
-    s = levels if levels is not None else default_levels(math.prod(leaf.shape), bucket_size)
-    return codecs_lib.QSGD(s, bucket_size, "l2")
-
-  filter_fn = (lambda path, leaf: True) if filter is None else filter
-
-  def local(tree):
-    return tree if axis_name is None else collectives.vary(tree, axis_name)
-
-  def lr(count):
-    if not callable(learning_rate):
-      return jnp.asarray(learning_rate, _F32)
-    with jax.numpy_dtype_promotion("standard"):  # optax schedules mix int and float
-      return jnp.asarray(learning_rate(count), _F32)
-
-  def zeros32(tree):
-    return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _F32), tree)
+  _check_options(loss_fn, learning_rate, collective, codec, levels, bucket_size)
+  opts = _Options(
+    loss_fn=loss_fn,
+    learning_rate=learning_rate,
+    axis_name=axis_name,
+    levels=levels,
+    bucket_size=bucket_size,
+    codec=codec,
+    collective=collective,
+    filter_fn=(lambda path, leaf: True) if filter is None else filter,
+    seed=seed,
+  )
 
   def init_fn(params) -> QSVRGState:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-      _check_leaf(path, leaf)
-    return QSVRGState(
-      key=jax.random.key(seed),
-      count=jnp.zeros((), jnp.int32),
-      inner_count=jnp.zeros((), jnp.int32),
-      snapshot=jax.tree.map(jnp.asarray, params),
-      full_grad=zeros32(params),
-      iterate_sum=zeros32(params),
-    )
+    return _init(opts, params)
 
   def snapshot_fn(params, state: QSVRGState, full_batch=None, *, grad=None) -> QSVRGState:
-    if axis_name is not None:
-      collectives.axis_size(axis_name)  # a clear error when the axis is not bound
-    if grad is None:
-      if full_batch is None:
-        raise ValueError(
-          "snapshot needs this device's full_batch, or its full local gradient as grad=..."
-        )
-      grad = jax.grad(loss_fn)(local(params), full_batch)
-    full = jax.tree.map(lambda g: g.astype(_F32), grad)
-    if axis_name is not None:  # one all-reduce per dtype, not one per leaf
-      full = collectives.pmean_tree(full, axis_name)
-    y = jax.tree.map(lambda p, s: jnp.asarray(p, s.dtype), params, state.snapshot)
-    return state._replace(
-      snapshot=y, full_grad=full, iterate_sum=zeros32(params), inner_count=jnp.zeros((), jnp.int32)
-    )
+    return _snapshot(opts, params, state, full_batch, grad=grad)
 
   def step_fn(params, state: QSVRGState, batch) -> tuple[Any, QSVRGState]:
-    grad_fn = jax.grad(loss_fn)
-    gx = grad_fn(local(params), batch)
-    gy = grad_fn(local(state.snapshot), batch)
-    key, step_key = jax.random.split(state.key)
-    if axis_name is not None:
-      collectives.axis_size(axis_name)
-      step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
-    eta = lr(state.count)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    gxs = treedef.flatten_up_to(gx)
-    gys = treedef.flatten_up_to(gy)
-    fulls = treedef.flatten_up_to(state.full_grad)
-    sums = treedef.flatten_up_to(state.iterate_sum)
-    vs = [a.astype(_F32) - b.astype(_F32) + c for a, b, c in zip(gxs, gys, fulls)]
-    means = exchange(leaves, vs, step_key)
-    new_params, new_sums = [], []
-    for (_, x), mean, acc in zip(leaves, means, sums):
-      x32 = jnp.asarray(x).astype(_F32)
-      new_params.append((x32 - eta * mean.reshape(x32.shape)).astype(x.dtype))
-      new_sums.append(acc + x32)
-    new_state = state._replace(
-      key=key,
-      count=state.count + 1,
-      inner_count=state.inner_count + 1,
-      iterate_sum=treedef.unflatten(new_sums),
-    )
-    return treedef.unflatten(new_params), new_state
-
-  def exchange(leaves, vs, step_key) -> list:
-    """The means over devices of the ``vs``, each leaf routed as in :func:`compress`
-    (:func:`collectives.route`): dense leaves share one all-reduce, gathered payloads
-    one all-gather, two-phase leaves one exchange per codec; local and fallback leaves
-    go alone."""
-    means: list = [None] * len(leaves)
-    dense = []  # leaves the filter leaves out: one all-reduce for all of them
-    gathered = []  # (leaf, codec, payload): one all-gather for all of them
-    phased = []  # (codec, [(leaf, v, key)]): one two-phase exchange per codec
-    for i, ((path, x), v) in enumerate(zip(leaves, vs)):
-      _check_leaf(path, x)
-      chosen = treeutil.selected(filter_fn, path, x)
-      cod = leaf_codec(x) if chosen else None
-      where = collectives.route(cod, collective, axis_name, selected=chosen)
-      leaf_key = jax.random.fold_in(step_key, i)
-      if where == "dense":
-        means[i] = v
-        dense.append(i)
-      elif where == "local":
-        means[i] = collectives.local(cod, v, leaf_key).mean
-      elif where == "two_phase":
-        group = next((g for c, g in phased if c == cod), None)  # codecs may be unhashable
-        if group is None:
-          phased.append((cod, group := []))
-        group.append((i, v, leaf_key))
-      elif where == "gathered":
-        with jax.named_scope(phases.ENCODE_SCOPE):
-          gathered.append((i, cod, cod.encode(v, key=leaf_key)))
-      else:  # "fallback": a variable-length format, its own exchange with the branch
-        means[i] = collectives.allgather_mean(cod, v, leaf_key, axis_name).mean
-    if axis_name is not None and dense:
-      for i, mean in zip(dense, collectives.pmean_tree([means[i] for i in dense], axis_name)):
-        means[i] = mean
-    if gathered:
-      for (i, _, _), mean in zip(
-        gathered,
-        collectives.payload_means([g[1] for g in gathered], [g[2] for g in gathered], axis_name),
-      ):
-        means[i] = mean
-    for cod, group in phased:
-      exs = collectives.two_phase_means(
-        cod, [g[1] for g in group], [g[2] for g in group], axis_name
-      )
-      for (i, _, _), ex in zip(group, exs):
-        means[i] = ex.mean
-    return means
-
-  def end_epoch_fn(state: QSVRGState):
-    t = state.inner_count
-
-    def one(acc, y):
-      mean = acc / jnp.maximum(t, 1).astype(_F32)
-      return jnp.where(t > 0, mean, y.astype(_F32)).astype(y.dtype)
-
-    return jax.tree.map(one, state.iterate_sum, state.snapshot)
+    return _step(opts, params, state, batch)
 
   def epoch_fn(params, state: QSVRGState, full_batch, batches) -> tuple[Any, QSVRGState]:
-    state = snapshot_fn(params, state, full_batch)
+    return _epoch(opts, params, state, full_batch, batches)
 
-    def body(carry, batch):
-      return step_fn(*carry, batch), None
-
-    (_, state), _ = lax.scan(body, (params, state), batches)
-    return end_epoch_fn(state), state
-
-  return QSVRG(init_fn, snapshot_fn, step_fn, end_epoch_fn, epoch_fn)
+  return QSVRG(init_fn, snapshot_fn, step_fn, _end_epoch, epoch_fn)
 
 
 # ----------------------------------------------------------------------------- bits

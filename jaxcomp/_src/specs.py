@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
+from jaxcomp._src import pipeline
+from jaxcomp._src import transforms
 from jaxcomp._src import treeutil
 from jaxcomp._src.transforms import PerDeviceState
 
@@ -36,16 +38,15 @@ def _is_spec(x) -> bool:
 
 
 def _param_specs(params, param_specs, axis_name) -> list:
-  """The flat list of ``PartitionSpec``\\ s of ``params`` (validated)."""
-  leaves, treedef = treeutil.flat(params)
+  """The flat list of ``PartitionSpec``\\ s of ``params`` (validated).
+
+  The data axis may shard a leaf along its first dimension only, alone (``P(axis_name,
+  ...)``: the shards of a reduce-scatter, :func:`_check_takes_shards`).
+  """
+  leaves, _ = treeutil.flat(params)
   if param_specs is None:
     return [P()] * len(leaves)
-  try:
-    specs = treedef.flatten_up_to(param_specs)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      f"param_specs must be a pytree of PartitionSpecs with the structure of params; {e}"
-    ) from e
+  specs = pipeline.leaf_specs(param_specs, params)
   out = []
   for (path, leaf), spec in zip(leaves, specs):
     spec = P() if spec is None else spec
@@ -59,14 +60,49 @@ def _param_specs(params, param_specs, axis_name) -> list:
         f"entries than the leaf has dimensions ({np.shape(leaf)})"
       )
     clash = set(_spec_axes(spec)) & set(_names(axis_name))
-    if clash:
+    if clash and (_names(spec[0]) != _names(axis_name) or clash & set(_spec_axes(P(*spec[1:])))):
       raise ValueError(
         f"param_specs at {jax.tree_util.keystr(path)} shards over {sorted(clash)}, the "
-        f"data axis: data-parallel parameters are replicated over axis_name (the "
-        f"gradients are averaged over it); shard them over the other mesh axes only"
+        f"data axis, other than along the first dimension alone: parameters sharded "
+        f"over the data axis are P({axis_name!r}, ...) (a reduce-scatter's shards); "
+        f"shard them over the other mesh axes otherwise"
       )
     out.append(spec)
   return out
+
+
+def data_sharded(spec: P, axis_name) -> bool:
+  """Whether ``spec`` shards its leaf over the data axis (along the first dimension)."""
+  return len(spec) > 0 and _names(spec[0]) == _names(axis_name)
+
+
+def _check_takes_shards(tx, params, layout, axis_name):
+  """``tx.init`` traced; a ``ValueError`` when ``param_specs`` shard leaves over the data
+  axis but no transform of ``tx`` takes shards (a ``collective="reduce_scatter"``
+  exchange): an all-gather or two-phase exchange would average each shard as if it were
+  the whole parameter; and when one does but ``param_specs`` shard nothing over it."""
+  before = transforms._SHARD_INITS[0]  # pylint: disable=protected-access
+  state = _trace_init(tx, params, layout)
+  sharded = [
+    jax.tree_util.keystr(path)
+    for (path, _), spec in zip(treeutil.flat(params)[0], layout.specs)
+    if data_sharded(spec, axis_name)
+  ]
+  took = transforms._SHARD_INITS[0] != before  # pylint: disable=protected-access
+  if took and not sharded:
+    raise ValueError(
+      f"tx takes parameter shards (collective='reduce_scatter') but param_specs shard "
+      f"no leaf over the data axis {axis_name!r}: pass param_specs as given to "
+      f"shard_map's in_specs (e.g. P({axis_name!r}) for every leaf)"
+    )
+  if sharded and not took:
+    raise ValueError(
+      f"param_specs shard {', '.join(sharded)} over the data axis {axis_name!r}, but no "
+      f"transform of tx takes shards: only collective='reduce_scatter' returns this "
+      f"device's shard of the mean; replicate data-parallel parameters over the data "
+      f"axis otherwise"
+    )
+  return state
 
 
 def _axis_sizes(params, other: tuple, mesh) -> dict:
@@ -110,17 +146,18 @@ def abstract_state(
   under ``shard_map(tx.init, in_specs=(param_specs,))``. ``params`` may hold arrays or
   ``jax.ShapeDtypeStruct``. The result is one device's (local) state.
   """
-  layout = _layout(params, param_specs, axis_name, num_devices, mesh)
-  return _trace_init(tx, params, layout)
+  layout = mesh_layout(params, param_specs, axis_name, num_devices, mesh)
+  return _check_takes_shards(tx, params, layout, axis_name)
 
 
 class _Layout(NamedTuple):
   specs: list  # a PartitionSpec per parameter leaf
   mesh: Any  # the AbstractMesh the state is traced over
   local: list  # each parameter's shard shape
+  full: list  # each parameter's local gradient shape (not cut over the data axis)
 
 
-def _layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
+def mesh_layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
   """The parameters' specs, validated, and the abstract mesh to trace over."""
   specs = _param_specs(params, param_specs, axis_name)
   data = _names(axis_name)
@@ -132,7 +169,7 @@ def _layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
     or (num_devices < 1)
   ):
     raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
-  other = tuple(dict.fromkeys(a for s in specs for a in _spec_axes(s)))
+  other = tuple(dict.fromkeys(a for s in specs for a in _spec_axes(s) if a != data[0]))
   sizes = {}
   if other or mesh is not None:
     sizes = _axis_sizes(params, other, mesh) if other else dict(mesh.shape)
@@ -141,10 +178,11 @@ def _layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
       f"num_devices={num_devices} but the mesh's axis {data[0]!r} has "
       f"{sizes[data[0]]} devices: pass num_devices=mesh.shape[{data[0]!r}]"
     )
+  sizes = {**sizes, data[0]: int(num_devices)}
   amesh = jax.sharding.AbstractMesh(
     (int(num_devices),) + tuple(sizes[a] for a in other), data + other
   )
-  local = []
+  local, full = [], []
   for (path, leaf), spec in zip(treeutil.flat(params)[0], specs):
     for dim, entry in enumerate(spec):
       parts = int(np.prod([sizes[a] for a in _names(entry)])) if entry is not None else 1
@@ -154,7 +192,17 @@ def _layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
           f"{np.shape(leaf)} does not divide over {entry} ({parts} shards)"
         )
     local.append(_local_shape(np.shape(leaf), spec, sizes))
-  return _Layout(specs, amesh, local)
+    full.append(_local_shape(np.shape(leaf), without(spec, data[0]), sizes))
+  return _Layout(specs, amesh, local, full)
+
+
+def without(spec: P, axis) -> P:
+  """``spec`` with ``axis`` left out of every entry."""
+  entries = []
+  for entry in spec:
+    names = tuple(a for a in _names(entry) if a != axis)
+    entries.append(None if not names else names[0] if len(names) == 1 else names)
+  return P(*entries)
 
 
 def _trace_init(tx, params, layout: _Layout):
@@ -188,6 +236,55 @@ def _local_shape(shape, spec, sizes) -> tuple:
   return tuple(out)
 
 
+def _leaf_spec(
+  layout: _Layout, axis_name, single: bool, x, where: str, per_device: bool, local: bool, param
+) -> P:
+  """The spec of one state leaf ``x`` (see :func:`state_specs`): ``param`` is the index
+  of the parameter it belongs to, or None; ``per_device`` inside a per_device_state;
+  ``local`` for accumulated local gradients."""
+  specs, locals_ = layout.specs, layout.local
+  shape = tuple(x.shape)
+  if param is None and single and shape in (locals_[0], (1,) + locals_[0]):
+    param = 0
+  spec = (
+    None
+    if param is None
+    else tuple(specs[param]) + (None,) * (len(locals_[param]) - len(specs[param]))
+  )
+  if per_device:
+    on_data = spec is not None and data_sharded(P(*spec), axis_name)
+    if on_data and shape == (1,) + layout.full[param]:
+      return P(axis_name, *without(P(*spec), axis_name))  # a full-size local residual
+    if spec is not None and not on_data and shape == (1,) + locals_[param]:
+      return P(axis_name, *spec)
+    axes = () if spec is None else _spec_axes(without(P(*spec), axis_name))
+    if axes:
+      return P((axis_name,) + axes, *([None] * (len(shape) - 1)))
+    return P(axis_name)
+  if local:  # accumulated local gradients, no leading axis
+    if spec is None or shape != locals_[param]:
+      raise ValueError(
+        f"state at {where}: accumulated gradients must be shaped like their parameter"
+      )
+    if not shape:
+      raise ValueError(
+        f"state at {where}: the accumulated gradient of a 0-d parameter differs "
+        f"between devices but has no dimension to hold one value per device under "
+        f"shard_map; give the parameter shape (1,)"
+      )
+    return P((axis_name,) + _names(spec[0]), *spec[1:])
+  if spec is not None:
+    if shape == locals_[param]:
+      return P(*spec)
+    if _spec_axes(P(*spec)):
+      raise ValueError(
+        f"state at {where} has shape {shape} for a parameter sharded as "
+        f"{P(*spec)} (shard shape {locals_[param]}): jc.state_specs cannot tell how "
+        f"it is sharded"
+      )
+  return P()
+
+
 def state_specs(
   tx: optax.GradientTransformation,
   params,
@@ -206,13 +303,17 @@ def state_specs(
     keys, counters): ``P(axis_name, *spec)`` for a leaf shaped like its parameter
     (``spec`` that parameter's spec), ``P((axis_name, *axes))`` for one that is not
     (a two-phase chunk residual: it differs between the parameter's shards too), and
-    ``P(axis_name)`` for the rest;
+    ``P(axis_name)`` for the rest; for a parameter sharded over ``axis_name`` itself
+    (a ``collective="reduce_scatter"`` exchange's shards), a leaf shaped like its
+    full-size local gradient (an error-feedback residual) is ``P(axis_name, None,
+    *rest)``;
   * the accumulated gradients of ``optax.MultiSteps`` and :func:`multi_steps` (local
     sums of local gradients, so per device, held without a leading axis): the
     parameter's spec with ``axis_name`` in front of its first dimension's axes;
   * elsewhere (an optimizer after the exchange, whose updates are the same on every
-    data-parallel device): the parameter's spec for a leaf shaped like its parameter
-    (Adam's moments of a tensor-parallel kernel are sharded like it), else ``P()``.
+    data-parallel device, or its shard of them): the parameter's spec for a leaf shaped
+    like its parameter (Adam's moments of a tensor-parallel kernel, or of a ZeRO shard,
+    are sharded like it), else ``P()``.
 
   A leaf belongs to a parameter when it sits in a subtree with the parameters' tree
   structure (how optax and jaxcomp store per-parameter state).
@@ -222,9 +323,11 @@ def state_specs(
     params: the parameters (arrays or ``jax.ShapeDtypeStruct``), global shapes.
     axis_name: the data-parallel mesh axis the gradients are averaged over.
     num_devices: its size.
-    param_specs: a pytree of ``PartitionSpec`` for ``params`` over the *other* mesh axes
-      (tensor parallelism), as passed to ``shard_map``'s ``in_specs``; ``None``: the
-      parameters are replicated.
+    param_specs: a pytree of ``PartitionSpec`` for ``params`` (or a prefix of it), as
+      passed to ``shard_map``'s ``in_specs``: over the *other* mesh axes (tensor
+      parallelism), and over ``axis_name`` along the first dimension where a
+      ``collective="reduce_scatter"`` exchange takes the parameters' shards (ZeRO);
+      ``None``: the parameters are replicated.
     mesh: the mesh, when ``param_specs`` name other axes and neither the params'
       shardings nor ``jax.set_mesh`` say their sizes.
 
@@ -233,12 +336,14 @@ def state_specs(
 
   Raises:
     ValueError: ``num_devices`` differs from the mesh's ``axis_name`` size; a spec
-      shards over ``axis_name`` or does not divide its dimension; a state leaf would
-      vary over a mesh axis it cannot be sharded along (a 0-d per-device leaf).
+      shards over ``axis_name`` other than along the first dimension, or does not divide
+      its dimension; ``param_specs`` shard over ``axis_name`` but no transform of ``tx``
+      takes shards, or the reverse; a state leaf would vary over a mesh axis it cannot
+      be sharded along (a 0-d per-device leaf).
   """
-  layout = _layout(params, param_specs, axis_name, num_devices, mesh)
-  state = _trace_init(tx, params, layout)
-  specs, locals_ = layout.specs, layout.local
+  layout = mesh_layout(params, param_specs, axis_name, num_devices, mesh)
+  state = _check_takes_shards(tx, params, layout, axis_name)
+  locals_ = layout.local
   leaves, treedef = treeutil.flat(params)
   single = treedef.num_nodes == 1  # params is one array: match leaves by shape alone
 
@@ -265,49 +370,11 @@ def state_specs(
     return items if hits else None
 
   def leaf_spec(x, where: str, per_device: bool, local: bool, param: int | None):
-    spec_ = _leaf_spec(x, where, per_device, local, param)
+    spec_ = _leaf_spec(layout, axis_name, single, x, where, per_device, local, param)
     entries = list(spec_)
     while entries and entries[-1] is None:  # P('b', None) is P('b'): keep the short form
       entries.pop()
     return P(*entries)
-
-  def _leaf_spec(x, where: str, per_device: bool, local: bool, param: int | None):
-    shape = tuple(x.shape)
-    if param is None and single and shape in (locals_[0], (1,) + locals_[0]):
-      param = 0
-    spec = (
-      None
-      if param is None
-      else tuple(specs[param]) + (None,) * (len(locals_[param]) - len(specs[param]))
-    )
-    if per_device:
-      if spec is not None and shape == (1,) + locals_[param]:
-        return P(axis_name, *spec)
-      if spec is not None and _spec_axes(P(*spec)):
-        return P((axis_name,) + _spec_axes(P(*spec)), *([None] * (len(shape) - 1)))
-      return P(axis_name)
-    if local:  # accumulated local gradients, no leading axis
-      if spec is None or shape != locals_[param]:
-        raise ValueError(
-          f"state at {where}: accumulated gradients must be shaped like their parameter"
-        )
-      if not shape:
-        raise ValueError(
-          f"state at {where}: the accumulated gradient of a 0-d parameter differs "
-          f"between devices but has no dimension to hold one value per device under "
-          f"shard_map; give the parameter shape (1,)"
-        )
-      return P((axis_name,) + _names(spec[0]), *spec[1:])
-    if spec is not None:
-      if shape == locals_[param]:
-        return P(*spec)
-      if _spec_axes(P(*spec)):
-        raise ValueError(
-          f"state at {where} has shape {shape} for a parameter sharded as "
-          f"{P(*spec)} (shard shape {locals_[param]}): jc.state_specs cannot tell how "
-          f"it is sharded"
-        )
-    return P()
 
   def walk(node, where: str, per_device: bool, local: bool):
     def special(x):

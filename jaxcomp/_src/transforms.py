@@ -54,18 +54,214 @@ def default_filter(path: tuple, leaf: Array) -> bool:
 class CompressState(NamedTuple):
   """State of :func:`compress`.
 
-  ``residual`` and ``chunk_residual`` are pytrees shaped like the parameters, with an
-  array where a leaf is compressed with error feedback and ``optax.MaskedNode()``
-  elsewhere. All of it is per device (residuals differ between devices).
+  ``residual``, ``residual_scale`` and ``chunk_residual`` are pytrees shaped like the
+  parameters, with an array where a leaf is compressed with error feedback and
+  ``optax.MaskedNode()`` elsewhere. All of it is per device (residuals differ between
+  devices).
   """
 
   key: Array  # typed PRNG key, shape=()
-  residual: Any  # first-stage error feedback, leaf shape, dtype=float32
+  residual: Any  # first-stage error feedback, the gradient leaf's shape, dtype=residual_dtype
   chunk_residual: Any  # second-stage (two-phase) error feedback, shape=codec.chunk_shape
   #                        (leaf shape, K): (chunk,) or (m, columns), dtype=float32
   nonfinite_count: Array  # shape=(), dtype=int32: steps whose input had NaN/Inf
   overflow_count: Array  # shape=(), dtype=int32: steps a codec took its overflow path
-  shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
+  residual_scale: Any = None  # int8 residuals: shape=(ceil(size/256),), dtype=float32
+  shapes: treeutil.LeafShapes = None  # static record of the gradient leaves (no arrays)
+
+
+class _Options(NamedTuple):
+  """:func:`compress`'s arguments, checked (static)."""
+
+  codec: codecs_lib.Codec
+  axis_name: Any
+  collective: str
+  error_feedback: bool
+  seed: int
+  filter_fn: FilterFn
+  param_specs: Any
+  residual_dtype: str
+
+
+def _check_options(
+  codec, axis_name, collective, error_feedback, residual_dtype, param_specs
+) -> str:
+  """Raises on arguments :func:`compress` cannot take; the residual dtype's name."""
+  if not isinstance(codec, codecs_lib.Codec):
+    raise TypeError(f"codec must be a jaxcomp codec, got {codec!r}")
+  if collective not in collectives.COLLECTIVES:
+    raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
+  if codec.fallback is not None and collective not in ("allgather", "auto"):
+    raise ValueError(
+      f"{type(codec).__name__} (a variable-length format with a fixed-width "
+      f"fallback) needs collective='allgather', got {collective!r}"
+    )
+  if collective == "psum" and codec.summable_fields is None:
+    raise ValueError(
+      f"collective='psum' needs a codec whose payloads can be summed across devices "
+      f"(e.g. RandomK(density, shared=True)); {codec!r} cannot: use 'allgather' or "
+      f"'two_phase'"
+    )
+  if collective == "reduce_scatter" and axis_name is None:
+    raise ValueError(
+      "collective='reduce_scatter' needs the axis_name the parameters are sharded over"
+    )
+  if param_specs is not None and collective != "reduce_scatter":
+    raise ValueError(
+      f"param_specs say which leaves are sharded over the data axis, for "
+      f"collective='reduce_scatter'; got collective={collective!r}"
+    )
+  name = pipeline.residual_dtype(residual_dtype)
+  if name != "float32" and not error_feedback:
+    raise ValueError(f"residual_dtype={residual_dtype!r} needs error_feedback=True")
+  return name
+
+
+def _sharded(o: _Options, tree) -> list[bool]:
+  """Per leaf of ``tree``, whether it is sharded over the axis (reduce-scatter only)."""
+  if o.collective != "reduce_scatter":
+    return [False] * len(jax.tree.leaves(tree))
+  return pipeline.sharded_leaves(o.param_specs, tree, o.axis_name)
+
+
+#: Incremented by every ``init`` that takes parameter shards (a reduce-scatter), so that
+#: :func:`jaxcomp.state_specs` can tell a chain that expects shards from one that would
+#: take a shard for a whole parameter.
+_SHARD_INITS = [0]
+
+
+def _init_state(o: _Options, params) -> CompressState:
+  """Zero residuals for ``params`` (this device's shards, under a reduce-scatter)."""
+  leaves, treedef = treeutil.flat(params)
+  sharded = _sharded(o, params)
+  if any(sharded):
+    _SHARD_INITS[0] += 1
+  k = None
+  if o.axis_name is not None and o.collective in ("two_phase", "auto", "reduce_scatter"):
+    k = collectives.axis_size(o.axis_name)
+  grads, residual, scales, chunk_residual = [], [], [], []
+  for (path, leaf), sh in zip(leaves, sharded):
+    treeutil.check_leaf(path, leaf)
+    if sh and not jnp.ndim(leaf):
+      raise ValueError(
+        f"param at {jax.tree_util.keystr(path)} is 0-d and cannot be sharded over "
+        f"{o.axis_name!r}: declare it P() in param_specs"
+      )
+    like = jax.ShapeDtypeStruct(pipeline.full_shape(jnp.shape(leaf), sh, k), leaf.dtype)
+    grads.append(like)  # what update receives: the full-size local gradient
+    on = o.error_feedback and treeutil.selected(o.filter_fn, path, like)
+    e, es = pipeline.residual_zeros(like.shape, o.residual_dtype) if on else (None, None)
+    residual.append(optax.MaskedNode() if e is None else e)
+    scales.append(optax.MaskedNode() if es is None else es)
+    mode = pipeline.leaf_collective(o.collective, sh)
+    two_phase = (
+      on
+      and o.axis_name is not None
+      and mode in ("two_phase", "auto")
+      and pipeline.leaf_mode(o.codec, mode, o.axis_name, like.shape, like.dtype) == "two_phase"
+    )
+    if two_phase:
+      shape = collectives.chunk_residual_shape(o.codec, like.shape, k)
+      chunk_residual.append(jnp.zeros(shape, _F32))
+    else:
+      chunk_residual.append(optax.MaskedNode())
+  return CompressState(
+    key=jax.random.key(o.seed),
+    residual=treedef.unflatten(residual),
+    chunk_residual=treedef.unflatten(chunk_residual),
+    nonfinite_count=jnp.zeros((), jnp.int32),
+    overflow_count=jnp.zeros((), jnp.int32),
+    residual_scale=treedef.unflatten(scales),
+    shapes=treeutil.LeafShapes.of(treedef.unflatten(grads)),
+  )
+
+
+def _check_full_size(o: _Options, updates, state: CompressState) -> None:
+  """Under a reduce-scatter, a gradient of a sharded leaf shaped like its shard (not the
+  full-size local gradient init expects) gets an error that says so."""
+  if o.collective != "reduce_scatter" or state.shapes is None:
+    return
+  leaves, _ = treeutil.flat(updates)
+  if len(leaves) != len(state.shapes.shapes):
+    return  # the generic check names the missing or extra leaves
+  k = collectives.axis_size(o.axis_name)
+  for (path, g), want, sh in zip(leaves, state.shapes.shapes, _sharded(o, updates)):
+    if sh and want and tuple(jnp.shape(g)) == (want[0] // k,) + tuple(want[1:]):
+      raise ValueError(
+        f"jc.compress(collective='reduce_scatter'): the gradient at "
+        f"{jax.tree_util.keystr(path)} has the shard's shape {tuple(jnp.shape(g))}; update "
+        f"takes this device's full-size local gradient {want} (differentiate with respect "
+        f"to the gathered parameters) and returns its shard of the mean"
+      )
+
+
+def _flags(o: _Options, plan) -> tuple[Array, Array]:
+  """Whether any leaf's input was non-finite, and whether any codec overflowed (agreed
+  over a model axis)."""
+  any_bad = functools.reduce(jnp.logical_or, [~leaf.finite for leaf in plan], jnp.zeros((), bool))
+  any_overflow = functools.reduce(
+    jnp.logical_or,
+    [leaf.overflow for leaf in plan if leaf.overflow is not None],
+    jnp.zeros((), bool),
+  )
+  if o.axis_name is not None:
+    any_bad = collectives.any_over_other_axes(any_bad, o.axis_name)
+    any_overflow = collectives.any_over_other_axes(any_overflow, o.axis_name)
+  return any_bad, any_overflow
+
+
+def _update(o: _Options, updates, state: CompressState):
+  """One exchange: the mean of ``updates`` (this device's shard of it for sharded
+  leaves) and the new state."""
+  _check_full_size(o, updates, state)
+  opened = pipeline.open_update(updates, state.shapes, "jc.compress")
+  key, step_key = jax.random.split(state.key)
+  if o.axis_name is not None:
+    collectives.axis_size(o.axis_name)  # a clear error where the axis is not bound
+    if not o.codec.shared_randomness:  # else every device draws the same bits
+      step_key = jax.random.fold_in(step_key, lax.axis_index(o.axis_name))
+  scales = state.residual_scale
+  scales = opened.flatten(scales) if scales is not None else [None] * len(opened.leaves)
+  plan = [
+    pipeline.plan_leaf(
+      o.codec,
+      o.collective,
+      o.axis_name,
+      o.filter_fn,
+      i,
+      path,
+      g,
+      e,
+      e2,
+      step_key,
+      es=es,
+      sharded=sh,
+    )
+    for i, ((path, g), e, e2, es, sh) in enumerate(
+      zip(
+        opened.leaves,
+        opened.flatten(state.residual),
+        opened.flatten(state.chunk_residual),
+        scales,
+        _sharded(o, updates),
+      )
+    )
+  ]
+  plan = pipeline.run(o.axis_name, plan)
+  any_bad, any_overflow = _flags(o, plan)
+  new_state = state._replace(
+    key=key,
+    residual=opened.unflatten([leaf.residual for leaf in plan]),
+    chunk_residual=opened.unflatten([leaf.chunk_residual for leaf in plan]),
+    nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
+    overflow_count=state.overflow_count + any_overflow.astype(jnp.int32),
+    residual_scale=(
+      None
+      if state.residual_scale is None
+      else opened.unflatten([leaf.residual_scale for leaf in plan])
+    ),
+  )
+  return opened.unflatten([leaf.out for leaf in plan]), new_state
 
 
 def compress(
@@ -76,6 +272,8 @@ def compress(
   error_feedback: bool = False,
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+  param_specs: Any = None,
+  residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
   r"""Exchanges the gradient through a compressed collective and returns its mean.
 
@@ -104,6 +302,18 @@ def compress(
     ``RandomK(density, shared=True)``, whose indices are the same on every device): the
     values are all-reduced with ``lax.psum``; traffic ``2(K-1)/K`` times the values'
     bytes, flat in K, and shared indices never cross the wire.
+  * ``"reduce_scatter"``: for parameters sharded over ``axis_name`` (ZeRO/FSDP, as
+    ZeRO++'s qgZ): ``init`` takes this device's parameter *shards* (each leaf cut along
+    its first axis, as ``P(axis_name)`` cuts it), ``update`` this device's full-size
+    local gradient, and returns this device's *shard* of the mean. Each leaf is cut into
+    K rows, row j encoded and sent to device j in one ``all_to_all`` for all leaves;
+    the owner decodes its K payloads and sums them in float32
+    (:func:`jaxcomp._src.collectives.reduce_scatter_means`). Traffic per device
+    ``(K-1)/K·B``, half the two-phase exchange's, with one quantization. Leaves that
+    ``param_specs`` declare unsharded are averaged and returned whole (as ``"auto"``);
+    sharded leaves the filter leaves out take a dense ``psum_scatter``. An optimizer
+    chained after it runs on the shards, so its state is sharded too (ZeRO-1/2); see
+    ``docs/guides/sharded.md``.
 
   The compressed leaves share each collective: their payloads are encoded first, then
   moved in one ``all_gather`` (``"allgather"``) or one ``all_to_all`` and one
@@ -120,7 +330,11 @@ def compress(
   residual of the previous step, the device sends ``Q(g + e)`` and keeps
   ``e' = g + e - Q^{-1}(Q(g + e))``, so no part of the gradient is ever dropped, only
   delayed. In the two-phase exchange the owner of each chunk keeps a second residual for
-  its re-quantization in the same way. Residuals are float32 whatever the gradient dtype.
+  its re-quantization in the same way. Residuals are float32 whatever the gradient dtype,
+  unless ``residual_dtype`` says otherwise: ``jnp.bfloat16`` halves them and ``"int8"``
+  holds a quarter (an int8 per value and a float32 scale per 256 values, rounded to
+  nearest), for a sharded model whose full-size float32 residual would cost more than
+  its shards.
   With the all-gather exchange and a codec whose kernel fuses it
   (:meth:`~jaxcomp.codecs.Codec.fuses_feedback`: QSGD and OneBit on a GPU, and on a CPU
   with the native kernels for float32 gradients), the sum
@@ -148,11 +362,19 @@ def compress(
   Args:
     codec: a :mod:`jaxcomp.codecs` codec.
     axis_name: the mapped axis to average over, or ``None`` (local simulation).
-    collective: ``"allgather"``, ``"two_phase"``, ``"auto"`` or ``"psum"``.
+    collective: ``"allgather"``, ``"two_phase"``, ``"auto"``, ``"psum"`` or
+      ``"reduce_scatter"``.
     error_feedback: keep and re-inject the compression error.
     seed: seed of the state's PRNG key.
     filter: ``filter(path, leaf) -> bool`` choosing which leaves are compressed
-      (decided from path, shape and dtype); defaults to :func:`default_filter`.
+      (decided from path, shape and dtype of the gradient leaf); defaults to
+      :func:`default_filter`.
+    param_specs: with ``collective="reduce_scatter"``, the parameters'
+      ``PartitionSpec``\ s (a pytree like the parameters, or a prefix of it): leaves
+      whose spec starts with ``axis_name`` are sharded, the others averaged whole.
+      ``None``: every leaf is sharded, ``P(axis_name)``.
+    residual_dtype: the error-feedback residual's dtype: ``jnp.float32`` (default),
+      ``jnp.bfloat16`` or ``jnp.int8`` (block-scaled); needs ``error_feedback=True``.
 
   Returns:
     An ``optax.GradientTransformation`` whose updates are the (compressed) mean gradient.
@@ -166,84 +388,24 @@ def compress(
     >>> updates["w"].shape
     (64, 32)
   """
-  if not isinstance(codec, codecs_lib.Codec):
-    raise TypeError(f"codec must be a jaxcomp codec, got {codec!r}")
-  if collective not in collectives.COLLECTIVES:
-    raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
-  if codec.fallback is not None and collective not in ("allgather", "auto"):
-    raise ValueError(
-      f"{type(codec).__name__} (a variable-length format with a fixed-width "
-      f"fallback) needs collective='allgather', got {collective!r}"
-    )
-  if collective == "psum" and codec.summable_fields is None:
-    raise ValueError(
-      f"collective='psum' needs a codec whose payloads can be summed across devices "
-      f"(e.g. RandomK(density, shared=True)); {codec!r} cannot: use 'allgather' or "
-      f"'two_phase'"
-    )
-  filter_fn = default_filter if filter is None else filter
+  name = _check_options(codec, axis_name, collective, error_feedback, residual_dtype, param_specs)
+  o = _Options(
+    codec,
+    axis_name,
+    collective,
+    error_feedback,
+    seed,
+    default_filter if filter is None else filter,
+    param_specs,
+    name,
+  )
 
   def init_fn(params):
-    leaves, treedef = treeutil.flat(params)
-    residual, chunk_residual = [], []
-    k = None
-    for path, leaf in leaves:
-      treeutil.check_leaf(path, leaf)
-      on = error_feedback and treeutil.selected(filter_fn, path, leaf)
-      residual.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
-      two_phase = False
-      if on and axis_name is not None and collective in ("two_phase", "auto"):
-        if k is None:
-          k = collectives.axis_size(axis_name)
-        mode = pipeline.leaf_mode(codec, collective, axis_name, leaf.shape, leaf.dtype)
-        two_phase = mode == "two_phase"
-      if two_phase:
-        shape = collectives.chunk_residual_shape(codec, leaf.shape, k)
-        chunk_residual.append(jnp.zeros(shape, _F32))
-      else:
-        chunk_residual.append(optax.MaskedNode())
-    return CompressState(
-      key=jax.random.key(seed),
-      residual=treedef.unflatten(residual),
-      chunk_residual=treedef.unflatten(chunk_residual),
-      nonfinite_count=jnp.zeros((), jnp.int32),
-      overflow_count=jnp.zeros((), jnp.int32),
-      shapes=treeutil.LeafShapes.of(params),
-    )
+    return _init_state(o, params)
 
   def update_fn(updates, state, params=None):
     del params
-    opened = pipeline.open_update(updates, state.shapes, "jc.compress")
-    key, step_key = jax.random.split(state.key)
-    if axis_name is not None:
-      collectives.axis_size(axis_name)  # a clear error where the axis is not bound
-      if not codec.shared_randomness:  # else every device draws the same bits
-        step_key = jax.random.fold_in(step_key, lax.axis_index(axis_name))
-    plan = [
-      pipeline.plan_leaf(codec, collective, axis_name, filter_fn, i, path, g, e, e2, step_key)
-      for i, ((path, g), e, e2) in enumerate(
-        zip(opened.leaves, opened.flatten(state.residual), opened.flatten(state.chunk_residual))
-      )
-    ]
-    plan = pipeline.run(axis_name, plan)
-    any_bad = functools.reduce(jnp.logical_or, [~leaf.finite for leaf in plan], jnp.zeros((), bool))
-    any_overflow = functools.reduce(
-      jnp.logical_or,
-      [leaf.overflow for leaf in plan if leaf.overflow is not None],
-      jnp.zeros((), bool),
-    )
-    if axis_name is not None:
-      any_bad = collectives.any_over_other_axes(any_bad, axis_name)
-      any_overflow = collectives.any_over_other_axes(any_overflow, axis_name)
-    new_state = CompressState(
-      key=key,
-      residual=opened.unflatten([leaf.residual for leaf in plan]),
-      chunk_residual=opened.unflatten([leaf.chunk_residual for leaf in plan]),
-      nonfinite_count=state.nonfinite_count + any_bad.astype(jnp.int32),
-      overflow_count=state.overflow_count + any_overflow.astype(jnp.int32),
-      shapes=state.shapes,
-    )
-    return opened.unflatten([leaf.out for leaf in plan]), new_state
+    return _update(o, updates, state)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -260,6 +422,8 @@ def qsgd(
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
   implementation: str | None = None,
+  param_specs: Any = None,
+  residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
   r"""QSGD: stochastic quantization of the gradient exchange to ``s`` levels per sign.
 
@@ -297,8 +461,10 @@ def qsgd(
     bucket_size: values per bucket (``None``: one bucket per tensor).
     norm: ``"max"`` or ``"l2"``.
     levels: ``s``, levels per sign (``1 <= s < 2**24``), instead of ``bits``.
-    axis_name, collective, error_feedback, seed, filter: as in :func:`compress`.
-      ``collective="two_phase"`` keeps per-device traffic flat in the device count.
+    axis_name, collective, error_feedback, seed, filter, param_specs, residual_dtype: as
+      in :func:`compress`. ``collective="two_phase"`` keeps per-device traffic flat in
+      the device count; ``"reduce_scatter"`` returns this device's shard of the mean for
+      sharded parameters (ZeRO++'s qgZ: unbiased, no feedback needed).
     implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, the native
       kernels on a CPU backend, else XLA; ``"xla"``, ``"pallas"`` or ``"native"``).
 
@@ -326,6 +492,8 @@ def qsgd(
     error_feedback=error_feedback,
     seed=seed,
     filter=filter,
+    param_specs=param_specs,
+    residual_dtype=residual_dtype,
   )
 
 
@@ -349,6 +517,8 @@ def onebit_sgd(
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
   implementation: str | None = None,
+  param_specs: Any = None,
+  residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
   r"""1-bit SGD with error feedback and the two-phase exchange (Seide et al., 2014).
 
@@ -381,7 +551,8 @@ def onebit_sgd(
     bucket_size: values per reconstruction bucket (default 1024; ``None``: one bucket
       per tensor). Not with ``per_column=True``.
     per_column: one pair of reconstruction values per matrix column (the paper, §3).
-    axis_name, collective, seed, filter: as in :func:`compress`.
+    axis_name, collective, seed, filter, param_specs, residual_dtype: as in
+      :func:`compress` (``collective="reduce_scatter"`` for sharded parameters).
     implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, the native
       kernels on a CPU backend, else XLA; ``"xla"``, ``"pallas"`` or ``"native"``).
       ``per_column=True`` runs on XLA.
@@ -404,7 +575,14 @@ def onebit_sgd(
     bucket_size = int(bucket_size)
   codec = codecs_lib.OneBit(bucket_size, implementation, per_column=per_column)
   return compress(
-    codec, axis_name=axis_name, collective=collective, error_feedback=True, seed=seed, filter=filter
+    codec,
+    axis_name=axis_name,
+    collective=collective,
+    error_feedback=True,
+    seed=seed,
+    filter=filter,
+    param_specs=param_specs,
+    residual_dtype=residual_dtype,
   )
 
 
@@ -415,6 +593,8 @@ def ef_signsgd(
   collective: str = "auto",
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+  param_specs: Any = None,
+  residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
   r"""EF-signSGD: the scaled sign with error feedback (Karimireddy et al., 2019).
 
@@ -436,9 +616,10 @@ def ef_signsgd(
   Args:
     bucket_size: values per scale (``None``: one scale per tensor, the paper's
       ``‖p‖₁/d`` over the whole vector; in the two-phase exchange, per chunk).
-    axis_name, collective, seed, filter: as in :func:`compress` (``collective`` is
-      ``"allgather"``, ``"two_phase"`` or ``"auto"``; ``seed`` is unused by this
-      deterministic codec but kept for the state's key).
+    axis_name, collective, seed, filter, param_specs, residual_dtype: as in
+      :func:`compress` (``collective`` is ``"allgather"``, ``"two_phase"``, ``"auto"``
+      or ``"reduce_scatter"``; ``seed`` is unused by this deterministic codec but kept
+      for the state's key).
 
   Returns:
     An ``optax.GradientTransformation`` (:func:`compress` with error feedback).
@@ -453,9 +634,10 @@ def ef_signsgd(
     Karimireddy, Rebjock, Stich, Jaggi. *Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes*. ICML 2019. https://arxiv.org/abs/1901.09847
   """
-  if collective not in ("allgather", "two_phase", "auto"):
+  if collective not in ("allgather", "two_phase", "auto", "reduce_scatter"):
     raise ValueError(
-      f"ef_signsgd's collective must be 'allgather', 'two_phase' or 'auto', got {collective!r}"
+      f"ef_signsgd's collective must be 'allgather', 'two_phase', 'auto' or "
+      f"'reduce_scatter', got {collective!r}"
     )
   return compress(
     codecs_lib.ScaledSign(bucket_size),
@@ -464,6 +646,8 @@ def ef_signsgd(
     error_feedback=True,
     seed=seed,
     filter=filter,
+    param_specs=param_specs,
+    residual_dtype=residual_dtype,
   )
 
 
@@ -533,6 +717,9 @@ def sparsify(
   capacity: float | None = None,
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
+  collective: str = "allgather",
+  param_specs: Any = None,
+  residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
   r"""Optimal unbiased sparsification of the gradient exchange (Wangni et al., 2018).
 
@@ -555,21 +742,30 @@ def sparsify(
     density: expected fraction of entries sent (``"greedy"``); with ``"exact"`` the
       density the payload's capacity is planned for.
     method: ``"greedy"`` or ``"exact"``.
-    axis_name, error_feedback, seed, filter: as in :func:`compress` (all-gather exchange).
+    axis_name, error_feedback, seed, filter: as in :func:`compress`.
     capacity: override of the payload capacity (see the codec).
+    collective: ``"allgather"`` (default) or ``"reduce_scatter"`` (for parameters
+      sharded over ``axis_name``; each device's row of each leaf is sparsified on its own).
+    param_specs, residual_dtype: as in :func:`compress`.
 
   References:
     Wangni, Wang, Liu, Zhang. *Gradient Sparsification for Communication-Efficient
     Distributed Optimization*. NeurIPS 2018. https://arxiv.org/abs/1710.09854
   """
+  if collective not in ("allgather", "reduce_scatter"):
+    raise ValueError(
+      f"sparsify's collective must be 'allgather' or 'reduce_scatter', got {collective!r}"
+    )
   codec = wangni.UnbiasedSparsifier(
     epsilon=epsilon, density=density, method=method, capacity=capacity
   )
   return compress(
     codec,
     axis_name=axis_name,
-    collective="allgather",
+    collective=collective,
     error_feedback=error_feedback,
     seed=seed,
     filter=filter,
+    param_specs=param_specs,
+    residual_dtype=residual_dtype,
   )

@@ -15,7 +15,8 @@ psum_scatter       (K-1)/K·B
 ppermute           B
 =================  ====================
 
-and as much is sent. The dense baseline is a float32 ``pmean`` of every parameter.
+and as much is sent. The dense baseline is a float32 ``pmean`` of every parameter (a
+float32 ``psum_scatter`` of a leaf sharded over the data axis).
 Of a ``lax.cond``/``lax.switch`` only the branch that moves the most bytes is counted
 (one branch runs per step; e.g. the first warm-up stage of :func:`jaxcomp.dgc`), so the
 report is an upper bound there; report the steady state of such a transform without it
@@ -108,7 +109,7 @@ class WireReport:
   def __str__(self) -> str:
     lines = [
       f"wire report, K={self.num_devices} devices, per device per step:",
-      f"  received {self.bytes_received:,.0f} B  (dense pmean {self.dense_bytes:,.0f} B,"
+      f"  received {self.bytes_received:,.0f} B  (dense float32 {self.dense_bytes:,.0f} B,"
       f" ratio {self.ratio:.2f}x)",
     ]
     for op in self.ops:
@@ -178,24 +179,32 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
         _walk(sub, k, inner, out)
 
 
-def collective_ops(fn, *args, axis_name, num_devices: int) -> list[CollectiveOp]:
+def collective_ops(
+  fn, *args, axis_name, num_devices: int, in_specs=None, mesh=None
+) -> list[CollectiveOp]:
   """A :class:`CollectiveOp` per collective of the traced ``fn`` (not merged).
 
   ``fallback`` marks collectives under ``jax.named_scope("jaxcomp_fallback")``: a rare
   path (taken when a capacity overflowed) that is reported apart.
 
   ``fn(*args)`` is traced inside ``jax.shard_map`` over an abstract mesh of
-  ``num_devices`` devices, every argument replicated (so each device sees ``args``).
+  ``num_devices`` devices, every argument replicated (so each device sees ``args``);
+  or over ``mesh`` with ``in_specs`` (the arguments then carry their shardings).
   """
-  mesh = jax.sharding.AbstractMesh((num_devices,), (axis_name,))
-  mapped = jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+  if mesh is None:
+    mesh = jax.sharding.AbstractMesh((num_devices,), (axis_name,))
+  mapped = jax.shard_map(
+    fn, mesh=mesh, in_specs=P() if in_specs is None else in_specs, out_specs=P(), check_vma=False
+  )
   closed = jax.make_jaxpr(mapped)(*args)
   out: list = []
   _walk(closed.jaxpr, num_devices, 1, out)
   return out
 
 
-def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
+def wire_report(
+  tx, params, *, axis_name, num_devices: int, param_specs=None, mesh=None
+) -> WireReport:
   """Bytes per device per step that ``tx.update`` sends and receives through collectives.
 
   ``tx.init`` and ``tx.update`` are traced inside ``jax.shard_map`` over an abstract
@@ -204,14 +213,20 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
   by the ring convention in this module's docstring; a collective that runs once every
   ``n`` steps (the sync of :func:`jaxcomp.diloco`) counts ``1/n`` of its bytes. The
   dense baseline is ``lax.pmean`` of every leaf of ``params`` in float32:
-  ``2(K-1)/K · 4 · N`` bytes.
+  ``2(K-1)/K · 4 · N`` bytes; for the leaves ``param_specs`` shard over ``axis_name``
+  (a ``collective="reduce_scatter"`` exchange, which returns this device's shard) it is
+  a float32 ``psum_scatter``: ``(K-1)/K · 4 · N``.
 
   Args:
     tx: an ``optax.GradientTransformation`` (e.g. a chain starting with ``jc.qsgd``).
-    params: the parameters (arrays or ``jax.ShapeDtypeStruct``); gradients are taken to
-      have the same shapes and dtypes.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``), global shapes;
+      gradients are taken to have the same dtypes and each device's full-size local
+      shapes (not cut over ``axis_name``).
     axis_name: the axis name ``tx`` averages over.
     num_devices: K, the number of devices on that axis (>= 2).
+    param_specs: the parameters' ``PartitionSpec``\\ s, as for :func:`jaxcomp.state_specs`
+      (``None``: replicated); ``update`` is traced with each device's shards.
+    mesh: the mesh, when ``param_specs`` name other axes (see :func:`jaxcomp.state_specs`).
 
   Returns:
     A :class:`WireReport`; ``str()`` of it is a readable table.
@@ -221,20 +236,39 @@ def wire_report(tx, params, *, axis_name, num_devices: int) -> WireReport:
   if axis_name is None:
     raise ValueError("wire_report needs the axis_name the transform averages over")
   params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
-  state = specs.abstract_state(tx, params, axis_name=axis_name, num_devices=num_devices)
+  layout = specs.mesh_layout(params, param_specs, axis_name, num_devices, mesh)
+  state = specs.abstract_state(
+    tx, params, axis_name=axis_name, num_devices=num_devices, param_specs=param_specs, mesh=mesh
+  )
+  leaves, treedef = jax.tree.flatten(params)
+  grad_specs = [specs.without(spec, axis_name) for spec in layout.specs]
+
+  def placed(spec_list):
+    return treedef.unflatten(
+      [
+        jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=jax.NamedSharding(layout.mesh, sp))
+        for p, sp in zip(leaves, spec_list)
+      ]
+    )
+
   ops = collective_ops(
     lambda g, s, p: tx.update(g, s, p)[0],
-    params,
+    placed(grad_specs),
     state,
-    params,
+    placed(layout.specs),
     axis_name=axis_name,
     num_devices=num_devices,
+    in_specs=(treedef.unflatten(grad_specs), P(), treedef.unflatten(layout.specs)),
+    mesh=layout.mesh,
   )
   received = float(sum(op.bytes_received for op in ops if not op.fallback))
   fallback = float(sum(op.bytes_received for op in ops if op.fallback))
-  n_dense = sum(int(np.prod(p.shape, dtype=np.int64)) for p in jax.tree.leaves(params))
   k = num_devices
-  dense = 2 * (k - 1) / k * 4 * n_dense
+  dense = 0.0
+  for spec, shape in zip(layout.specs, layout.full):
+    n = int(np.prod(shape, dtype=np.int64))
+    scattered = specs.data_sharded(spec, axis_name)
+    dense += (1 if scattered else 2) * (k - 1) / k * 4 * n
   return WireReport(
     num_devices=k,
     bytes_sent=received,

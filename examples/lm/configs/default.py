@@ -42,6 +42,13 @@ class Config:
   powersgd_rank: int = 4
   dgc_density: float = 0.01
   onebit_adam_freeze: float = 0.25  # fraction of the steps in full-precision warm-up
+  # onebit / ef_signsgd: fraction of the updates whose exchange is the dense mean before
+  # the 1-bit codes start (train.dense_warmup; 0: compressed from the first update). As
+  # long as 1-bit Adam's warm-up: docs/guides/lm.md says why the codes need one.
+  sign_warmup: float = 0.25
+  diloco_sync_every: int = 10  # DiLoCo: local updates between syncs (H)
+  diloco_outer_lr: float = 0.7  # DiLoCo's outer Nesterov SGD (the paper's 0.7 / 0.9)
+  diloco_outer_momentum: float = 0.9
 
   # Methods to compare, in table order.
   methods: tuple[str, ...] = (
@@ -53,6 +60,8 @@ class Config:
     "powersgd",
     "onebit_adam",
     "dgc",
+    "diloco",
+    "diloco_qsgd4",
   )
 
   # Evaluation and logging.

@@ -1,4 +1,5 @@
-"""OneBit with one pair of reconstruction values per matrix column (1-bit SGD, §3).
+"""1-bit SGD (``jc.onebit_sgd``, docs/methods/onebit_sgd.md): OneBit with one pair of
+reconstruction values per matrix column (§3).
 
 Every path compress offers for it (local, all-gather and two-phase, with error feedback,
 under shard_map and pmap) is checked against a float64 numpy computation of the

@@ -1,0 +1,411 @@
+r"""Per-layer FSDP (ZeRO-3) against dense FSDP: bytes, peak memory, step time over a link.
+
+The model is a residual tanh MLP of ``--layers`` stacked ``(width, width)`` layers run by
+``lax.scan`` (each layer rematerialized, so its weights are gathered again in the
+backward, as FSDP does), every weight and bias sharded along its first axis over the
+data axis. One SGD step of each method:
+
+* ``dense``: dense FSDP in plain JAX, ``lax.all_gather(shard, tiled=True)`` in each
+  layer; JAX transposes it into a float32 ``psum_scatter`` (divided by K).
+* ``fsdp_int8_qsgd4``: ``jc.fsdp_gather`` in each layer, the weights gathered from int8
+  (``jc.codecs.BlockInt8``), the gradient reduce-scattered as 4-bit QSGD (7 levels, max
+  norm, buckets of 512) inside the layer's backward (item 4 with item 3).
+* ``fsdp_qsgd4``: the same with an exact float32 gather (item 4 alone).
+* ``zero_qsgd4``: all weights gathered up front (float32), the loss differentiated with
+  respect to them (the model's full-size local gradient), then one compressed
+  reduce-scatter of it (item 1's exchange, ``reduce_scatter_means``).
+
+Three measurements (``--part``):
+
+* ``memory`` (one process, ``--devices`` CPU devices): ``compiled.memory_analysis()`` of
+  each step per device (arguments + outputs + temporaries - aliased), and the bytes per
+  device per step read off the traced program's collectives (``wire.collective_ops``).
+* ``link`` (2 processes in 2 network namespaces over a ``tc``-throttled veth,
+  :mod:`benchmarks.network`'s link; needs root): the step time of each method at each
+  ``--rates`` and its ratio to dense's in the same run.
+
+  sudo nice -n 15 python -m benchmarks.sharded                  # memory, then link
+  nice -n 15 python -m benchmarks.sharded --part memory
+  sudo python -m benchmarks.sharded --part link --rates none,1gbit --width 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+METHODS = ("dense", "fsdp_int8_qsgd4", "fsdp_qsgd4", "zero_qsgd4")
+RESULT_MARKER = "JAXCOMP_SHARDED_RESULT "
+AXIS = "data"
+# A link of its own (names and subnet apart from benchmarks.network's), so that this
+# benchmark can run while another holds that one.
+NAMESPACES = ("jcfsdp0", "jcfsdp1")
+VETHS = ("jcfsveth0", "jcfsveth1")
+ADDRESSES = ("10.231.78.1", "10.231.78.2")
+
+
+def build(method: str, *, layers: int, width: int, lr: float = 0.01):
+  """``step(params, x, y) -> params`` for ``method``, to run inside ``jax.shard_map``
+  (params: each device's shards ``{"w": (L, width/K, width), "b": (L, width/K)}``)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+
+  qsgd4 = jc.codecs.QSGD(7, 512, norm="max")
+
+  def forward(layer, ws, bs, x, keys):
+    def body(h, xs):
+      w, b = layer(xs)
+      return h + jnp.tanh(h @ w + b), None
+
+    h, _ = lax.scan(jax.checkpoint(body), x, (ws, bs, keys))
+    return h
+
+  def mse(h, y):
+    return jnp.mean(jnp.square(h - y))
+
+  def sgd(p, g):
+    return jax.tree.map(lambda a, b: a - lr * b, p, g)
+
+  keys = jax.random.split(jax.random.key(0), layers)
+
+  if method in ("dense", "fsdp_int8_qsgd4", "fsdp_qsgd4"):
+    if method == "dense":
+
+      def layer(xs):
+        return tuple(lax.all_gather(a, AXIS, tiled=True) for a in xs[:2])
+
+    else:
+      wc = jc.codecs.BlockInt8() if method == "fsdp_int8_qsgd4" else None
+
+      def layer(xs):
+        w, b, key = xs
+        return jc.fsdp_gather((w, b), axis_name=AXIS, key=key, weight_codec=wc, grad_codec=qsgd4)
+
+    def step(p, x, y):
+      g = jax.grad(lambda p: mse(forward(layer, p["w"], p["b"], x, keys), y))(p)
+      if method == "dense":  # the transposed all_gather sums: the mean is / K
+        g = jax.tree.map(lambda a: a / lax.axis_size(AXIS), g)
+      return sgd(p, g)
+
+    return step
+
+  if method == "zero_qsgd4":
+
+    def step(p, x, y):
+      # The sharded axis is each layer's first, axis 1 of the stacked leaves.
+      rows_first = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), p)
+      full = jax.tree.map(
+        lambda a: jnp.moveaxis(a, 0, 1), jc.gather_weights(rows_first, axis_name=AXIS, codec=None)
+      )
+      g = jax.grad(lambda f: mse(forward(lambda xs: xs[:2], f["w"], f["b"], x, keys), y))(full)
+      leaves = [jnp.moveaxis(g["w"], 1, 0), jnp.moveaxis(g["b"], 1, 0)]
+      base = jax.random.fold_in(jax.random.key(1), lax.axis_index(AXIS))
+      out = collectives.reduce_scatter_means(qsgd4, leaves, jax.random.split(base, 2), AXIS)
+      return sgd(p, {"w": jnp.moveaxis(out[0].mean, 0, 1), "b": jnp.moveaxis(out[1].mean, 0, 1)})
+
+    return step
+  raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def local_shapes(layers: int, width: int, k: int, batch: int):
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  if width % k:
+    raise ValueError(f"--width {width} must be divisible by the {k} devices")
+  p = {
+    "w": jax.ShapeDtypeStruct((layers, width // k, width), jnp.float32),
+    "b": jax.ShapeDtypeStruct((layers, width // k), jnp.float32),
+  }
+  x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+  return p, x
+
+
+def wire_bytes(method: str, args) -> dict:
+  """Bytes received per device per step, by collective, from the traced step."""
+  from jaxcomp._src import wire  # pylint: disable=import-outside-toplevel
+
+  p, x = local_shapes(args.layers, args.width, args.devices, args.batch)
+  step = build(method, layers=args.layers, width=args.width)
+  ops = wire.collective_ops(step, p, x, x, axis_name=AXIS, num_devices=args.devices)
+  out: dict = {}
+  for op in ops:
+    name = wire.canonical(op.primitive)
+    out[name] = out.get(name, 0.0) + op.bytes_received
+  return out
+
+
+def memory(args, *, with_wire: bool = True) -> list[dict]:
+  """Peak memory per device of each method's compiled step, and its wire bytes
+  (``with_wire``)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  k = args.devices
+  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  p, x = local_shapes(args.layers, args.width, k, args.batch)
+  glob = {
+    n: jax.ShapeDtypeStruct((s.shape[0], s.shape[1] * k) + s.shape[2:], s.dtype)
+    for n, s in p.items()
+  }
+  gx = jax.ShapeDtypeStruct((x.shape[0] * k, x.shape[1]), x.dtype)
+  pspec = {"w": P(None, AXIS), "b": P(None, AXIS)}
+  rows = []
+  for method in args.methods:
+    step = build(method, layers=args.layers, width=args.width)
+    f = jax.jit(
+      jax.shard_map(step, mesh=mesh, in_specs=(pspec, P(AXIS), P(AXIS)), out_specs=pspec),
+      donate_argnums=0,
+    )
+    shard = lambda s, spec: jax.ShapeDtypeStruct(  # noqa: E731
+      s.shape, s.dtype, sharding=jax.NamedSharding(mesh, spec)
+    )
+    compiled = f.lower(
+      jax.tree.map(shard, glob, pspec), shard(gx, P(AXIS)), shard(gx, P(AXIS))
+    ).compile()
+    m = compiled.memory_analysis()
+    peak = (
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      + m.temp_size_in_bytes
+      - m.alias_size_in_bytes
+    )
+    rows.append(
+      {
+        "method": method,
+        "peak_bytes": int(peak),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "wire": wire_bytes(method, args) if with_wire else None,
+      }
+    )
+  return rows
+
+
+def memory_table(rows: list[dict], args) -> str:
+  n = args.layers * (args.width * args.width + args.width)
+  dense = next((r for r in rows if r["method"] == "dense"), rows[0])
+  dense_total = sum(dense["wire"].values())
+  dense_rs = dense["wire"].get("psum_scatter", 0.0)
+  lines = [
+    f"{args.layers} layers x ({args.width} x {args.width}) = {n:,} parameters (float32),"
+    f" K = {args.devices} devices, batch {args.batch} per device; per device per step.",
+    "",
+    "| method | peak memory (MiB) | vs dense | bytes received | vs dense |"
+    " gradient exchange bytes | vs dense psum_scatter |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    total = sum(r["wire"].values())
+    grad = r["wire"].get("all_to_all", 0.0) + r["wire"].get("psum_scatter", 0.0)
+    lines.append(
+      f"| {r['method']} | {r['peak_bytes'] / 2**20:.1f} |"
+      f" {r['peak_bytes'] / dense['peak_bytes']:.2f}x | {total:,.0f} |"
+      f" {dense_total / total:.2f}x fewer | {grad:,.0f} | {dense_rs / grad:.2f}x fewer |"
+    )
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the link
+
+
+def worker(args) -> None:
+  """One of 2 processes: times each method's step on the 2-device mesh."""
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
+
+  launch.init_distributed(args.coordinator, 2, args.process_id, devices_per_process=1)
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  k = jax.device_count()
+  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  pspec = {"w": P(None, AXIS), "b": P(None, AXIS)}
+  rng = np.random.default_rng(args.process_id)
+  p, x = local_shapes(args.layers, args.width, k, args.batch)
+
+  def put(a, spec):
+    return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, spec), a)
+
+  def params():
+    return {
+      n: put((rng.normal(size=s.shape) / np.sqrt(args.width)).astype(np.float32), pspec[n])
+      for n, s in p.items()
+    }
+
+  xb = put(rng.normal(size=x.shape).astype(np.float32), P(AXIS))
+  yb = put(rng.normal(size=x.shape).astype(np.float32), P(AXIS))
+  result = {}
+  for method in args.methods:
+    step = build(method, layers=args.layers, width=args.width)
+    f = jax.jit(
+      jax.shard_map(step, mesh=mesh, in_specs=(pspec, P(AXIS), P(AXIS)), out_specs=pspec),
+      donate_argnums=0,
+    )
+    state = jax.block_until_ready(f(params(), xb, yb))  # compile, warm the connection
+    times = []
+    for _ in range(args.steps):
+      start = time.perf_counter()
+      state = jax.block_until_ready(f(state, xb, yb))
+      times.append(time.perf_counter() - start)
+    finite = all(
+      bool(np.all(np.isfinite(np.asarray(a.addressable_data(0))))) for a in jax.tree.leaves(state)
+    )
+    multihost_utils.sync_global_devices(method)
+    result[method] = {"median_s": statistics.median(times), "times_s": times, "finite": finite}
+  print(RESULT_MARKER + json.dumps(result), flush=True)
+  jax.distributed.shutdown()
+
+
+def run_workers(args, prefix, host: str) -> dict:
+  """The 2 worker processes once (``prefix(i)`` before worker i's command); process
+  0's result."""
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
+  from benchmarks import network  # pylint: disable=import-outside-toplevel
+
+  flags = ["--layers", str(args.layers), "--width", str(args.width), "--batch"]
+  flags += [str(args.batch), "--steps", str(args.steps), "--methods", ",".join(args.methods)]
+  coordinator = f"{host}:{network.free_port()}"
+  commands = [
+    [*prefix(i), sys.executable, "-m", "benchmarks.sharded", "--worker"]
+    + ["--process-id", str(i), "--coordinator", coordinator, *flags]
+    for i in range(2)
+  ]
+  outputs = launch.run_processes(commands, timeout=args.timeout)
+  lines = [line for line in outputs[0].stdout if line.startswith(RESULT_MARKER)]
+  if not lines:
+    raise RuntimeError("the worker gave no result:\n" + outputs[0].tail())
+  return json.loads(lines[0][len(RESULT_MARKER) :])
+
+
+def link(args) -> dict:
+  """Each method's step time per rate, 2 processes over the throttled veth (with
+  ``--smoke``: 2 local processes, no namespaces or throttle)."""
+  from benchmarks import network  # pylint: disable=import-outside-toplevel
+
+  if args.smoke:
+    return {"none": run_workers(args, lambda i: [], "127.0.0.1")}
+
+  def prefix(i: int) -> list[str]:  # process i in namespace i (pinned to core i: --pin)
+    pin = ["taskset", "-c", str(i % (os.cpu_count() or 1))] if args.pin else []
+    return ["ip", "netns", "exec", NAMESPACES[i], *pin]
+
+  out = {}
+  with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
+    for rate in args.rates:
+      ln.set_rate(rate)
+      out[rate] = run_workers(args, prefix, ADDRESSES[0])
+      print(rate, {m: round(r["median_s"], 4) for m, r in out[rate].items()}, flush=True)
+  return out
+
+
+def link_table(by_rate: dict, wire_k2: dict, args) -> str:
+  lines = [
+    f"2 processes x 1 CPU device (gloo) over a tc-throttled veth; {args.layers} layers x"
+    f" ({args.width} x {args.width}), batch {args.batch} per device; median of"
+    f" {args.steps} steps.",
+    "",
+    "| rate | method | bytes received / step | s / step | speed-up vs dense |",
+    "|---|---|---:|---:|---:|",
+  ]
+  for rate, res in by_rate.items():
+    dense = res["dense"]["median_s"]
+    for method, r in res.items():
+      lines.append(
+        f"| {rate} | {method} | {sum(wire_k2[method].values()):,.0f} |"
+        f" {r['median_s']:.3f} | {dense / r['median_s']:.2f}x |"
+      )
+  return "\n".join(lines)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--part", default="all", choices=("all", "memory", "link"))
+  p.add_argument("--layers", type=int, default=8)
+  p.add_argument("--width", type=int, default=1024)
+  p.add_argument("--batch", type=int, default=32, help="rows per device")
+  p.add_argument("--devices", type=int, default=8, help="CPU devices of the memory part")
+  p.add_argument("--methods", default=",".join(METHODS))
+  p.add_argument("--rates", default="none,1gbit")
+  p.add_argument("--steps", type=int, default=10, help="timed steps per method and rate")
+  p.add_argument("--timeout", type=float, default=1200)
+  p.add_argument(
+    "--pin",
+    action="store_true",
+    help="pin process i to core i (on a machine shared with pinned jobs, a niced pinned"
+    " process can starve for minutes: off by default)",
+  )
+  p.add_argument(
+    "--smoke",
+    action="store_true",
+    help="the link part as 2 local processes, no namespaces or throttle, a tiny model",
+  )
+  p.add_argument("--out", default="runs/sharded")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+  p.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  args.methods = [m for m in args.methods.split(",") if m]
+  args.rates = [r for r in args.rates.split(",") if r]
+  if args.smoke:
+    args.part, args.rates, args.width, args.batch, args.steps = "link", ["none"], 64, 4, 2
+  if "dense" not in args.methods:
+    p.error("--methods must include dense (the baseline)")
+  for m in args.methods:
+    if m not in METHODS:
+      p.error(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.worker:
+    worker(args)
+    return 0
+  if args.part in ("all", "link") and not args.smoke:
+    from benchmarks import network  # pylint: disable=import-outside-toplevel
+
+    if network.cannot_run("benchmarks.sharded --part link"):
+      return 2
+  if args.part in ("all", "memory"):
+    # The memory part wants args.devices CPU devices in this process.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax  # pylint: disable=import-outside-toplevel
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+  report = []
+  results: dict = {"args": vars(args)}
+  if args.part in ("all", "memory"):
+    rows = memory(args)
+    results["memory"] = rows
+    report.append(memory_table(rows, args))
+    print(report[-1], flush=True)
+  if args.part in ("all", "link"):
+    k8 = args.devices
+    args.devices = 2
+    wire_k2 = {m: wire_bytes(m, args) for m in args.methods}
+    args.devices = k8
+    by_rate = link(args)
+    results["link"] = by_rate
+    results["link_wire"] = wire_k2
+    report.append(link_table(by_rate, wire_k2, args))
+    print(report[-1], flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write("\n\n".join(report) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,103 @@
+"""The package's layout rules, checked from its source.
+
+No function in ``jaxcomp/`` is longer than 80 lines of code: docstrings, comments and
+blank lines do not count, nested functions count in their parent (the house rule,
+issue 28 item 2).
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxcomp"
+MAX_LINES = 80
+
+# Functions still over the limit (issue 28 item 2: "no function in jaxcomp/ over 80
+# lines"): compress and state_specs are being rewritten with the exchange pipeline of
+# item 1; diloco and elias.decode_stream are not yet split. Each entry must still exceed
+# the limit, so a fixed one has to come off this list.
+KNOWN_EXCEPTIONS = {
+  ("jaxcomp/_src/elias.py", "decode_stream"),
+}
+
+
+def _docstring_lines(node) -> set[int]:
+  """The line numbers of the docstrings of ``node`` and of everything nested in it."""
+  out = set()
+  for n in ast.walk(node):
+    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+      body = n.body
+      if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+      ):
+        out.update(range(body[0].lineno, body[0].end_lineno + 1))
+  return out
+
+
+def code_lines(node, source_lines: list[str]) -> int:
+  """Lines of code of a function: not blank, not a comment, not in a docstring."""
+  skip = _docstring_lines(node)
+  count = 0
+  for i in range(node.lineno, node.end_lineno + 1):
+    text = source_lines[i - 1].strip()
+    if i not in skip and text and not text.startswith("#"):
+      count += 1
+  return count
+
+
+def long_functions(root: pathlib.Path = PACKAGE, limit: int = MAX_LINES) -> dict:
+  """``{(file, qualified name): lines}`` of the top-level functions and methods (with
+  their nested functions) longer than ``limit``."""
+  out = {}
+  for path in sorted(root.rglob("*.py")):
+    source = path.read_text()
+    lines = source.splitlines()
+    rel = path.relative_to(root.parent).as_posix()
+
+    def visit(node, prefix, rel=rel, lines=lines):
+      for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+          n = code_lines(child, lines)
+          if n > limit:
+            out[(rel, prefix + child.name)] = n
+        elif isinstance(child, ast.ClassDef):
+          visit(child, prefix + child.name + ".")
+
+    visit(ast.parse(source), "")
+  return out
+
+
+def test_no_function_over_80_lines():
+  found = long_functions()
+  new = {k: v for k, v in found.items() if k not in KNOWN_EXCEPTIONS}
+  assert not new, f"functions over {MAX_LINES} lines of code: {new}"
+  fixed = KNOWN_EXCEPTIONS - set(found)
+  assert not fixed, f"within the limit now, take them off KNOWN_EXCEPTIONS: {sorted(fixed)}"
+
+
+@pytest.mark.parametrize(
+  "source, expected",
+  [
+    ("def f():\n  '''doc\n  more'''\n  x = 1\n  # note\n\n  return x\n", 3),
+    ("def f():\n  def g():\n    '''inner doc'''\n    return 1\n  return g\n", 4),
+  ],
+)
+def test_code_lines_counts_code_only(source, expected):
+  """Docstrings (also of nested functions), comments and blank lines are not counted;
+  the def line and nested functions are."""
+  node = ast.parse(source).body[0]
+  assert code_lines(node, source.splitlines()) == expected
+
+
+def test_the_check_finds_a_long_function(tmp_path):
+  """A negative control: a function of 81 statements is reported, one of 80 is not."""
+  pkg = tmp_path / "jaxcomp"
+  pkg.mkdir()
+  body = "".join(f"  x{i} = {i}\n" for i in range(80))
+  (pkg / "m.py").write_text(f"def long():\n{body}\ndef ok():\n{body[: body.rindex('  x79')]}")
+  assert long_functions(pkg) == {("jaxcomp/m.py", "long"): 81}
