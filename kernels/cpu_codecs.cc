@@ -502,7 +502,7 @@ ffi::Error QsgdEncode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
         const float* v = LoadBucket(xd, ed, n, bucket, b, scratch.data(), &valid);
         // Software prefetch of the next (whole) bucket: without it the encode waits on
         // memory in AbsMaxFinite (benchmarks/studies/cpu_kernel_loop.py --stream measures it:
-        // docs/benchmarks.md#native-qsgd-encode-loop).
+        // docs/guides/kernels.md#native-qsgd-encode-loop).
         const bool ahead = (b + 2) * bucket <= n;
         QsgdBucket<BITS>(p, b, v, valid, wd, sd, nd, codes.data(),
                          ahead ? xd + (b + 1) * bucket : nullptr,
