@@ -126,6 +126,7 @@ COMMANDS = (
   "benchmarks.studies.dgc_warmup_compile",
   "benchmarks.studies.elias_bits",
   "benchmarks.studies.elias_device",
+  "benchmarks.studies.elias_inputs",
   "benchmarks.studies.mipd_capacity",
   "benchmarks.studies.mipd_wire",
   "benchmarks.studies.native_vs_xla",
