@@ -47,6 +47,7 @@ from jaxcomp._src.transforms import qsgd
 from jaxcomp._src.transforms import sparsify
 from jaxcomp._src.wire import CollectiveOp
 from jaxcomp._src.wire import WireReport
+from jaxcomp._src.wire import step_wire_report
 from jaxcomp._src.wire import wire_report
 from jaxcomp._src.wrappers import SkipNonfiniteState
 from jaxcomp._src.wrappers import multi_steps
@@ -98,6 +99,7 @@ __all__ = [
   "skip_nonfinite",
   "sparsify",
   "state_specs",
+  "step_wire_report",
   "unwrap_keys",
   "vary",
   "wire_report",

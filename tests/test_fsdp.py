@@ -530,3 +530,32 @@ def test_two_processes_over_gloo(tmp_path):
     run = json.load(f)["link"]["none"]
   assert set(run) == {"dense", "fsdp_int8_qsgd4", "fsdp_qsgd4", "zero_qsgd4"}
   assert all(r["finite"] for r in run.values()), run
+
+
+def test_step_wire_report_prices_a_per_layer_step_against_dense_fsdp():
+  """jc.step_wire_report: the int8 gathers and QSGD all_to_alls of the per-layer step,
+  against the dense FSDP step's float32 gathers and psum_scatters, read off both traces."""
+  shards = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct((L, a.shape[1] // K) + a.shape[2:], a.dtype),
+    _model(jax.random.key(0)),
+  )
+  x = jax.ShapeDtypeStruct((16, D), jnp.float32)
+  keys = jax.random.split(jax.random.key(0), L)
+
+  def step(layer):
+    return lambda p, keys, x: jax.grad(lambda p: jnp.sum(_forward(layer, p, x, (keys,))))(p)
+
+  compressed, dense = step(fsdp_layer(jc.codecs.BlockInt8(), QSGD4)), step(fsdp_layer(None, None))
+  report = jc.step_wire_report(
+    compressed, shards, keys, x, axis_name=AXIS, num_devices=K, baseline=dense
+  )
+  by = {wire.canonical(op.primitive): op for op in report.ops}
+  assert set(by) == {"all_gather", "all_to_all"}, report.ops
+  assert report.bytes_received == sum(op.bytes_received for op in report.ops)
+  alone = jc.step_wire_report(dense, shards, keys, x, axis_name=AXIS, num_devices=K)
+  assert report.dense_bytes == alone.bytes_received > 2 * report.bytes_received
+  assert report.ratio == report.dense_bytes / report.bytes_received
+  assert "baseline step" in str(report) and "ratio" in str(report)
+  assert "ratio" not in str(alone) and alone.dense_bytes != alone.dense_bytes  # NaN
+  with pytest.raises(ValueError, match="num_devices"):
+    jc.step_wire_report(dense, shards, keys, x, axis_name=AXIS, num_devices=1)

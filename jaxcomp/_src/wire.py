@@ -100,6 +100,9 @@ class WireReport:
   dense_bytes: float
   ops: tuple[CollectiveOp, ...]
   fallback_bytes: float = 0.0  # bytes of the rare fallback path, when it is taken
+  # What dense_bytes prices: None for the dense float32 exchange of wire_report; the
+  # baseline's name for step_wire_report (NaN dense_bytes when it had none).
+  baseline: str | None = None
 
   @property
   def ratio(self) -> float:
@@ -107,10 +110,15 @@ class WireReport:
     return self.dense_bytes / self.bytes_received if self.bytes_received else float("inf")
 
   def __str__(self) -> str:
+    base = self.baseline or "dense float32"
+    against = (
+      f"  ({base} {self.dense_bytes:,.0f} B, ratio {self.ratio:.2f}x)"
+      if self.dense_bytes == self.dense_bytes  # not NaN: there is a baseline
+      else ""
+    )
     lines = [
       f"wire report, K={self.num_devices} devices, per device per step:",
-      f"  received {self.bytes_received:,.0f} B  (dense float32 {self.dense_bytes:,.0f} B,"
-      f" ratio {self.ratio:.2f}x)",
+      f"  received {self.bytes_received:,.0f} B{against}",
     ]
     for op in self.ops:
       lines.append(
@@ -276,6 +284,55 @@ def wire_report(
     dense_bytes=dense,
     ops=merge_ops(ops),
     fallback_bytes=fallback,
+  )
+
+
+def step_wire_report(
+  step, *args, axis_name, num_devices: int, baseline=None, in_specs=None, mesh=None
+) -> WireReport:
+  """Bytes per device per step that any per-device ``step`` function moves.
+
+  :func:`wire_report` prices a transform's ``update``; this prices a whole step, such
+  as a sharded (FSDP) step whose weights are gathered in the forward
+  (:func:`jaxcomp.gather_weights`, :func:`jaxcomp.fsdp_gather`) and whose gradients are
+  reduce-scattered in the backward of each layer: every collective of the traced
+  ``step(*args)``, forward and backward, inside ``lax.scan`` (times its length) and
+  under ``jax.checkpoint`` (a rematerialized gather counts again), priced by the table of
+  this module's docstring.
+
+  Args:
+    step: the function one device runs (inside ``jax.shard_map``), e.g. ``lambda
+      shards, x: jax.grad(loss)(shards, x)``; its outputs are not used.
+    *args: its arguments (arrays or ``jax.ShapeDtypeStruct``), as one device sees them.
+    axis_name: the axis its collectives run over.
+    num_devices: K, the number of devices on that axis (>= 2).
+    baseline: a step to compare against, traced with the same ``args`` (e.g. the dense
+      FSDP step, float32 gather and ``psum_scatter``); its bytes received are the
+      report's ``dense_bytes``. ``None``: ``dense_bytes`` is NaN and there is no ratio.
+    in_specs, mesh: as for ``jax.shard_map``, when the arguments are not replicated
+      over an abstract mesh of ``num_devices`` devices on ``axis_name``.
+
+  Returns:
+    A :class:`WireReport`.
+  """
+  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 2:
+    raise ValueError(f"num_devices must be an integer >= 2, got {num_devices!r}")
+  if not callable(step) or (baseline is not None and not callable(baseline)):
+    raise TypeError("step and baseline must be callables that run on one device")
+  kw = dict(axis_name=axis_name, num_devices=num_devices, in_specs=in_specs, mesh=mesh)
+  ops = collective_ops(step, *args, **kw)
+  dense = float("nan")
+  if baseline is not None:
+    dense = _regular_bytes(collective_ops(baseline, *args, **kw))
+  received = _regular_bytes(ops)
+  return WireReport(
+    num_devices=num_devices,
+    bytes_sent=received,
+    bytes_received=received,
+    dense_bytes=dense,
+    ops=merge_ops(ops),
+    fallback_bytes=float(sum(op.bytes_received for op in ops if op.fallback)),
+    baseline="baseline step" if baseline is not None else None,
   )
 
 
