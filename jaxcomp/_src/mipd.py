@@ -276,7 +276,7 @@ def _check_options(drop_rate, min_keep, beta, alpha, predict_from, collective, q
     raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
   if predict_from not in PREDICT_FROM:
     raise ValueError(f"predict_from must be one of {PREDICT_FROM}, got {predict_from!r}")
-  collectives.refuse_reduce_scatter(collective, "jc.mipd", collectives.MIPD_NO_REDUCE_SCATTER)
+  pipeline.refuse_reduce_scatter(collective, "jc.mipd", pipeline.MIPD_NO_REDUCE_SCATTER)
   if collective not in COLLECTIVES:
     raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
   if quantize_pull is not None and not isinstance(quantize_pull, bool):
@@ -392,7 +392,7 @@ def _sync(opts: _Options, leaves, lay: _Layout, gs, parity):
     and axis_name in collectives.varying_axes(parity)
   )
   flags = ([~finite] if gs else []) + ([parity] if sync_parity else [])
-  off, sums = collectives.pmean_and_count(off, flags, axis_name)
+  off, sums = collectives.dense_means(off, axis_name, counts=flags)
   if gs:
     finite = sums.pop(0) == 0  # no device had a non-finite gradient
   if sync_parity:

@@ -89,8 +89,8 @@ def _check_options(
   """Raises on arguments :func:`compress` cannot take; the residual dtype's name."""
   if not isinstance(codec, codecs_lib.Codec):
     raise TypeError(f"codec must be a jaxcomp codec, got {codec!r}")
-  if collective not in collectives.COLLECTIVES:
-    raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
+  if collective not in pipeline.COLLECTIVES:
+    raise ValueError(f"collective must be one of {pipeline.COLLECTIVES}, got {collective!r}")
   if codec.fallback is not None and collective not in ("allgather", "auto"):
     raise ValueError(
       f"{type(codec).__name__} (a variable-length format with a fixed-width "
@@ -161,7 +161,7 @@ def _init_state(o: _Options, params) -> CompressState:
       and pipeline.leaf_mode(o.codec, mode, o.axis_name, like.shape, like.dtype) == "two_phase"
     )
     if two_phase:
-      shape = collectives.chunk_residual_shape(o.codec, like.shape, k)
+      shape = pipeline.chunk_residual_shape(o.codec, like.shape, k)
       chunk_residual.append(jnp.zeros(shape, _F32))
     else:
       chunk_residual.append(optax.MaskedNode())
