@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import qsvrg as qsvrg_lib
+from jaxcomp._src.methods import qsvrg as qsvrg_lib
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K
@@ -361,7 +361,7 @@ def test_step_exchanges_all_leaves_together_with_per_leaf_results():
   """Leaves quantized with different codecs share one all-gather, the filtered leaves one
   all-reduce (the snapshot too), and every leaf ends exactly where its own exchange
   (``collectives.gather_means`` / ``lax.pmean``, the same keys) puts it."""
-  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.exchanges import collectives  # pylint: disable=import-outside-toplevel
 
   shapes = {"w1": (16, 8), "w2": (100,), "b1": (8,), "b2": (3,)}
   keys = jax.random.split(jax.random.key(7), len(shapes))

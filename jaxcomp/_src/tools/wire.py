@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from jaxcomp._src import phases
-from jaxcomp._src import specs
+from jaxcomp._src.plumbing import phases
+from jaxcomp._src.tools import specs
 
 #: Primitive names jax gives the same collective (by version, and by ``check_vma``).
 SAME_AS = {

@@ -85,8 +85,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import bitpack
-from jaxcomp._src import codecs as _codecs
+from jaxcomp._src.codecs import base as _codecs
+from jaxcomp._src.plumbing import bitpack
 
 _U64 = np.uint64
 _ONE = np.uint64(1)

@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import codecs as codecs_lib
-from jaxcomp._src import collectives
-from jaxcomp._src import pipeline
-from jaxcomp._src import treeutil
-from jaxcomp._src import wire
+from jaxcomp._src.codecs import base as codecs_lib
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.plumbing import treeutil
+from jaxcomp._src.tools import wire
 
 Array = jax.Array
 _F32 = jnp.float32

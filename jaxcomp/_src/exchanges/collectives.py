@@ -13,7 +13,7 @@ Two layers, each used from the one above only:
   :func:`reduce_scatter_means`. Each encodes, moves and decodes; a codec is called from
   here and nowhere above.
 
-The pipeline (:mod:`jaxcomp._src.pipeline`) decides which leaf takes which primitive.
+The pipeline (:mod:`jaxcomp._src.exchanges.pipeline`) decides which leaf takes which primitive.
 All run under ``jax.shard_map`` (``check_vma=True``: the gathered results are marked
 invariant) and ``jax.pmap``.
 """
@@ -27,10 +27,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxcomp._src.codecs import Codec
-from jaxcomp._src.phases import DECODE_SCOPE
-from jaxcomp._src.phases import ENCODE_SCOPE
-from jaxcomp._src.phases import FALLBACK_SCOPE
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.plumbing.phases import DECODE_SCOPE
+from jaxcomp._src.plumbing.phases import ENCODE_SCOPE
+from jaxcomp._src.plumbing.phases import FALLBACK_SCOPE
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -361,7 +361,7 @@ def fallback_cond(agreed: Array, coded, fixed):
 # codec), this device's tensors and their keys in, an :class:`Exchanged` per tensor out.
 # Each one encodes, moves the payloads through the transport above and decodes: a codec
 # is called from one layer only. Which leaf takes which primitive is the pipeline's
-# business (:func:`jaxcomp._src.pipeline.route`), not theirs.
+# business (:func:`jaxcomp._src.exchanges.pipeline.route`), not theirs.
 #
 # * :func:`gather_means`: all-gather (and no axis: encode and decode locally), with the
 #   full-precision leaves riding along at K <= 2 and the overflow branch of codecs with

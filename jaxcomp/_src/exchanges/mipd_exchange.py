@@ -29,11 +29,11 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import bitpack
-from jaxcomp._src import collectives
-from jaxcomp._src import normal
-from jaxcomp._src import phases
-from jaxcomp._src import sparse
+from jaxcomp._src.codecs import normal
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.plumbing import bitpack
+from jaxcomp._src.plumbing import phases
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -266,7 +266,7 @@ def _capacity(mean: float, m: int, k: int) -> int:
 
 class _Owners:
   """Static layout of a group's two-phase exchange on ``k`` devices (``group``: a
-  ``jaxcomp._src.mipd._Group``).
+  ``jaxcomp._src.methods.mipd._Group``).
 
   Push: a device sends owner j the kept entries of j's row (:func:`owner_index`) in a
   static capacity (:func:`_capacity` of ``kept/K``, and of ``outliers/K`` for the exact

@@ -16,7 +16,7 @@ and returns new ones (``NamedTuple._replace``, nothing mutated):
    sharded over the axis (and the dense reduce-scatter of the sharded leaves the filter
    leaves out), which returns this device's shard of the mean (ZeRO/FSDP).
 
-Each exchange calls one codec primitive of :mod:`jaxcomp._src.collectives`
+Each exchange calls one codec primitive of :mod:`jaxcomp._src.exchanges.collectives`
 (``gather_means``, ``psum_means``, ``two_phase_means``, ``reduce_scatter_means``), which
 encodes, moves and decodes with the leaf's codec, and takes the error feedback from what
 it returns (:func:`_exchanged`). An exchange is one function from a list of leaves to a
@@ -39,9 +39,9 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives
-from jaxcomp._src import phases
-from jaxcomp._src import treeutil
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.plumbing import phases
+from jaxcomp._src.plumbing import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
