@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from benchmarks import _timing
 from benchmarks._timing import median_time
 import jaxcomp as jc
-from jaxcomp._src import rng
+from jaxcomp._src.plumbing import rng
 from jaxcomp.kernels import cpu as cpu_kernels
 
 C = jc.codecs

@@ -56,7 +56,7 @@ def build(method: str, *, layers: int, width: int, lr: float = 0.01):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.exchanges import collectives  # pylint: disable=import-outside-toplevel
 
   qsgd4 = jc.codecs.QSGD(7, 512, norm="max")
 
@@ -131,7 +131,7 @@ def local_shapes(layers: int, width: int, k: int, batch: int):
 
 def wire_bytes(method: str, args) -> dict:
   """Bytes received per device per step, by collective, from the traced step."""
-  from jaxcomp._src import wire  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.tools import wire  # pylint: disable=import-outside-toplevel
 
   p, x = local_shapes(args.layers, args.width, args.devices, args.batch)
   step = build(method, layers=args.layers, width=args.width)

@@ -8,21 +8,21 @@
 ((1024,), 4160)
 """
 
-from jaxcomp._src.codecs import QSGD
-from jaxcomp._src.codecs import Cast
-from jaxcomp._src.codecs import Codec
-from jaxcomp._src.codecs import Identity
-from jaxcomp._src.codecs import OneBit
-from jaxcomp._src.codecs import Payload
-from jaxcomp._src.codecs import ScaledSign
-from jaxcomp._src.codecs import payload_nbytes
-from jaxcomp._src.elias_codec import EliasQSGD
-from jaxcomp._src.normal import NormalQuantizer
-from jaxcomp._src.qweights import BlockInt8
-from jaxcomp._src.sparse import RandomK
-from jaxcomp._src.sparse import SparseCodec
-from jaxcomp._src.sparse import TopK
-from jaxcomp._src.wangni import UnbiasedSparsifier
+from jaxcomp._src.codecs.base import QSGD
+from jaxcomp._src.codecs.base import Cast
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.base import Identity
+from jaxcomp._src.codecs.base import OneBit
+from jaxcomp._src.codecs.base import Payload
+from jaxcomp._src.codecs.base import ScaledSign
+from jaxcomp._src.codecs.base import payload_nbytes
+from jaxcomp._src.codecs.elias_codec import EliasQSGD
+from jaxcomp._src.codecs.normal import NormalQuantizer
+from jaxcomp._src.codecs.sparse import RandomK
+from jaxcomp._src.codecs.sparse import SparseCodec
+from jaxcomp._src.codecs.sparse import TopK
+from jaxcomp._src.codecs.wangni import UnbiasedSparsifier
+from jaxcomp._src.exchanges.qweights import BlockInt8
 
 __all__ = [
   "BlockInt8",

@@ -2,7 +2,7 @@
 
 The on-device encoder is :class:`jaxcomp.codecs.EliasQSGD`; this module is its NumPy
 counterpart (serialize a QSGD payload to ``bytes`` and back, bit for bit) and the
-format's reference. See :mod:`jaxcomp._src.elias` for the format.
+format's reference. See :mod:`jaxcomp._src.codecs.elias` for the format.
 
 >>> import jax, jaxcomp as jc
 >>> codec = jc.codecs.QSGD(levels=64, norm="l2")  # s = sqrt(n), one bucket
@@ -16,18 +16,18 @@ True
 (11325, 32800)
 """
 
-from jaxcomp._src.elias import bytes_to_words
-from jaxcomp._src.elias import decode_stream
-from jaxcomp._src.elias import dense_bound
-from jaxcomp._src.elias import encode_stream
-from jaxcomp._src.elias import omega_decode
-from jaxcomp._src.elias import omega_encode
-from jaxcomp._src.elias import omega_length
-from jaxcomp._src.elias import qsgd_from_bytes
-from jaxcomp._src.elias import qsgd_to_bytes
-from jaxcomp._src.elias import stream_bits
-from jaxcomp._src.elias import theorem_3_2_bound
-from jaxcomp._src.elias import words_to_bytes
+from jaxcomp._src.codecs.elias import bytes_to_words
+from jaxcomp._src.codecs.elias import decode_stream
+from jaxcomp._src.codecs.elias import dense_bound
+from jaxcomp._src.codecs.elias import encode_stream
+from jaxcomp._src.codecs.elias import omega_decode
+from jaxcomp._src.codecs.elias import omega_encode
+from jaxcomp._src.codecs.elias import omega_length
+from jaxcomp._src.codecs.elias import qsgd_from_bytes
+from jaxcomp._src.codecs.elias import qsgd_to_bytes
+from jaxcomp._src.codecs.elias import stream_bits
+from jaxcomp._src.codecs.elias import theorem_3_2_bound
+from jaxcomp._src.codecs.elias import words_to_bytes
 
 __all__ = [
   "bytes_to_words",

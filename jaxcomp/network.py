@@ -1,4 +1,4 @@
-"""α-β cost model of gradient exchanges (see :mod:`jaxcomp._src.network`).
+"""α-β cost model of gradient exchanges (see :mod:`jaxcomp._src.tools.network`).
 
 >>> import jax, jax.numpy as jnp, jaxcomp as jc
 >>> params = {"w": jnp.zeros((1024, 1024))}
@@ -15,13 +15,13 @@
 64 0.0724 0.0211
 """
 
-from jaxcomp._src.network import Link
-from jaxcomp._src.network import compute_time
-from jaxcomp._src.network import exchange_time
-from jaxcomp._src.network import fit_link
-from jaxcomp._src.network import predict_step_time
-from jaxcomp._src.network import steps
-from jaxcomp._src.network import traffic
+from jaxcomp._src.tools.network import Link
+from jaxcomp._src.tools.network import compute_time
+from jaxcomp._src.tools.network import exchange_time
+from jaxcomp._src.tools.network import fit_link
+from jaxcomp._src.tools.network import predict_step_time
+from jaxcomp._src.tools.network import steps
+from jaxcomp._src.tools.network import traffic
 
 __all__ = [
   "Link",

@@ -4,11 +4,11 @@ One module per kernel, each with the kernel body and a jitted wrapper around
 ``pl.pallas_call`` (Triton) or ``plgpu.kernel`` (Mosaic GPU, :mod:`._mosaic`); the XLA
 codec each must match bit for bit is :mod:`jaxcomp.codecs`' ``implementation="xla"``
 (``tests/kernel_references.py`` spells it with the kernels' signatures). They import
-only low-level helpers (:mod:`jaxcomp._src.arith`, ``rng``, ``bitpack``); the codecs
+only low-level helpers (:mod:`jaxcomp._src.plumbing.arith`, ``rng``, ``bitpack``); the codecs
 dispatch to them:
 
 * :mod:`~jaxcomp.kernels.quantize`: QSGD's bucket scale (max or l2), stochastic rounding
-  with the counter hash of :mod:`jaxcomp._src.rng`, sign and lanes bit packing in one
+  with the counter hash of :mod:`jaxcomp._src.plumbing.rng`, sign and lanes bit packing in one
   pass, optionally fused with error feedback.
 * :mod:`~jaxcomp.kernels.dequantize`: the sum of K gathered QSGD payloads, decoded in
   one pass (``decode_sum``).

@@ -14,10 +14,10 @@ without one (``tests/test_kernels.py`` exports under an abstract H100).
 
 The arithmetic every path shares, the XLA path's included (reciprocals, the bucket
 statistics that are sums and are computed before a kernel in one fixed order), is
-:mod:`jaxcomp._src.arith`. Triton lowers ``x / y`` on float32 to PTX ``div.full.f32``
+:mod:`jaxcomp._src.plumbing.arith`. Triton lowers ``x / y`` on float32 to PTX ``div.full.f32``
 (an approximation within 2 ulp), while XLA divides with correct rounding, so the
 compiled Triton kernels pass :func:`div` (inline ``div.rn.f32``) to
-:func:`jaxcomp._src.arith.inverse_scale`; interpret mode and Mosaic GPU divide exactly.
+:func:`jaxcomp._src.plumbing.arith.inverse_scale`; interpret mode and Mosaic GPU divide exactly.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxcomp._src import arith
-from jaxcomp._src import bitpack
-from jaxcomp._src import rng
+from jaxcomp._src.plumbing import arith
+from jaxcomp._src.plumbing import bitpack
+from jaxcomp._src.plumbing import rng
 
 from . import _mosaic
 
@@ -300,7 +300,8 @@ def div(x: Array, y: Array, *, exact_asm: bool) -> Array:
 
 
 def key_words_array(key: Array) -> Array:
-  """The two uint32 hash seeds of ``key`` (:func:`jaxcomp._src.rng.key_words`) as ``(2,)``."""
+  """The two uint32 hash seeds of ``key`` (:func:`jaxcomp._src.plumbing.rng.key_words`)
+  as ``(2,)``."""
   k0, k1 = rng.key_words(key)
   return jnp.stack([k0, k1])
 

@@ -1,8 +1,9 @@
 r"""The four kernels on Mosaic GPU (``plgpu.kernel``), jax >= 0.12's maintained backend.
 
-Same payloads and arithmetic as the Triton versions (:mod:`jaxcomp._src.arith`: the counter-hash
-rounding, :func:`~.arith.inverse_scale`, :func:`~.arith.level_ratio`,
-:func:`~.arith.level_step`), another data layout:
+Same payloads and arithmetic as the Triton versions
+(:mod:`jaxcomp._src.plumbing.arith`: the counter-hash rounding,
+:func:`~.arith.inverse_scale`, :func:`~.arith.level_ratio`, :func:`~.arith.level_step`),
+another data layout:
 
 * A flat tensor of ``n`` values is read as a ``(n / p, p)`` array, ``p = 32 / bits``
   codes per uint32 word: row ``w`` holds the values packed into word ``w``. A tile of
@@ -15,7 +16,8 @@ rounding, :func:`~.arith.inverse_scale`, :func:`~.arith.level_ratio`,
   bucket's tiles takes the scale (max and min, the NaN count), then a loop rounds,
   packs and writes (and the new residual). Statistics that are sums (the l2 scale,
   OneBit's means) come in as inputs, computed before the kernel by the XLA path's code
-  (:func:`~jaxcomp._src.arith.qsgd_scales`, :func:`~jaxcomp._src.arith.onebit_means`):
+  (:func:`~jaxcomp._src.plumbing.arith.qsgd_scales`,
+  :func:`~jaxcomp._src.plumbing.arith.onebit_means`):
   a sum's bits depend on its order, and a reduction's order inside a kernel is the
   backend's. Decoders run one program per tile and loop over the K payloads.
 
@@ -40,8 +42,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import arith
-from jaxcomp._src import rng
+from jaxcomp._src.plumbing import arith
+from jaxcomp._src.plumbing import rng
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -167,9 +169,10 @@ def _views(x: Array, residual: Array | None, per_word: int):
 def quantize(x, key_words, residual, scales, *, levels, bucket, out_struct, interpret):
   """:func:`jaxcomp.kernels.quantize.quantize` on Mosaic GPU (shape checked by caller).
 
-  ``scales``: the l2 scales, computed before the kernel (:func:`jaxcomp._src.arith.qsgd_scales`),
-  or ``None`` for the max norm, which the kernel takes itself (a max is exact in any
-  order). Returns ``(words, [scales if taken here], [new residual])``.
+  ``scales``: the l2 scales, computed before the kernel
+  (:func:`jaxcomp._src.plumbing.arith.qsgd_scales`), or ``None`` for the max norm,
+  which the kernel takes itself (a max is exact in any order). Returns ``(words,
+  [scales if taken here], [new residual])``.
   """
   n = x.size
   mbits = int(levels).bit_length()
@@ -265,7 +268,7 @@ def sign_pack(x, residual, pos, neg, *, bucket, out_struct, interpret):
   """:func:`jaxcomp.kernels.sign_pack.sign_pack` on Mosaic GPU (shape checked by caller).
 
   ``pos``, ``neg``: the bucket means, computed before the kernel
-  (:func:`jaxcomp._src.arith.onebit_means`). Returns ``(words, [new residual])``.
+  (:func:`jaxcomp._src.plumbing.arith.onebit_means`). Returns ``(words, [new residual])``.
   """
   n = x.size
   per_word = 32

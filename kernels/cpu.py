@@ -14,9 +14,9 @@ arguments as the Pallas modules:
 * :func:`sign_pack` / :func:`sign_unpack_sum` (:mod:`~jaxcomp.kernels.sign_pack`).
 
 What they write is the XLA path's payload, bit for bit: the same counter hash
-(:mod:`jaxcomp._src.rng`), the same float32 operations in the same order (compiled with
+(:mod:`jaxcomp._src.plumbing.rng`), the same float32 operations in the same order (compiled with
 ``-ffp-contract=off``: no fused multiply-adds; ``|v| / scale`` as ``|v| * fl(1 / scale)``,
-:func:`jaxcomp._src.arith.inverse_scale`; denormals flushed to zero, as XLA:CPU
+:func:`jaxcomp._src.plumbing.arith.inverse_scale`; denormals flushed to zero, as XLA:CPU
 does), the same lanes layout. Two sums are taken in another order than XLA's (inside
 the one pass over a bucket; the Pallas kernels take them from XLA instead), and agree
 to float32 rounding:
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from jaxcomp._src import bitpack
+from jaxcomp._src.plumbing import bitpack
 
 from . import _common
 from . import quantize as _quantize

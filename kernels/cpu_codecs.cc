@@ -12,7 +12,7 @@
 // time while it sits in L1 (python -m benchmarks.codecs compares the two:
 // docs/benchmarks.md#codec-throughput-on-cpu).
 //
-// Layouts (jaxcomp._src.bitpack's lanes layout): code k of word w holds value
+// Layouts (jaxcomp._src.plumbing.bitpack's lanes layout): code k of word w holds value
 // w * (32 / bits) + k in bits k*bits .. k*bits + bits - 1. Buckets are a power of two
 // of 32..65536 values, so every bucket is whole words; the last bucket is zero-padded.
 
@@ -321,7 +321,7 @@ inline void QsgdVectors(const QsgdParams& p, int64_t b, const float* v, int64_t 
     // x = fl(|v| * inv) here.
     JAXCOMP_EACH x[u] = reinterpret_cast<VF>(reinterpret_cast<VI>(a[u]) & 0x7FFFFFFF) * inv_v;
     // The counter hash of the flat index, mix32(mix32(i ^ k0) ^ k1), step by step:
-    // Wellons' lowbias32 (jaxcomp._src.rng.mix32).
+    // Wellons' lowbias32 (jaxcomp._src.plumbing.rng.mix32).
     JAXCOMP_EACH h[u] = index[u] ^ k0;
     JAXCOMP_EACH index[u] += static_cast<uint32_t>(U * kLanes);
 #ifndef JAXCOMP_ABLATE_HASH
@@ -404,7 +404,7 @@ inline void QsgdVectors(const QsgdParams& p, int64_t b, const float* v, int64_t 
 }
 
 // One bucket of BITS-bit codes: its scale, its words, and (when new_e) the new residual
-// v - Q(v). Mirrors QSGD.quantize / encode / dequantize of jaxcomp/_src/codecs.py.
+// v - Q(v). Mirrors QSGD.quantize / encode / dequantize of jaxcomp/_src/codecs/base.py.
 template <int BITS>
 void QsgdBucket(const QsgdParams& p, int64_t b, const float* v, int64_t valid,
                 uint32_t* words, float* scales, float* new_e, uint32_t* codes,

@@ -26,7 +26,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxcomp._src import arith
+from jaxcomp._src.plumbing import arith
 
 from . import _common
 from . import _mosaic

@@ -11,16 +11,16 @@ with ``s = levels`` and ``m = ceil(log2(s + 1))`` magnitude bits:
   \quad r_i = |v_i| / \sigma \cdot s, \qquad
   \mathrm{code}_i = \xi_i \,|\, [v_i < 0 \wedge \xi_i > 0] \ll m,
 
-where ``u_i = (h(i) >> 8) 2^{-24}`` is :mod:`jaxcomp._src.rng`'s counter hash of the
+where ``u_i = (h(i) >> 8) 2^{-24}`` is :mod:`jaxcomp._src.plumbing.rng`'s counter hash of the
 value's flat index ``i`` under the key: no random numbers are read from memory. Codes
 are packed ``32 / (m + 1)`` per uint32 word (the lanes layout of
-:mod:`jaxcomp._src.bitpack`), so the kernel writes exactly the payload of
+:mod:`jaxcomp._src.plumbing.bitpack`), so the kernel writes exactly the payload of
 :class:`jaxcomp.codecs.QSGD` and its ``decode`` is shared: ``words`` and ``scales`` are
 bit-identical to the XLA path's (``QSGD(..., implementation="xla").encode``) for the
 same key. The l2 scale is a sum,
 whose float32 value depends on the order of its additions: the wrapper computes it in
 XLA before the kernel, with the XLA path's own code
-(:func:`jaxcomp._src.arith.qsgd_scales`: exact squares, a pairwise sum), and the
+(:func:`jaxcomp._src.plumbing.arith.qsgd_scales`: exact squares, a pairwise sum), and the
 kernel takes it as an input; the max scale (exact in any order) the kernel takes itself.
 
 Fused error feedback: with ``residual=e``, the kernel quantizes
@@ -57,9 +57,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxcomp._src import arith
-from jaxcomp._src import bitpack
-from jaxcomp._src import rng
+from jaxcomp._src.plumbing import arith
+from jaxcomp._src.plumbing import bitpack
+from jaxcomp._src.plumbing import rng
 
 from . import _common
 from . import _mosaic

@@ -15,7 +15,7 @@ The payload is bit-identical to the XLA path's (``OneBit(..., implementation="xl
 and so is the residual (``x + e - mean``: no product that XLA could contract into an
 FMA). The means are sums, whose float32 values depend on the order of their additions:
 the wrapper computes them in XLA before the kernel, with the XLA path's own code
-(:func:`jaxcomp._src.arith.onebit_means`, pairwise sums), and the kernel packs the
+(:func:`jaxcomp._src.plumbing.arith.onebit_means`, pairwise sums), and the kernel packs the
 signs and writes the residual.
 
 :func:`sign_unpack_sum` is the receiving side: the sum of K gathered payloads decoded
@@ -35,7 +35,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxcomp._src import arith
+from jaxcomp._src.plumbing import arith
 
 from . import _common
 from . import _mosaic

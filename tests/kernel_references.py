@@ -9,7 +9,7 @@ helpers, never the codecs that dispatch to them.
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import codecs
+from jaxcomp._src.codecs import base as codecs
 
 Array = jax.Array
 _F32 = jnp.float32

@@ -1,4 +1,4 @@
-"""Tests of jaxcomp._src.bitpack: the uint32 bit-plane packing of small codes."""
+"""Tests of jaxcomp._src.plumbing.bitpack: the uint32 bit-plane packing of small codes."""
 
 import functools
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomp._src import bitpack
+from jaxcomp._src.plumbing import bitpack
 
 
 def _random_codes(n: int, bits: int, seed: int) -> np.ndarray:

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import checkpoint
+from jaxcomp._src.plumbing import checkpoint
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

@@ -800,8 +800,8 @@ def test_onebit_word_aligned_buckets(bucket, n):
 def test_onebit_sums_two_levels_match_one_reduction():
   # The two paths of OneBit's bucket statistics on the same word-aligned buckets: equal
   # counts, sums equal up to the order of the float32 additions.
-  from jaxcomp._src import arith  # pylint: disable=import-outside-toplevel
-  from jaxcomp._src import bitpack  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.plumbing import arith  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.plumbing import bitpack  # pylint: disable=import-outside-toplevel
 
   x = _normal(64 * 40 - 13, seed=21) + np.float32(0.2)  # a ragged last bucket of 64
   v = jnp.pad(jnp.asarray(x), (0, 13)).reshape(40, 64)

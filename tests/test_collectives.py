@@ -236,7 +236,7 @@ def test_chains_with_optax_adam_under_shard_map():
 
 
 def test_gather_tree_is_one_collective_and_exact_for_mixed_dtypes():
-  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.exchanges import collectives  # pylint: disable=import-outside-toplevel
 
   shapes = {
     "f32": ((10,), jnp.float32),
@@ -278,7 +278,7 @@ def test_gather_tree_is_one_collective_and_exact_for_mixed_dtypes():
 
 
 def test_all_to_all_tree_is_one_collective_and_exact_for_mixed_dtypes():
-  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.exchanges import collectives  # pylint: disable=import-outside-toplevel
 
   keys = jax.random.split(jax.random.key(2), 4)
   # Device d holds K slices per array; slice j goes to device j.
@@ -300,7 +300,7 @@ def test_all_to_all_tree_is_one_collective_and_exact_for_mixed_dtypes():
 
 
 def test_psum_tree_sums_one_buffer_per_dtype_exactly():
-  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.exchanges import collectives  # pylint: disable=import-outside-toplevel
 
   keys = jax.random.split(jax.random.key(3), 5)
   tree = {
@@ -438,7 +438,7 @@ def test_auto_collective_is_allgather_on_two_devices_else_two_phase(k, want):
 def test_cpu_decode_is_materialized_once_and_unchanged():
   # On XLA:CPU the decoded mean is computed inside a lax.cond (a fusion barrier) so the
   # optimizer's several readers do not each unpack the payloads again; values identical.
-  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.exchanges import collectives  # pylint: disable=import-outside-toplevel
 
   codec = jc.codecs.QSGD(7, 512, "max")
   payloads = [

@@ -21,8 +21,8 @@ import pytest
 
 import jaxcomp as jc
 from jaxcomp import kernels
-from jaxcomp._src import bitpack
-from jaxcomp._src import rng
+from jaxcomp._src.plumbing import bitpack
+from jaxcomp._src.plumbing import rng
 from jaxcomp.kernels import cpu
 from tests import helpers
 from tests import kernel_references as refs

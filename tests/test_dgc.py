@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import dgc as dgc_lib
-from jaxcomp._src import sparse
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.methods import dgc as dgc_lib
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import diloco as diloco_lib
+from jaxcomp._src.methods import diloco as diloco_lib
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

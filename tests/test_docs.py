@@ -12,15 +12,15 @@ import pytest
 import jaxcomp as jc
 from jaxcomp import codecs
 from jaxcomp import elias as elias_public
-from jaxcomp._src import dgc
-from jaxcomp._src import diloco
-from jaxcomp._src import elias
-from jaxcomp._src import normal
-from jaxcomp._src import qsvrg
-from jaxcomp._src import qweights
-from jaxcomp._src import sparse
-from jaxcomp._src import transforms
-from jaxcomp._src import wangni
+from jaxcomp._src.codecs import elias
+from jaxcomp._src.codecs import normal
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.codecs import wangni
+from jaxcomp._src.exchanges import qweights
+from jaxcomp._src.methods import dgc
+from jaxcomp._src.methods import diloco
+from jaxcomp._src.methods import qsvrg
+from jaxcomp._src.methods import transforms
 from jaxcomp.kernels import quantize as quantize_kernel
 
 

@@ -1,4 +1,4 @@
-"""Tests of the Elias omega code and QSGD's string format (jaxcomp._src.elias; QSGD §3.1).
+"""Tests of the Elias omega code and QSGD's string format (jaxcomp._src.codecs.elias; QSGD §3.1).
 
 The stream format is checked bit for bit against a plain-Python writer of the format as
 the module docstring specifies it (strings of '0'/'1'), independent of the vectorised
@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import bitpack
-from jaxcomp._src import elias
+from jaxcomp._src.codecs import elias
+from jaxcomp._src.plumbing import bitpack
 
 C = jc.codecs
 

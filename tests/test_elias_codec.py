@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import elias
-from jaxcomp._src import elias_codec
+from jaxcomp._src.codecs import elias
+from jaxcomp._src.codecs import elias_codec
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

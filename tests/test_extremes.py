@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import arith
-from jaxcomp._src import normal
+from jaxcomp._src.codecs import normal
+from jaxcomp._src.plumbing import arith
 
 C = jc.codecs
 FLT_MAX = float(np.finfo(np.float32).max)

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import collectives
-from jaxcomp._src import wire
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.tools import wire
 from tests import helpers
 
 AXIS, K = helpers.AXIS, helpers.K

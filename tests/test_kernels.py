@@ -19,8 +19,8 @@ import pytest
 
 import jaxcomp as jc
 from jaxcomp import kernels
-from jaxcomp._src import arith
-from jaxcomp._src import bitpack
+from jaxcomp._src.plumbing import arith
+from jaxcomp._src.plumbing import bitpack
 from tests import helpers
 from tests import kernel_references as refs
 

@@ -13,8 +13,8 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import mipd as mipd_lib
-from jaxcomp._src import wire
+from jaxcomp._src.methods import mipd as mipd_lib
+from jaxcomp._src.tools import wire
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

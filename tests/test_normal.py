@@ -9,8 +9,8 @@ import pytest
 from scipy import stats
 
 import jaxcomp as jc
-from jaxcomp._src import normal
-from jaxcomp._src import sparse
+from jaxcomp._src.codecs import normal
+from jaxcomp._src.codecs import sparse
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import phases
+from jaxcomp._src.plumbing import phases
 from tests.helpers import AXIS
 
 SYNTHETIC_HLO = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import powersgd as powersgd_lib
+from jaxcomp._src.methods import powersgd as powersgd_lib
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

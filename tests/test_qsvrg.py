@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import qsvrg as qsvrg_lib
+from jaxcomp._src.methods import qsvrg as qsvrg_lib
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K
@@ -360,8 +360,8 @@ def test_default_levels():
 def test_step_exchanges_all_leaves_together_with_per_leaf_results():
   """Leaves quantized with different codecs share one all-gather, the filtered leaves one
   all-reduce (the snapshot too), and every leaf ends exactly where its own exchange
-  (``collectives.allgather_mean`` / ``lax.pmean``, the same keys) puts it."""
-  from jaxcomp._src import collectives  # pylint: disable=import-outside-toplevel
+  (``collectives.gather_means`` / ``lax.pmean``, the same keys) puts it."""
+  from jaxcomp._src.exchanges import collectives  # pylint: disable=import-outside-toplevel
 
   shapes = {"w1": (16, 8), "w2": (100,), "b1": (8,), "b2": (3,)}
   keys = jax.random.split(jax.random.key(7), len(shapes))
@@ -393,9 +393,10 @@ def test_step_exchanges_all_leaves_together_with_per_leaf_results():
     for i, name in enumerate(sorted(p)):  # the flattening order of a dict
       v = gx[name] - gy[name] + s.full_grad[name]
       if only_w(None, p[name]):
-        mean = collectives.allgather_mean(
-          codec(v), v, jax.random.fold_in(step_key, i), AXIS
-        ).mean.reshape(v.shape)
+        (ex,), _ = collectives.gather_means(
+          [codec(v)], [v], [jax.random.fold_in(step_key, i)], AXIS
+        )
+        mean = ex.mean.reshape(v.shape)
       else:
         mean = lax.pmean(v, AXIS)
       out[name] = p[name] - mean

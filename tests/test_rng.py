@@ -1,4 +1,4 @@
-"""Tests of jaxcomp._src.rng: the counter-based bits of stochastic rounding.
+"""Tests of jaxcomp._src.plumbing.rng: the counter-based bits of stochastic rounding.
 
 The statistical tests use fixed keys, so they are deterministic; their thresholds are
 p-values of 1e-4 (or 5 standard errors), and the power check below shows that the same
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxcomp._src import rng
+from jaxcomp._src.plumbing import rng
 
 N = 2**20
 

@@ -22,9 +22,9 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import collectives
-from jaxcomp._src import pipeline
-from jaxcomp._src import specs as specs_lib
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.tools import specs as specs_lib
 from tests import helpers
 
 AXIS, K = helpers.AXIS, helpers.K

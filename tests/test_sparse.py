@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import sparse
+from jaxcomp._src.codecs import sparse
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src import normal as normal_lib
+from jaxcomp._src.codecs import normal as normal_lib
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K

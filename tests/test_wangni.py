@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from jaxcomp._src import collectives
-from jaxcomp._src import rng
-from jaxcomp._src import wangni
+from jaxcomp._src.codecs import wangni
 
 # (the defining module: its helpers exact_lambda, exact_lambda_sorted and
 # capacity_tail_bound are tested too)
-from jaxcomp._src.wangni import UnbiasedSparsifier
+from jaxcomp._src.codecs.wangni import UnbiasedSparsifier
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.plumbing import rng
 
 M = 4000  # Monte Carlo draws
 Z = 5.0  # standard errors allowed

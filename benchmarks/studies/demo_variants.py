@@ -176,7 +176,7 @@ def mipd_drops(workdir: str) -> None:
   With ``min_keep=0`` (the paper's cap) and the default ``min_keep=0.1``: eqs. 1, 6, 7
   with the prediction still 0, so the ESP rate compares each layer's whole gradient.
   """
-  from jaxcomp._src import mipd  # pylint: disable=import-outside-toplevel
+  from jaxcomp._src.methods import mipd  # pylint: disable=import-outside-toplevel
 
   params, grads = _init_grads(workdir)
   sel = [

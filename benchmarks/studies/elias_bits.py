@@ -7,7 +7,7 @@ Three Markdown tables:
 
 1. Gaussian vectors, one bucket, l2 norm (the paper's setting), for n = 2^10..2^20 and
    s = 1, 3, 7, 15, sqrt(n): bits per coordinate of the Elias string (mean over
-   ``--keys`` quantizations; :func:`jaxcomp._src.elias.stream_bits`), of Theorem 3.2's
+   ``--keys`` quantizations; :func:`jaxcomp._src.codecs.elias.stream_bits`), of Theorem 3.2's
    bound (o(1) dropped), and of the fixed-width payload (``codec.bits`` per value and 32
    per bucket), and at s = sqrt(n) whether the mean is below Corollary 3.3's 2.8n + 32.
 2. The gradient of the demo's CNN (examples/mnist1d, default config) at initialisation on
@@ -32,7 +32,7 @@ import numpy as np
 
 from benchmarks._timing import median_time
 import jaxcomp as jc
-from jaxcomp._src import elias
+from jaxcomp._src.codecs import elias
 
 C = jc.codecs
 

@@ -9,7 +9,7 @@ exchange what its static payloads must hold: per sending device and owner, the k
 entries of the owner's share (push, against the row's code slots) and the exact
 outliers among them (against the push's outlier slots); per owner, the exact outliers
 of the pulled mean and received mean (against the pull's outlier slots). The counts come
-from MIPD's own steps (``jaxcomp._src.mipd``: the drop rates, the allocation, the
+from MIPD's own steps (``jaxcomp._src.methods.mipd``: the drop rates, the allocation, the
 selection, the coding, the owners' rows and formats) applied to the same gradients,
 state and parameters as the real update, inside the same ``shard_map``; nothing in the
 library is replaced, and the real update runs unchanged. Prints, per half-update group,
@@ -36,9 +36,9 @@ import optax
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
 import jaxcomp as jc
-from jaxcomp._src import collectives
-from jaxcomp._src import mipd as mipd_lib
-from jaxcomp._src import normal
+from jaxcomp._src.codecs import normal
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.methods import mipd as mipd_lib
 
 AXIS = train.AXIS
 DROP_RATE = 0.5

@@ -7,7 +7,7 @@ Prints milliseconds (median of ``--repeats``, jitted, one CPU device) of:
 * ``lax.top_k(x, k)[0][-1]`` (a slice of top_k's output, which XLA rewrites into a
   full sort) against ``jnp.min(lax.top_k(x, k)[0])``, at n = 1M, k = 235;
 * counting ``a >= t`` by summing the boolean against summing ``floor(min(a/t, 1))`` in
-  float32 (``jaxcomp._src.sparse.passes``) and the same with a lower clip at 0 (which
+  float32 (``jaxcomp._src.codecs.sparse.passes``) and the same with a lower clip at 0 (which
   loses the vectorised reduction), at n = 16M;
 * ``jnp.cumsum`` of a mask and ``jnp.nonzero(mask, size=...)``, at n = 1M, against
   ``sparse.compact`` (popcounts of the packed mask and a binary search; no cumsum over
@@ -47,11 +47,11 @@ import jax.numpy as jnp
 from benchmarks import _timing
 from benchmarks._timing import median_time
 import jaxcomp as jc
-from jaxcomp._src import arith
-from jaxcomp._src import bitpack
-from jaxcomp._src import collectives
-from jaxcomp._src import mipd
-from jaxcomp._src import sparse
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.methods import mipd
+from jaxcomp._src.plumbing import arith
+from jaxcomp._src.plumbing import bitpack
 
 
 def _ms(fn, *args, repeats):

@@ -17,16 +17,16 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import collectives
-from jaxcomp._src.arith import row_absmax_finite
-from jaxcomp._src.arith import to_buckets
-from jaxcomp._src.codecs import Codec
-from jaxcomp._src.codecs import Payload
-from jaxcomp._src.codecs import _check_float
-from jaxcomp._src.codecs import buckets
-from jaxcomp._src.codecs import check_positive_int
-from jaxcomp._src.phases import DECODE_SCOPE
-from jaxcomp._src.phases import ENCODE_SCOPE
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.base import Payload
+from jaxcomp._src.codecs.base import _check_float
+from jaxcomp._src.codecs.base import buckets
+from jaxcomp._src.codecs.base import check_positive_int
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.plumbing.arith import row_absmax_finite
+from jaxcomp._src.plumbing.arith import to_buckets
+from jaxcomp._src.plumbing.phases import DECODE_SCOPE
+from jaxcomp._src.plumbing.phases import ENCODE_SCOPE
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -115,7 +115,7 @@ def gather_leaves(codec: Codec | None, shards: list, axis_name, key: Array | Non
   """The full weights from this device's ``shards`` (a list), concatenated along axis 0.
 
   Every shard is encoded with ``codec``, all payloads go in one fused ``all_gather``
-  (:func:`jaxcomp._src.collectives.gather_tree`), and the K payloads of each leaf are
+  (:func:`jaxcomp._src.exchanges.collectives.gather_tree`), and the K payloads of each leaf are
   decoded in rank order; ``codec=None`` gathers each leaf as it is (a tiled
   ``all_gather``, as dense FSDP does). The result is typed varying over the
   axis (no data movement): the loss differentiated with respect to it then gives each
@@ -161,7 +161,7 @@ def gather_weights(shards, *, axis_name, codec: Codec | None = DEFAULT_WEIGHT_CO
   as the full weight ``(K·n0, ...)``, in the shard's dtype, the K slices in rank order.
   The bytes on the wire are the payload's arrays: int8 codes plus a float32 scale per
   block with the default :class:`BlockInt8` (``jc.wire_report`` and
-  ``jaxcomp._src.wire.collective_ops`` read them off the traced ``all_gather``).
+  ``jaxcomp._src.tools.wire.collective_ops`` read them off the traced ``all_gather``).
 
   The result is typed varying over the axis, so ``jax.grad`` of the loss with respect
   to it is each device's *full-size local* gradient: hand it to a transform with

@@ -1,6 +1,6 @@
 r"""QSGD with Elias recursive coding on device: a jit-able encoder into a fixed capacity.
 
-The stream is the QSGD string format of :mod:`jaxcomp._src.elias` (the host codec), bit
+The stream is the QSGD string format of :mod:`jaxcomp._src.codecs.elias` (the host codec), bit
 for bit: per bucket, 32 bits of the float32 scale, then for each non-zero code
 ``omega(gap) · sign · omega(s·ξ_i)``, then the sentinel ``omega(b - last)``; bit ``t`` of
 the stream is bit ``31 - t % 32`` of word ``t // 32``.
@@ -31,10 +31,10 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import codecs as codecs_lib
-from jaxcomp._src import elias
-from jaxcomp._src.codecs import Array
-from jaxcomp._src.codecs import Payload
+from jaxcomp._src.codecs import base as codecs_lib
+from jaxcomp._src.codecs import elias
+from jaxcomp._src.codecs.base import Array
+from jaxcomp._src.codecs.base import Payload
 
 _U32 = jnp.uint32
 _MAX_GROUPS = 6  # omega groups of a 32-bit integer: 32 -> 5 -> 2 (+ terminator) ...
@@ -170,7 +170,7 @@ class EliasQSGD(codecs_lib.Codec):
 
   The quantization is :class:`jaxcomp.codecs.QSGD`'s, draw for draw (the same key gives
   the same ``s·ξ_i``); only the wire format differs: the QSGD string of
-  :mod:`jaxcomp._src.elias` (per bucket the 32-bit scale, then
+  :mod:`jaxcomp._src.codecs.elias` (per bucket the 32-bit scale, then
   ``omega(gap) · sign · omega(s·ξ_i)`` per non-zero and a sentinel), written by a
   data-parallel encoder (:func:`stream_words`) into a static buffer.
 

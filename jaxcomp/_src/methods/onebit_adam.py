@@ -30,12 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import bitpack
-from jaxcomp._src import collectives
-from jaxcomp._src import phases
-from jaxcomp._src import pipeline
-from jaxcomp._src import transforms
-from jaxcomp._src import treeutil
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.methods import transforms
+from jaxcomp._src.plumbing import bitpack
+from jaxcomp._src.plumbing import phases
+from jaxcomp._src.plumbing import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32

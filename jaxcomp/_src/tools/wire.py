@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from jaxcomp._src import specs
+from jaxcomp._src.plumbing import phases
+from jaxcomp._src.tools import specs
 
 #: Primitive names jax gives the same collective (by version, and by ``check_vma``).
 SAME_AS = {
@@ -64,7 +65,6 @@ TRAFFIC = {  # by canonical name
 }
 
 
-_FALLBACK_SCOPE = "jaxcomp_fallback"  # jax.named_scope of rarely taken fallback exchanges
 _EVERY = re.compile(r"jaxcomp_every_(\d+)")
 
 
@@ -161,7 +161,7 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
     if canonical(name) in TRAFFIC:
       b = sum(_nbytes(v.aval) for v in eqn.invars)
       stack = str(eqn.source_info.name_stack)
-      fallback = _FALLBACK_SCOPE in stack
+      fallback = phases.FALLBACK_SCOPE in stack
       every = _every(stack)
       traffic = mult * TRAFFIC[canonical(name)](b, k) / every
       out.append(CollectiveOp(name, b, mult, traffic, fallback, every))

@@ -1,6 +1,6 @@
 r"""Exact float32 arithmetic shared by the codecs' XLA path and the kernels.
 
-The low layer under both :mod:`jaxcomp._src.codecs` (the XLA path) and
+The low layer under both :mod:`jaxcomp._src.codecs.base` (the XLA path) and
 :mod:`jaxcomp.kernels` (Pallas on Mosaic GPU and Triton; native CPU): each function here
 is the one definition of a piece of a payload that must come out the same bits on every
 path. It imports nothing from jaxcomp but :mod:`jax` and :mod:`numpy`.

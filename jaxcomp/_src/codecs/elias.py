@@ -85,8 +85,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import bitpack
-from jaxcomp._src import codecs as _codecs
+from jaxcomp._src.codecs import base as _codecs
+from jaxcomp._src.plumbing import bitpack
 
 _U64 = np.uint64
 _ONE = np.uint64(1)
@@ -595,10 +595,131 @@ class _Segment:
     return out.reshape(-1) + self.lo
 
 
+class _Walk:
+  """The walk along a stream's chain of triples, bucket by bucket: where each bucket's
+  header starts (``heads``) and where its triples start (``singles``, one triple at a
+  time, and ``coarse``, the expanded coarse steps of each :class:`_Segment`)."""
+
+  def __init__(self, rd: _Reader):
+    self.rd = rd
+    self.seg: _Segment | None = None
+    self.heads: list[int] = []
+    self.singles: list[int] = []
+    self.coarse: list[np.ndarray] = []
+
+  def segment(self, t: int) -> _Segment:
+    """The segment holding bit ``t`` (the current one, or a new one from ``t``)."""
+    if self.seg is None or not self.seg.lo <= t < self.seg.hi:
+      self.flush()
+      self.seg = _Segment(self.rd, t)
+    return self.seg
+
+  def flush(self) -> None:
+    """Expands the current segment's coarse steps into their triples' starts."""
+    if self.seg is not None:
+      self.coarse.extend(self.seg.expand(c, k) for k, c in self.seg.pending.items())
+
+  def starts(self) -> np.ndarray:
+    """Every triple's start, in stream order (after :meth:`flush`)."""
+    return np.sort(np.concatenate([np.asarray(self.singles, np.int64)] + self.coarse))
+
+  def bucket(self, t: int, j: int, nb: int, size: int) -> int:
+    """Walks bucket ``j`` of ``nb`` (``size`` values) from its header at bit ``t``;
+    returns the bit after its end marker. Coarse steps of whole triples inside the
+    bucket first, else one triple, or the end marker."""
+    num_bits = self.rd.num_bits
+    if t + 32 > num_bits:
+      raise ValueError(
+        f"truncated QSGD stream: bucket {j} of {nb} starts at bit {t} but "
+        f"the stream has {num_bits} bits"
+      )
+    self.heads.append(t)
+    t += 32
+    p = -1
+    jumps = _JUMPS if size < _CAP else ()  # a sum of _CAP must not pass for valid
+    while True:
+      if t >= num_bits:
+        raise ValueError(
+          f"truncated QSGD stream: bucket {j} of {nb} has no end marker before bit {num_bits}"
+        )
+      seg = self.segment(t)
+      i = t - seg.lo
+      for k in jumps:  # coarse steps: k whole triples, all inside the bucket
+        g = seg.sums[k].item(i)
+        if p + g < size:
+          seg.pending[k].append(t)
+          p += g
+          t = seg.jump[k].item(i) + seg.lo
+          break
+      else:  # one triple, or the end marker
+        e = seg.gap_end.item(i)
+        if e < 0:
+          where = _omega_error(self.rd, t, f"gap of bucket {j}")
+          raise ValueError("corrupted QSGD stream: " + where)
+        p += seg.gap.item(i)
+        if p >= size:
+          if p > size:
+            raise ValueError(
+              f"corrupted QSGD stream: the gap at bit {t} jumps to position {p} of bucket "
+              f"{j}, past its end marker at {size}"
+            )
+          return e
+        nt = seg.nxt.item(i)
+        if nt < 0:
+          raise ValueError("corrupted QSGD stream: " + _triple_error(self.rd, e, j))
+        self.singles.append(t)
+        t = nt
+
+
+def _check_stream(data: Any, num_bits: int) -> tuple[np.ndarray, int]:
+  """The stream's bytes as flat uint8 and its length, checked: enough bytes, and zero
+  padding after the last bit."""
+  data = np.asarray(data, np.uint8).reshape(-1)
+  num_bits = int(num_bits)
+  if num_bits < 0 or 8 * data.size < num_bits:
+    raise ValueError(
+      f"truncated QSGD stream: {num_bits} bits need {-(-num_bits // 8)} bytes, got {data.size}"
+    )
+  if num_bits % 8 and data[num_bits // 8] & ((1 << (8 - num_bits % 8)) - 1):
+    raise ValueError(f"corrupted QSGD stream: non-zero padding bits after bit {num_bits}")
+  return data, num_bits
+
+
+def _read_triples(rd: _Reader, walk: _Walk, *, n: int, levels: int, b: int, nb: int):
+  """``(scales, mags, signs)`` from the walked stream: the triples decoded again
+  (vectorised) at their starts, placed in their buckets."""
+  st = walk.starts()
+  gaps, gap_end = rd.omega_at(st)
+  mags, _ = rd.omega_at(gap_end + 1)
+  bad = np.flatnonzero(mags > _U64(levels))
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(
+      f"corrupted QSGD stream: level {int(mags[i])} at bit "
+      f"{int(gap_end[i]) + 1} is above s = {levels}"
+    )
+  head_pos = np.asarray(walk.heads, np.int64)
+  bucket = np.searchsorted(head_pos, st, side="right") - 1
+  csum = np.cumsum(gaps.astype(np.int64))
+  first = np.searchsorted(bucket, np.arange(nb))  # index of each bucket's first triple
+  base = np.concatenate([np.zeros(1, np.int64), csum])[first]
+  flat = bucket * b + (csum - base[bucket] - 1)
+  out_mags = np.zeros(n, np.uint32)
+  out_signs = np.zeros(n, np.uint32)
+  out_mags[flat] = mags.astype(np.uint32)
+  out_signs[flat] = rd.bit(gap_end)
+  scales = (rd.window(head_pos) >> _U64(32)).astype(np.uint32).view(np.float32)
+  return scales, out_mags, out_signs
+
+
 def decode_stream(
   data: Any, num_bits: int, *, n: int, levels: int, bucket_size: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Decodes a QSGD string (see the module docstring); the inverse of :func:`encode_stream`.
+
+  Three steps: the input checked (:func:`_check_stream`), the chain of triples walked
+  bucket by bucket (:class:`_Walk`), the triples decoded at their starts
+  (:func:`_read_triples`).
 
   Args:
     data: the stream bytes (uint8), at least ``ceil(num_bits / 8)`` of them; bits past
@@ -617,97 +738,20 @@ def decode_stream(
       (truncated, trailing bits, a code running past the end, a gap past the bucket's
       end, a level above ``levels``, non-zero padding).
   """
-  data = np.asarray(data, np.uint8).reshape(-1)
-  num_bits = int(num_bits)
-  if num_bits < 0 or 8 * data.size < num_bits:
-    raise ValueError(
-      f"truncated QSGD stream: {num_bits} bits need {-(-num_bits // 8)} bytes, got {data.size}"
-    )
-  if num_bits % 8 and data[num_bits // 8] & ((1 << (8 - num_bits % 8)) - 1):
-    raise ValueError(f"corrupted QSGD stream: non-zero padding bits after bit {num_bits}")
+  data, num_bits = _check_stream(data, num_bits)
   b, nb, sizes = _bucket_sizes(int(n), bucket_size)
   rd = _Reader(data[: -(-num_bits // 8)], num_bits)
-
-  heads, singles, coarse = [], [], []
-  seg = None
+  walk = _Walk(rd)
   t = 0
   for j in range(nb):
-    if t + 32 > num_bits:
-      raise ValueError(
-        f"truncated QSGD stream: bucket {j} of {nb} starts at bit {t} but "
-        f"the stream has {num_bits} bits"
-      )
-    heads.append(t)
-    t += 32
-    p = -1
-    size = int(sizes[j])
-    jumps = _JUMPS if size < _CAP else ()  # a sum of _CAP must not pass for valid
-    while True:
-      if t >= num_bits:
-        raise ValueError(
-          f"truncated QSGD stream: bucket {j} of {nb} has no end marker before bit {num_bits}"
-        )
-      if seg is None or not seg.lo <= t < seg.hi:
-        if seg is not None:
-          coarse.extend(seg.expand(c, k) for k, c in seg.pending.items())
-        seg = _Segment(rd, t)
-      i = t - seg.lo
-      for k in jumps:  # coarse steps: k whole triples, all inside the bucket
-        g = seg.sums[k].item(i)
-        if p + g < size:
-          seg.pending[k].append(t)
-          p += g
-          t = seg.jump[k].item(i) + seg.lo
-          break
-      else:  # one triple, or the end marker
-        e = seg.gap_end.item(i)
-        if e < 0:
-          raise ValueError("corrupted QSGD stream: " + _omega_error(rd, t, f"gap of bucket {j}"))
-        p += seg.gap.item(i)
-        if p >= size:
-          if p > size:
-            raise ValueError(
-              f"corrupted QSGD stream: the gap at bit {t} jumps to position {p} of bucket "
-              f"{j}, past its end marker at {size}"
-            )
-          t = e
-          break
-        nt = seg.nxt.item(i)
-        if nt < 0:
-          raise ValueError("corrupted QSGD stream: " + _triple_error(rd, e, j))
-        singles.append(t)
-        t = nt
-  if seg is not None:
-    coarse.extend(seg.expand(c, k) for k, c in seg.pending.items())
+    t = walk.bucket(t, j, nb, int(sizes[j]))
+  walk.flush()
   if t != num_bits:
     raise ValueError(
       f"corrupted QSGD stream: {num_bits - t} trailing bits after the last "
       f"bucket (it ends at bit {t} of {num_bits})"
     )
-
-  # The triples, in stream order, decoded again (vectorised) at their starts.
-  st = np.sort(np.concatenate([np.asarray(singles, np.int64)] + coarse))
-  gaps, gap_end = rd.omega_at(st)
-  mags, _ = rd.omega_at(gap_end + 1)
-  bad = np.flatnonzero(mags > _U64(levels))
-  if bad.size:
-    i = int(bad[0])
-    raise ValueError(
-      f"corrupted QSGD stream: level {int(mags[i])} at bit "
-      f"{int(gap_end[i]) + 1} is above s = {levels}"
-    )
-  head_pos = np.asarray(heads, np.int64)
-  bucket = np.searchsorted(head_pos, st, side="right") - 1
-  csum = np.cumsum(gaps.astype(np.int64))
-  first = np.searchsorted(bucket, np.arange(nb))  # index of each bucket's first triple
-  base = np.concatenate([np.zeros(1, np.int64), csum])[first]
-  flat = bucket * b + (csum - base[bucket] - 1)
-  out_mags = np.zeros(n, np.uint32)
-  out_signs = np.zeros(n, np.uint32)
-  out_mags[flat] = mags.astype(np.uint32)
-  out_signs[flat] = rd.bit(gap_end)
-  scales = (rd.window(head_pos) >> _U64(32)).astype(np.uint32).view(np.float32)
-  return scales, out_mags, out_signs
+  return _read_triples(rd, walk, n=int(n), levels=levels, b=b, nb=nb)
 
 
 def _triple_error(rd: _Reader, gap_end: int, j: int) -> str:

@@ -10,7 +10,7 @@ device. What departs from the paper, and why, is listed in ``docs/methods/mipd.m
 The method is written as named steps over a frozen :class:`_Options`: ``_layout``
 (the static groups), ``_sync`` (the all-reduce every device agrees on first),
 ``_select_and_code`` (drop rates, per-layer top-k, quantization: a :class:`_Coded`),
-the exchange (:mod:`jaxcomp._src.mipd_exchange`), ``_predict`` (the server's
+the exchange (:mod:`jaxcomp._src.exchanges.mipd_exchange`), ``_predict`` (the server's
 prediction), wired by ``_half_step`` and ``_update``.
 """
 
@@ -29,14 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives
-from jaxcomp._src import mipd_exchange
-from jaxcomp._src import normal
-from jaxcomp._src import phases
-from jaxcomp._src import pipeline
-from jaxcomp._src import sparse
-from jaxcomp._src import transforms
-from jaxcomp._src import treeutil
+from jaxcomp._src.codecs import normal
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import mipd_exchange
+from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.methods import transforms
+from jaxcomp._src.plumbing import phases
+from jaxcomp._src.plumbing import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -130,7 +130,7 @@ def top_mask(x: Array, k: Array) -> Array:
   the range where the count crosses ``k``; 16 passes cover the 31 bits, where a
   bisection takes 31 (separate ``jnp.sum`` calls are separate passes on XLA:CPU;
   ``python -m benchmarks.studies.xla_cpu_pitfalls`` times both). Ties at the threshold are broken
-  by position (:func:`jaxcomp._src.sparse.first_trues`). NaNs count as larger than any
+  by position (:func:`jaxcomp._src.codecs.sparse.first_trues`). NaNs count as larger than any
   number.
   """
   bits = lax.bitcast_convert_type(jnp.abs(x.astype(_F32)), jnp.int32)
@@ -276,7 +276,7 @@ def _check_options(drop_rate, min_keep, beta, alpha, predict_from, collective, q
     raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
   if predict_from not in PREDICT_FROM:
     raise ValueError(f"predict_from must be one of {PREDICT_FROM}, got {predict_from!r}")
-  collectives.refuse_reduce_scatter(collective, "jc.mipd", collectives.MIPD_NO_REDUCE_SCATTER)
+  pipeline.refuse_reduce_scatter(collective, "jc.mipd", pipeline.MIPD_NO_REDUCE_SCATTER)
   if collective not in COLLECTIVES:
     raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
   if quantize_pull is not None and not isinstance(quantize_pull, bool):
@@ -392,7 +392,7 @@ def _sync(opts: _Options, leaves, lay: _Layout, gs, parity):
     and axis_name in collectives.varying_axes(parity)
   )
   flags = ([~finite] if gs else []) + ([parity] if sync_parity else [])
-  off, sums = collectives.pmean_and_count(off, flags, axis_name)
+  off, sums = collectives.dense_means(off, axis_name, counts=flags)
   if gs:
     finite = sums.pop(0) == 0  # no device had a non-finite gradient
   if sync_parity:

@@ -16,15 +16,15 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import bitpack
-from jaxcomp._src import rng
-from jaxcomp._src.codecs import Array
-from jaxcomp._src.codecs import Payload
-from jaxcomp._src.codecs import _check_float
-from jaxcomp._src.sparse import SparseCodec
-from jaxcomp._src.sparse import check_density
-from jaxcomp._src.sparse import compact
-from jaxcomp._src.sparse import index_dtype
+from jaxcomp._src.codecs.base import Array
+from jaxcomp._src.codecs.base import Payload
+from jaxcomp._src.codecs.base import _check_float
+from jaxcomp._src.codecs.sparse import SparseCodec
+from jaxcomp._src.codecs.sparse import check_density
+from jaxcomp._src.codecs.sparse import compact
+from jaxcomp._src.codecs.sparse import index_dtype
+from jaxcomp._src.plumbing import bitpack
+from jaxcomp._src.plumbing import rng
 
 _F32 = jnp.float32
 _TINY = float(np.finfo(np.float32).tiny)
@@ -147,7 +147,7 @@ class UnbiasedSparsifier(SparseCodec):
   Payload (static shapes; ``C`` entry slots, ``D <= C`` dense value slots):
 
   * ``indices``: ``C`` indices (``uint8``/``uint16``/``int32`` by n, see
-    :func:`~jaxcomp._src.sparse.index_dtype`), the dense entries first; unused slots hold
+    :func:`~jaxcomp._src.codecs.sparse.index_dtype`), the dense entries first; unused slots hold
     ``n`` and decode to nothing;
   * ``signs``: one bit per slot, packed 32 per uint32 (ignored for dense slots);
   * ``values``: ``D`` float32 values of the dense entries (slot j < ``num_dense``);
@@ -373,7 +373,7 @@ class UnbiasedSparsifier(SparseCodec):
     xf = x.reshape(-1).astype(_F32)
     a, amax, all_finite = self._normalized(x)
     lam = self._lambda_normalized(a)
-    u = rng.uniform(key, (n,))  # the counter-based bits of jaxcomp._src.rng
+    u = rng.uniform(key, (n,))  # the counter-based bits of jaxcomp._src.plumbing.rng
     finite = jnp.isfinite(xf)
     p = jnp.minimum(a * lam, 1.0)
     # One definition of "dense" and "kept", materialised once and read by both paths.

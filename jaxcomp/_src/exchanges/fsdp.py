@@ -16,9 +16,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxcomp._src import collectives
-from jaxcomp._src import qweights
-from jaxcomp._src.codecs import Codec
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import qweights
 
 Array = jax.Array
 _F32 = jnp.float32

@@ -47,6 +47,7 @@ import jax
 
 ENCODE_SCOPE = "jaxcomp_encode"
 DECODE_SCOPE = "jaxcomp_decode"
+FALLBACK_SCOPE = "jaxcomp_fallback"  # rarely taken fallback exchanges (wire_report: apart)
 PHASES = ("gradient", "encode", "exchange", "decode", "update")
 
 # HLO opcodes that move data between devices (sync and async forms).

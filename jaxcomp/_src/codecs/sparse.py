@@ -24,11 +24,11 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import bitpack
-from jaxcomp._src.codecs import Array
-from jaxcomp._src.codecs import Codec
-from jaxcomp._src.codecs import Payload
-from jaxcomp._src.codecs import _check_float
+from jaxcomp._src.codecs.base import Array
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.base import Payload
+from jaxcomp._src.codecs.base import _check_float
+from jaxcomp._src.plumbing import bitpack
 
 _F32 = jnp.float32
 _MAX_N = 2**31 - 1
@@ -351,7 +351,7 @@ class TopK(SparseCodec):
     not always the top k.)
 
   Wire format: ``k`` float32 values and ``k`` indices (``uint8``/``uint16`` when ``n``
-  fits, else ``int32``; see :mod:`jaxcomp._src.sparse`): ``k · (32 + 16 or 32)`` bits.
+  fits, else ``int32``; see :mod:`jaxcomp._src.codecs.sparse`): ``k · (32 + 16 or 32)`` bits.
 
   Args:
     density: fraction of entries kept, in (0, 1].

@@ -23,12 +23,13 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from jaxcomp._src import codecs as codecs_lib
-from jaxcomp._src import collectives
-from jaxcomp._src import phases
-from jaxcomp._src import treeutil
-from jaxcomp._src import wire
+from jaxcomp._src.codecs import base as codecs_lib
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.plumbing import treeutil
+from jaxcomp._src.tools import wire
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -230,50 +231,33 @@ def _step(opts: _Options, params, state: QSVRGState, batch):
 
 
 def _exchange(opts: _Options, leaves, vs, step_key) -> list:
-  """The means over devices of the ``vs``, each leaf routed as in :func:`compress`
-  (:func:`collectives.route`): dense leaves share one all-reduce, gathered payloads
-  one all-gather, two-phase leaves one exchange per codec; local and fallback leaves
-  go alone."""
-  axis_name = opts.axis_name
-  means: list = [None] * len(leaves)
-  dense = []  # leaves the filter leaves out: one all-reduce for all of them
-  gathered = []  # (leaf, codec, payload): one all-gather for all of them
-  phased = []  # (codec, [(leaf, v, key)]): one two-phase exchange per codec
+  """The means over devices of the ``vs``, each leaf planned and exchanged by the
+  pipeline as in :func:`compress` (:func:`pipeline.run`), with its own codec
+  (:meth:`_Options.leaf_codec`) and no error feedback: dense leaves share one all-reduce
+  (the payloads' all-gather at K <= 2), gathered payloads one all-gather, two-phase
+  leaves one exchange per codec."""
+  none = optax.MaskedNode()
+  plan = []
   for i, ((path, x), v) in enumerate(zip(leaves, vs)):
     _check_leaf(path, x)
     chosen = treeutil.selected(opts.filter_fn, path, x)
     cod = opts.leaf_codec(x) if chosen else None
-    where = collectives.route(cod, opts.collective, axis_name, selected=chosen)
-    leaf_key = jax.random.fold_in(step_key, i)
-    if where == "dense":
-      means[i] = v
-      dense.append(i)
-    elif where == "local":
-      means[i] = collectives.local(cod, v, leaf_key).mean
-    elif where == "two_phase":
-      group = next((g for c, g in phased if c == cod), None)  # codecs may be unhashable
-      if group is None:
-        phased.append((cod, group := []))
-      group.append((i, v, leaf_key))
-    elif where == "gathered":
-      with jax.named_scope(phases.ENCODE_SCOPE):
-        gathered.append((i, cod, cod.encode(v, key=leaf_key)))
-    else:  # "fallback": a variable-length format, its own exchange with the branch
-      means[i] = collectives.allgather_mean(cod, v, leaf_key, axis_name).mean
-  if axis_name is not None and dense:
-    for i, mean in zip(dense, collectives.pmean_tree([means[i] for i in dense], axis_name)):
-      means[i] = mean
-  if gathered:
-    for (i, _, _), mean in zip(
-      gathered,
-      collectives.payload_means([g[1] for g in gathered], [g[2] for g in gathered], axis_name),
-    ):
-      means[i] = mean
-  for cod, group in phased:
-    exs = collectives.two_phase_means(cod, [g[1] for g in group], [g[2] for g in group], axis_name)
-    for (i, _, _), ex in zip(group, exs):
-      means[i] = ex.mean
-  return means
+    plan.append(
+      pipeline.plan_leaf(
+        cod,
+        opts.collective,
+        opts.axis_name,
+        opts.filter_fn,
+        i,
+        path,
+        v,
+        none,
+        none,
+        step_key,
+        chosen=chosen,
+      )
+    )
+  return [leaf.out for leaf in pipeline.run(opts.axis_name, plan)]
 
 
 def _end_epoch(state: QSVRGState):

@@ -1,9 +1,21 @@
-"""Compressed exchanges of one tensor across a named axis (shard_map or pmap).
+"""The collective primitives: what every exchange of jaxcomp is made of.
 
-Each function takes a float32 tensor already local to the device and returns the mean
-over the axis, identical on every device, together with what this device's own payloads
-decode to (for error feedback). All run under ``jax.shard_map`` (``check_vma=True``: the
-gathered results are marked invariant) and ``jax.pmap``.
+Two layers, each used from the one above only:
+
+* the transport, which knows no codec: :func:`gather_tree`, :func:`all_to_all_tree`,
+  :func:`psum_tree` (:func:`pmean_tree`), :func:`psum_scatter_tree` move pytrees of
+  arrays as one buffer per collective; :func:`agree` and :func:`fallback_cond` pick a
+  branch every device takes; the axis helpers (:func:`axis_size`, :func:`vary`, ...) type values
+  varying or invariant over the axis;
+* the codec primitives, one per collective pattern, all of one shape (codecs, tensors,
+  keys, axis -> an :class:`Exchanged` per tensor): :func:`gather_means`,
+  :func:`dense_means`, :func:`psum_means`, :func:`two_phase_means`,
+  :func:`reduce_scatter_means`. Each encodes, moves and decodes; a codec is called from
+  here and nowhere above.
+
+The pipeline (:mod:`jaxcomp._src.exchanges.pipeline`) decides which leaf takes which primitive.
+All run under ``jax.shard_map`` (``check_vma=True``: the gathered results are marked
+invariant) and ``jax.pmap``.
 """
 
 from __future__ import annotations
@@ -15,10 +27,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxcomp._src.codecs import Codec
-from jaxcomp._src.codecs import flat_chunk_length
-from jaxcomp._src.phases import DECODE_SCOPE
-from jaxcomp._src.phases import ENCODE_SCOPE
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.plumbing.phases import DECODE_SCOPE
+from jaxcomp._src.plumbing.phases import ENCODE_SCOPE
+from jaxcomp._src.plumbing.phases import FALLBACK_SCOPE
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -268,15 +280,125 @@ def pmean_tree(tree, axis_name):
   return jax.tree.map(lambda x: x / k, psum_tree(tree, axis_name))
 
 
+def shared_key(key: Array, axis_name) -> Array:
+  """``key`` typed invariant over ``axis_name``; every device must hold the same key.
+
+  Under ``shard_map(check_vma=True)`` a key held in per-device state is typed varying
+  even when its value is the same everywhere; a ``pmax`` of its 8 bytes of key data
+  makes it invariant, so what is derived from it (shared indices) is too.
+  """
+  if not tracks_varying(axis_name) or axis_name not in varying_axes(key):
+    return key
+  data = lax.pmax(jax.random.key_data(key), axis_name)
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+
+
+def shard_rows(x: Array, k: int, what: str = "x") -> Array:
+  """``x`` cut along its first axis into the K shards ``P(axis)`` gives the devices,
+  stacked: ``(K, d0/K, *x.shape[1:])``; row j is device j's shard. A ``ValueError``
+  names ``what`` when the first axis does not divide by K."""
+  if x.ndim == 0 or x.shape[0] % k:
+    raise ValueError(
+      f"{what} has shape {tuple(x.shape)}: a reduce-scatter cuts each leaf along its "
+      f"first axis into {k} shards, which needs a first axis divisible by {k}; declare "
+      f"the leaf unsharded (P() in param_specs) or pad it"
+    )
+  return x.reshape((k, x.shape[0] // k) + tuple(x.shape[1:]))
+
+
+def psum_scatter_tree(tree, axis_name):
+  """``lax.psum_scatter(x, scatter_dimension=0, tiled=True) / K`` of every array of
+  ``tree`` (its first axis divisible by K), as one reduce-scatter per dtype.
+
+  The dense counterpart of :func:`reduce_scatter_means`: device j gets the mean of
+  row j (:func:`shard_rows`), shaped ``(d0/K, ...)``, in the arrays' dtype. The arrays
+  of one dtype (and one set of varying axes) are cut into their K rows, concatenated
+  row by row and scattered once, so a model's leaves cost one collective's latency.
+  """
+  k = axis_size(axis_name)
+  leaves, treedef = jax.tree.flatten(tree)
+  rows = [shard_rows(x, k, f"leaf {i}") for i, x in enumerate(leaves)]
+  groups: dict = {}
+  for i, x in enumerate(leaves):
+    groups.setdefault((jnp.dtype(x.dtype), varying_axes(x)), []).append(i)
+  out = [None] * len(leaves)
+  for idx in groups.values():
+    flat = jnp.concatenate([rows[i].reshape(k, -1) for i in idx], axis=1)
+    mine = lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)[0]
+    offset = 0
+    for i in idx:
+      n = rows[i][0].size
+      out[i] = mine[offset : offset + n].reshape(rows[i].shape[1:]) / k
+      offset += n
+  return treedef.unflatten(out)
+
+
+def agree(flag: Array, axis_name) -> Array:
+  """``flag`` (a bool scalar) or-ed over the devices: a ``pmax`` of 4 bytes, so that
+  every device takes the same branch (and runs the same collectives). This device's
+  flag with ``axis_name=None``."""
+  if axis_name is None:
+    return flag
+  return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
+
+
+def fallback_cond(agreed: Array, coded, fixed):
+  """``fixed()`` where ``agreed`` (an overflow flag every device holds alike,
+  :func:`agree`), else ``coded()``: a ``lax.cond`` whose ``fixed`` branch runs under
+  ``jax.named_scope(FALLBACK_SCOPE)``, which :func:`jaxcomp.wire_report` lists apart (a
+  rare path)."""
+
+  def fixed_width(_):
+    with jax.named_scope(FALLBACK_SCOPE):
+      return fixed()
+
+  return lax.cond(agreed, fixed_width, lambda _: coded(), None)
+
+
+# ----------------------------------------------------------------------------- codec primitives
+#
+# One primitive per collective pattern, each with the same shape: the codecs (or one
+# codec), this device's tensors and their keys in, an :class:`Exchanged` per tensor out.
+# Each one encodes, moves the payloads through the transport above and decodes: a codec
+# is called from one layer only. Which leaf takes which primitive is the pipeline's
+# business (:func:`jaxcomp._src.exchanges.pipeline.route`), not theirs.
+#
+# * :func:`gather_means`: all-gather (and no axis: encode and decode locally), with the
+#   full-precision leaves riding along at K <= 2 and the overflow branch of codecs with
+#   a fallback format;
+# * :func:`dense_means`: the full-precision leaves' all-reduce (and integer flags);
+# * :func:`psum_means`: an all-reduce of summable payloads;
+# * :func:`two_phase_means`: ``all_to_all`` + ``all_gather`` (scatter-reduce on payloads);
+# * :func:`reduce_scatter_means`: ``all_to_all`` to the shard owners (ZeRO/FSDP).
+
+
 class Exchanged(NamedTuple):
-  mean: Array  # the averaged tensor, float32, identical on all devices
+  """What a codec primitive returns per tensor."""
+
+  mean: Array  # the averaged tensor, float32, identical on all devices (a shard after a
+  #              reduce-scatter)
   sent: Array  # what this device's first-stage payload decodes to (float32)
   chunk_residual: Array | None  # new second-stage residual (two-phase with EF)
   overflow: Array  # bool scalar: a codec capacity overflowed on this device
 
 
-def local(codec: Codec, x: Array, key: Array) -> Exchanged:
+def _encoded(codec: Codec, x: Array, key: Array, payload) -> tuple:
+  """``(payload, overflow, sent)``: ``x`` encoded (unless ``payload`` was, by a fused
+  error-feedback kernel or a method's own selection), and what it decodes to."""
+  with jax.named_scope(ENCODE_SCOPE):
+    if payload is None:
+      payload, overflow = codec.encode_with_info(x, key=key)
+    else:
+      overflow = jnp.zeros((), bool)
+    return payload, overflow, codec.decode(payload, _F32)
+
+
+def _local(codec: Codec, x: Array, key: Array, payload) -> Exchanged:
   """No collective: encode and decode on this device (single-device simulation)."""
+  if payload is not None:
+    with jax.named_scope(DECODE_SCOPE):
+      sent = codec.decode(payload, _F32)
+    return Exchanged(sent, sent, None, jnp.zeros((), bool))
   with jax.named_scope(ENCODE_SCOPE):
     payload, overflow = codec.encode_with_info(x, key=key)
   fallback = codec.fallback
@@ -286,6 +408,158 @@ def local(codec: Codec, x: Array, key: Array) -> Exchanged:
     else:
       sent = codec.decode(payload, _F32)
   return Exchanged(sent, sent, None, overflow)
+
+
+def _gather_with_fallback(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
+  """One tensor of a codec with a ``fallback`` (a variable-length format in a fixed
+  buffer, e.g. Elias-coded QSGD): its own all-gather, since whether the buffer
+  overflowed on *any* device decides what every device sends (:func:`fallback_cond`:
+  the fallback's payload of the same quantization)."""
+  k = axis_size(axis_name)
+  with jax.named_scope(ENCODE_SCOPE):
+    payload, overflow = codec.encode_with_info(x, key=key)
+    # The fallback codes the same quantization (same key): decode what was sent from it.
+    fixed = codec.fallback.encode(x, key=key)
+    sent = codec.fallback.decode(fixed, _F32)
+
+  def coded():
+    gathered = gather_tree(payload, axis_name)
+    with jax.named_scope(DECODE_SCOPE):
+      return codec.decode_sum(gathered)
+
+  def fixed_width():
+    gathered = gather_tree(fixed, axis_name)
+    with jax.named_scope(DECODE_SCOPE):
+      return codec.fallback.decode_sum(gathered)
+
+  total = fallback_cond(agree(overflow, axis_name), coded, fixed_width)
+  return Exchanged(total / k, sent, None, overflow)
+
+
+def _gather_decode(codecs, payloads, dense, axis_name) -> tuple[list, list]:
+  """Means of the ``payloads`` (decoded, a codec each) and of the ``dense`` arrays.
+
+  At K <= 2 one ``all_gather`` carries both: an all-gather then moves as many bytes as
+  an all-reduce (``(K-1)·B = 2(K-1)/K·B``) and ``x_0 + x_1`` is the all-reduce's sum bit
+  for bit (one addition, commutative): one message round per step instead of two. On
+  more devices the all-gather would move ``K/2`` times the bytes: the dense arrays take
+  :func:`dense_means` there. The values are the same either way.
+  """
+  k = axis_size(axis_name)
+  n = len(payloads)
+  if payloads and dense and k <= 2:
+    gathered = gather_tree(payloads + dense, axis_name)
+    with jax.named_scope(DECODE_SCOPE):
+      means = _decode_means(codecs, gathered[:n], k)
+      return means, [(g[0] + g[1] if k == 2 else g[0]) / k for g in gathered[n:]]
+  means = []
+  if payloads:
+    gathered = gather_tree(payloads, axis_name)
+    with jax.named_scope(DECODE_SCOPE):
+      means = _decode_means(codecs, gathered, k)
+  return means, (dense_means(dense, axis_name)[0] if dense else [])
+
+
+def gather_means(
+  codecs, xs, keys, axis_name, *, payloads=None, dense=()
+) -> tuple[list[Exchanged], list[Array]]:
+  """The all-gather primitive: the means over devices of the ``xs`` (each encoded with
+  its own codec, e.g. QSGD levels chosen per leaf) and of the full-precision ``dense``
+  arrays. Traffic per device ``(K-1)·B``.
+
+  One ``all_gather`` for every payload (:func:`gather_tree`: one collective's latency per
+  step, not one per tensor); each gathered payload is decoded and summed by its own
+  codec (a fused kernel where the codec has one) and the means are written once on
+  XLA:CPU (:func:`_decode_means`). The dense arrays ride in that all-gather at K <= 2,
+  else share one all-reduce (:func:`_gather_decode`). A codec with a ``fallback`` takes
+  its own all-gather with the overflow branch (:func:`_gather_with_fallback`). With
+  ``axis_name=None`` every tensor is encoded and decoded locally.
+
+  Args:
+    codecs: a codec per tensor.
+    xs: this device's tensors (ignored where ``payloads`` has a payload).
+    keys: a typed key per tensor.
+    axis_name: the mapped axis, or ``None``.
+    payloads: per tensor, ``None`` or its payload already encoded (by a fused
+      error-feedback kernel, or a method's own selection).
+    dense: full-precision arrays to average exactly (needs an axis).
+
+  Returns:
+    ``(exchanged, dense_means)``: an :class:`Exchanged` per tensor and the dense means.
+  """
+  codecs, xs, keys = list(codecs), list(xs), list(keys)
+  payloads = [None] * len(codecs) if payloads is None else list(payloads)
+  if not len(codecs) == len(xs) == len(keys) == len(payloads):
+    raise ValueError(
+      f"got {len(codecs)} codecs for {len(xs)} tensors, {len(keys)} keys and "
+      f"{len(payloads)} payloads"
+    )
+  dense = list(dense)
+  if dense and axis_name is None:
+    raise ValueError("dense arrays need an axis to average over")
+  if axis_name is None:
+    return [_local(*a) for a in zip(codecs, xs, keys, payloads)], []
+  out: list = [None] * len(codecs)
+  for i, (c, x, key, p) in enumerate(zip(codecs, xs, keys, payloads)):
+    if p is None and c.fallback is not None:
+      out[i] = _gather_with_fallback(c, x, key, axis_name)
+  batch = [i for i, ex in enumerate(out) if ex is None]
+  coded = {i: _encoded(codecs[i], xs[i], keys[i], payloads[i]) for i in batch}
+  means, dense_out = _gather_decode(
+    [codecs[i] for i in batch], [coded[i][0] for i in batch], dense, axis_name
+  )
+  for i, mean in zip(batch, means):
+    out[i] = Exchanged(mean, coded[i][2], None, coded[i][1])
+  return out, dense_out
+
+
+def dense_means(xs, axis_name, *, counts=()) -> tuple[list, list]:
+  """The full-precision primitive: ``pmean`` of the ``xs`` and ``psum`` of the integer
+  scalars ``counts``, in one all-reduce per dtype (:func:`psum_tree`; the counts travel
+  as float32).
+
+  The counts are what the devices must agree on next to the dense leaves (a non-finite
+  flag, a branch index held in per-device state): one message round, not one per flag.
+  Their sums are exact up to 2**24 and come back as int32, typed invariant.
+  """
+  xs, counts = list(xs), list(counts)
+  summed = psum_tree(xs + [c.astype(_F32) for c in counts], axis_name)
+  k = axis_size(axis_name)
+  return (
+    [x / k for x in summed[: len(xs)]],
+    [jnp.round(x).astype(jnp.int32) for x in summed[len(xs) :]],
+  )
+
+
+def _psum_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
+  fields = codec.summable_fields
+  if fields is None:
+    raise ValueError(
+      f"{type(codec).__name__} payloads cannot be summed: use collective='allgather' or 'two_phase'"
+    )
+  k = axis_size(axis_name)
+  if codec.shared_randomness:
+    key = shared_key(key, axis_name)
+  with jax.named_scope(ENCODE_SCOPE):
+    payload, overflow = codec.encode_with_info(x, key=key)
+    sent = codec.decode(payload, _F32)
+  arrays = {
+    name: lax.psum(a, axis_name) if name in fields else a for name, a in payload.arrays.items()
+  }
+  with jax.named_scope(DECODE_SCOPE):
+    total = codec.decode(type(payload)(arrays, payload.shape, payload.dtype), _F32)
+  return Exchanged(total / k, sent, None, overflow)
+
+
+def psum_means(codec: Codec, xs, keys, axis_name) -> list[Exchanged]:
+  """The all-reduce primitive for linear payloads (e.g. shared-index RandomK).
+
+  Requires ``codec.summable_fields``: the payload arrays named there are summed with
+  ``psum`` and the others (shared indices, drawn from the same key on every device) are
+  taken from this device, so the summed payload decodes to the sum of the K decodings.
+  Traffic per device: ``2(K-1)/K`` times the summable arrays' bytes, flat in K.
+  """
+  return [_psum_mean(codec, x, key, axis_name) for x, key in zip(xs, keys)]
 
 
 def _decode_means(codecs, gathered, k: int) -> list[Array]:
@@ -323,168 +597,6 @@ def _materialized(compute, received):
     else token.astype(jnp.uint8)
   )
   return lax.cond(token != 0x5A, compute, compute)
-
-
-def payload_means(codecs, payloads, axis_name) -> list[Array]:
-  """Means over devices of what each device's ``payloads`` decode to (float32), one
-  each, with a codec per payload (e.g. QSGD levels chosen per leaf).
-
-  One ``all_gather`` for all of them (:func:`gather_tree`); each gathered payload is
-  decoded and summed by its own codec (a fused kernel where the codec has one), and the
-  means are written once on XLA:CPU (see :func:`_decode_means`). With ``axis_name=None``
-  the local decodings. For codecs without a fallback.
-  """
-  codecs, payloads = list(codecs), list(payloads)
-  if len(codecs) != len(payloads):
-    raise ValueError(f"got {len(codecs)} codecs for {len(payloads)} payloads")
-  if axis_name is None:
-    with jax.named_scope(DECODE_SCOPE):
-      return [c.decode(p, _F32) for c, p in zip(codecs, payloads)]
-  k = axis_size(axis_name)
-  gathered = gather_tree(payloads, axis_name)
-  with jax.named_scope(DECODE_SCOPE):
-    return _decode_means(codecs, gathered, k)
-
-
-def _gather_with_dense(codecs, payloads, dense, axis_name) -> tuple[list, list]:
-  """:func:`payload_means` of ``payloads`` and the exact means of the ``dense`` arrays,
-  all from one ``all_gather``; for axes of at most 2 devices.
-
-  At K = 2 an all-gather moves as many bytes as an all-reduce (``(K-1)·B = 2(K-1)/K·B``)
-  and ``x_0 + x_1`` is the all-reduce's sum bit for bit (one addition, commutative), so
-  the full-precision leaves can share the payloads' collective: one message round per
-  step instead of two. On more devices the all-gather would move ``K/2`` times the
-  bytes: use :func:`payload_means` and :func:`pmean_tree` there.
-  """
-  k = axis_size(axis_name)
-  if k > 2:
-    raise ValueError(f"_gather_with_dense needs an axis of at most 2 devices, got {k}")
-  payloads, dense = list(payloads), list(dense)
-  gathered = gather_tree(payloads + dense, axis_name)
-  with jax.named_scope(DECODE_SCOPE):
-    means = _decode_means(list(codecs), gathered[: len(payloads)], k)
-    dense_means = [(g[0] + g[1] if k == 2 else g[0]) / k for g in gathered[len(payloads) :]]
-  return means, dense_means
-
-
-def exchange_means(codecs, payloads, dense, axis_name) -> tuple[list, list]:
-  """Means of the ``payloads`` (decoded, a codec each) and of the full-precision
-  ``dense`` arrays.
-
-  With payloads on at most 2 devices, one ``all_gather`` carries both
-  (:func:`_gather_with_dense`); otherwise the payloads take :func:`payload_means` and
-  the dense arrays one all-reduce (:func:`pmean_tree`). The values are the same either
-  way.
-  """
-  payloads, dense = list(payloads), list(dense)
-  if dense and axis_name is None:
-    raise ValueError("dense arrays need an axis to average over")
-  if payloads and dense and axis_size(axis_name) <= 2:
-    return _gather_with_dense(codecs, payloads, dense, axis_name)
-  means = payload_means(codecs, payloads, axis_name) if payloads else []
-  return means, (pmean_tree(dense, axis_name) if dense else [])
-
-
-def pmean_and_count(dense, counts, axis_name) -> tuple[list, list]:
-  """``pmean`` of the ``dense`` arrays and ``psum`` of the integer scalars ``counts``,
-  in one all-reduce (:func:`psum_tree`; the counts travel as float32).
-
-  For what the devices must agree on next to the dense leaves (a non-finite flag, a
-  branch index held in per-device state): one message round, not one per flag. The
-  counts' sums are exact up to 2**24 and come back as int32, typed invariant.
-  """
-  dense, counts = list(dense), list(counts)
-  summed = psum_tree(dense + [c.astype(_F32) for c in counts], axis_name)
-  k = axis_size(axis_name)
-  return (
-    [x / k for x in summed[: len(dense)]],
-    [jnp.round(x).astype(jnp.int32) for x in summed[len(dense) :]],
-  )
-
-
-def allgather_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
-  """All-gather the payloads, decode all K, average. Traffic per device: (K-1)·B.
-
-  A codec with a ``fallback`` codec (a variable-length format in a fixed buffer, e.g.
-  Elias-coded QSGD) whose buffer overflowed on *any* device makes every device send
-  the fallback's payload of the same quantization instead: a ``pmax`` of the overflow
-  flags (4 bytes) picks the branch of a ``lax.cond``, so all devices run the same
-  collectives. The fallback branch runs under ``jax.named_scope("jaxcomp_fallback")``
-  and :func:`jaxcomp.wire_report` lists its bytes apart.
-  """
-  k = axis_size(axis_name)
-  with jax.named_scope(ENCODE_SCOPE):
-    payload, overflow = codec.encode_with_info(x, key=key)
-  fallback = codec.fallback
-  if fallback is None:
-    with jax.named_scope(ENCODE_SCOPE):
-      sent = codec.decode(payload, _F32)
-    return Exchanged(payload_means([codec], [payload], axis_name)[0], sent, None, overflow)
-  # The fallback codes the same quantization (same key): decode what was sent from it.
-  with jax.named_scope(ENCODE_SCOPE):
-    fixed = fallback.encode(x, key=key)
-    sent = fallback.decode(fixed, _F32)
-  any_overflow = lax.pmax(overflow.astype(jnp.int32), axis_name) > 0
-
-  def coded(_):
-    gathered = gather_tree(payload, axis_name)
-    with jax.named_scope(DECODE_SCOPE):
-      return codec.decode_sum(gathered)
-
-  def fixed_width(_):
-    with jax.named_scope("jaxcomp_fallback"):
-      gathered = gather_tree(fixed, axis_name)
-      with jax.named_scope(DECODE_SCOPE):
-        return fallback.decode_sum(gathered)
-
-  total = lax.cond(any_overflow, fixed_width, coded, None)
-  return Exchanged(total / k, sent, None, overflow)
-
-
-def shared_key(key: Array, axis_name) -> Array:
-  """``key`` typed invariant over ``axis_name``; every device must hold the same key.
-
-  Under ``shard_map(check_vma=True)`` a key held in per-device state is typed varying
-  even when its value is the same everywhere; a ``pmax`` of its 8 bytes of key data
-  makes it invariant, so what is derived from it (shared indices) is too.
-  """
-  if not tracks_varying(axis_name) or axis_name not in varying_axes(key):
-    return key
-  data = lax.pmax(jax.random.key_data(key), axis_name)
-  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
-
-
-def psum_mean(codec: Codec, x: Array, key: Array, axis_name) -> Exchanged:
-  """All-reduce the summable arrays of a linear payload (e.g. shared-index RandomK).
-
-  Requires ``codec.summable_fields``: the payload arrays named there are summed with ``psum``
-  and the others (shared indices, drawn from the same key on every device) are taken
-  from this device, so the summed payload decodes to the sum of the K decodings.
-  Traffic per device: ``2(K-1)/K`` times the summable arrays' bytes, flat in K.
-  """
-  fields = codec.summable_fields
-  if fields is None:
-    raise ValueError(
-      f"{type(codec).__name__} payloads cannot be summed: use collective='allgather' or 'two_phase'"
-    )
-  k = axis_size(axis_name)
-  if codec.shared_randomness:
-    key = shared_key(key, axis_name)
-  with jax.named_scope(ENCODE_SCOPE):
-    payload, overflow = codec.encode_with_info(x, key=key)
-    sent = codec.decode(payload, _F32)
-  arrays = {
-    name: lax.psum(a, axis_name) if name in fields else a for name, a in payload.arrays.items()
-  }
-  with jax.named_scope(DECODE_SCOPE):
-    total = codec.decode(type(payload)(arrays, payload.shape, payload.dtype), _F32)
-  return Exchanged(total / k, sent, None, overflow)
-
-
-def chunk_length(codec: Codec, n: int, k: int) -> int:
-  """Length of each of the K flat chunks of an n-vector: ceil(n/K) rounded to the
-  alignment (:meth:`Codec.chunk_shape` of codecs that chunk a flat tensor)."""
-  return flat_chunk_length(codec.alignment, n, k)
 
 
 def two_phase_means(codec: Codec, xs, keys, axis_name, chunk_residuals=None) -> list[Exchanged]:
@@ -552,44 +664,18 @@ def two_phase_means(codec: Codec, xs, keys, axis_name, chunk_residuals=None) -> 
   return out
 
 
-def shard_rows(x: Array, k: int, what: str = "x") -> Array:
-  """``x`` cut along its first axis into the K shards ``P(axis)`` gives the devices,
-  stacked: ``(K, d0/K, *x.shape[1:])``; row j is device j's shard. A ``ValueError``
-  names ``what`` when the first axis does not divide by K."""
-  if x.ndim == 0 or x.shape[0] % k:
-    raise ValueError(
-      f"{what} has shape {tuple(x.shape)}: a reduce-scatter cuts each leaf along its "
-      f"first axis into {k} shards, which needs a first axis divisible by {k}; declare "
-      f"the leaf unsharded (P() in param_specs) or pad it"
-    )
-  return x.reshape((k, x.shape[0] // k) + tuple(x.shape[1:]))
+def _real_entries(codec: Codec, x: Array, k: int, axis_name) -> Array | None:
+  """Where this device's two-phase chunk of ``x`` holds values of ``x`` (the rest is the
+  zero padding past its end), or ``None`` when no chunk is padded.
 
-
-def psum_scatter_tree(tree, axis_name):
-  """``lax.psum_scatter(x, scatter_dimension=0, tiled=True) / K`` of every array of
-  ``tree`` (its first axis divisible by K), as one reduce-scatter per dtype.
-
-  The dense counterpart of :func:`reduce_scatter_means`: device j gets the mean of
-  row j (:func:`shard_rows`), shaped ``(d0/K, ...)``, in the arrays' dtype. The arrays
-  of one dtype (and one set of varying axes) are cut into their K rows, concatenated
-  row by row and scattered once, so a model's leaves cost one collective's latency.
+  The padding must stay zero in the second stage. Codecs that decode a zero to a bucket
+  value (OneBit's mean of the non-negative entries, ScaledSign's ``+scale``) send it
+  nonzero in the first stage; averaged and re-encoded, it would enter the last bucket's
+  statistics and build up in the second-stage residual, never delivered.
   """
-  k = axis_size(axis_name)
-  leaves, treedef = jax.tree.flatten(tree)
-  rows = [shard_rows(x, k, f"leaf {i}") for i, x in enumerate(leaves)]
-  groups: dict = {}
-  for i, x in enumerate(leaves):
-    groups.setdefault((jnp.dtype(x.dtype), varying_axes(x)), []).append(i)
-  out = [None] * len(leaves)
-  for idx in groups.values():
-    flat = jnp.concatenate([rows[i].reshape(k, -1) for i in idx], axis=1)
-    mine = lax.psum_scatter(flat, axis_name, scatter_dimension=0, tiled=True)[0]
-    offset = 0
-    for i in idx:
-      n = rows[i][0].size
-      out[i] = mine[offset : offset + n].reshape(rows[i].shape[1:]) / k
-      offset += n
-  return treedef.unflatten(out)
+  if k * math.prod(codec.chunk_shape(x.shape, k)) == x.size:
+    return None
+  return codec.to_chunks(jnp.ones(x.shape, jnp.bool_), k)[lax.axis_index(axis_name)]
 
 
 def reduce_scatter_means(codec: Codec | None, xs, keys, axis_name) -> list[Exchanged]:
@@ -652,137 +738,3 @@ def reduce_scatter_means(codec: Codec | None, xs, keys, axis_name) -> list[Excha
   with jax.named_scope(DECODE_SCOPE):
     means = _decode_means([codec] * len(xs), received, k)
   return [Exchanged(m, sent, None, overflow) for m, (_, sent, overflow) in zip(means, firsts)]
-
-
-def _real_entries(codec: Codec, x: Array, k: int, axis_name) -> Array | None:
-  """Where this device's two-phase chunk of ``x`` holds values of ``x`` (the rest is the
-  zero padding past its end), or ``None`` when no chunk is padded.
-
-  The padding must stay zero in the second stage. Codecs that decode a zero to a bucket
-  value (OneBit's mean of the non-negative entries, ScaledSign's ``+scale``) send it
-  nonzero in the first stage; averaged and re-encoded, it would enter the last bucket's
-  statistics and build up in the second-stage residual, never delivered.
-  """
-  if k * math.prod(codec.chunk_shape(x.shape, k)) == x.size:
-    return None
-  return codec.to_chunks(jnp.ones(x.shape, jnp.bool_), k)[lax.axis_index(axis_name)]
-
-
-def chunk_residual_shape(codec: Codec, shape, k: int) -> tuple[int, ...]:
-  """Shape of the second-stage residual of a tensor of ``shape`` (an int: a flat tensor of
-  that many values): one chunk, :meth:`Codec.chunk_shape`."""
-  shape = (shape,) if isinstance(shape, int) else tuple(shape)
-  return tuple(codec.chunk_shape(shape, k))
-
-
-COLLECTIVES = ("allgather", "two_phase", "psum", "auto", "reduce_scatter")
-
-
-#: Why :func:`jaxcomp.dgc` and :func:`jaxcomp.mipd` have no reduce-scatter exchange.
-DGC_NO_REDUCE_SCATTER = (
-  "its top-k selection, momentum correction and residual run on each device's whole "
-  "gradient, and its exchange sums sparse entries chosen over the whole tensor"
-)
-MIPD_NO_REDUCE_SCATTER = (
-  "its prediction and the kept entries it exchanges are chosen over the whole "
-  "gradient, with state that is the same on every device"
-)
-
-
-def refuse_reduce_scatter(collective: str, who: str, why: str) -> None:
-  """A ``ValueError`` saying why ``who`` has no ``collective="reduce_scatter"``."""
-  if collective == "reduce_scatter":
-    raise ValueError(
-      f"{who} does not support collective='reduce_scatter': {why}. For parameters "
-      f"sharded over the data axis use jc.compress (or jc.qsgd, jc.onebit_sgd, "
-      f"jc.ef_signsgd, jc.sparsify) with collective='reduce_scatter'"
-    )
-
-
-def resolve(collective: str, codec: Codec, k: int) -> str:
-  """The exchange ``collective`` stands for on ``k`` devices (``"auto"`` resolved).
-
-  ``"auto"`` is ``"allgather"`` for K <= 2, where it moves the same bytes as the
-  two-phase exchange (``(K-1)·B = 2(K-1)/K·B = B``) with one encode and decode, one
-  collective and no second quantization, and for codecs with a fallback (which need
-  it); else ``"two_phase"``, whose traffic stays flat in K.
-  """
-  if collective != "auto":
-    return collective
-  return "allgather" if k <= 2 or codec.fallback is not None else "two_phase"
-
-
-def leaf_collective(collective: str, codec: Codec, k: int, shape, dtype) -> str:
-  """The exchange ``collective`` stands for on ``k`` devices for one leaf.
-
-  As :func:`resolve`, and ``"auto"`` keeps a leaf on the all-gather when the two-phase
-  exchange would move at least as many bytes for it: ``2(K-1)`` chunk payloads
-  (:meth:`Codec.chunk_shape`) against ``K-1`` payloads of the whole leaf. That happens
-  when the chunks are mostly padding, as with per-column buckets on a matrix of fewer
-  columns than devices (a vector is one column: its K chunks are K whole columns, K-1 of
-  them zeros).
-  """
-  mode = resolve(collective, codec, k)
-  if collective != "auto" or mode != "two_phase":
-    return mode
-  shape = tuple(int(d) for d in shape)
-  chunk = tuple(codec.chunk_shape(shape, k))
-  if 2 * codec.wire_bits(chunk, dtype) >= codec.wire_bits(shape, dtype):
-    return "allgather"
-  return mode
-
-
-#: The exchanges a leaf can take (:func:`route`).
-ROUTES = (
-  "dense",
-  "fused",
-  "local",
-  "two_phase",
-  "psum",
-  "gathered",
-  "fallback",
-  "dense_scatter",
-  "reduce_scatter",
-)
-
-
-def route(codec: Codec, mode: str, axis_name, *, selected: bool, fused: bool = False) -> str:
-  """The exchange one leaf takes in a step, decided once from static facts.
-
-  * ``"dense"``: the filter leaves it out; averaged in full precision with the other
-    dense leaves in one all-reduce (or inside the payloads' all-gather at K <= 2).
-  * ``"fused"``: error feedback fused into the encoding kernel (``fused``, which the
-    caller decides from :meth:`Codec.fuses_feedback`); gathered like ``"gathered"``.
-  * ``"local"``: no axis: encoded and decoded on this device (:func:`local`).
-  * ``"two_phase"``: batched with the other such leaves (:func:`two_phase_means`).
-  * ``"psum"``: summable payloads, all-reduced on their own (:func:`psum_mean`).
-  * ``"gathered"``: payloads all-gathered together with the other leaves'.
-  * ``"fallback"``: a variable-length codec with an overflow branch: its own all-gather
-    (:func:`allgather_mean`), since the branch decides per leaf what is sent.
-  * ``"dense_scatter"``: a leaf sharded over the axis that the filter leaves out:
-    its shard of the mean by a dense reduce-scatter (:func:`psum_scatter_tree`).
-  * ``"reduce_scatter"``: a sharded leaf, batched with the other such leaves into one
-    compressed reduce-scatter (:func:`reduce_scatter_means`).
-
-  The order of the tests is the precedence: a fused leaf is gathered even without an
-  axis (the payloads are then decoded locally).
-
-  Args:
-    codec: the leaf's codec.
-    mode: the resolved collective (:func:`resolve`), or the requested one without an axis.
-    axis_name: the mapped axis, or ``None``.
-    selected: whether the filter compresses the leaf.
-    fused: whether the leaf may take the fused error-feedback kernel.
-
-  Returns:
-    One of :data:`ROUTES`.
-  """
-  if not selected:
-    return "dense_scatter" if mode == "reduce_scatter" else "dense"
-  if fused and mode == "allgather" and codec.fallback is None:
-    return "fused"
-  if axis_name is None:
-    return "local"
-  if mode in ("two_phase", "psum", "reduce_scatter"):
-    return mode
-  return "gathered" if codec.fallback is None else "fallback"

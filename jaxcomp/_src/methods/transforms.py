@@ -13,11 +13,11 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import codecs as codecs_lib
-from jaxcomp._src import collectives
-from jaxcomp._src import pipeline
-from jaxcomp._src import treeutil
-from jaxcomp._src import wangni
+from jaxcomp._src.codecs import base as codecs_lib
+from jaxcomp._src.codecs import wangni
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.plumbing import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -89,8 +89,8 @@ def _check_options(
   """Raises on arguments :func:`compress` cannot take; the residual dtype's name."""
   if not isinstance(codec, codecs_lib.Codec):
     raise TypeError(f"codec must be a jaxcomp codec, got {codec!r}")
-  if collective not in collectives.COLLECTIVES:
-    raise ValueError(f"collective must be one of {collectives.COLLECTIVES}, got {collective!r}")
+  if collective not in pipeline.COLLECTIVES:
+    raise ValueError(f"collective must be one of {pipeline.COLLECTIVES}, got {collective!r}")
   if codec.fallback is not None and collective not in ("allgather", "auto"):
     raise ValueError(
       f"{type(codec).__name__} (a variable-length format with a fixed-width "
@@ -161,7 +161,7 @@ def _init_state(o: _Options, params) -> CompressState:
       and pipeline.leaf_mode(o.codec, mode, o.axis_name, like.shape, like.dtype) == "two_phase"
     )
     if two_phase:
-      shape = collectives.chunk_residual_shape(o.codec, like.shape, k)
+      shape = pipeline.chunk_residual_shape(o.codec, like.shape, k)
       chunk_residual.append(jnp.zeros(shape, _F32))
     else:
       chunk_residual.append(optax.MaskedNode())
@@ -308,7 +308,7 @@ def compress(
     local gradient, and returns this device's *shard* of the mean. Each leaf is cut into
     K rows, row j encoded and sent to device j in one ``all_to_all`` for all leaves;
     the owner decodes its K payloads and sums them in float32
-    (:func:`jaxcomp._src.collectives.reduce_scatter_means`). Traffic per device
+    (:func:`jaxcomp._src.exchanges.collectives.reduce_scatter_means`). Traffic per device
     ``(K-1)/K·B``, half the two-phase exchange's, with one quantization. Leaves that
     ``param_specs`` declare unsharded are averaged and returned whole (as ``"auto"``);
     sharded leaves the filter leaves out take a dense ``psum_scatter``. An optimizer

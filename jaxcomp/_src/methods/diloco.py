@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives
-from jaxcomp._src import transforms
-from jaxcomp._src import treeutil
-from jaxcomp._src import wire
-from jaxcomp._src import wrappers
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.methods import transforms
+from jaxcomp._src.methods import wrappers
+from jaxcomp._src.plumbing import treeutil
+from jaxcomp._src.tools import wire
 
 Array = jax.Array
 _F32 = jnp.float32

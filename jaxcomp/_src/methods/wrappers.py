@@ -20,7 +20,7 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives
+from jaxcomp._src.exchanges import collectives
 
 Array = jax.Array
 

@@ -38,13 +38,13 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import arith
-from jaxcomp._src import bitpack
-from jaxcomp._src import sparse
-from jaxcomp._src.codecs import Codec
-from jaxcomp._src.codecs import Payload
-from jaxcomp._src.codecs import _check_float
-from jaxcomp._src.codecs import check_positive_int
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.base import Payload
+from jaxcomp._src.codecs.base import _check_float
+from jaxcomp._src.codecs.base import check_positive_int
+from jaxcomp._src.plumbing import arith
+from jaxcomp._src.plumbing import bitpack
 
 Array = jax.Array
 _F32 = jnp.float32

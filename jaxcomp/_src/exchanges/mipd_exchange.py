@@ -8,6 +8,13 @@ or through the parameter server sharded over the devices (:class:`_Owners`: push
 ``all_to_all``, reduce on the owner, pull with ``all_gather``), and falls back to an
 exact all-gather of the same selection when a static capacity overflowed anywhere.
 Every device decodes the same sums, so the server's prediction stays replicated.
+
+MIPD's payloads are not a codec's (a selection made against the prediction, coded per
+layer, summed with the senders' counts), so they take the collective primitives' own
+transport directly: :func:`collectives.gather_tree`, :func:`collectives.all_to_all_tree`,
+and the overflow branch every compressed exchange shares (:func:`collectives.agree`,
+:func:`collectives.fallback_cond`); the leaves MIPD leaves out, and the flags the
+devices agree on, take :func:`collectives.dense_means` (:func:`jaxcomp.mipd`'s sync).
 """
 
 from __future__ import annotations
@@ -22,11 +29,11 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import bitpack
-from jaxcomp._src import collectives
-from jaxcomp._src import normal
-from jaxcomp._src import phases
-from jaxcomp._src import sparse
+from jaxcomp._src.codecs import normal
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.plumbing import bitpack
+from jaxcomp._src.plumbing import phases
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -259,7 +266,7 @@ def _capacity(mean: float, m: int, k: int) -> int:
 
 class _Owners:
   """Static layout of a group's two-phase exchange on ``k`` devices (``group``: a
-  ``jaxcomp._src.mipd._Group``).
+  ``jaxcomp._src.methods.mipd._Group``).
 
   Push: a device sends owner j the kept entries of j's row (:func:`owner_index`) in a
   static capacity (:func:`_capacity` of ``kept/K``, and of ``outliers/K`` for the exact
@@ -313,11 +320,6 @@ def _match(x: Array, like: Array) -> Array:
 # ----------------------------------------------------------------------------- exchange
 
 
-def agree(flag: Array, axis_name) -> Array:
-  """``flag`` or-ed over the devices (every device takes the same branch)."""
-  return lax.pmax(flag.astype(jnp.int32), axis_name) > 0
-
-
 def _means(total, count, pred, k: int, compensate: bool):
   """(mean, received mean) from the sums and the senders' counts (compensation)."""
   received = total / k
@@ -342,17 +344,12 @@ def _allgather(group, coded: _Coded, p_flat: Array, k: int, axis_name, compensat
   if group.quantizer is None:
     mean, received, _ = _gathered(group.fmt, coded, p_flat, k, axis_name, compensate)
     return mean, received, jnp.zeros((), bool)
-  overflow = group.fmt.overflows(coded.mask, coded.outl)
-  overflow = overflow if axis_name is None else agree(overflow, axis_name)
-
-  def exact(_):
-    with jax.named_scope("jaxcomp_fallback"):
-      return _gathered(group.exact, coded, p_flat, k, axis_name, compensate)[:2]
-
-  def quantized(_):
-    return _gathered(group.fmt, coded, p_flat, k, axis_name, compensate)[:2]
-
-  mean, received = lax.cond(overflow, exact, quantized, None)
+  overflow = collectives.agree(group.fmt.overflows(coded.mask, coded.outl), axis_name)
+  mean, received = collectives.fallback_cond(
+    overflow,
+    lambda: _gathered(group.fmt, coded, p_flat, k, axis_name, compensate)[:2],
+    lambda: _gathered(group.exact, coded, p_flat, k, axis_name, compensate)[:2],
+  )
   return mean, received, overflow
 
 
@@ -371,18 +368,17 @@ def _pull(owners: _Owners, vecs: list[Array], axis_name):
       arrays, o = fmt.pack(v, jnp.ones(v.shape, bool), codes, outl, stats, jnp.all(jnp.isfinite(v)))
       payloads.append(arrays)
       overflow = overflow | o
-  overflow = agree(overflow, axis_name)
+  overflow = collectives.agree(overflow, axis_name)
 
-  def coded(_):
+  def coded():
     got = collectives.gather_tree(payloads, axis_name)
     with jax.named_scope(phases.DECODE_SCOPE):
       return [jax.vmap(fmt.values)(g) for g in got]
 
-  def exact(_):
-    with jax.named_scope("jaxcomp_fallback"):
-      return collectives.gather_tree(vecs, axis_name)
+  def exact():
+    return collectives.gather_tree(vecs, axis_name)
 
-  return lax.cond(overflow, exact, coded, None), overflow
+  return collectives.fallback_cond(overflow, coded, exact), overflow
 
 
 def _two_phase(group, owners: _Owners, coded: _Coded, p_flat: Array, axis_name, compensate):
@@ -401,9 +397,9 @@ def _two_phase(group, owners: _Owners, coded: _Coded, p_flat: Array, axis_name, 
     payload, overflow = jax.vmap(
       lambda r: owners.row.pack(r.flat, r.mask, r.codes, r.outl, coded.stats, coded.finite)
     )(rows)
-  overflow = agree(jnp.any(overflow), axis_name)
+  overflow = collectives.agree(jnp.any(overflow), axis_name)
 
-  def push_and_pull(_):
+  def push_and_pull():
     got = collectives.all_to_all_tree(payload, axis_name)
     with jax.named_scope(phases.DECODE_SCOPE):
       total, count = owners.row.sum_and_count(got)
@@ -417,12 +413,11 @@ def _two_phase(group, owners: _Owners, coded: _Coded, p_flat: Array, axis_name, 
       flat = [_match(owners.unrows(r, n), p_flat) for r in rows_out]
     return flat[0], flat[-1], _match(pull_overflow, overflow)
 
-  def fallback(_):
-    with jax.named_scope("jaxcomp_fallback"):
-      mean, received, _ = _gathered(group.exact, coded, p_flat, k, axis_name, compensate)
+  def fallback():
+    mean, received, _ = _gathered(group.exact, coded, p_flat, k, axis_name, compensate)
     return _match(mean, p_flat), _match(received, p_flat), _match(jnp.zeros((), bool), overflow)
 
-  mean, received, pull_overflow = lax.cond(overflow, fallback, push_and_pull, None)
+  mean, received, pull_overflow = collectives.fallback_cond(overflow, push_and_pull, fallback)
   return mean, received, overflow | pull_overflow
 
 

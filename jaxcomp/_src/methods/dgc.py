@@ -19,13 +19,13 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import codecs as codecs_lib
-from jaxcomp._src import collectives
-from jaxcomp._src import phases
-from jaxcomp._src import pipeline
-from jaxcomp._src import sparse
-from jaxcomp._src import transforms
-from jaxcomp._src import treeutil
+from jaxcomp._src.codecs import base as codecs_lib
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.methods import transforms
+from jaxcomp._src.plumbing import phases
+from jaxcomp._src.plumbing import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -143,7 +143,7 @@ def _check_options(density, warmup_steps, momentum, clip_norm, clip, collective,
     raise ValueError(f"clip_norm must be positive or None, got {clip_norm!r}")
   if clip not in CLIP_MODES:
     raise ValueError(f"clip must be one of {CLIP_MODES}, got {clip!r}")
-  collectives.refuse_reduce_scatter(collective, "jc.dgc", collectives.DGC_NO_REDUCE_SCATTER)
+  pipeline.refuse_reduce_scatter(collective, "jc.dgc", pipeline.DGC_NO_REDUCE_SCATTER)
   if collective not in COLLECTIVES:
     raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
   codecs_lib.check_positive_int(chunk_size, "chunk_size")
@@ -207,35 +207,39 @@ def _accumulate(opts: _Options, g, u, v):
   return u, v + u
 
 
+def _select(opts: _Options, codec, g, u, v, key):
+  """One compressed leaf's momentum correction and top-k selection: (its pipeline leaf,
+  or its mean already; new u; new v). The chunked exchange (CSC) runs here, since its
+  selection is made across the devices; the all-gather's payloads go to the pipeline
+  already encoded (:func:`pipeline.encoded_leaf`)."""
+  u, v = _accumulate(opts, g, u, v)
+  if opts.collective == "chunked" and opts.axis_name is not None:
+    mean, sent_mask = _chunked_exchange(v, codec.density, opts.chunk_size, opts.axis_name)
+    leaf = mean.reshape(v.shape)
+  else:
+    payload = codec.encode(v, key=key)
+    idx = payload.arrays["indices"].astype(jnp.int32)
+    sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(v.shape)
+    leaf = pipeline.encoded_leaf(codec, v, payload)
+  new_u = jnp.where(sent_mask, 0.0, u) if opts.momentum_masking else u
+  return leaf, new_u, jnp.where(sent_mask, 0.0, v)
+
+
 def _sparse_leaves(opts: _Options, stage_index: int, gs, us, vs, keys, dense=()):
   """One warm-up stage's exchange of the compressed leaves: (outputs, new u, new v,
-  means of the full-precision ``dense`` leaves, which share the exchange:
-  :func:`collectives.exchange_means`)."""
+  means of the full-precision ``dense`` leaves, which share the exchange: the
+  pipeline's :func:`pipeline.exchange_gathered`)."""
   codec = opts.codecs[stage_index]
-  chunked = opts.collective == "chunked" and opts.axis_name is not None
-  outs, new_u, new_v, payloads = [], [], [], []
   with jax.named_scope(phases.ENCODE_SCOPE):  # accumulation, selection, masks
-    for g, u, v, key in zip(gs, us, vs, keys):
-      u, v = _accumulate(opts, g, u, v)
-      if chunked:
-        mean, sent_mask = _chunked_exchange(v, codec.density, opts.chunk_size, opts.axis_name)
-        outs.append(mean.reshape(v.shape))
-      else:
-        payload = codec.encode(v, key=key)
-        idx = payload.arrays["indices"].astype(jnp.int32)
-        sent_mask = jnp.zeros((v.size,), bool).at[idx].set(True, mode="drop").reshape(v.shape)
-        payloads.append(payload)
-        outs.append(v)  # replaced by the mean below
-      new_v.append(jnp.where(sent_mask, 0.0, v))
-      new_u.append(jnp.where(sent_mask, 0.0, u) if opts.momentum_masking else u)
+    picked = [_select(opts, codec, *a) for a in zip(gs, us, vs, keys)]
+  sparse = [leaf for leaf, _, _ in picked if isinstance(leaf, pipeline.Leaf)]
   # Every leaf's indices and values in one all-gather (with the dense leaves at K <= 2).
-  means, dense_means = collectives.exchange_means(
-    [codec] * len(payloads), payloads, dense, opts.axis_name
+  plan = iter(
+    pipeline.exchange_gathered(opts.axis_name, sparse + [pipeline.dense_leaf(d) for d in dense])
   )
-  if payloads:
-    means = iter(means)
-    outs = [next(means).reshape(o.shape) for o in outs]
-  return outs, new_u, new_v, dense_means
+  outs = [next(plan).out if isinstance(o, pipeline.Leaf) else o for o, _, _ in picked]
+  dense_means = [leaf.out for leaf in plan]
+  return outs, [u for _, u, _ in picked], [v for _, _, v in picked], dense_means
 
 
 def _exchange(opts: _Options, count, args, dense, num):
@@ -256,10 +260,10 @@ def _exchange(opts: _Options, count, args, dense, num):
     # The count is the same on every device but held in per-device state: the branch
     # index must be typed invariant so that every device takes the same collectives.
     # It rides in the dense leaves' all-reduce (the sum of K equal stages).
-    dense_means, (total,) = collectives.pmean_and_count(dense, [stage], axis_name)
+    dense_means, (total,) = collectives.dense_means(dense, axis_name, counts=[stage])
     stage = total // num
   else:
-    dense_means = collectives.pmean_tree(dense, axis_name) if dense else []
+    dense_means = collectives.dense_means(dense, axis_name)[0] if dense else []
   branches = [functools.partial(_sparse_leaves, opts, j) for j in range(len(opts.codecs))]
   return lax.switch(stage, branches, *args), dense_means
 
@@ -294,24 +298,21 @@ def _update(opts: _Options, updates, state: DGCState):
   on = [not isinstance(v, optax.MaskedNode) for v in vs]
   key, step_key = jax.random.split(state.key)
   gs, finite, num, step_key = _local_gradients(opts, leaves, on, step_key)
-  outs, new_u, new_v = [None] * len(gs), list(us), list(vs)
-  off = [i for i, o in enumerate(on) if not o]
-  for i in off:
-    outs[i], new_u[i] = _dense_momentum(opts, gs[i], us[i])
-  sel = [i for i, o in enumerate(on) if o]
+  split = pipeline.Split.of(on)
+  local = [_dense_momentum(opts, gs[i], us[i]) for i in split.dense]  # (update, new u)
   args = (
-    [gs[i] for i in sel],
-    [us[i] for i in sel],
-    [vs[i] for i in sel],
-    [jax.random.fold_in(step_key, i) for i in sel],
+    [gs[i] for i in split.selected],
+    [us[i] for i in split.selected],
+    [vs[i] for i in split.selected],
+    [jax.random.fold_in(step_key, i) for i in split.selected],
   )
-  dense = [outs[i] for i in off] if opts.axis_name is not None else []
+  dense = [out for out, _ in local] if opts.axis_name is not None else []
   sparse_out, dense_means = _exchange(opts, state.count, args, dense, num)
-  if opts.axis_name is not None:
-    for i, mean in zip(off, dense_means):
-      outs[i] = mean
-  for pos, i in enumerate(sel):
-    outs[i], new_u[i], new_v[i] = (part[pos] for part in sparse_out[:3])
+  if opts.axis_name is None:
+    dense_means = [out for out, _ in local]
+  outs = split.merge(sparse_out[0], dense_means)
+  new_u = split.merge(sparse_out[1], [u for _, u in local])
+  new_v = split.merge(sparse_out[2], [vs[i] for i in split.dense])
   new_u = [jnp.where(finite, a, b) for a, b in zip(new_u, us)]
   new_v = [jnp.where(finite, a, b) if o else b for a, b, o in zip(new_v, vs, on)]
   outs = [o.astype(g.dtype) for o, (_, g) in zip(outs, leaves)]

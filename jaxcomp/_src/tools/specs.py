@@ -11,10 +11,10 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-from jaxcomp._src import pipeline
-from jaxcomp._src import transforms
-from jaxcomp._src import treeutil
-from jaxcomp._src.transforms import PerDeviceState
+from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.methods import transforms
+from jaxcomp._src.methods.transforms import PerDeviceState
+from jaxcomp._src.plumbing import treeutil
 
 
 def _names(axis) -> tuple:

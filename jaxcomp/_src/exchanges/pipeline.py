@@ -2,23 +2,27 @@
 
 Layers, top to bottom: a transform (:func:`jaxcomp.compress` and the methods) opens its
 update with :func:`open_update`, plans each leaf once (:func:`plan_leaf`: its route and
-codec), then runs the steps, each of which takes :class:`Leaf` records and returns new
-ones (``NamedTuple._replace``, nothing mutated):
+codec, :func:`route`), then runs the steps, each of which takes :class:`Leaf` records
+and returns new ones (``NamedTuple._replace``, nothing mutated):
 
-1. :func:`encode`: error feedback and encoding (and the exchange of the routes that go
-   alone: local, psum, fallback);
-2. :func:`exchange_gathered`: the all-gather shared by every gathered payload (and the
-   dense leaves' all-reduce);
-3. :func:`exchange_two_phase`: the ``all_to_all`` + ``all_gather`` shared by every
-   two-phase leaf;
-4. :func:`exchange_reduce_scatter`: the compressed reduce-scatter shared by every leaf
+1. :func:`encode`: error feedback in (``x = g + e``), finiteness, and the fused
+   error-feedback kernel's payload; no collective;
+2. :func:`exchange_gathered`: one all-gather for every gathered payload (and the dense
+   leaves' all-reduce; locally without an axis);
+3. :func:`exchange_psum`: the summable payloads' all-reduce;
+4. :func:`exchange_two_phase`: one ``all_to_all`` + ``all_gather`` per codec for the
+   two-phase leaves;
+5. :func:`exchange_reduce_scatter`: the compressed reduce-scatter shared by every leaf
    sharded over the axis (and the dense reduce-scatter of the sharded leaves the filter
    leaves out), which returns this device's shard of the mean (ZeRO/FSDP).
 
-The collectives they call live in :mod:`jaxcomp._src.collectives`, which encodes and
-decodes with the leaf's codec. An exchange is one function from a list of leaves to a
-list of leaves (:data:`EXCHANGES`), so a new collective is one new function and one new
-route.
+Each exchange calls one codec primitive of :mod:`jaxcomp._src.exchanges.collectives`
+(``gather_means``, ``psum_means``, ``two_phase_means``, ``reduce_scatter_means``), which
+encodes, moves and decodes with the leaf's codec, and takes the error feedback from what
+it returns (:func:`_exchanged`). An exchange is one function from a list of leaves to a
+list of leaves (:data:`EXCHANGES`), so a new collective is one new primitive, one new
+function and one new route. Methods with their own selection (``jc.dgc``) hand the
+pipeline leaves already encoded (:func:`encoded_leaf`) or dense (:func:`dense_leaf`).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives
-from jaxcomp._src import phases
-from jaxcomp._src import treeutil
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.plumbing import phases
+from jaxcomp._src.plumbing import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -241,17 +245,146 @@ def store_residual(e: Array, dtype: str) -> tuple[Array, Any]:
   return codes.reshape(-1)[:n].reshape(e.shape), scales
 
 
+# ----------------------------------------------------------------------------- routes
+
+#: The collectives :func:`jaxcomp.compress` takes.
+COLLECTIVES = ("allgather", "two_phase", "psum", "auto", "reduce_scatter")
+
+#: Why :func:`jaxcomp.dgc` and :func:`jaxcomp.mipd` have no reduce-scatter exchange.
+DGC_NO_REDUCE_SCATTER = (
+  "its top-k selection, momentum correction and residual run on each device's whole "
+  "gradient, and its exchange sums sparse entries chosen over the whole tensor"
+)
+MIPD_NO_REDUCE_SCATTER = (
+  "its prediction and the kept entries it exchanges are chosen over the whole "
+  "gradient, with state that is the same on every device"
+)
+
+
+def refuse_reduce_scatter(collective: str, who: str, why: str) -> None:
+  """A ``ValueError`` saying why ``who`` has no ``collective="reduce_scatter"``."""
+  if collective == "reduce_scatter":
+    raise ValueError(
+      f"{who} does not support collective='reduce_scatter': {why}. For parameters "
+      f"sharded over the data axis use jc.compress (or jc.qsgd, jc.onebit_sgd, "
+      f"jc.ef_signsgd, jc.sparsify) with collective='reduce_scatter'"
+    )
+
+
+def resolve(collective: str, codec, k: int) -> str:
+  """The exchange ``collective`` stands for on ``k`` devices (``"auto"`` resolved).
+
+  ``"auto"`` is ``"allgather"`` for K <= 2, where it moves the same bytes as the
+  two-phase exchange (``(K-1)·B = 2(K-1)/K·B = B``) with one encode and decode, one
+  collective and no second quantization, and for codecs with a fallback (which need
+  it); else ``"two_phase"``, whose traffic stays flat in K.
+  """
+  if collective != "auto":
+    return collective
+  return "allgather" if k <= 2 or codec.fallback is not None else "two_phase"
+
+
+def leaf_mode(codec, collective: str, axis_name, shape, dtype) -> str:
+  """The collective a leaf of ``shape`` takes: ``collective`` as requested without an
+  axis; with one, as :func:`resolve`, and ``"auto"`` keeps a leaf on the all-gather when
+  the two-phase exchange would move at least as many bytes for it: ``2(K-1)`` chunk
+  payloads (:meth:`Codec.chunk_shape`) against ``K-1`` payloads of the whole leaf. That
+  happens when the chunks are mostly padding, as with per-column buckets on a matrix of
+  fewer columns than devices (a vector is one column: its K chunks are K whole columns,
+  K-1 of them zeros)."""
+  if axis_name is None:
+    return collective
+  k = collectives.axis_size(axis_name)
+  mode = resolve(collective, codec, k)
+  if collective != "auto" or mode != "two_phase":
+    return mode
+  shape = tuple(int(d) for d in shape)
+  chunk = tuple(codec.chunk_shape(shape, k))
+  if 2 * codec.wire_bits(chunk, dtype) >= codec.wire_bits(shape, dtype):
+    return "allgather"
+  return mode
+
+
+def chunk_residual_shape(codec, shape, k: int) -> tuple[int, ...]:
+  """Shape of the second-stage residual of a tensor of ``shape`` (an int: a flat tensor of
+  that many values): one chunk, :meth:`Codec.chunk_shape`."""
+  shape = (shape,) if isinstance(shape, int) else tuple(shape)
+  return tuple(codec.chunk_shape(shape, k))
+
+
+#: The exchanges a leaf can take (:func:`route`), with the step that runs each.
+ROUTES = (
+  "dense",  # exchange_gathered
+  "fused",  # exchange_gathered
+  "encoded",  # exchange_gathered
+  "local",  # exchange_gathered
+  "gathered",  # exchange_gathered
+  "fallback",  # exchange_gathered
+  "psum",  # exchange_psum
+  "two_phase",  # exchange_two_phase
+  "dense_scatter",  # exchange_reduce_scatter
+  "reduce_scatter",  # exchange_reduce_scatter
+)
+
+
+def route(codec, mode: str, axis_name, *, selected: bool, fused: bool = False) -> str:
+  """The exchange one leaf takes in a step, decided once from static facts.
+
+  * ``"dense"``: the filter leaves it out; averaged in full precision with the other
+    dense leaves in one all-reduce (or inside the payloads' all-gather at K <= 2).
+  * ``"fused"``: error feedback fused into the encoding kernel (``fused``, which the
+    caller decides from :meth:`Codec.fuses_feedback`); gathered like ``"gathered"``.
+  * ``"local"``: no axis: encoded and decoded on this device.
+  * ``"two_phase"``: batched with the other such leaves of its codec
+    (:func:`collectives.two_phase_means`).
+  * ``"psum"``: summable payloads, all-reduced (:func:`collectives.psum_means`).
+  * ``"gathered"``: payloads all-gathered together with the other leaves'
+    (:func:`collectives.gather_means`).
+  * ``"fallback"``: a variable-length codec with an overflow branch: its own all-gather
+    inside :func:`collectives.gather_means`, since the branch decides per leaf what is
+    sent.
+  * ``"dense_scatter"``: a leaf sharded over the axis that the filter leaves out:
+    its shard of the mean by a dense reduce-scatter.
+  * ``"reduce_scatter"``: a sharded leaf, batched with the other such leaves into one
+    compressed reduce-scatter (:func:`collectives.reduce_scatter_means`).
+
+  (``"encoded"``, a payload a method selected and encoded itself, is never planned
+  here: :func:`encoded_leaf`.) The order of the tests is the precedence: a fused leaf
+  is gathered even without an axis (the payloads are then decoded locally).
+
+  Args:
+    codec: the leaf's codec.
+    mode: the resolved collective (:func:`leaf_mode`), or the requested one without an
+      axis.
+    axis_name: the mapped axis, or ``None``.
+    selected: whether the filter compresses the leaf.
+    fused: whether the leaf may take the fused error-feedback kernel.
+
+  Returns:
+    One of :data:`ROUTES`.
+  """
+  if not selected:
+    return "dense_scatter" if mode == "reduce_scatter" else "dense"
+  if fused and mode == "allgather" and codec.fallback is None:
+    return "fused"
+  if axis_name is None:
+    return "local"
+  if mode in ("two_phase", "psum", "reduce_scatter"):
+    return mode
+  return "gathered" if codec.fallback is None else "fallback"
+
+
 # ----------------------------------------------------------------------------- leaves
 
 
 class Leaf(NamedTuple):
-  """One gradient leaf through a :func:`jaxcomp.compress` step: its route and codec,
-  decided once, then what each step made of it (a step returns a new record)."""
+  """One gradient leaf through an exchange: its route and codec, decided once, then
+  what each step made of it (a step returns a new record)."""
 
   g: Array
-  codec: Any  # the leaf's codec
-  route: str  # one of collectives.ROUTES, decided once by plan_leaf
-  key: Array  # this leaf's encoding key
+  codec: Any  # the leaf's codec (None: a dense leaf)
+  route: str  # one of ROUTES, decided once by plan_leaf
+  key: Array | None  # this leaf's encoding key
   residual: Any  # e in, e' out; optax.MaskedNode: no error feedback here
   chunk_residual: Any  # the two-phase owner's residual; MaskedNode elsewhere
   out: Array  # the mean; the gradient until its exchange sets it
@@ -259,7 +392,7 @@ class Leaf(NamedTuple):
   x: Array | None = None  # x32 in the gradient's dtype: what is encoded
   finite: Array | None = None  # bool scalar: this device's input is finite
   overflow: Array | None = None  # bool scalar: the codec took its overflow path
-  payload: Any = None  # gathered routes: this device's payload
+  payload: Any = None  # fused and encoded routes: this device's payload
   residual_scale: Any = None  # an int8 residual's block scales; MaskedNode elsewhere
 
   @property
@@ -267,27 +400,35 @@ class Leaf(NamedTuple):
     return not isinstance(self.residual, optax.MaskedNode)
 
 
-def leaf_mode(codec, collective: str, axis_name, shape, dtype) -> str:
-  """The collective a leaf of ``shape`` takes (``collective`` as requested without an
-  axis; resolved per leaf with one, :func:`collectives.leaf_collective`)."""
-  if axis_name is None:
-    return collective
-  k = collectives.axis_size(axis_name)
-  return collectives.leaf_collective(collective, codec, k, shape, dtype)
-
-
 def plan_leaf(
-  codec, collective, axis_name, filter_fn, i, path, g, e, e2, step_key, *, es=None, sharded=False
+  codec,
+  collective,
+  axis_name,
+  filter_fn,
+  i,
+  path,
+  g,
+  e,
+  e2,
+  step_key,
+  *,
+  es=None,
+  sharded=False,
+  chosen=None,
 ) -> Leaf:
-  """Decides a leaf's route once, up front (:func:`collectives.route`).
+  """Decides a leaf's route once, up front (:func:`route`).
 
   Everything the route depends on is static (filter, shape, dtype, codec, resolved
   collective, whether the leaf is sharded over the axis), so later steps dispatch on one
   field instead of re-deriving it. A leaf to compress must be this device's own
   gradient: one already all-reduced is refused here, before any work is traced for it.
-  ``es`` is the residual's block scales where it is held as int8.
+  ``e`` and ``e2`` are the residuals (``optax.MaskedNode()``: none), ``es`` the
+  residual's block scales where it is held as int8. ``chosen`` is the filter's answer
+  where the caller asked it of another leaf (QSVRG asks the parameter, not the vector
+  it exchanges); else the filter is asked of ``g``.
   """
-  chosen = treeutil.selected(filter_fn, path, g)
+  if chosen is None:
+    chosen = treeutil.selected(filter_fn, path, g)
   collective = leaf_collective(collective, sharded)
   mode = leaf_mode(codec, collective, axis_name, g.shape, g.dtype)
   use_ef = not isinstance(e, optax.MaskedNode)
@@ -305,12 +446,35 @@ def plan_leaf(
   return Leaf(
     g=g,
     codec=codec,
-    route=collectives.route(codec, mode, axis_name, selected=chosen, fused=fused),
+    route=route(codec, mode, axis_name, selected=chosen, fused=fused),
     key=jax.random.fold_in(step_key, i),
     residual=e,
     chunk_residual=e2,
     out=g,
     residual_scale=es,
+  )
+
+
+def dense_leaf(g: Array) -> Leaf:
+  """A leaf averaged in full precision (a method's leaf outside its filter)."""
+  none = optax.MaskedNode()
+  return Leaf(g=g, codec=None, route="dense", key=None, residual=none, chunk_residual=none, out=g)
+
+
+def encoded_leaf(codec, g: Array, payload) -> Leaf:
+  """A leaf whose ``payload`` (``codec``'s, of ``g``) a method selected and encoded
+  itself (DGC's top-k: its masks come from the payload's indices); gathered with the
+  others, without error feedback here."""
+  none = optax.MaskedNode()
+  return Leaf(
+    g=g,
+    codec=codec,
+    route="encoded",
+    key=None,
+    residual=none,
+    chunk_residual=none,
+    out=g,
+    payload=payload,
   )
 
 
@@ -330,35 +494,32 @@ def _feedback(leaf: Leaf, sent: Array) -> Leaf:
 
 
 def _exchanged(leaf: Leaf, ex: collectives.Exchanged) -> Leaf:
-  """``leaf`` after an exchange that returned ``ex``: its mean (this device's shard after
-  a reduce-scatter), both residuals, overflow."""
+  """``leaf`` after the primitive that returned ``ex``: its mean (this device's shard
+  after a reduce-scatter), both residuals (the fused kernel set the first already),
+  overflow."""
   shape = leaf.g.shape if leaf.route != "reduce_scatter" else ex.mean.shape
   leaf = leaf._replace(out=ex.mean.reshape(shape).astype(leaf.g.dtype), overflow=ex.overflow)
-  leaf = _feedback(leaf, ex.sent)
+  if leaf.route not in ("fused", "encoded"):
+    with jax.named_scope(phases.ENCODE_SCOPE):  # error feedback counts as encoding
+      leaf = _feedback(leaf, ex.sent)
   if ex.chunk_residual is not None:
     leaf = leaf._replace(chunk_residual=ex.chunk_residual)
   return leaf
 
 
-#: The routes whose leaf is exchanged on its own in :func:`encode`.
-_ALONE: dict[str, Callable] = {
-  "local": lambda codec, x, key, axis_name: collectives.local(codec, x, key),
-  "psum": collectives.psum_mean,
-  "fallback": collectives.allgather_mean,
-}
-
-
-def encode(axis_name, leaf: Leaf) -> Leaf:
-  """Adds the residual, encodes, and exchanges the routes that go alone.
+def encode(leaf: Leaf) -> Leaf:
+  """Adds the residual and checks the input's finiteness; no collective.
 
   Dense leaves are only checked for finiteness (their mean propagates a NaN anyway; the
-  count covers every leaf). Gathered and fused leaves keep their payload for the shared
-  all-gather, two-phase leaves their input for the shared two-phase exchange; the
-  local, psum and fallback routes exchange here, one leaf at a time.
+  count covers every leaf). A fused leaf gets its payload and new residual from one
+  kernel; the other compressed leaves keep ``x = g + e`` (in the gradient's dtype) for
+  their exchange's primitive to encode.
   """
   g, codec = leaf.g, leaf.codec
   if leaf.route in ("dense", "dense_scatter"):
     return leaf._replace(finite=jnp.all(jnp.isfinite(g)))
+  if leaf.route == "encoded":
+    return leaf
   if leaf.route == "fused":
     # One kernel reads g and e and writes the payload and e' (the same payload as the
     # unfused path); a non-finite input keeps e.
@@ -369,62 +530,87 @@ def encode(axis_name, leaf: Leaf) -> Leaf:
   if leaf.feedback:
     x32 = x32 + load_residual(leaf.residual, leaf.residual_scale)
   # What is encoded keeps the gradient's dtype.
-  leaf = leaf._replace(x32=x32, finite=jnp.all(jnp.isfinite(x32)), x=x32.astype(g.dtype))
-  if leaf.route in ("two_phase", "reduce_scatter"):
-    return leaf
-  if leaf.route == "gathered":
-    payload, overflow = codec.encode_with_info(leaf.x, key=leaf.key)
-    leaf = leaf._replace(payload=payload, overflow=overflow)
-    return _feedback(leaf, codec.decode(payload, _F32))
-  return _exchanged(leaf, _ALONE[leaf.route](codec, leaf.x, leaf.key, axis_name))
+  return leaf._replace(x32=x32, finite=jnp.all(jnp.isfinite(x32)), x=x32.astype(g.dtype))
+
+
+#: The routes :func:`exchange_gathered` serves with a codec.
+_GATHERED = ("fused", "encoded", "local", "gathered", "fallback")
 
 
 def exchange_gathered(axis_name, plan: list[Leaf]) -> list[Leaf]:
-  """Averages the gathered payloads and the dense leaves, all in one exchange.
+  """Averages the gathered payloads and the dense leaves, all in one exchange
+  (:func:`collectives.gather_means`).
 
   One all-gather for every payload pays the collective's latency once per step, not
   once per leaf; at K <= 2 the dense leaves ride in it too (the same bytes as an
-  all-reduce there), else they share one all-reduce (:func:`collectives.exchange_means`).
+  all-reduce there), else they share one all-reduce. Without an axis the compressed
+  leaves are encoded and decoded locally and the dense ones are their own mean.
   """
-  gathered = [i for i, leaf in enumerate(plan) if leaf.route in ("gathered", "fused")]
+  coded = [i for i, leaf in enumerate(plan) if leaf.route in _GATHERED]
   dense = [i for i, leaf in enumerate(plan) if leaf.route == "dense"]
   dense = dense if axis_name is not None else []
-  if not gathered and not dense:
+  if not coded and not dense:
     return plan
-  codecs = [plan[i].codec for i in gathered]
-  means, dense_means = collectives.exchange_means(
-    codecs, [plan[i].payload for i in gathered], [plan[i].g for i in dense], axis_name
+  exs, dense_means = collectives.gather_means(
+    [plan[i].codec for i in coded],
+    [plan[i].x for i in coded],
+    [plan[i].key for i in coded],
+    axis_name,
+    payloads=[plan[i].payload for i in coded],
+    dense=[plan[i].g for i in dense],
   )
   out = list(plan)
   for i, mean in zip(dense, dense_means):
     out[i] = plan[i]._replace(out=mean)
-  for i, mean in zip(gathered, means):
-    out[i] = plan[i]._replace(out=mean.reshape(plan[i].g.shape).astype(plan[i].g.dtype))
+  for i, ex in zip(coded, exs):
+    out[i] = _exchanged(plan[i], ex)
   return out
 
 
-def exchange_two_phase(axis_name, plan: list[Leaf]) -> list[Leaf]:
-  """The two-phase leaves in one ``all_to_all`` and one ``all_gather``, then their
-  first-stage feedback (what was sent is known only after the exchange) and the chunk
-  owners' second-stage residuals."""
-  phased = [i for i, leaf in enumerate(plan) if leaf.route == "two_phase"]
-  if not phased:
-    return plan
-  leaves = [plan[i] for i in phased]
-  chunk_residuals = [
-    None if isinstance(leaf.chunk_residual, optax.MaskedNode) else leaf.chunk_residual
-    for leaf in leaves
-  ]
-  exs = collectives.two_phase_means(
-    leaves[0].codec,
-    [leaf.x for leaf in leaves],
-    [leaf.key for leaf in leaves],
-    axis_name,
-    chunk_residuals,
-  )
+def exchange_psum(axis_name, plan: list[Leaf]) -> list[Leaf]:
+  """The leaves with summable payloads, each all-reduced (:func:`collectives.psum_means`)."""
+  summed = [i for i, leaf in enumerate(plan) if leaf.route == "psum"]
   out = list(plan)
-  for i, leaf, ex in zip(phased, leaves, exs):
+  for i in summed:  # a codec per leaf
+    leaf = plan[i]
+    (ex,) = collectives.psum_means(leaf.codec, [leaf.x], [leaf.key], axis_name)
     out[i] = _exchanged(leaf, ex)
+  return out
+
+
+def _by_codec(plan: list[Leaf], indices) -> list[list[int]]:
+  """``indices`` grouped by their leaves' codecs (equal codecs share a group; codecs may
+  be unhashable), in first-seen order."""
+  groups: list[tuple[Any, list[int]]] = []
+  for i in indices:
+    group = next((g for c, g in groups if c == plan[i].codec), None)
+    if group is None:
+      groups.append((plan[i].codec, group := []))
+    group.append(i)
+  return [g for _, g in groups]
+
+
+def exchange_two_phase(axis_name, plan: list[Leaf]) -> list[Leaf]:
+  """The two-phase leaves in one ``all_to_all`` and one ``all_gather`` per codec
+  (:func:`collectives.two_phase_means`), then their first-stage feedback (what was sent
+  is known only after the exchange) and the chunk owners' second-stage residuals."""
+  phased = [i for i, leaf in enumerate(plan) if leaf.route == "two_phase"]
+  out = list(plan)
+  for group in _by_codec(plan, phased):
+    leaves = [plan[i] for i in group]
+    chunk_residuals = [
+      None if isinstance(leaf.chunk_residual, optax.MaskedNode) else leaf.chunk_residual
+      for leaf in leaves
+    ]
+    exs = collectives.two_phase_means(
+      leaves[0].codec,
+      [leaf.x for leaf in leaves],
+      [leaf.key for leaf in leaves],
+      axis_name,
+      chunk_residuals,
+    )
+    for i, leaf, ex in zip(group, leaves, exs):
+      out[i] = _exchanged(leaf, ex)
   return out
 
 
@@ -434,7 +620,8 @@ def exchange_reduce_scatter(axis_name, plan: list[Leaf]) -> list[Leaf]:
   The compressed ones share one compressed reduce-scatter
   (:func:`collectives.reduce_scatter_means`: one ``all_to_all``, the owner decodes and
   sums in float32), then take their feedback from what this device sent; the ones the
-  filter leaves out share one dense ``psum_scatter`` per dtype.
+  filter leaves out share one dense ``psum_scatter`` per dtype (the same primitive
+  without a codec).
   """
   scattered = [i for i, leaf in enumerate(plan) if leaf.route == "reduce_scatter"]
   dense = [i for i, leaf in enumerate(plan) if leaf.route == "dense_scatter"]
@@ -447,9 +634,11 @@ def exchange_reduce_scatter(axis_name, plan: list[Leaf]) -> list[Leaf]:
     for i, leaf, ex in zip(scattered, leaves, exs):
       out[i] = _exchanged(leaf, ex)
   if dense:
-    means = collectives.psum_scatter_tree([plan[i].g for i in dense], axis_name)
-    for i, mean in zip(dense, means):
-      out[i] = plan[i]._replace(out=mean.astype(plan[i].g.dtype))
+    exs = collectives.reduce_scatter_means(
+      None, [plan[i].g for i in dense], [None] * len(dense), axis_name
+    )
+    for i, ex in zip(dense, exs):
+      out[i] = plan[i]._replace(out=ex.mean.astype(plan[i].g.dtype))
   return out
 
 
@@ -457,6 +646,7 @@ def exchange_reduce_scatter(axis_name, plan: list[Leaf]) -> list[Leaf]:
 #: the leaves with their means (a new collective is one more entry).
 EXCHANGES: tuple[Callable[[Any, list[Leaf]], list[Leaf]], ...] = (
   exchange_gathered,
+  exchange_psum,
   exchange_two_phase,
   exchange_reduce_scatter,
 )
@@ -464,10 +654,8 @@ EXCHANGES: tuple[Callable[[Any, list[Leaf]], list[Leaf]], ...] = (
 
 def run(axis_name, plan: list[Leaf]) -> list[Leaf]:
   """Encodes every leaf, then runs every shared exchange: the leaves with their means."""
-  # Error feedback and encoding, in the profile phase "encode" (the collectives and
-  # decodes of the local/psum/fallback routes inside keep their own scopes).
-  with jax.named_scope(phases.ENCODE_SCOPE):
-    plan = [encode(axis_name, leaf) for leaf in plan]
+  with jax.named_scope(phases.ENCODE_SCOPE):  # error feedback in, the fused kernels
+    plan = [encode(leaf) for leaf in plan]
   for exchange in EXCHANGES:
     plan = exchange(axis_name, plan)
   return plan

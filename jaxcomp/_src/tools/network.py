@@ -2,7 +2,7 @@ r"""An α-β cost model of gradient exchanges: where compression pays off, and b
 
 A collective of a ring algorithm over K devices takes ``steps(K)`` sequential message
 rounds and moves ``traffic(B, K)`` bytes through each device's link (B: the operand's
-bytes on one device; the traffic is :mod:`jaxcomp._src.wire`'s convention):
+bytes on one device; the traffic is :mod:`jaxcomp._src.tools.wire`'s convention):
 
 =================  ==========  ====================
 collective         steps       bytes per device
@@ -41,7 +41,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxcomp._src import wire
+from jaxcomp._src.tools import wire
 
 _STEPS = {  # by canonical name (wire.canonical)
   "all_gather": lambda k: k - 1,

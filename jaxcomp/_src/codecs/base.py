@@ -22,9 +22,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src import arith
-from jaxcomp._src import bitpack
-from jaxcomp._src import rng
+from jaxcomp._src.plumbing import arith
+from jaxcomp._src.plumbing import bitpack
+from jaxcomp._src.plumbing import rng
 from jaxcomp.kernels import _common as kernel_common
 from jaxcomp.kernels import _mosaic as kernel_mosaic
 from jaxcomp.kernels import cpu as cpu_kernels
@@ -383,7 +383,7 @@ class QSGD(Codec):
   ``max|v| / s`` of its input.
 
   Wire format: each value's magnitude ``xi`` (``ceil(log2(s+1))`` bits) and sign (1 bit)
-  packed into uint32 words (see :mod:`jaxcomp._src.bitpack`), plus one float32 scale per
+  packed into uint32 words (see :mod:`jaxcomp._src.plumbing.bitpack`), plus one float32 scale per
   bucket. Padding of the last bucket is not sent.
 
   Args:
@@ -432,7 +432,7 @@ class QSGD(Codec):
 
   def scales(self, v: Array) -> Array:
     """Per-bucket scale of a ``(buckets, bucket_size)`` float32 array; NaN for a bucket
-    that holds a NaN or an infinity (:func:`jaxcomp._src.arith.qsgd_scales`: the
+    that holds a NaN or an infinity (:func:`jaxcomp._src.plumbing.arith.qsgd_scales`: the
     kernels take the same function's scales, so they agree bit for bit)."""
     return arith.qsgd_scales(v, self.norm)
 
@@ -444,7 +444,7 @@ class QSGD(Codec):
     of the last bucket zero. :meth:`encode` packs exactly these; other wire formats of
     the same quantization (e.g. Elias coding) start from them.
 
-    The Bernoulli draws are :mod:`jaxcomp._src.rng`'s counter-based bits: value ``i``
+    The Bernoulli draws are :mod:`jaxcomp._src.plumbing.rng`'s counter-based bits: value ``i``
     of the flattened tensor uses ``h(i)`` under ``key``, the same bits a Pallas kernel
     computes from its element index.
     """
@@ -579,7 +579,7 @@ class OneBit(Codec):
 
   The means of finite values are finite: a bucket whose float32 sum of one sign
   overflows (values from about ``FLT_MAX / bucket_size``) is summed again scaled by a
-  power of two (:func:`jaxcomp._src.arith.side_mean`), on every path.
+  power of two (:func:`jaxcomp._src.plumbing.arith.side_mean`), on every path.
 
   Wire format: signs packed 32 per uint32, plus two float32 per bucket (per column:
   ``ceil(m n / 32)`` words and ``2 n`` floats, at most ``m n + 31 + 64 n`` bits).
@@ -677,7 +677,7 @@ class OneBit(Codec):
 
     ``finite`` is then read off the means (a non-finite value makes its bucket's mean
     non-finite; a bucket sum beyond float32's range does not: the kernels sum such a
-    bucket again, scaled, as :func:`jaxcomp._src.arith.side_mean` describes).
+    bucket again, scaled, as :func:`jaxcomp._src.plumbing.arith.side_mean` describes).
     """
     del key
     _check_float(g)
@@ -741,7 +741,7 @@ class ScaledSign(Codec):
 
   A bucket holding a NaN gets a NaN scale, one holding an infinity an infinite one, so
   neither is hidden; a sum of finite values beyond float32's range is taken again scaled
-  by a power of two (:func:`jaxcomp._src.arith.side_mean`), so the scale of finite
+  by a power of two (:func:`jaxcomp._src.plumbing.arith.side_mean`), so the scale of finite
   values is finite.
 
   Wire format: signs packed 32 per uint32 (``ceil(n / 32)`` words), plus one float32
