@@ -11,13 +11,21 @@ each device holds ``1/K`` of the parameters and of AdamW's moments. The methods:
   collective="reduce_scatter")``: row ``j`` of every leaf's local gradient is encoded
   and sent to device ``j``, which decodes and sums the K payloads in float32.
 * ``fsdp_dense``: FSDP in plain JAX. Each block's weights are all-gathered (float32, one
-  buffer per block) when the block runs, again in its rematerialized backward
-  (``jax.checkpoint``), and JAX transposes the gather into that block's float32
-  ``psum_scatter``; the embedding, final norm and head are gathered once per step.
+  buffer per block) when the block runs, and JAX transposes the gather into that
+  block's float32 ``psum_scatter`` in its backward; the embedding, final norm and head
+  are gathered once, as one more group.
 * ``fsdp_int8_qsgd4``: the same with ``jc.fsdp_gather``: the weights gathered from
   int8 blocks (``jc.codecs.BlockInt8``, ZeRO++'s qwZ) and each block's gradient
   reduce-scattered as 4-bit QSGD inside that block's backward, so no full-size
   gradient of the model is ever held.
+
+The blocks run in a Python loop, not ``lax.scan``, so XLA sees every block's gather at
+once: a rematerialized gather (``jax.checkpoint``) is merged by XLA with the forward's
+(measured on XLA:CPU, the optimization barriers notwithstanding), so the gathered
+weights are kept for the backward instead, and the step gathers each block once. That
+is what the code says here, so that the bytes read off the traced program are the
+compiled program's. Per-layer gathering with rematerialization needs the layers under
+``lax.scan`` (``benchmarks/sharded.py``'s MLP, docs/guides/fsdp.md).
 
 The optimizer after the exchange (global-norm clipping, AdamW) runs on the shards; the
 clipping's norm is summed over the devices (:func:`clip_by_global_norm`), since each
@@ -161,9 +169,9 @@ def fsdp_gather_fn(method: str):
 
 
 def fsdp_logits(graphdef, shards, tokens: jax.Array, key: jax.Array, gather) -> jax.Array:
-  """The model's logits with each block's weights gathered when the block runs (and
-  gathered again in its backward: ``jax.checkpoint``); the other weights (embedding,
-  final norm, head) gathered once."""
+  """The model's logits with each block's weights gathered when the block runs (its
+  gradient exchanged in that block's backward); the other weights (embedding, final
+  norm, head) gathered as one group before the first block."""
   depth = len(shards["blocks"])
   keys = jax.random.split(key, depth + 1)
   top = gather({k: v for k, v in shards.items() if k != "blocks"}, keys[depth])
@@ -172,10 +180,7 @@ def fsdp_logits(graphdef, shards, tokens: jax.Array, key: jax.Array, gather) -> 
   def run_block(i, block, x):
     block_def, block_shards = nnx.split(block)
 
-    def apply(s, x, k):
-      return nnx.merge(block_def, gather(s, k))(x)
-
-    return jax.checkpoint(apply)(block_shards.to_pure_dict(), x, keys[i])
+    return nnx.merge(block_def, gather(block_shards.to_pure_dict(), keys[i]))(x)
 
   return model(tokens, run_block=run_block)
 
@@ -238,8 +243,8 @@ def step_traffic(method: str, graphdef, params, config, num_devices: int) -> Ste
 
   ``jc.wire_report`` traces a transform's ``update`` inside ``shard_map`` and reads the
   collectives' operands. Here the "update" is the step's whole gradient computation
-  from one device's shards (the forward's and rematerialized backward's weight gathers,
-  the reduce-scatter in the backward or the ZeRO exchange after it) on a batch of
+  from one device's shards (the weight gathers, the reduce-scatters in the backward or
+  the ZeRO exchange after it) on a batch of
   zeros, so the bytes are those of the program the trainer runs. The shards are passed
   as the parameters (every device's have the same shapes).
   """

@@ -26,6 +26,10 @@ the optax chain, differs::
   resumed run draws the batches the uninterrupted one would have, and ends with the
   same bits.
 
+* **Sharded methods** (``sharded.py``, :data:`SHARDED_METHODS`): ZeRO-2 and per-layer
+  FSDP, the parameters and AdamW's moments cut over ``AXIS``; the step takes the
+  shards and returns them, and evaluation sees them gathered.
+
 What each method needs on a transformer is in :func:`make_exchange` (and
 docs/guides/lm.md).
 """
