@@ -473,9 +473,6 @@ def lm_link(args) -> dict:
       timeout=args.timeout,
     )["results"]
 
-  if args.compile_cache:  # the workers compile each method once over all rates and runs
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(args.compile_cache)
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   if args.smoke:
     return {"none": run(None, "127.0.0.1", "none")}
 
@@ -577,13 +574,6 @@ def parse_args(argv=None):
     "--smoke",
     action="store_true",
     help="the link part as 2 local processes, no namespaces or throttle, a tiny model",
-  )
-  p.add_argument(
-    "--compile-cache",
-    default=None,
-    metavar="DIR",
-    help="--model lm: JAX's persistent compilation cache for the trainer processes (compile"
-    " time is not timed; this only shortens the run)",
   )
   p.add_argument("--out", default=None, help="output directory (runs/sharded, runs/sharded_lm)")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
