@@ -492,7 +492,7 @@ def lm_link(args) -> dict:
 
 def lm_link_table(by_rate: dict, args) -> str:
   config = lm_config(args)
-  where = "2 local processes (--smoke)" if args.smoke else "a tc-throttled veth"
+  where = "localhost, no throttle (--smoke)" if args.smoke else "a tc-throttled veth"
   lines = [
     f"2 processes x 1 CPU device (gloo) over {where}; LM config {args.config}"
     f" ({config.depth} blocks of width {config.width}), {config.per_device_batch_size}"
