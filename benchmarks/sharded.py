@@ -27,6 +27,20 @@ Three measurements (``--part``):
   sudo nice -n 15 python -m benchmarks.sharded                  # memory, then link
   nice -n 15 python -m benchmarks.sharded --part memory
   sudo python -m benchmarks.sharded --part link --rates none,1gbit --width 1024
+
+**The transformer** (``--model lm``): the LM trainer's sharded methods
+(``examples/lm/sharded.py``, ``--config deep`` by default: 8 blocks of width 128) against
+its dense ZeRO-2 and dense FSDP and the data-parallel ``dense``. ``memory``: each
+method's compiled training step (AdamW included) on ``--devices`` CPU devices, its peak
+memory per device and its step's bytes (``sharded.step_traffic``: weight gathers and
+gradient exchange; ``jc.wire_report`` for ``dense``). ``link``: ``python -m
+examples.lm.main`` as 2 processes in the 2 namespaces, ``--steps`` updates per method
+and rate, the mean step time (training steps only) and its ratio to the dense method of
+the same kind (``zero_*`` to ``zero_dense``, ``fsdp_*`` to ``fsdp_dense``) in the same
+run::
+
+  sudo nice -n 15 python -m benchmarks.sharded --model lm --rates 1gbit,100mbit
+  python -m benchmarks.sharded --model lm --smoke              # 2 local processes
 """
 
 from __future__ import annotations
@@ -39,6 +53,8 @@ import sys
 import time
 
 METHODS = ("dense", "fsdp_int8_qsgd4", "fsdp_qsgd4", "zero_qsgd4")
+# --model lm: the data-parallel baseline and the LM trainer's sharded methods.
+LM_METHODS = ("dense", "zero_dense", "zero_qsgd4", "fsdp_dense", "fsdp_int8_qsgd4")
 RESULT_MARKER = "JAXCOMP_SHARDED_RESULT "
 AXIS = "data"
 # A link of its own (names and subnet apart from benchmarks.network's), so that this
@@ -327,14 +343,225 @@ def link_table(by_rate: dict, wire_k2: dict, args) -> str:
   return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- the LM
+
+
+def lm_baseline(method: str) -> str:
+  """The dense method a sharded LM method is timed against: its own kind's."""
+  return method.split("_")[0] + "_dense" if method.startswith(("zero_", "fsdp_")) else "dense"
+
+
+def lm_config(args):
+  """The LM config named by ``--config``, with ``--batch`` when given."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+
+  from examples.lm import configs  # pylint: disable=import-outside-toplevel
+
+  config = configs.load(args.config).get_config()
+  if args.batch is not None:
+    config = dataclasses.replace(config, per_device_batch_size=args.batch)
+  return config
+
+
+def lm_memory(args) -> list[dict]:
+  """Each LM method's compiled training step on ``args.devices`` CPU devices: peak memory
+  per device and the bytes one device receives per step, by collective."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+
+  from examples.lm import models  # pylint: disable=import-outside-toplevel
+  from examples.lm import sharded as lm_sharded  # pylint: disable=import-outside-toplevel
+  from examples.lm import train  # pylint: disable=import-outside-toplevel
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+
+  config, k = lm_config(args), args.devices
+  mesh = jax.make_mesh((k,), (train.AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
+  init_params = jax.device_get(state.to_pure_dict())
+  replicated = jax.NamedSharding(mesh, P())
+  batch = jax.ShapeDtypeStruct(
+    (k, config.per_device_batch_size, config.seq_len + 1),
+    jnp.uint8,
+    sharding=jax.NamedSharding(mesh, P(train.AXIS)),
+  )
+  rows = []
+  for method in args.methods:
+    if method in lm_sharded.METHODS:
+      _, _, params, opt_state, step = train.sharded_parts(
+        method, config, graphdef, init_params, mesh
+      )
+      extra = (jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),)
+      by = lm_sharded.step_traffic(method, graphdef, init_params, config, k).by_collective
+    else:
+      tx = train.make_tx(method, config)
+      specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
+      params = train.replicate(init_params, mesh)
+      init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+      opt_state = jax.jit(init)(params)
+      step, extra = train.make_train_step(graphdef, tx, mesh, specs), ()
+      report = jc.wire_report(
+        train.make_update(method, config, warmup=False),
+        init_params,
+        axis_name=train.AXIS,
+        num_devices=k,
+      )
+      by = {}
+      for op in report.ops:
+        by[op.primitive] = by.get(op.primitive, 0.0) + op.bytes_received
+    compiled = step.lower(params, opt_state, batch, *extra).compile()
+    rows.append({"method": method, "peak_bytes": train.peak_memory(compiled), "wire": by})
+    print(method, rows[-1], flush=True)
+  return rows
+
+
+def lm_memory_table(rows: list[dict], args) -> str:
+  config, k = lm_config(args), args.devices
+  n = lm_num_params(config)
+  psum_scatter = (k - 1) / k * 4 * n  # a dense float32 reduce-scatter of the model
+  allreduce = 2 * psum_scatter
+  by_name = {r["method"]: r for r in rows}
+  fsdp = by_name.get("fsdp_dense", rows[0])
+  lines = [
+    f"LM config {args.config}: {config.depth} blocks of width {config.width}, {n:,}"
+    f" parameters, K = {k} devices, {config.per_device_batch_size} sequences of"
+    f" {config.seq_len} bytes per device; AdamW; per device per step.",
+    "",
+    "| method | peak memory (MiB) | vs fsdp_dense | bytes received | dense all-reduce / this |"
+    " gradient exchange bytes | dense psum_scatter / this |",
+    "|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    total = sum(r["wire"].values())
+    grad = sum(v for c, v in r["wire"].items() if not c.startswith("all_gather"))
+    lines.append(
+      f"| {r['method']} | {r['peak_bytes'] / 2**20:.2f} |"
+      f" {r['peak_bytes'] / fsdp['peak_bytes']:.2f}x | {total:,.0f} |"
+      f" {allreduce / total:.2f}x | {grad:,.0f} | {psum_scatter / grad:.2f}x |"
+    )
+  return "\n".join(lines)
+
+
+def lm_num_params(config) -> int:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from examples.lm import models  # pylint: disable=import-outside-toplevel
+
+  shapes = nnx.eval_shape(lambda: models.create_model(config, rngs=nnx.Rngs(0)))
+  return sum(p.size for p in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
+
+
+def lm_link(args) -> dict:
+  """The 2-process LM trainer at each rate (``--smoke``: 2 local processes, no
+  namespaces or throttle); ``{rate: the trainer's results per method}``."""
+  from benchmarks import lm_network  # pylint: disable=import-outside-toplevel
+  from benchmarks import network  # pylint: disable=import-outside-toplevel
+
+  flags = ["--config", args.config, "--methods", ",".join(args.methods)]
+  flags += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
+  if args.batch is not None:
+    flags += ["--batch", str(args.batch)]
+
+  def run(prefix, host: str, rate: str) -> dict:
+    return lm_network.run_trainer(
+      flags,
+      os.path.join(os.path.abspath(args.out), "lm", rate),
+      coordinator=f"{host}:{network.free_port()}",
+      prefix=prefix,
+      timeout=args.timeout,
+    )["results"]
+
+  if args.smoke:
+    return {"none": run(None, "127.0.0.1", "none")}
+
+  def prefix(i: int) -> list[str]:
+    pin = ["taskset", "-c", str(i % (os.cpu_count() or 1))] if args.pin else []
+    return ["ip", "netns", "exec", NAMESPACES[i], *pin]
+
+  out = {}
+  with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
+    for rate in args.rates:
+      ln.set_rate(rate)
+      out[rate] = run(prefix, ADDRESSES[0], rate)
+      per_step = {m: r["train_time_s"] / args.steps for m, r in out[rate].items()}
+      print(rate, {m: round(t, 4) for m, t in per_step.items()}, flush=True)
+  return out
+
+
+def lm_link_table(by_rate: dict, args) -> str:
+  config = lm_config(args)
+  where = "localhost, no throttle (--smoke)" if args.smoke else "a tc-throttled veth"
+  lines = [
+    f"2 processes x 1 CPU device (gloo) over {where}; LM config {args.config}"
+    f" ({config.depth} blocks of width {config.width}), {config.per_device_batch_size}"
+    f" sequences of {config.seq_len} bytes per device; mean of {args.steps} updates"
+    " (training steps only).",
+    "",
+    "| rate | method | bytes received / step | peak memory (MiB) | s / step |"
+    " speed-up vs | val loss |",
+    "|---|---|---:|---:|---:|---|---:|",
+  ]
+  for rate, res in by_rate.items():
+    for method, r in res.items():
+      t = r["train_time_s"] / args.steps
+      base = lm_baseline(method)
+      speedup = "-"
+      if base in res and base != method:
+        speedup = f"{res[base]['train_time_s'] / r['train_time_s']:.2f}x {base}"
+      peak = "n/a" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.2f}"
+      lines.append(
+        f"| {rate} | {method} | {r['bytes_received']:,.0f} | {peak} | {t:.3f} | {speedup} |"
+        f" {r['val_loss']:.3f} |"
+      )
+  return "\n".join(lines)
+
+
+def main_lm(args) -> int:
+  """``--model lm``: the memory part, then the link part."""
+  report, results = [], {"args": vars(args)}
+  if args.part in ("all", "memory"):
+    rows = lm_memory(args)
+    results["memory"] = rows
+    report.append(lm_memory_table(rows, args))
+    print(report[-1], flush=True)
+  if args.part in ("all", "link"):
+    by_rate = lm_link(args)
+    results["link"] = {
+      rate: {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
+      for rate, res in by_rate.items()
+    }
+    report.append(lm_link_table(by_rate, args))
+    print(report[-1], flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write("\n\n".join(report) + "\n")
+  return 0
+
+
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--part", default="all", choices=("all", "memory", "link"))
+  p.add_argument(
+    "--model",
+    default="mlp",
+    choices=("mlp", "lm"),
+    help="the stacked tanh MLP, or the LM trainer (examples/lm) and its sharded methods",
+  )
+  p.add_argument("--config", default="deep", help="--model lm: the examples/lm config")
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--width", type=int, default=1024)
-  p.add_argument("--batch", type=int, default=32, help="rows per device")
+  p.add_argument(
+    "--batch",
+    type=int,
+    default=None,
+    help="rows per device (MLP: 32); --model lm: sequences per device (the config's)",
+  )
   p.add_argument("--devices", type=int, default=8, help="CPU devices of the memory part")
-  p.add_argument("--methods", default=",".join(METHODS))
+  p.add_argument("--methods", default=None, help="comma-separated (default: every method)")
   p.add_argument("--rates", default="none,1gbit")
   p.add_argument("--steps", type=int, default=10, help="timed steps per method and rate")
   p.add_argument("--timeout", type=float, default=1200)
@@ -349,20 +576,27 @@ def parse_args(argv=None):
     action="store_true",
     help="the link part as 2 local processes, no namespaces or throttle, a tiny model",
   )
-  p.add_argument("--out", default="runs/sharded")
+  p.add_argument("--out", default=None, help="output directory (runs/sharded, runs/sharded_lm)")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  args.methods = [m for m in args.methods.split(",") if m]
+  lm = args.model == "lm"
+  known = LM_METHODS if lm else METHODS
+  args.methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
   args.rates = [r for r in args.rates.split(",") if r]
-  if args.smoke:
+  args.out = args.out or ("runs/sharded_lm" if lm else "runs/sharded")
+  if args.smoke and lm:
+    args.part, args.rates, args.config, args.batch, args.steps = "link", ["none"], "tiny", 2, 2
+  elif args.smoke:
     args.part, args.rates, args.width, args.batch, args.steps = "link", ["none"], 64, 4, 2
-  if "dense" not in args.methods:
+  if args.batch is None and not lm:
+    args.batch = 32
+  if not lm and "dense" not in args.methods:
     p.error("--methods must include dense (the baseline)")
   for m in args.methods:
-    if m not in METHODS:
-      p.error(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    if m not in known:
+      p.error(f"unknown method {m!r}; choose from {', '.join(known)}")
   return args
 
 
@@ -382,6 +616,8 @@ def main(argv=None) -> int:
     import jax  # pylint: disable=import-outside-toplevel
 
     jax.config.update("jax_num_cpu_devices", args.devices)
+  if args.model == "lm":
+    return main_lm(args)
   report = []
   results: dict = {"args": vars(args)}
   if args.part in ("all", "memory"):

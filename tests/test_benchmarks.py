@@ -261,3 +261,23 @@ def test_mipd_capacity_counts_every_owner_within_its_capacity():
     assert float(mean) <= int(largest) <= int(capacity), (name, out)
     assert int(above) == 0, (name, out)
   assert "24 device-steps recorded over 3 steps" in out, out  # 8 devices x 3 steps
+
+
+def test_sharded_lm_flags():
+  from benchmarks import sharded  # pylint: disable=import-outside-toplevel
+
+  args = sharded.parse_args(["--model", "lm", "--part", "memory"])
+  assert args.methods == list(sharded.LM_METHODS) and args.config == "deep"
+  assert args.batch is None and args.out == "runs/sharded_lm"  # the config's batch
+  mlp = sharded.parse_args([])
+  assert mlp.methods == list(sharded.METHODS) and mlp.batch == 32 and mlp.out == "runs/sharded"
+  # Each sharded method is timed against the dense method of its own kind.
+  assert [sharded.lm_baseline(m) for m in sharded.LM_METHODS] == [
+    "dense",
+    "zero_dense",
+    "zero_dense",
+    "fsdp_dense",
+    "fsdp_dense",
+  ]
+  with pytest.raises(SystemExit):  # an MLP method is not an LM method
+    sharded.parse_args(["--model", "lm", "--methods", "dense,fsdp_qsgd4"])

@@ -34,6 +34,7 @@ from examples import common
 def build_parser() -> argparse.ArgumentParser:
   """The command-line flags."""
   from examples.lm import configs  # pylint: disable=import-outside-toplevel
+  from examples.lm import sharded  # pylint: disable=import-outside-toplevel
   from examples.lm.configs import default  # pylint: disable=import-outside-toplevel
 
   methods = ",".join(default.Config.methods)
@@ -45,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     help=f"one of {','.join(configs.names())} (examples/lm/configs) or a .py file"
     " providing get_config()",
   )
-  p.add_argument("--methods", default=None, help=f"comma-separated subset of {methods}")
+  p.add_argument(
+    "--methods",
+    default=None,
+    help=f"comma-separated subset of {methods}, or the sharded methods"
+    f" {','.join(sharded.METHODS)} (ZeRO-2, per-layer FSDP)",
+  )
   p.add_argument("--steps", type=int, default=None, help="override num_steps (updates)")
   p.add_argument("--batch", type=int, default=None, help="override per_device_batch_size")
   p.add_argument("--accumulation", type=int, default=None, help="mini-steps per update")
@@ -119,9 +125,9 @@ def get_config(args: argparse.Namespace):
     overrides[field] = value
   if args.methods is not None:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    unknown = [m for m in methods if m not in train.METHODS]
+    unknown = [m for m in methods if m not in train.ALL_METHODS]
     if unknown or not methods:
-      raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(train.METHODS)}")
+      raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(train.ALL_METHODS)}")
     overrides["methods"] = methods
   return dataclasses.replace(config, **overrides)
 

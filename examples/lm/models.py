@@ -91,13 +91,18 @@ class Transformer(nnx.Module):
     self.norm = nnx.LayerNorm(config.width, rngs=rngs)
     self.head = nnx.Linear(config.width, config.vocab_size, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    """Maps tokens ``(batch, T)`` to float32 next-token logits ``(batch, T, vocab)``."""
+  def __call__(self, tokens: jax.Array, *, run_block=None) -> jax.Array:
+    """Maps tokens ``(batch, T)`` to float32 next-token logits ``(batch, T, vocab)``.
+
+    ``run_block(i, block, x)``, when given, runs block ``i`` in place of ``block(x)``:
+    per-layer FSDP (``examples/lm/sharded.py``) gathers the block's weights there, so
+    only one block's full weights are alive at a time.
+    """
     x = self.embed(tokens)
     if self.positions is not None:
       x = x + self.positions(jnp.arange(tokens.shape[-1]))
-    for block in self.blocks:
-      x = block(x)
+    for i, block in enumerate(self.blocks):
+      x = block(x) if run_block is None else run_block(i, block, x)
     return self.head(self.norm(x)).astype(jnp.float32)
 
 

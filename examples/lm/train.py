@@ -26,6 +26,10 @@ the optax chain, differs::
   resumed run draws the batches the uninterrupted one would have, and ends with the
   same bits.
 
+* **Sharded methods** (``sharded.py``, :data:`SHARDED_METHODS`): ZeRO-2 and per-layer
+  FSDP, the parameters and AdamW's moments cut over ``AXIS``; the step takes the
+  shards and returns them, and evaluation sees them gathered.
+
 What each method needs on a transformer is in :func:`make_exchange` (and
 docs/guides/lm.md).
 """
@@ -52,6 +56,7 @@ from tqdm.auto import tqdm
 from examples import common
 from examples.lm import input_pipeline
 from examples.lm import models
+from examples.lm import sharded
 from examples.lm.configs import default as default_config
 import jaxcomp as jc
 
@@ -59,6 +64,11 @@ AXIS = "batch"
 
 # The methods, in table order: the default config's list (one place).
 METHODS = default_config.Config.methods
+
+# Sharded methods (examples/lm/sharded.py: ZeRO-2 and per-layer FSDP, dense or
+# compressed), chosen with --methods; not in the default list.
+SHARDED_METHODS = sharded.METHODS
+ALL_METHODS = METHODS + SHARDED_METHODS
 
 # 1-bit Adam is the whole optimizer (it exchanges Adam's step direction): no AdamW after
 # it, and it places its own per-device buffers (not wrapped in jc.per_device_state).
@@ -224,11 +234,11 @@ def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransf
   return optax.GradientTransformation(tx.init, update_fn)
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
+def make_optimizer(config, *, clip: bool = True) -> optax.GradientTransformation:
   """AdamW after the exchange: global-norm clipping of the mean gradient (unless
-  ``grad_clip`` is 0), then ``optax.adamw`` with :func:`schedule`."""
+  ``grad_clip`` is 0 or ``clip`` is False), then ``optax.adamw`` with :func:`schedule`."""
   adamw = optax.adamw(schedule(config), b2=config.b2, weight_decay=config.weight_decay)
-  if config.grad_clip:
+  if config.grad_clip and clip:
     adamw = optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
   return standard_promotion(adamw)
 
@@ -362,6 +372,39 @@ def per_device_rows(tree, mesh):
   )
 
 
+def sharded_parts(method: str, config, graphdef, init_params, mesh):
+  """``(tx, state_specs, shards, opt_state, step)`` of a sharded method
+  (``examples/lm/sharded.py``): every parameter leaf and AdamW's moments cut along
+  their first axis over ``AXIS``; ``step(shards, opt_state, batch, mini_step)``."""
+  k = mesh.size
+  specs = sharded.param_specs(init_params, k)
+  tx = sharded.make_tx(method, config, specs, make_optimizer(config, clip=False))
+  opt_specs = sharded.state_specs(method, tx, init_params, specs, k)
+  shards = jax.tree.map(
+    lambda x, spec: jax.make_array_from_callback(
+      np.shape(x), jax.NamedSharding(mesh, spec), lambda i: np.asarray(x)[i]
+    ),
+    init_params,
+    specs,
+  )
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=opt_specs)
+  opt_state = jax.jit(init)(shards)
+  step = sharded.make_train_step(method, graphdef, tx, mesh, specs, opt_specs, config.seed)
+  return tx, opt_specs, shards, opt_state, step
+
+
+def peak_memory(compiled) -> int | None:
+  """Peak bytes per device of a compiled step, from ``compiled.memory_analysis()``:
+  arguments + outputs + temporaries - aliased (donated) buffers; None where the
+  backend gives no analysis."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  return int(
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  )
+
+
 def local_mean(x: jax.Array) -> float:
   """Mean of this process's shards of a per-device array."""
   return float(np.mean([np.asarray(s.data) for s in x.addressable_shards]))
@@ -401,7 +444,7 @@ def train_method(
   """Trains one method from ``init_params``; returns its losses, bytes and timings.
 
   Args:
-    method: one of :data:`METHODS`.
+    method: one of :data:`ALL_METHODS`.
     config: an ``examples.lm.configs`` config.
     graphdef: the model's ``nnx`` graphdef.
     init_params: host copy of the initial parameters (a dict of arrays).
@@ -412,18 +455,34 @@ def train_method(
 
   Returns:
     ``{"val_loss", "bits_per_byte", "bytes_received", "dense_bytes", "ratio",
-    "train_time_s", "compile_time_s", "history", "target_step", "target_time_s",
-    "skipped_steps", "start_step"}``; ``history`` has ``step``, ``val_loss``,
+    "bytes_by_collective", "peak_bytes", "train_time_s", "compile_time_s", "history",
+    "target_step", "target_time_s", "skipped_steps", "start_step"}``. ``bytes_received``
+    is per device per update: the exchange's (``jc.wire_report``), or for a sharded
+    method the whole step's, weight gathers included (``sharded.step_traffic``, split
+    by collective in ``bytes_by_collective``); ``ratio`` is the dense data-parallel
+    all-reduce's bytes (``dense_bytes``) over it. ``peak_bytes``: the compiled step's
+    peak memory per device (:func:`peak_memory`). ``history`` has ``step``, ``val_loss``,
     ``train_loss`` (this process's devices, mean since the last evaluation) and
     ``time_s`` (training time so far, evaluation and compilation excluded).
   """
   k = mesh.size
   acc = config.accumulation_steps
-  tx = make_tx(method, config)
   local = method in LOCAL_PARAMS  # DiLoCo: params per device, evaluated at the anchor
-  shared = lambda params, opt_state: diloco_anchor(opt_state) if local else params
+  is_sharded = method in SHARDED_METHODS  # params and AdamW state cut over AXIS
+  replicated = jax.NamedSharding(mesh, P())
+  whole = jax.jit(lambda tree: tree, out_shardings=replicated)  # the shards gathered
+  if is_sharded:
+    if config.checkpoint_every:
+      raise ValueError(f"{method}: --checkpoint-every is not supported by the sharded methods")
+    tx, state_specs, params, opt_state, sharded_step = sharded_parts(
+      method, config, graphdef, init_params, mesh
+    )
+    shared = lambda params, opt_state: whole(params)
+  else:
+    tx = make_tx(method, config)
+    state_specs = jc.state_specs(tx, init_params, axis_name=AXIS, num_devices=k)
+    shared = lambda params, opt_state: diloco_anchor(opt_state) if local else params
   per_device = jax.NamedSharding(mesh, P(AXIS))
-  state_specs = jc.state_specs(tx, init_params, axis_name=AXIS, num_devices=k)
   checkpoints = checkpoint_manager(config, workdir, method)
   fingerprint = common.run_fingerprint(method, config, k)
   start_step, history, losses, train_time = 0, None, [], 0.0
@@ -442,7 +501,7 @@ def train_method(
     history, losses, train_time = progress["history"], progress["losses"], progress["train_time"]
     if jax.process_index() == 0:
       print(f"{method}: resuming from step {start_step} ({where})", flush=True)
-  else:
+  elif not is_sharded:
     params = replicate(init_params, mesh)
     opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_specs))(
       params
@@ -480,8 +539,15 @@ def train_method(
   # Compile ahead of time, so that the training time excludes compilation.
   start = time.perf_counter()
   batch_spec = jax.ShapeDtypeStruct(batch_shape, jnp.uint8, sharding=per_device)
-  step = make_train_step(graphdef, tx, mesh, state_specs, local_params=local)
-  step = step.lower(params, opt_state, batch_spec).compile()
+  if is_sharded:  # the mini-step seeds the FSDP exchange's stochastic rounding
+    step = sharded_step
+    extra = lambda m: (replicate(np.int32(m), mesh),)
+    extra_spec = (jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),)
+  else:
+    step = make_train_step(graphdef, tx, mesh, state_specs, local_params=local)
+    extra, extra_spec = lambda m: (), ()
+  step = step.lower(params, opt_state, batch_spec, *extra_spec).compile()
+  peak_bytes = peak_memory(step)
   evaluate = make_eval_step(graphdef, mesh).lower(shared(params, opt_state), val_tokens).compile()
   compile_time = time.perf_counter() - start
 
@@ -508,7 +574,8 @@ def train_method(
         break
       start = time.perf_counter()
       for j in range(acc):
-        params, opt_state, loss = step(params, opt_state, batch_at((i - 1) * acc + j))
+        mini_step = (i - 1) * acc + j
+        params, opt_state, loss = step(params, opt_state, batch_at(mini_step), *extra(mini_step))
         # One step in flight at a time (queued multi-device steps on few cores can
         # deadlock XLA's CPU collectives); this also makes the step times honest.
         losses.append(local_mean(loss))
@@ -542,11 +609,18 @@ def train_method(
   if jax.process_count() > 1:  # each process's copy, to compare across processes
     print(f"[process {jax.process_index()}] {method}: params sha256 {digest}", flush=True)
 
-  report = None
-  if k > 1:  # bytes of one update in the steady state (DGC and 1-bit Adam warm up dense)
+  received = dense_bytes = by_collective = None
+  if k > 1 and is_sharded:  # the step's weight gathers and gradient exchange
+    traffic = sharded.step_traffic(method, graphdef, init_params, config, k)
+    received, by_collective = traffic.bytes_received, traffic.by_collective
+    dense_bytes = jc.wire_report(
+      make_update("dense", config), init_params, axis_name=AXIS, num_devices=k
+    ).dense_bytes
+  elif k > 1:  # bytes of one update in the steady state (DGC and 1-bit Adam warm up dense)
     report = jc.wire_report(
       make_update(method, config, warmup=False), init_params, axis_name=AXIS, num_devices=k
     )
+    received, dense_bytes = report.bytes_received, report.dense_bytes
   val_loss = history["val_loss"][-1]
   return {
     "start_step": start_step,
@@ -554,9 +628,11 @@ def train_method(
     "params_sha256": digest,
     "val_loss": val_loss,
     "bits_per_byte": val_loss / math.log(2),
-    "bytes_received": None if report is None else report.bytes_received,
-    "dense_bytes": None if report is None else report.dense_bytes,
-    "ratio": None if report is None else report.ratio,
+    "bytes_received": received,
+    "dense_bytes": dense_bytes,
+    "ratio": None if received is None else dense_bytes / received,
+    "bytes_by_collective": by_collective,
+    "peak_bytes": peak_bytes,
     "train_time_s": train_time,
     "compile_time_s": compile_time,
     "history": history,
@@ -572,21 +648,23 @@ def results_table(results: dict[str, dict[str, Any]], config, num_devices: int) 
     f"Byte-level LM on the Python standard library, {num_devices} devices,"
     f" {config.num_steps} updates of {num_devices * config.per_device_batch_size}"
     f"x{config.accumulation_steps} sequences of {config.seq_len} bytes. Bytes:"
-    " jc.wire_report, received per device per update (steady state). Train time:"
-    " training steps only (evaluation and compilation excluded).",
+    " jc.wire_report, received per device per update (steady state; sharded methods:"
+    " the whole step's, weight gathers included). Peak memory: the compiled step's, per"
+    " device. Train time: training steps only (evaluation and compilation excluded).",
     "",
     "| method | val loss (nats) | bits/byte | vs dense | bytes recv/device/update |"
-    " ratio vs dense | train time (s) | compile (s) |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|",
+    " ratio vs dense | peak memory (MiB) | train time (s) | compile (s) |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   dense = results.get("dense", {}).get("val_loss")
   for method, r in results.items():
     recv = "n/a" if r["bytes_received"] is None else f"{r['bytes_received']:,.0f}"
     ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.1f}x"
     rel = "" if dense is None else f"{100 * (r['val_loss'] / dense - 1):+.1f}%"
+    peak = "n/a" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.2f}"
     lines.append(
       f"| {method} | {r['val_loss']:.3f} | {r['bits_per_byte']:.3f} | {rel} | {recv} | {ratio}"
-      f" | {r['train_time_s']:.1f} | {r['compile_time_s']:.1f} |"
+      f" | {peak} | {r['train_time_s']:.1f} | {r['compile_time_s']:.1f} |"
     )
   return "\n".join(lines)
 
