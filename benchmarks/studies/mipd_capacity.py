@@ -38,6 +38,7 @@ from examples.mnist1d.configs import default
 import jaxcomp as jc
 from jaxcomp._src.codecs import normal
 from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import mipd_exchange
 from jaxcomp._src.methods import mipd as mipd_lib
 
 AXIS = train.AXIS
@@ -78,7 +79,7 @@ def _counts(group, members, gs, preds, pnorms, quantizer):
     rates, group.caps, group.drops
   )
   coded = group.code(*group.select(g_m, keep))
-  owners = mipd_lib._Owners(group, k, quantizer, 2)  # pylint: disable=protected-access
+  owners = mipd_exchange._Owners(group, k, quantizer, 2)  # pylint: disable=protected-access
   mask, outl = owners.rows(coded.mask, False), owners.rows(coded.outl, False)
   kept = jnp.sum(mask, axis=1, dtype=jnp.int32)
   push_out = jnp.sum(outl, axis=1, dtype=jnp.int32)
@@ -101,7 +102,7 @@ def _counts(group, members, gs, preds, pnorms, quantizer):
   pull_out = []
   for v in (mean, received):
     segs = [v[int(lo) : int(hi)] for lo, hi in zip(fmt.offsets[:-1], fmt.offsets[1:])]
-    _, o, _ = mipd_lib._layer_codes(  # pylint: disable=protected-access
+    _, o, _ = mipd_exchange._layer_codes(  # pylint: disable=protected-access
       segs, [jnp.ones(s.shape, bool) for s in segs], fmt.quantizer
     )
     pull_out.append(jnp.sum(o, dtype=jnp.int32))
