@@ -239,14 +239,12 @@ class StepTraffic(NamedTuple):
 
 
 def step_traffic(method: str, graphdef, params, config, num_devices: int) -> StepTraffic:
-  """The bytes of a step's gathers and gradient exchange, by ``jc.wire_report``.
+  """The bytes of a step's gathers and gradient exchange, by ``jc.step_wire_report``.
 
-  ``jc.wire_report`` traces a transform's ``update`` inside ``shard_map`` and reads the
-  collectives' operands. Here the "update" is the step's whole gradient computation
-  from one device's shards (the weight gathers, the reduce-scatters in the backward or
-  the ZeRO exchange after it) on a batch of
-  zeros, so the bytes are those of the program the trainer runs. The shards are passed
-  as the parameters (every device's have the same shapes).
+  The step is the whole gradient computation from one device's shards (the weight
+  gathers, the reduce-scatters in the backward or the ZeRO exchange after it) on a
+  batch of zeros, traced inside ``shard_map``: the bytes are the collectives' operands
+  of the program the trainer runs (every device's shards have the same shapes).
   """
   k = num_devices
   specs = param_specs(params, k)
@@ -256,15 +254,13 @@ def step_traffic(method: str, graphdef, params, config, num_devices: int) -> Ste
   exchange = make_exchange(method, specs)
   tokens = jnp.zeros((config.per_device_batch_size, config.seq_len + 1), jnp.uint8)
 
-  def update_fn(updates, state, p):
-    del updates
+  def step(p):
     _, grads = local_grads(method, graphdef, p, tokens, jax.random.key(0))
     if exchange is not None:
       grads = exchange.update(grads, exchange.init(p), p)[0]
-    return grads, state
+    return grads
 
-  fake = optax.GradientTransformation(lambda p: optax.EmptyState(), update_fn)
-  report = jc.wire_report(fake, shards, axis_name=AXIS, num_devices=k)
+  report = jc.step_wire_report(step, shards, axis_name=AXIS, num_devices=k)
   by: dict[str, float] = {}
   for op in report.ops:
     by[op.primitive] = by.get(op.primitive, 0.0) + op.bytes_received
