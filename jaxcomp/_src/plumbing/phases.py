@@ -136,20 +136,7 @@ def op_phases(hlo) -> dict[str, str]:
   comp_calls: dict[str, set[str]] = collections.defaultdict(set)  # computations called
   comp_coll: dict[str, bool] = collections.defaultdict(bool)
   instructions: list[tuple[str, str, list[str], set[str]]] = []
-  current = None
-  for line in text.splitlines():
-    if line.rstrip().endswith("{") and " = " not in line:
-      m = _COMPUTATION.match(line)
-      if m:
-        current = m.group(1)
-      continue
-    if line.strip() == "}":
-      current = None
-      continue
-    m = _INSTRUCTION.match(line)
-    if m is None or current is None:
-      continue
-    name, opcode = m.group(1), m.group(2)
+  for current, _, name, opcode, line in _instructions(text):
     names = _OP_NAME.findall(line)
     called = set()
     for c in _CALLS.findall(line):
@@ -186,18 +173,32 @@ def op_phases(hlo) -> dict[str, str]:
   return out
 
 
+def _instructions(text: str):
+  """``(computation, in the entry computation, name, opcode, line)`` per instruction of
+  HLO text."""
+  current, entry = None, False
+  for line in text.splitlines():
+    if line.rstrip().endswith("{") and " = " not in line:
+      m = _COMPUTATION.match(line)
+      current = m.group(1) if m else current
+      entry = line.startswith("ENTRY")
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = _INSTRUCTION.match(line)
+    if m is not None and current is not None:
+      yield current, entry, m.group(1), m.group(2), line
+
+
 def _entry_kernels(hlo) -> set[str]:
   """Names of the entry computation's kernels (fusions, collectives, custom calls,
   dots, convolutions): each runs, and is traced, on every call."""
-  names, entry = set(), False
-  for line in _hlo_text(hlo).splitlines():
-    if line.rstrip().endswith("{") and " = " not in line:
-      entry = line.startswith("ENTRY")
-      continue
-    m = _INSTRUCTION.match(line) if entry else None
-    if m is not None and m.group(2) in _KERNELS:
-      names.add(m.group(1))
-  return names
+  return {
+    name
+    for _, entry, name, opcode, _ in _instructions(_hlo_text(hlo))
+    if entry and opcode in _KERNELS
+  }
 
 
 def _scope_phase(op_name: str) -> str:
