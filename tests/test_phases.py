@@ -119,6 +119,21 @@ def test_profile_phases_splits_a_qsgd_step():
   assert "encode" in str(prof) and "ms" in str(prof)
 
 
+def test_profile_phases_names_the_kernels_the_trace_lost():
+  """A kernel of the entry computation with no event in the trace (here one the program
+  does not have: a trace that lost it reads the same) makes the profile say it is
+  incomplete: listed in ``untraced``, a RuntimeWarning, a note in ``str``."""
+  run, compiled = _qsgd_step()
+  run()
+  lines = compiled.as_text().splitlines()
+  entry = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+  lines.insert(entry + 1, "  %lost_fusion.1 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop")
+  with pytest.warns(RuntimeWarning, match="1 of the step's kernels"):
+    prof = jc.profile_phases(run, "\n".join(lines), calls=1)
+  assert prof.untraced == ("lost_fusion.1",)
+  assert "1 kernels untraced: incomplete" in str(prof)
+
+
 def test_profile_phases_checks_its_arguments():
   run, compiled = _qsgd_step()
   with pytest.raises(ValueError, match="calls"):

@@ -104,7 +104,7 @@ class PhaseProfile:
 
   def __str__(self) -> str:
     parts = [f"{p} {1e3 * self.phases[p]:.1f}" for p in (*self.PHASES, "idle")]
-    note = f"; {len(self.untraced)} collectives untraced" if self.untraced else ""
+    note = f"; {len(self.untraced)} kernels untraced: incomplete" if self.untraced else ""
     return f"step {1e3 * self.step_s:.1f} ms = " + " + ".join(parts) + f" (ms){note}"
 
 
