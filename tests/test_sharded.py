@@ -566,6 +566,71 @@ def test_bad_inputs_get_clear_errors():
       make(axis_name=AXIS, collective="reduce_scatter")
 
 
+def _psum_scatter_mean() -> optax.GradientTransformation:
+  """ZeRO's exchange in plain JAX: this device's shard of the mean, no jaxcomp."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    mean = lambda g: lax.psum_scatter(g, AXIS, scatter_dimension=0, tiled=True) / K  # noqa: E731
+    return jax.tree.map(mean, updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def test_plain_jax_zero_chain_declared_to_take_shards():
+  """A chain that takes shards through its own ``lax.psum_scatter`` cannot be detected:
+  with sharded ``param_specs`` it is refused until ``takes_shards=True`` declares it;
+  then Adam's moments are sharded like the parameters, the count replicated, the specs
+  place a real step under shard_map (check_vma on) whose result is optax's AdamW on the
+  mean gradient's shard, and the wire report prices the psum_scatter as the dense
+  baseline. ``takes_shards=False`` contradicting a jaxcomp reduce-scatter is refused."""
+  mesh = helpers.mesh()
+  tx = optax.chain(_psum_scatter_mean(), optax.adamw(1e-2))
+  params = {"w": jnp.linspace(-1, 1, 64 * 8).reshape(64, 8), "b": jnp.zeros((8,))}
+  kw = dict(axis_name=AXIS, num_devices=K, param_specs=P(AXIS))
+  with pytest.raises(ValueError, match="takes_shards=True"):
+    jc.state_specs(tx, params, **kw)
+  specs = jc.state_specs(tx, params, **kw, takes_shards=True)
+  adam = specs[1][0]
+  assert adam.mu == {"w": P(AXIS), "b": P(AXIS)} and adam.nu == adam.mu
+  assert adam.count == P()
+
+  grads = jax.random.normal(jax.random.key(1), (K, 64, 8))
+  gb = jax.random.normal(jax.random.key(2), (K, 8))
+
+  def step(p, g, g_b):
+    state = tx.init(p)
+    updates, state = tx.update({"w": g[0], "b": g_b[0]}, state, p)
+    return optax.apply_updates(p, updates), state
+
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam: float ** int32 count
+    out_p, out_state = jax.jit(
+      jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(P(AXIS), P(AXIS), P(AXIS)),
+        out_specs=(P(AXIS), specs),
+      )
+    )(*_placed((params, grads, gb), mesh, (P(AXIS), P(AXIS), P(AXIS))))
+    want_tx = optax.adamw(1e-2)
+    mean = {"w": grads.mean(0), "b": gb.mean(0)}
+    want, _ = want_tx.update(mean, want_tx.init(params), params)
+  chex.assert_trees_all_close(out_p, optax.apply_updates(params, want), rtol=1e-5, atol=1e-6)
+  mu_w = out_state[1][0].mu["w"]
+  assert mu_w.sharding.is_equivalent_to(jax.NamedSharding(mesh, P(AXIS)), mu_w.ndim)
+
+  with jax.numpy_dtype_promotion("standard"):
+    report = jc.wire_report(tx, params, **kw, takes_shards=True)
+  n = 64 * 8 + 8
+  assert report.dense_bytes == (K - 1) / K * 4 * n
+  assert report.bytes_received == report.dense_bytes
+  rs = jc.qsgd(axis_name=AXIS, collective="reduce_scatter", param_specs=P(AXIS))
+  with pytest.raises(ValueError, match="takes_shards=False, but"):
+    jc.state_specs(rs, params, **kw, takes_shards=False)
+  with pytest.raises(ValueError, match="takes_shards must be"):
+    jc.state_specs(tx, params, **kw, takes_shards="yes")
+
+
 def test_shard_shaped_gradient_is_refused():
   mesh = helpers.mesh()
   tx = jc.qsgd(axis_name=AXIS, collective="reduce_scatter")

@@ -142,18 +142,13 @@ def make_tx(method: str, config, specs, optimizer) -> optax.GradientTransformati
   return jc.skip_nonfinite(optax.chain(*parts, optimizer), axis_name=AXIS)
 
 
-def state_specs(method: str, tx, params, specs, num_devices: int):
-  """The optimizer state's specs. ``jc.state_specs`` places a chain with a
-  ``collective="reduce_scatter"`` exchange; the others (plain JAX's exchange, or FSDP's
-  inside the backward) refuse sharded ``param_specs``, and their state is AdamW's
-  moments shaped like the shards (``P(AXIS)``) and replicated scalars (``P()``)."""
-  if method == "zero_qsgd4":
-    return jc.state_specs(tx, params, axis_name=AXIS, num_devices=num_devices, param_specs=specs)
-  local = jax.tree.map(
-    lambda p: jax.ShapeDtypeStruct((p.shape[0] // num_devices, *p.shape[1:]), p.dtype), params
+def state_specs(tx, params, specs, num_devices: int):
+  """The optimizer state's specs: ``jc.state_specs`` with ``takes_shards=True``, since
+  the chain takes shards through an exchange jaxcomp cannot see (plain JAX's
+  ``psum_scatter``, or FSDP's inside the backward; ``zero_qsgd4``'s is detected)."""
+  return jc.state_specs(
+    tx, params, axis_name=AXIS, num_devices=num_devices, param_specs=specs, takes_shards=True
   )
-  state = jax.eval_shape(tx.init, local)
-  return jax.tree.map(lambda s: P(AXIS) if s.ndim else P(), state)
 
 
 def fsdp_gather_fn(method: str):

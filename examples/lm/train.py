@@ -118,7 +118,9 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
   As the MNIST-1D demo builds them, with what a transformer under AdamW needs:
 
   * ``qsgd4`` / ``qsgd2``: unbiased stochastic quantization, no error feedback (4 bits
-    in buckets of 512; 2 bits in buckets of 128, whose variance is otherwise too high).
+    in buckets of ``config.qsgd_bucket_size``, 128; 2 bits in buckets of 128): smaller
+    buckets than ``jc.qsgd``'s 512, because the variance bound grows with the bucket and
+    AdamW passes the noise on (``config.qsgd_error_feedback``: with a residual).
   * ``onebit`` / ``ef_signsgd``: biased 1-bit codes with error feedback, chained before
     AdamW like the others. Adam divides by ``sqrt(v)``; the quantized gradients
     (bucket means of each sign) distort ``v``, which is why 1-bit SGD was meant for
@@ -142,7 +144,15 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
   if method in ("dense", "diloco"):
     return pmean_gradients(AXIS)
   if method in ("qsgd4", "diloco_qsgd4"):
-    return jc.qsgd(bits=4, axis_name=AXIS, collective="auto")
+    feedback = config.qsgd_error_feedback and method == "qsgd4"
+    tx = jc.qsgd(
+      bits=4,
+      bucket_size=config.qsgd_bucket_size,
+      error_feedback=feedback,
+      axis_name=AXIS,
+      collective="auto",
+    )
+    return jc.per_device_state(tx) if feedback else tx
   if method == "qsgd2":
     return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="auto")
   if method in SIGN_METHODS:
@@ -379,7 +389,7 @@ def sharded_parts(method: str, config, graphdef, init_params, mesh):
   k = mesh.size
   specs = sharded.param_specs(init_params, k)
   tx = sharded.make_tx(method, config, specs, make_optimizer(config, clip=False))
-  opt_specs = sharded.state_specs(method, tx, init_params, specs, k)
+  opt_specs = sharded.state_specs(tx, init_params, specs, k)
   shards = jax.tree.map(
     lambda x, spec: jax.make_array_from_callback(
       np.shape(x), jax.NamedSharding(mesh, spec), lambda i: np.asarray(x)[i]

@@ -40,6 +40,11 @@ class Config:
 
   # Method settings (train.make_exchange).
   powersgd_rank: int = 4
+  # qsgd4 / diloco_qsgd4: values per max-norm bucket. 128, not jc.qsgd's 512: the
+  # variance bound grows with sqrt(bucket) (Lemma 3.1), and under AdamW that noise costs
+  # loss at equal updates (docs/guides/lm.md); 32 bits of scale per 128 values.
+  qsgd_bucket_size: int = 128
+  qsgd_error_feedback: bool = False  # qsgd4: feed the quantization error back (worse)
   dgc_density: float = 0.01
   onebit_adam_freeze: float = 0.25  # fraction of the steps in full-precision warm-up
   # onebit / ef_signsgd: fraction of the updates whose exchange is the dense mean before

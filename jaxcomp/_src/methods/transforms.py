@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import contextlib
+import contextvars
 import functools
 from typing import Any
 from typing import NamedTuple
@@ -124,18 +126,33 @@ def _sharded(o: _Options, tree) -> list[bool]:
   return pipeline.sharded_leaves(o.param_specs, tree, o.axis_name)
 
 
-#: Incremented by every ``init`` that takes parameter shards (a reduce-scatter), so that
-#: :func:`jaxcomp.state_specs` can tell a chain that expects shards from one that would
-#: take a shard for a whole parameter.
-_SHARD_INITS = [0]
+#: While :func:`recording_shard_inits` runs: a list each ``init`` that takes parameter
+#: shards (a reduce-scatter) appends to, so that :func:`jaxcomp.state_specs` can tell a
+#: chain that expects shards from one that would take a shard for a whole parameter. A
+#: context variable, not a module counter: traces on other threads do not interfere.
+_SHARD_INITS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+  "jaxcomp_shard_inits", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_shard_inits():
+  """Yields a list that gets an entry per ``init`` taking shards inside the block."""
+  log: list = []
+  token = _SHARD_INITS.set(log)
+  try:
+    yield log
+  finally:
+    _SHARD_INITS.reset(token)
 
 
 def _init_state(o: _Options, params) -> CompressState:
   """Zero residuals for ``params`` (this device's shards, under a reduce-scatter)."""
   leaves, treedef = treeutil.flat(params)
   sharded = _sharded(o, params)
-  if any(sharded):
-    _SHARD_INITS[0] += 1
+  log = _SHARD_INITS.get()
+  if any(sharded) and log is not None:
+    log.append(True)
   k = None
   if o.axis_name is not None and o.collective in ("two_phase", "auto", "reduce_scatter"):
     k = collectives.axis_size(o.axis_name)

@@ -76,31 +76,41 @@ def data_sharded(spec: P, axis_name) -> bool:
   return len(spec) > 0 and _names(spec[0]) == _names(axis_name)
 
 
-def _check_takes_shards(tx, params, layout, axis_name):
+def _check_takes_shards(tx, params, layout, axis_name, takes_shards: bool | None = None):
   """``tx.init`` traced; a ``ValueError`` when ``param_specs`` shard leaves over the data
   axis but no transform of ``tx`` takes shards (a ``collective="reduce_scatter"``
   exchange): an all-gather or two-phase exchange would average each shard as if it were
-  the whole parameter; and when one does but ``param_specs`` shard nothing over it."""
-  before = transforms._SHARD_INITS[0]  # pylint: disable=protected-access
-  state = _trace_init(tx, params, layout)
+  the whole parameter; and when one does but ``param_specs`` shard nothing over it.
+  ``takes_shards=True`` declares a chain that takes shards through an exchange of its
+  own (``lax.psum_scatter``, or none in ``tx`` for FSDP), which cannot be detected."""
+  if takes_shards not in (None, True, False):
+    raise ValueError(f"takes_shards must be None, True or False, got {takes_shards!r}")
+  with transforms.recording_shard_inits() as log:
+    state = _trace_init(tx, params, layout)
   sharded = [
     jax.tree_util.keystr(path)
     for (path, _), spec in zip(treeutil.flat(params)[0], layout.specs)
     if data_sharded(spec, axis_name)
   ]
-  took = transforms._SHARD_INITS[0] != before  # pylint: disable=protected-access
+  if takes_shards is False and log:
+    raise ValueError(
+      "takes_shards=False, but a transform of tx takes parameter shards "
+      "(collective='reduce_scatter')"
+    )
+  took = bool(log) or bool(takes_shards)
   if took and not sharded:
     raise ValueError(
-      f"tx takes parameter shards (collective='reduce_scatter') but param_specs shard "
-      f"no leaf over the data axis {axis_name!r}: pass param_specs as given to "
-      f"shard_map's in_specs (e.g. P({axis_name!r}) for every leaf)"
+      f"tx takes parameter shards (collective='reduce_scatter' or takes_shards=True) but "
+      f"param_specs shard no leaf over the data axis {axis_name!r}: pass param_specs as "
+      f"given to shard_map's in_specs (e.g. P({axis_name!r}) for every leaf)"
     )
   if sharded and not took:
     raise ValueError(
       f"param_specs shard {', '.join(sharded)} over the data axis {axis_name!r}, but no "
       f"transform of tx takes shards: only collective='reduce_scatter' returns this "
       f"device's shard of the mean; replicate data-parallel parameters over the data "
-      f"axis otherwise"
+      f"axis otherwise, or pass takes_shards=True for a chain whose own exchange does "
+      f"(a lax.psum_scatter, or FSDP's inside the backward)"
     )
   return state
 
@@ -137,6 +147,7 @@ def abstract_state(
   num_devices: int,
   param_specs=None,
   mesh=None,
+  takes_shards: bool | None = None,
 ):
   """Shapes and dtypes of ``tx.init(params)`` traced inside ``jax.shard_map``.
 
@@ -147,7 +158,7 @@ def abstract_state(
   ``jax.ShapeDtypeStruct``. The result is one device's (local) state.
   """
   layout = mesh_layout(params, param_specs, axis_name, num_devices, mesh)
-  return _check_takes_shards(tx, params, layout, axis_name)
+  return _check_takes_shards(tx, params, layout, axis_name, takes_shards)
 
 
 class _Layout(NamedTuple):
@@ -293,6 +304,7 @@ def state_specs(
   num_devices: int,
   param_specs=None,
   mesh=None,
+  takes_shards: bool | None = None,
 ):
   """PartitionSpecs of ``tx``'s state for ``jax.shard_map`` data parallelism.
 
@@ -330,6 +342,11 @@ def state_specs(
       ``None``: the parameters are replicated.
     mesh: the mesh, when ``param_specs`` name other axes and neither the params'
       shardings nor ``jax.set_mesh`` say their sizes.
+    takes_shards: ``None``: whether ``tx`` takes the parameters' shards is detected (a
+      jaxcomp ``collective="reduce_scatter"`` exchange in it); ``True``: ``tx`` does
+      through an exchange of its own (ZeRO written with ``lax.psum_scatter``, or FSDP,
+      whose exchange runs in the backward and ``tx`` holds only the optimizer);
+      ``False``: it does not.
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``tx.init(params)``.
@@ -342,7 +359,7 @@ def state_specs(
       be sharded along (a 0-d per-device leaf).
   """
   layout = mesh_layout(params, param_specs, axis_name, num_devices, mesh)
-  state = _check_takes_shards(tx, params, layout, axis_name)
+  state = _check_takes_shards(tx, params, layout, axis_name, takes_shards)
   locals_ = layout.local
   leaves, treedef = treeutil.flat(params)
   single = treedef.num_nodes == 1  # params is one array: match leaves by shape alone

@@ -211,7 +211,14 @@ def collective_ops(
 
 
 def wire_report(
-  tx, params, *, axis_name, num_devices: int, param_specs=None, mesh=None
+  tx,
+  params,
+  *,
+  axis_name,
+  num_devices: int,
+  param_specs=None,
+  mesh=None,
+  takes_shards: bool | None = None,
 ) -> WireReport:
   """Bytes per device per step that ``tx.update`` sends and receives through collectives.
 
@@ -235,6 +242,8 @@ def wire_report(
     param_specs: the parameters' ``PartitionSpec``\\ s, as for :func:`jaxcomp.state_specs`
       (``None``: replicated); ``update`` is traced with each device's shards.
     mesh: the mesh, when ``param_specs`` name other axes (see :func:`jaxcomp.state_specs`).
+    takes_shards: as for :func:`jaxcomp.state_specs`: ``True`` for a chain that takes
+      shards through an exchange of its own (a ``lax.psum_scatter``).
 
   Returns:
     A :class:`WireReport`; ``str()`` of it is a readable table.
@@ -246,7 +255,13 @@ def wire_report(
   params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   layout = specs.mesh_layout(params, param_specs, axis_name, num_devices, mesh)
   state = specs.abstract_state(
-    tx, params, axis_name=axis_name, num_devices=num_devices, param_specs=param_specs, mesh=mesh
+    tx,
+    params,
+    axis_name=axis_name,
+    num_devices=num_devices,
+    param_specs=param_specs,
+    mesh=mesh,
+    takes_shards=takes_shards,
   )
   leaves, treedef = jax.tree.flatten(params)
   grad_specs = [specs.without(spec, axis_name) for spec in layout.specs]
