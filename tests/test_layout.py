@@ -4,7 +4,8 @@ No function in ``jaxcomp/`` is longer than 80 lines of code: docstrings, comment
 blank lines do not count, nested functions count in their parent (the house rule,
 issue 28 item 2). Imports in ``jaxcomp/_src`` run one way, down the layers
 ``plumbing < codecs < exchanges < methods < tools`` (issue 28 item 3): a module imports
-its own layer and those below it, at module level or inside a function.
+its own layer and those below it, at module level or inside a function. Tests mirror
+docs/methods: each method page has a test file of its name.
 """
 
 import ast
@@ -157,3 +158,11 @@ def test_the_check_finds_an_upward_import(tmp_path):
     "jaxcomp/_src/methods/m.py:1 imports jaxcomp._src.tools.wire",
     "jaxcomp/_src/methods/m.py:5 imports jaxcomp._src.tools.specs",
   ]
+
+
+def test_each_method_page_has_its_test_file():
+  """Tests mirror docs/methods: ``docs/methods/<name>.md`` has ``tests/test_<name>.py``."""
+  pages = sorted(p.stem for p in (ROOT / "docs" / "methods").glob("*.md") if p.stem != "index")
+  assert "qsgd" in pages
+  missing = [name for name in pages if not (ROOT / "tests" / f"test_{name}.py").exists()]
+  assert not missing, f"method pages without a tests/test_<name>.py: {missing}"
