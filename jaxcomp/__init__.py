@@ -45,10 +45,10 @@ from jaxcomp._src.methods.wrappers import skip_nonfinite
 from jaxcomp._src.plumbing.checkpoint import restore_target
 from jaxcomp._src.plumbing.checkpoint import unwrap_keys
 from jaxcomp._src.plumbing.checkpoint import wrap_keys
+from jaxcomp._src.plumbing.collective_trace import CollectiveOp
 from jaxcomp._src.plumbing.phases import PhaseProfile
 from jaxcomp._src.plumbing.phases import profile_phases
 from jaxcomp._src.tools.specs import state_specs
-from jaxcomp._src.tools.wire import CollectiveOp
 from jaxcomp._src.tools.wire import WireReport
 from jaxcomp._src.tools.wire import step_wire_report
 from jaxcomp._src.tools.wire import wire_report

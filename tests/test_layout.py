@@ -2,7 +2,10 @@
 
 No function in ``jaxcomp/`` is longer than 80 lines of code: docstrings, comments and
 blank lines do not count, nested functions count in their parent (the house rule,
-issue 28 item 2).
+issue 28 item 2). Imports in ``jaxcomp/_src`` run one way, down the layers
+``plumbing < codecs < exchanges < methods < tools`` (issue 28 item 3): a module imports
+its own layer and those below it, at module level or inside a function. Tests mirror
+docs/methods: each method page has a test file of its name.
 """
 
 import ast
@@ -13,6 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jaxcomp"
 MAX_LINES = 80
+LAYERS = ("plumbing", "codecs", "exchanges", "methods", "tools")  # each imports only leftwards
 
 # Functions allowed over the limit (none: each entry must still exceed it, so a fixed one
 # has to come off this list).
@@ -97,3 +101,68 @@ def test_the_check_finds_a_long_function(tmp_path):
   body = "".join(f"  x{i} = {i}\n" for i in range(80))
   (pkg / "m.py").write_text(f"def long():\n{body}\ndef ok():\n{body[: body.rindex('  x79')]}")
   assert long_functions(pkg) == {("jaxcomp/m.py", "long"): 81}
+
+
+def _imported_modules(tree) -> list[tuple[int, str]]:
+  """``(line, dotted name)`` of every absolute import in ``tree``, nested ones too; a
+  ``from a import b`` yields ``a.b`` (``b`` may be a module)."""
+  out = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.extend((node.lineno, alias.name) for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      out.extend((node.lineno, f"{node.module}.{alias.name}") for alias in node.names)
+  return out
+
+
+def upward_imports(root: pathlib.Path = PACKAGE) -> list[str]:
+  """``file:line imports name`` for each import in ``root/_src/<layer>/`` of a layer
+  after its own in :data:`LAYERS`."""
+  out = []
+  src = root / "_src"
+  for layer in LAYERS:
+    for path in sorted((src / layer).rglob("*.py")):
+      rel = path.relative_to(root.parent).as_posix()
+      for line, name in _imported_modules(ast.parse(path.read_text())):
+        parts = name.split(".")
+        if parts[:2] != [root.name, "_src"] or len(parts) < 3 or parts[2] not in LAYERS:
+          continue
+        if LAYERS.index(parts[2]) > LAYERS.index(layer):
+          out.append(f"{rel}:{line} imports {name}")
+  return out
+
+
+def test_imports_run_down_the_layers():
+  """No module of plumbing/, codecs/, exchanges/ or methods/ imports a layer above its
+  own (e.g. a method reading ``tools.wire``)."""
+  found = upward_imports()
+  assert not found, f"imports against the layer order {' < '.join(LAYERS)}: {found}"
+
+
+def test_the_check_finds_an_upward_import(tmp_path):
+  """A negative control: a method importing tools (at module level or inside a
+  function, either import form) is reported; tools importing methods, and a method
+  importing its own layer or plumbing, are not."""
+  src = tmp_path / "jaxcomp" / "_src"
+  for layer in LAYERS:
+    (src / layer).mkdir(parents=True)
+  (src / "methods" / "m.py").write_text(
+    "from jaxcomp._src.tools import wire\n"
+    "from jaxcomp._src.methods import other\n"
+    "from jaxcomp._src.plumbing.rng import key\n"
+    "def f():\n"
+    "  import jaxcomp._src.tools.specs\n"
+  )
+  (src / "tools" / "t.py").write_text("from jaxcomp._src.methods import m\n")
+  assert upward_imports(tmp_path / "jaxcomp") == [
+    "jaxcomp/_src/methods/m.py:1 imports jaxcomp._src.tools.wire",
+    "jaxcomp/_src/methods/m.py:5 imports jaxcomp._src.tools.specs",
+  ]
+
+
+def test_each_method_page_has_its_test_file():
+  """Tests mirror docs/methods: ``docs/methods/<name>.md`` has ``tests/test_<name>.py``."""
+  pages = sorted(p.stem for p in (ROOT / "docs" / "methods").glob("*.md") if p.stem != "index")
+  assert "qsgd" in pages
+  missing = [name for name in pages if not (ROOT / "tests" / f"test_{name}.py").exists()]
+  assert not missing, f"method pages without a tests/test_<name>.py: {missing}"

@@ -468,7 +468,7 @@ class QSGD(Codec):
       0.0,
     )
     # r is finite (0 in a non-finite bucket, whose NaN scale marks it) and <= s (|v| *
-    # fl(1 / max) <= 1, tests/test_codecs.py checks every mantissa): the clamp is a guard.
+    # fl(1 / max) <= 1, tests/test_qsgd.py checks every mantissa): the clamp is a guard.
     mag = jnp.minimum(rng.bernoulli_round(r, key), s).astype(jnp.uint32)
     # A zero code carries no sign (the paper's string has no bit for it): +0, not -0.
     return scale, mag, (v < 0) & (mag > 0)

@@ -11,7 +11,10 @@ Two layers, each used from the one above only:
   keys, axis -> an :class:`Exchanged` per tensor): :func:`gather_means`,
   :func:`dense_means`, :func:`psum_means`, :func:`two_phase_means`,
   :func:`reduce_scatter_means`. Each encodes, moves and decodes; a codec is called from
-  here and nowhere above.
+  here and nowhere above. The methods whose compressor is not a codec have theirs:
+  :func:`chunked_mean` (DGC's chunks chosen across the devices), :func:`factor_sums`
+  (PowerSGD's low-rank factors), :func:`two_phase_payloads` (1-bit Adam's masked
+  signs).
 
 The pipeline (:mod:`jaxcomp._src.exchanges.pipeline`) decides which leaf takes which primitive.
 All run under ``jax.shard_map`` (``check_vma=True``: the gathered results are marked
@@ -562,6 +565,65 @@ def psum_means(codec: Codec, xs, keys, axis_name) -> list[Exchanged]:
   return [_psum_mean(codec, x, key, axis_name) for x, key in zip(xs, keys)]
 
 
+def factor_sums(factors, axis_name, *, dense=()) -> tuple[list, list]:
+  r"""The low-rank primitive (PowerSGD's factors): the sums over devices of the
+  ``factors`` and the means of the full-precision ``dense`` arrays, in one all-reduce
+  per dtype (:func:`psum_tree`).
+
+  PowerSGD exchanges ``M ≈ P Qᵀ`` as its two factors, each the product of a device's
+  ``M`` with a matrix every device holds alike (``P = M Q``, then ``Q = Mᵀ P̂``), so the
+  sum of the factors is the factor of the sum: :math:`\sum_i M_i Q = (\sum_i M_i) Q`.
+  The sums are returned as they are (the method orthogonalizes ``ΣP``; it divides
+  ``ΣQ`` by K); the dense arrays share the first all-reduce. Traffic per device
+  ``2(K-1)/K`` times their bytes. Without an axis, the arrays themselves.
+
+  Returns:
+    ``(factor sums, dense means)``.
+  """
+  factors, dense = list(factors), list(dense)
+  if axis_name is None:
+    return factors, dense
+  summed = psum_tree(dense + factors, axis_name)
+  k = axis_size(axis_name)
+  return summed[len(dense) :], [x / k for x in summed[: len(dense)]]
+
+
+def chunked_mean(v: Array, density: float, chunk: int, axis_name) -> tuple[Array, Array]:
+  r"""The chunked sparse primitive (DGC's coarse-grained sparsification, CSC): the mean
+  over devices of ``v`` on the chunks the devices choose together, and where they are.
+
+  ``v`` (flattened, zero-padded) is cut into ``n_c = ceil(n/c)`` chunks of ``c =
+  chunk`` values; their L1 norms are summed over the devices (one all-reduce of ``n_c``
+  floats; a NaN norm counts as ``inf``, so a non-finite chunk is sent and shows), every
+  device takes the same ``m = min(n_c, ceil(density·n/c))`` chunks of largest summed
+  norm, and only those are all-reduced:
+
+  .. math:: \bar v_J = \frac1K \sum_{i=1}^K v^{(i)}_J,\qquad
+     J = \operatorname{top}_m\Big(\sum_i \|v^{(i)}_{\text{chunk } j}\|_1\Big).
+
+  The selection needs the devices' norms, so it cannot be a codec (one device's
+  encoding): the primitive is its own. Traffic ``2(K-1)/K · 4 (n_c + m·c)`` bytes per
+  device, flat in K.
+
+  Returns:
+    ``(mean, mask)``, both ``v``'s shape: the float32 mean on the chosen chunks and 0
+    elsewhere, and whether each value's chunk was chosen (what this device sent).
+  """
+  n = v.size
+  nc = -(-n // chunk)
+  m = min(nc, max(1, math.ceil(density * n / chunk - 1e-9)))
+  blocks = jnp.pad(v.reshape(-1), (0, nc * chunk - n)).reshape(nc, chunk)
+  norms = lax.psum(jnp.sum(jnp.abs(blocks), axis=1), axis_name)
+  norms = jnp.where(jnp.isnan(norms), jnp.inf, norms)
+  _, chosen = lax.top_k(norms, m)
+  k = axis_size(axis_name)
+  total = lax.psum(blocks[chosen], axis_name) / k
+  mean = jnp.zeros((nc, chunk), _F32).at[chosen].set(total).reshape(-1)[:n]
+  mask = jnp.zeros((nc,), bool).at[chosen].set(True)
+  mask = jnp.broadcast_to(mask[:, None], (nc, chunk)).reshape(-1)[:n]
+  return mean.reshape(v.shape), mask.reshape(v.shape)
+
+
 def _decode_means(codecs, gathered, k: int) -> list[Array]:
   """``codec.decode_sum(g) / K`` of every gathered payload (one codec each),
   materialized once on XLA:CPU.
@@ -599,6 +661,30 @@ def _materialized(compute, received):
   return lax.cond(token != 0x5A, compute, compute)
 
 
+def two_phase_payloads(payloads, owner, axis_name):
+  """The two-phase exchange (scatter-reduce, then all-gather) of payloads a method
+  encodes itself: the pattern of :func:`two_phase_means` for a compressor that is not a
+  :class:`Codec` (1-bit Adam's signs, masked by its frozen variance).
+
+  ``payloads`` is a pytree whose arrays have a leading axis of K chunks: chunk j goes
+  to device j, all in one ``all_to_all`` (:func:`all_to_all_tree`). ``owner(received,
+  index)`` turns what this device received (the same tree, row i from device i) and
+  its index on the axis into ``(second, extra)``: ``second`` the payloads of the chunk
+  it owns, all-gathered in one ``all_gather`` (:func:`gather_tree`), ``extra`` what the
+  owner keeps (its residual). With ``axis_name=None`` the same arithmetic on one
+  device (K = 1, index 0).
+
+  Returns:
+    ``(gathered, extra)``: ``second`` of every device stacked on a new leading axis (in
+    rank order), and this device's ``extra``.
+  """
+  if axis_name is None:
+    second, extra = owner(payloads, 0)
+    return jax.tree.map(lambda a: a[None], second), extra
+  second, extra = owner(all_to_all_tree(payloads, axis_name), lax.axis_index(axis_name))
+  return gather_tree(second, axis_name), extra
+
+
 def two_phase_means(codec: Codec, xs, keys, axis_name, chunk_residuals=None) -> list[Exchanged]:
   """Scatter-reduce then all-gather on payloads (1-bit SGD §3.1, CGX, DeepSpeed).
 
@@ -609,8 +695,8 @@ def two_phase_means(codec: Codec, xs, keys, axis_name, chunk_residuals=None) -> 
   ``chunk_residuals`` gives one), re-encodes the average and ``all_gather``s it; every
   device decodes the K averaged chunks. Per-device traffic is about
   ``2 (K-1)/K · B(n)``, independent of K. All tensors share one ``all_to_all`` and one
-  ``all_gather`` (their payloads fused, :func:`all_to_all_tree`, :func:`gather_tree`):
-  the same payloads and results, two collectives' latency.
+  ``all_gather`` (their payloads fused, :func:`two_phase_payloads`): the same payloads
+  and results, two collectives' latency.
   """
   k = axis_size(axis_name)
   chunk_residuals = [None] * len(xs) if chunk_residuals is None else list(chunk_residuals)
@@ -624,27 +710,30 @@ def two_phase_means(codec: Codec, xs, keys, axis_name, chunk_residuals=None) -> 
       )
       sent = codec.from_chunks(jax.vmap(lambda p: codec.decode(p, _F32))(payloads), x.shape)
     firsts.append((payloads, sent, jnp.any(overflow), key2))
-  received = all_to_all_tree([f[0] for f in firsts], axis_name)
-  seconds = []
-  for x, (_, _, _, key2), got, chunk_residual in zip(xs, firsts, received, chunk_residuals):
-    real = _real_entries(codec, x, k, axis_name)
-    with jax.named_scope(DECODE_SCOPE):
-      avg = codec.decode_sum(got) / k
-      if real is not None:
-        avg = jnp.where(real, avg, 0.0)
-      if chunk_residual is not None:
-        avg = avg + chunk_residual
-    with jax.named_scope(ENCODE_SCOPE):
-      mine, overflow2 = codec.encode_with_info(avg, key=key2)
-      new_residual = None
-      if chunk_residual is not None:
-        new_residual = avg - codec.decode(mine, _F32)
+
+  def owner(received, _):
+    seconds = []
+    for x, (_, _, _, key2), got, chunk_residual in zip(xs, firsts, received, chunk_residuals):
+      real = _real_entries(codec, x, k, axis_name)
+      with jax.named_scope(DECODE_SCOPE):
+        avg = codec.decode_sum(got) / k
         if real is not None:
-          new_residual = jnp.where(real, new_residual, 0.0)
-        # A non-finite average must not poison the residual: keep the old one.
-        new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
-    seconds.append((mine, new_residual, overflow2))
-  gathered = gather_tree([s[0] for s in seconds], axis_name)
+          avg = jnp.where(real, avg, 0.0)
+        if chunk_residual is not None:
+          avg = avg + chunk_residual
+      with jax.named_scope(ENCODE_SCOPE):
+        mine, overflow2 = codec.encode_with_info(avg, key=key2)
+        new_residual = None
+        if chunk_residual is not None:
+          new_residual = avg - codec.decode(mine, _F32)
+          if real is not None:
+            new_residual = jnp.where(real, new_residual, 0.0)
+          # A non-finite average must not poison the residual: keep the old one.
+          new_residual = jnp.where(jnp.all(jnp.isfinite(avg)), new_residual, chunk_residual)
+      seconds.append((mine, new_residual, overflow2))
+    return [s[0] for s in seconds], seconds
+
+  gathered, seconds = two_phase_payloads([f[0] for f in firsts], owner, axis_name)
   out = []
 
   def decode_all():

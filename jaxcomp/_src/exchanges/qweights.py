@@ -161,7 +161,7 @@ def gather_weights(shards, *, axis_name, codec: Codec | None = DEFAULT_WEIGHT_CO
   as the full weight ``(K·n0, ...)``, in the shard's dtype, the K slices in rank order.
   The bytes on the wire are the payload's arrays: int8 codes plus a float32 scale per
   block with the default :class:`BlockInt8` (``jc.wire_report`` and
-  ``jaxcomp._src.tools.wire.collective_ops`` read them off the traced ``all_gather``).
+  ``plumbing.collective_trace.collective_ops`` read them off the traced ``all_gather``).
 
   The result is typed varying over the axis, so ``jax.grad`` of the loss with respect
   to it is each device's *full-size local* gradient: hand it to a transform with

@@ -97,28 +97,6 @@ class DGCState(NamedTuple):
   shapes: treeutil.LeafShapes = None  # static record of init's leaves (no arrays)
 
 
-def _chunked_exchange(v: Array, density: float, chunk: int, axis_name) -> tuple[Array, Array]:
-  """CSC: (mean over devices of v on the chosen chunks, flat mask of those chunks).
-
-  Chunk L1 norms are all-reduced, every device picks the same top chunks, and only
-  those chunks are all-reduced: traffic ``2(K-1)/K · 4 (n/chunk + m·chunk)`` bytes,
-  flat in K.
-  """
-  n = v.size
-  nc = -(-n // chunk)
-  m = min(nc, max(1, math.ceil(density * n / chunk - 1e-9)))
-  blocks = jnp.pad(v.reshape(-1), (0, nc * chunk - n)).reshape(nc, chunk)
-  norms = lax.psum(jnp.sum(jnp.abs(blocks), axis=1), axis_name)
-  norms = jnp.where(jnp.isnan(norms), jnp.inf, norms)
-  _, chosen = lax.top_k(norms, m)
-  k = collectives.axis_size(axis_name)
-  total = lax.psum(blocks[chosen], axis_name) / k
-  mean = jnp.zeros((nc, chunk), _F32).at[chosen].set(total).reshape(-1)[:n]
-  mask = jnp.zeros((nc,), bool).at[chosen].set(True)
-  mask = jnp.broadcast_to(mask[:, None], (nc, chunk)).reshape(-1)[:n]
-  return mean.reshape(v.shape), mask.reshape(v.shape)
-
-
 def _clip(gs: list[Array], threshold: float, mode: str) -> list[Array]:
   """Scales the leaves down to ``threshold``: by their joint norm, or each by its own."""
   thr = jnp.float32(threshold)
@@ -209,12 +187,13 @@ def _accumulate(opts: _Options, g, u, v):
 
 def _select(opts: _Options, codec, g, u, v, key):
   """One compressed leaf's momentum correction and top-k selection: (its pipeline leaf,
-  or its mean already; new u; new v). The chunked exchange (CSC) runs here, since its
-  selection is made across the devices; the all-gather's payloads go to the pipeline
-  already encoded (:func:`pipeline.encoded_leaf`)."""
+  or its mean already; new u; new v). The chunked exchange (CSC,
+  :func:`collectives.chunked_mean`) runs here, since its selection is made across the
+  devices; the all-gather's payloads go to the pipeline already encoded
+  (:func:`pipeline.encoded_leaf`)."""
   u, v = _accumulate(opts, g, u, v)
   if opts.collective == "chunked" and opts.axis_name is not None:
-    mean, sent_mask = _chunked_exchange(v, codec.density, opts.chunk_size, opts.axis_name)
+    mean, sent_mask = collectives.chunked_mean(v, codec.density, opts.chunk_size, opts.axis_name)
     leaf = mean.reshape(v.shape)
   else:
     payload = codec.encode(v, key=key)

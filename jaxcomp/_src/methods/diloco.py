@@ -23,8 +23,8 @@ import optax
 from jaxcomp._src.exchanges import collectives
 from jaxcomp._src.methods import transforms
 from jaxcomp._src.methods import wrappers
+from jaxcomp._src.plumbing import collective_trace
 from jaxcomp._src.plumbing import treeutil
-from jaxcomp._src.tools import wire
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -343,7 +343,7 @@ def _sync(o: _Options, treedef, keep, idx, u, a, p, outer_state, ex_state):
   """One fragment's sync: the pseudo-gradient's mean, the outer step from the anchor,
   and each replica's update that lands it on the new anchor. ``u``, ``a``, ``p``: the
   fragment's inner updates, anchor and parameters (leaves at ``idx`` of ``keep``)."""
-  with jax.named_scope(wire.every_scope(o.sync_every)):
+  with jax.named_scope(collective_trace.every_scope(o.sync_every)):
     # Δ = θ - (θ_i + u_i), taken as (θ - θ_i) - u_i: exactly -u_i while the
     # replica sits on the anchor (sync_every=1), with no rounding of θ_i + u_i.
     delta = [

@@ -154,6 +154,28 @@ class _Exchanged(NamedTuple):
   server_error: Array  # new e_s of the chunk this device owns, shape (chunk,)
 
 
+def _server(layouts, server_errors, live_chunks, received, mine):
+  """The server stage of :func:`_exchange` on device ``mine``: the average of the K
+  decoded chunks it owns plus ``e_s``, compressed again. Returns (its payloads, the new
+  server errors)."""
+  seconds, new_errors = [], []
+  for got, lay, e_s, live_rows in zip(received, layouts, server_errors, live_chunks):
+    valid = live_rows[mine]  # the padding is not live
+    with jax.named_scope(phases.DECODE_SCOPE):
+      # Padding and dead entries were sent as +s: masked, so e_s stays zero there.
+      avg = jnp.sum(_decode(got["words"], got["scales"], lay), axis=0) / lay.k
+      avg = jnp.where(valid, avg, 0.0)
+    with jax.named_scope(phases.ENCODE_SCOPE):
+      y = avg + e_s
+      scales2 = _bucket_rms(y[None], lay, _bucket_counts(valid[None], lay))
+      words2 = _pack_signs(y[None])
+      sent2 = jnp.where(valid, _decode(words2, scales2, lay)[0], 0.0)
+      # A non-finite average must not poison the server error: keep the old one.
+      new_errors.append(jnp.where(jnp.all(jnp.isfinite(y)), y - sent2, e_s))
+    seconds.append({"words": words2[0], "scales": scales2[0]})
+  return seconds, new_errors
+
+
 def _exchange(
   xs, lives, layouts, server_errors, axis_name, per_tensor_scale: bool
 ) -> list[_Exchanged]:
@@ -193,27 +215,10 @@ def _exchange(
       firsts.append(sent.reshape(-1)[: lay.n].reshape(x.shape))
       live_chunks.append(live_rows)
       payloads.append({"words": words, "scales": scales})
-  received = collectives.all_to_all_tree(payloads, axis_name) if axis_name is not None else payloads
-  mine = lax.axis_index(axis_name) if axis_name is not None else 0
-  seconds, new_errors = [], []
-  for got, lay, e_s, live_rows in zip(received, layouts, server_errors, live_chunks):
-    valid = live_rows[mine]  # the padding is not live
-    with jax.named_scope(phases.DECODE_SCOPE):
-      # Padding and dead entries were sent as +s: masked, so e_s stays zero there.
-      avg = jnp.sum(_decode(got["words"], got["scales"], lay), axis=0) / lay.k
-      avg = jnp.where(valid, avg, 0.0)
-    with jax.named_scope(phases.ENCODE_SCOPE):
-      y = avg + e_s
-      scales2 = _bucket_rms(y[None], lay, _bucket_counts(valid[None], lay))
-      words2 = _pack_signs(y[None])
-      sent2 = jnp.where(valid, _decode(words2, scales2, lay)[0], 0.0)
-      # A non-finite average must not poison the server error: keep the old one.
-      new_errors.append(jnp.where(jnp.all(jnp.isfinite(y)), y - sent2, e_s))
-    seconds.append({"words": words2[0], "scales": scales2[0]})
-  gathered = (
-    collectives.gather_tree(seconds, axis_name)
-    if axis_name is not None
-    else jax.tree.map(lambda a: a[None], seconds)
+  gathered, new_errors = collectives.two_phase_payloads(
+    payloads,
+    functools.partial(_server, layouts, server_errors, live_chunks),
+    axis_name,
   )
   out = []
   with jax.named_scope(phases.DECODE_SCOPE):
@@ -338,10 +343,11 @@ def _adam_moments(opts: _Options, mean, m, v):
 
 
 def _dense_means(opts: _Options, xs: list) -> list:
-  """The dense all-reduce (one buffer per dtype) of the leaves ``xs``."""
+  """The dense all-reduce (one buffer per dtype) of the leaves ``xs``
+  (:func:`collectives.dense_means`)."""
   if opts.axis_name is None or not xs:
     return xs
-  return collectives.pmean_tree(xs, opts.axis_name)
+  return collectives.dense_means(xs, opts.axis_name)[0]
 
 
 class _Moments(NamedTuple):

@@ -187,13 +187,11 @@ def _compute_p(opts: _Options, g, plan: _Plan, old_q, old_e, key) -> _Local:
   return _Local(m, m @ _orthonormal(q), _all_finite(m))
 
 
-def _all_reduce_p(opts: _Options, dense: list, ps: list, k: int) -> tuple[list, list]:
+def _all_reduce_p(opts: _Options, dense: list, ps: list) -> tuple[list, list]:
   """First all-reduce: every ``P`` (summed), and the full-precision leaves (averaged),
-  one buffer per dtype. Returns (dense means, P sums)."""
-  if opts.axis_name is None:
-    return dense, ps
-  summed = collectives.psum_tree(dense + ps, opts.axis_name)
-  return [x / k for x in summed[: len(dense)]], summed[len(dense) :]
+  one buffer per dtype (:func:`collectives.factor_sums`). Returns (dense means, P sums)."""
+  p_sums, dense_means = collectives.factor_sums(ps, opts.axis_name, dense=dense)
+  return dense_means, p_sums
 
 
 def _compute_q(local: _Local, p_sum: Array) -> tuple[Array, Array]:
@@ -203,8 +201,8 @@ def _compute_q(local: _Local, p_sum: Array) -> tuple[Array, Array]:
 
 
 def _all_reduce_q(opts: _Options, qs: list) -> list:
-  """Second all-reduce: every ``Q`` (summed)."""
-  return qs if opts.axis_name is None else collectives.psum_tree(qs, opts.axis_name)
+  """Second all-reduce: every ``Q`` (summed, :func:`collectives.factor_sums`)."""
+  return collectives.factor_sums(qs, opts.axis_name)[0]
 
 
 def _decompress(opts: _Options, g, local: _Local, p_hat, q_sum, k: int, old_q, old_e):
@@ -249,7 +247,7 @@ def _update(opts: _Options, updates, state: PowerSGDState):
       locals_[i] = _compute_p(opts, g, plans[i], old_qs[i], old_es[i], key_i)
       any_bad = any_bad | ~locals_[i].finite
   dense_means, p_sums = _all_reduce_p(
-    opts, [leaves[i][1] for i in dense], [locals_[i].p for i in comp], k
+    opts, [leaves[i][1] for i in dense], [locals_[i].p for i in comp]
   )
   p_hats, q_locals = [], []
   with jax.named_scope(phases.ENCODE_SCOPE):

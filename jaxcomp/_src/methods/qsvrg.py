@@ -28,8 +28,8 @@ import optax
 from jaxcomp._src.codecs import base as codecs_lib
 from jaxcomp._src.exchanges import collectives
 from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.plumbing import collective_trace
 from jaxcomp._src.plumbing import treeutil
-from jaxcomp._src.tools import wire
 
 Array = jax.Array
 _F32 = jnp.float32
@@ -455,8 +455,9 @@ class QSVRGWireReport:
   num_devices: int
   inner_steps: int  # T
   num_params: int  # n, all leaves together
-  snapshot_ops: tuple[wire.CollectiveOp, ...]  # the dense exchange of ∇f(y), once per epoch
-  step_ops: tuple[wire.CollectiveOp, ...]  # one inner iteration
+  # the dense exchange of ∇f(y), once per epoch
+  snapshot_ops: tuple[collective_trace.CollectiveOp, ...]
+  step_ops: tuple[collective_trace.CollectiveOp, ...]  # one inner iteration
 
   @property
   def snapshot_bits(self) -> int:
@@ -551,13 +552,14 @@ def qsvrg_wire_report(
   params, batch = shapes(params), shapes(batch)
   state = jax.eval_shape(opt.init, params)
   kw = dict(axis_name=axis_name, num_devices=num_devices)
-  snap = wire.collective_ops(lambda p, s, b: opt.snapshot(p, s, b), params, state, batch, **kw)
-  step = wire.collective_ops(lambda p, s, b: opt.step(p, s, b)[0], params, state, batch, **kw)
+  ops = collective_trace.collective_ops
+  snap = ops(lambda p, s, b: opt.snapshot(p, s, b), params, state, batch, **kw)
+  step = ops(lambda p, s, b: opt.step(p, s, b)[0], params, state, batch, **kw)
   n = sum(int(np.prod(p.shape, dtype=np.int64)) for p in jax.tree.leaves(params))
   return QSVRGWireReport(
     num_devices=num_devices,
     inner_steps=inner_steps,
     num_params=n,
-    snapshot_ops=wire.merge_ops(snap),
-    step_ops=wire.merge_ops(step),
+    snapshot_ops=collective_trace.merge_ops(snap),
+    step_ops=collective_trace.merge_ops(step),
   )

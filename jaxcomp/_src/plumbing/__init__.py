@@ -1,2 +1,3 @@
 """Plumbing: exact arithmetic, bit packing, random bits, tree helpers, profile
-scopes, checkpoint keys. Imports nothing above it (the kernels import it)."""
+scopes, the collectives of a traced program, checkpoint keys. Imports nothing above it
+(the kernels import it)."""

@@ -28,66 +28,22 @@ report is an upper bound there; report the steady state of such a transform with
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax
-from jax.extend import core as _core
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from jaxcomp._src.plumbing import phases
+# The trace reader lives in plumbing (methods use it too); its names are this module's.
+from jaxcomp._src.plumbing.collective_trace import SAME_AS as SAME_AS
+from jaxcomp._src.plumbing.collective_trace import TRAFFIC as TRAFFIC
+from jaxcomp._src.plumbing.collective_trace import CollectiveOp as CollectiveOp
+from jaxcomp._src.plumbing.collective_trace import canonical as canonical
+from jaxcomp._src.plumbing.collective_trace import collective_ops as collective_ops
+from jaxcomp._src.plumbing.collective_trace import every_scope as every_scope
+from jaxcomp._src.plumbing.collective_trace import merge_ops as merge_ops
+from jaxcomp._src.plumbing.collective_trace import regular_bytes
 from jaxcomp._src.tools import specs
-
-#: Primitive names jax gives the same collective (by version, and by ``check_vma``).
-SAME_AS = {
-  "all_gather_invariant": "all_gather",
-  "psum_invariant": "psum",
-  "psum2": "psum",
-  "reduce_scatter": "psum_scatter",
-}
-
-
-def canonical(primitive: str) -> str:
-  """The one name of a collective that jax spells several ways (``psum_invariant`` ->
-  ``psum``); other names unchanged."""
-  return SAME_AS.get(primitive, primitive)
-
-
-TRAFFIC = {  # by canonical name
-  "all_gather": lambda b, k: (k - 1) * b,
-  "all_to_all": lambda b, k: (k - 1) * b / k,
-  "psum": lambda b, k: 2 * (k - 1) * b / k,
-  "pmax": lambda b, k: 2 * (k - 1) * b / k,
-  "pmin": lambda b, k: 2 * (k - 1) * b / k,
-  "psum_scatter": lambda b, k: (k - 1) * b / k,
-  "ppermute": lambda b, k: b,
-}
-
-
-_EVERY = re.compile(r"jaxcomp_every_(\d+)")
-
-
-def every_scope(n: int) -> str:
-  """The ``jax.named_scope`` of collectives that run once every ``n`` steps: the wire
-  report counts ``1/n`` of their bytes per step (nested scopes multiply)."""
-  return f"jaxcomp_every_{int(n)}"
-
-
-def _every(name_stack: str) -> int:
-  return int(np.prod([int(n) for n in _EVERY.findall(name_stack)], dtype=np.int64))
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveOp:
-  """One collective of the traced update."""
-
-  primitive: str
-  operand_bytes: int  # B: bytes of the operand on one device
-  count: int  # how many times it runs per step (scan trip counts)
-  bytes_received: float  # per device per step, by the convention above
-  fallback: bool = False  # only on a rare fallback path (not in bytes_received)
-  every: int = 1  # runs once every this many steps (bytes_received is per step: / every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,82 +88,6 @@ class WireReport:
         f"  a step that takes the fallback path receives {self.fallback_bytes:,.0f} B more"
       )
     return "\n".join(lines)
-
-
-def _nbytes(aval) -> int:
-  dtype = aval.dtype
-  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-    return 0
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-
-
-def _sub_jaxprs(value):
-  if isinstance(value, _core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, _core.Jaxpr):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      yield from _sub_jaxprs(v)
-
-
-def _regular_bytes(ops) -> float:
-  return sum(op.bytes_received for op in ops if not op.fallback)
-
-
-def _walk(jaxpr, k: int, mult: int, out: list) -> None:
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if canonical(name) in TRAFFIC:
-      b = sum(_nbytes(v.aval) for v in eqn.invars)
-      stack = str(eqn.source_info.name_stack)
-      fallback = phases.FALLBACK_SCOPE in stack
-      every = _every(stack)
-      traffic = mult * TRAFFIC[canonical(name)](b, k) / every
-      out.append(CollectiveOp(name, b, mult, traffic, fallback, every))
-    if name == "cond":
-      # One branch runs per step: count the branch that moves the most bytes (an upper
-      # bound; e.g. the first warm-up stage of jc.dgc). Collectives under the
-      # jaxcomp_fallback scope (a rare path, e.g. Elias coding's overflow) are kept
-      # apart, as the costliest such branch.
-      per_branch = []
-      for branch in eqn.params["branches"]:
-        ops: list = []
-        for sub in _sub_jaxprs(branch):
-          _walk(sub, k, mult, ops)
-        per_branch.append(ops)
-      regular = max(per_branch, key=_regular_bytes)
-      rare = max(per_branch, key=lambda ops: sum(op.bytes_received for op in ops if op.fallback))
-      out.extend(op for op in regular if not op.fallback)
-      out.extend(op for op in rare if op.fallback)
-      continue
-    inner = mult * int(eqn.params.get("length", 1)) if name == "scan" else mult
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        _walk(sub, k, inner, out)
-
-
-def collective_ops(
-  fn, *args, axis_name, num_devices: int, in_specs=None, mesh=None
-) -> list[CollectiveOp]:
-  """A :class:`CollectiveOp` per collective of the traced ``fn`` (not merged).
-
-  ``fallback`` marks collectives under ``jax.named_scope("jaxcomp_fallback")``: a rare
-  path (taken when a capacity overflowed) that is reported apart.
-
-  ``fn(*args)`` is traced inside ``jax.shard_map`` over an abstract mesh of
-  ``num_devices`` devices, every argument replicated (so each device sees ``args``);
-  or over ``mesh`` with ``in_specs`` (the arguments then carry their shardings).
-  """
-  if mesh is None:
-    mesh = jax.sharding.AbstractMesh((num_devices,), (axis_name,))
-  mapped = jax.shard_map(
-    fn, mesh=mesh, in_specs=P() if in_specs is None else in_specs, out_specs=P(), check_vma=False
-  )
-  closed = jax.make_jaxpr(mapped)(*args)
-  out: list = []
-  _walk(closed.jaxpr, num_devices, 1, out)
-  return out
 
 
 def wire_report(
@@ -338,8 +218,8 @@ def step_wire_report(
   ops = collective_ops(step, *args, **kw)
   dense = float("nan")
   if baseline is not None:
-    dense = _regular_bytes(collective_ops(baseline, *args, **kw))
-  received = _regular_bytes(ops)
+    dense = regular_bytes(collective_ops(baseline, *args, **kw))
+  received = regular_bytes(ops)
   return WireReport(
     num_devices=num_devices,
     bytes_sent=received,
@@ -348,17 +228,4 @@ def step_wire_report(
     ops=merge_ops(ops),
     fallback_bytes=float(sum(op.bytes_received for op in ops if op.fallback)),
     baseline="baseline step" if baseline is not None else None,
-  )
-
-
-def merge_ops(ops) -> tuple[CollectiveOp, ...]:
-  """Merges the ops of :func:`collective_ops` by (primitive, operand bytes, fallback,
-  every)."""
-  merged: dict[tuple[str, int, bool, int], list] = {}
-  for op in ops:
-    entry = merged.setdefault((op.primitive, op.operand_bytes, op.fallback, op.every), [0, 0.0])
-    entry[0] += op.count
-    entry[1] += op.bytes_received
-  return tuple(
-    CollectiveOp(n, b, c, r, rare, every) for (n, b, rare, every), (c, r) in merged.items()
   )
