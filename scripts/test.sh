@@ -18,7 +18,10 @@ run_pytest() {
   shift
   "$py" -c 'import sys, jax; print(f"== Python {sys.version.split()[0]}, jax {jax.__version__}")'
   # One pytest worker per core (pytest-xdist); JAXCOMP_TEST_WORKERS=0 runs in one process.
-  "$py" -m pytest -q -n "${JAXCOMP_TEST_WORKERS:-auto}" "$@"
+  # --dist loadgroup: tests marked xdist_group("name") run on one worker (a module whose
+  # module-scoped fixture is long to build is built once); the others go as with --dist
+  # load, to whichever worker is free.
+  "$py" -m pytest -q -n "${JAXCOMP_TEST_WORKERS:-auto}" --dist loadgroup "$@"
   local code=$?
   if [ "$code" -eq 5 ]; then
     echo "error: pytest collected no tests" >&2

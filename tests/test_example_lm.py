@@ -14,6 +14,7 @@ pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tqdm")
 
 import jax  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -25,12 +26,18 @@ import jaxcomp as jc  # noqa: E402
 
 STEPS = 4
 
+# One xdist worker runs this module (scripts/test.sh: --dist loadgroup), so that
+# `every_method`, the longest set-up of the suite, is built once.
+pytestmark = pytest.mark.xdist_group("example_lm")
+
 
 def small_config(**overrides):
   """The tiny config cut to one block (compile time grows with the number of leaves),
-  DiLoCo syncing every 2 updates (twice in the run), and the sign codes without their
+  DiLoCo syncing every 2 updates (twice in the run), the sign codes without their
   dense warm-up (tested on its own below: both branches of its switch double the two
-  methods' compile time)."""
+  methods' compile time), and no warm-up (``warmup_steps=0``): DGC's density warm-up
+  compiles one branch per density stage (tests/test_dgc.py tests the warm-up), and
+  AdamW starts at its peak rate."""
   return dataclasses.replace(
     tiny.get_config(),
     depth=1,
@@ -38,8 +45,29 @@ def small_config(**overrides):
     eval_every=STEPS,
     diloco_sync_every=2,
     sign_warmup=0.0,
+    warmup_steps=0,
     **overrides,
   )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cheap_compiles(tmp_path_factory):
+  """This module's time is the compilation of a training step per method; here XLA
+  compiles cheaply (``jax_disable_most_optimizations``: what the tests check does not
+  depend on how well XLA optimizes, and the runs they compare are compiled alike), and
+  once: a persistent compilation cache in a temporary directory gives the resume tests'
+  runs the executables of the uninterrupted runs (the same programs). Both are undone
+  afterwards, the executables dropped, so that no other test reuses one."""
+  settings = ("jax_disable_most_optimizations", "jax_compilation_cache_dir")
+  before = {name: jax.config.values[name] for name in settings}
+  jax.config.update("jax_disable_most_optimizations", True)
+  compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp("xla_cache")))
+  compilation_cache.reset_cache()  # opened again, at the new directory
+  yield
+  for name, value in before.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+  jax.clear_caches()
 
 
 @pytest.fixture(scope="module")

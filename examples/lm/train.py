@@ -450,6 +450,7 @@ def train_method(
   mesh,
   workdir: str | None = None,
   stop_at: int | None = None,
+  eval_step=None,
 ) -> dict[str, Any]:
   """Trains one method from ``init_params``; returns its losses, bytes and timings.
 
@@ -462,6 +463,9 @@ def train_method(
     mesh: the 1-D data-parallel mesh over every device.
     workdir: checkpoint root (with ``config.checkpoint_every``).
     stop_at: stop after this update, as an interrupted run would (for resume tests).
+    eval_step: :func:`make_eval_step`'s function, to share between methods: every
+      method evaluates the same model on the same windows, so one compiled evaluation
+      serves them all (``jax.jit`` keeps it). None: a new one.
 
   Returns:
     ``{"val_loss", "bits_per_byte", "bytes_received", "dense_bytes", "ratio",
@@ -558,7 +562,9 @@ def train_method(
     extra, extra_spec = lambda m: (), ()
   step = step.lower(params, opt_state, batch_spec, *extra_spec).compile()
   peak_bytes = peak_memory(step)
-  evaluate = make_eval_step(graphdef, mesh).lower(shared(params, opt_state), val_tokens).compile()
+  if eval_step is None:
+    eval_step = make_eval_step(graphdef, mesh)
+  evaluate = eval_step.lower(shared(params, opt_state), val_tokens).compile()
   compile_time = time.perf_counter() - start
 
   if history is None:
@@ -739,6 +745,7 @@ def train_and_evaluate(config, workdir: str, *, stop_at: int | None = None) -> d
   os.makedirs(workdir, exist_ok=True)
   mesh, corpus, graphdef, init_params = setup(config)
   k = mesh.size
+  eval_step = make_eval_step(graphdef, mesh)  # compiled once, for every method
   results = {}
   for method in config.methods:
     results[method] = train_method(
@@ -750,6 +757,7 @@ def train_and_evaluate(config, workdir: str, *, stop_at: int | None = None) -> d
       mesh=mesh,
       workdir=workdir,
       stop_at=stop_at,
+      eval_step=eval_step,
     )
   if jax.process_index() == 0:
     table = results_table(results, config, k)
