@@ -7,7 +7,7 @@ import importlib.util
 import os
 import types
 
-_NAMES = ("tiny", "bench", "small", "deep", "default", "large")
+_NAMES = ("tiny", "bench", "small", "deep", "default", "wide", "large")
 
 
 def names() -> list[str]:

@@ -319,7 +319,9 @@ def _mean_of(o: _Options, delta, ex_state, anchor):
   if o.exchange is None:
     if o.axis_name is None:
       return delta, ex_state
-    return collectives.pmean_tree(delta, o.axis_name), ex_state
+    leaves, treedef = jax.tree.flatten(delta)
+    means, _ = collectives.dense_means(leaves, o.axis_name)
+    return treedef.unflatten(means), ex_state
   try:
     mean, ex_state = o.exchange.update(delta, ex_state, anchor)
   except NameError as e:  # a collective over an axis that is not bound here

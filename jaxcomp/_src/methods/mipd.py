@@ -437,7 +437,9 @@ def _exchange_group(opts: _Options, group: _Group, members, gs, preds, pnorms, o
     # Nothing dropped, nothing quantized: the payload is linear, so all-reduce it
     # (a ring psum moves 2(K-1)/K of it instead of the all-gather's K-1).
     flat = jnp.concatenate([g.reshape(-1) for g in g_m])
-    mean = received = flat if axis_name is None else lax.pmean(flat, axis_name)
+    mean = received = (
+      flat if axis_name is None else collectives.dense_means([flat], axis_name)[0][0]
+    )
   else:
     coded = _select_and_code(opts, group, g_m, p_m, [pnorms[j] for j in members])
     p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])

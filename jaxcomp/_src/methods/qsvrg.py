@@ -192,7 +192,8 @@ def _snapshot(opts: _Options, params, state: QSVRGState, full_batch=None, *, gra
     grad = jax.grad(opts.loss_fn)(opts.local(params), full_batch)
   full = jax.tree.map(lambda g: g.astype(_F32), grad)
   if axis_name is not None:  # one all-reduce per dtype, not one per leaf
-    full = collectives.pmean_tree(full, axis_name)
+    leaves, treedef = jax.tree.flatten(full)
+    full = treedef.unflatten(collectives.dense_means(leaves, axis_name)[0])
   y = jax.tree.map(lambda p, s: jnp.asarray(p, s.dtype), params, state.snapshot)
   return state._replace(
     snapshot=y, full_grad=full, iterate_sum=_zeros32(params), inner_count=jnp.zeros((), jnp.int32)
