@@ -130,6 +130,7 @@ COMMANDS = (
   "benchmarks.studies.mipd_capacity",
   "benchmarks.studies.mipd_wire",
   "benchmarks.studies.native_vs_xla",
+  "benchmarks.studies.onebit_columns",
   "benchmarks.studies.qsvrg",
   "benchmarks.studies.tbf_probe",
   "benchmarks.studies.topk",

@@ -40,6 +40,14 @@ def _qcol(x):
   return np.where(nonneg, pos[None, :], neg[None, :]).reshape(x.shape)
 
 
+def _qseg(x, r):
+  """:func:`_qcol` with each column cut into r segments of m / r rows, a pair of means each."""
+  x = np.asarray(x, np.float64)
+  m, n = _matrix(x.shape)
+  segs = x.reshape(r, m // r, n).transpose(1, 0, 2).reshape(m // r, r * n)
+  return _qcol(segs).reshape(m // r, r, n).transpose(1, 0, 2).reshape(x.shape)
+
+
 def _data(shape, seed):
   """Normal values with sign-dominated columns, exact zeros and -0.0."""
   rng = np.random.default_rng(seed)
@@ -147,13 +155,43 @@ def test_chunks_are_blocks_of_whole_columns():
   assert C.OneBit(64).chunk_shape((5, 13), 4) == (32,)
 
 
+def test_columns_fewer_than_devices_are_cut_into_segments():
+  """Where K does not divide the columns, chunks of whole columns would carry zero
+  columns: each column is cut into r segments of m / r rows instead, segment s of column
+  j being segment column j r + s, dealt out in blocks as whole columns are."""
+  assert PER_COLUMN.column_segments((1024, 3), 8) == 8  # 24 segments, 3 per device
+  assert PER_COLUMN.chunk_shape((1024, 3), 8) == (128, 3)
+  assert PER_COLUMN.column_segments((4096,), 8) == 8
+  assert PER_COLUMN.column_segments((256, 64), 8) == 1  # K divides n: whole columns
+  assert PER_COLUMN.column_segments((5, 13), 4) == 1  # no divisor of 5 up to 4 but 1
+  assert C.OneBit(64).column_segments((1024, 3), 8) == 1
+  x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+  r = PER_COLUMN.column_segments(x.shape, 8)
+  ms, c = PER_COLUMN.chunk_shape(x.shape, 8)
+  assert (r, ms, c) == (2, 8, 1)  # 6 segments of 8 (a word and two means each), 2 zero
+  chunks = np.asarray(PER_COLUMN.to_chunks(jnp.asarray(x), 8))
+  for j in range(8):
+    for i in range(c):
+      col, seg = divmod(j * c + i, r)
+      want = x[seg * ms : (seg + 1) * ms, col] if col < x.shape[1] else 0.0  # zero padding
+      np.testing.assert_array_equal(chunks[j][:, i], want)
+  np.testing.assert_array_equal(np.asarray(PER_COLUMN.from_chunks(chunks, x.shape)), x)
+  # A segment's pair of means is its own: the decoded chunk is _qseg's quantization.
+  y = _data((64, 3), 1)
+  decoded = jax.vmap(lambda v: PER_COLUMN.decode(PER_COLUMN.encode(v), jnp.float32))(
+    PER_COLUMN.to_chunks(jnp.asarray(y, jnp.float32), 8)
+  )
+  got = np.asarray(PER_COLUMN.from_chunks(decoded, y.shape), np.float64)
+  np.testing.assert_allclose(got, _qseg(y, PER_COLUMN.column_segments(y.shape, 8)), rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- the exchanges
 
 PARAMS = {
   "w": jnp.zeros((32, 44)),  # 44 columns on 8 devices: chunks of 6, 4 padded
   "k": jnp.zeros((3, 8, 50)),  # rank 3: 400 columns of 3 values
-  "b": jnp.zeros((96,)),
-}  # a vector: one column (device 0 owns it)
+  "b": jnp.zeros((96,)),  # a vector: one column, in 8 segments on the two-phase route
+}
 ALL = lambda path, leaf: True  # noqa: E731
 STEPS = 3
 
@@ -174,14 +212,16 @@ def _reference(collective, steps=STEPS):
   for t in range(steps):
     g = jax.tree.map(lambda a: np.asarray(a, np.float64), _grads(t))
     out = {}
-    for n in PARAMS:
+    for n, p in PARAMS.items():
+      # two-phase: blocks of column segments (whole columns where K divides n)
+      segs = PER_COLUMN.column_segments(p.shape, K) if collective == "two_phase" else 1
       x = g[n] + e[n]
-      q = np.stack([_qcol(x[d]) for d in range(K)])
+      q = np.stack([_qseg(x[d], segs) for d in range(K)])
       e[n] = x - q
       avg = q.mean(0)
       if collective == "two_phase":  # chunk owners quantize the average again, with EF
         y = avg + r[n]
-        out[n] = _qcol(y)
+        out[n] = _qseg(y, segs)
         r[n] = y - out[n]
       else:
         out[n] = avg
@@ -215,10 +255,12 @@ def test_shard_map_matches_the_hand_computation(collective):
     if collective == "two_phase":
       cres = np.asarray(inner.chunk_residual[n])
       mm, cols = _matrix(p.shape)
-      assert cres.shape == (K, mm, -(-cols // K))
+      segs = PER_COLUMN.column_segments(p.shape, K)
+      assert cres.shape == (K, mm // segs, -(-cols * segs // K))
       np.testing.assert_allclose(_assemble(cres, p.shape), r[n], rtol=1e-5, atol=1e-5)
       # the padding columns stay zero
-      np.testing.assert_array_equal(cres.transpose(1, 0, 2).reshape(mm, -1)[:, cols:], 0.0)
+      padding = cres.transpose(1, 0, 2).reshape(mm // segs, -1)[:, cols * segs :]
+      np.testing.assert_array_equal(padding, 0.0)
     else:
       assert isinstance(inner.chunk_residual[n], optax.MaskedNode)
 
@@ -250,7 +292,7 @@ def test_pmap_equals_shard_map():
     for n in PARAMS:
       got = np.asarray(out[n])
       chex.assert_trees_all_equal(got[0], got[K - 1])
-      # "auto" all-gathers the vector (one column: its two-phase chunks are padding).
+      # "auto" all-gathers the short vector (8 segments of 12 would cost more).
       want = gathered[t][n] if n == "b" else outs[t][n]
       np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
 
@@ -267,13 +309,20 @@ def test_wire_report_counts_whole_columns():
 
 
 @pytest.mark.parametrize(
-  "shape, collective",
-  [((4096,), "allgather"), ((1024, 3), "two_phase"), ((1024, 7), "two_phase")],
+  "shape, collective, ratio",
+  [
+    ((4096,), "two_phase", 28.44),  # 8 segments of 512
+    ((1024, 3), "two_phase", 21.33),  # 24 segments of 128
+    ((1024, 7), "two_phase", 26.35),  # 7 whole columns and one zero column
+    ((96,), "allgather", 4.80),  # 8 segments of 12: one word and two means each
+  ],
 )
-def test_default_exchange_never_pays_more_than_the_allgather(shape, collective):
-  """Fewer columns than devices: the two-phase chunks are K blocks of whole columns,
-  mostly zero padding. The default exchange ("auto") takes the two-phase route only
-  where its 2(K-1) chunk payloads cost less than the all-gather's K-1 whole payloads."""
+def test_default_exchange_never_pays_more_than_the_allgather(shape, collective, ratio):
+  """Fewer columns than devices: the two-phase exchange cuts the columns into segments
+  rather than pad with zero columns (a (1024, 3) kernel on 8 devices: 21.3x fewer bytes
+  than the dense all-reduce, against 11.3x with 5 zero columns of 8), and the default
+  exchange ("auto") takes it only where its 2(K-1) chunk payloads cost less than the
+  all-gather's K-1 whole payloads."""
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   report = jc.wire_report(
     jc.onebit_sgd(per_column=True, axis_name=AXIS, filter=ALL),
@@ -287,3 +336,4 @@ def test_default_exchange_never_pays_more_than_the_allgather(shape, collective):
   assert report.bytes_received <= allgather
   want = allgather if collective == "allgather" else 2 * (K - 1) * chunk
   assert report.bytes_received == pytest.approx(want)
+  assert report.ratio == pytest.approx(ratio, abs=0.01)

@@ -572,7 +572,9 @@ class OneBit(Codec):
   column, :func:`matrix_shape`), and column ``x[:, j]`` gets the two means of its own
   entries. The columns are laid out one after the other (column-major), so the sign
   words hold column 0's m signs, then column 1's, ...; the two-phase exchange cuts such a
-  tensor into chunks of whole columns (:meth:`chunk_shape`).
+  tensor into chunks of whole columns (:meth:`chunk_shape`), or, where K does not divide
+  the number of columns, of column segments with a pair of means each, when that moves
+  fewer bytes than zero padding columns (:meth:`column_segments`).
 
   It is deterministic and biased; use it with error feedback
   (:func:`jaxcomp.onebit_sgd`), which carries ``v - Q(v)`` into the next step.
@@ -637,31 +639,60 @@ class OneBit(Codec):
       return x.reshape(matrix_shape(x.shape)).astype(_F32).T.reshape(-1)
     return x.reshape(-1).astype(_F32)
 
+  def column_segments(self, shape: tuple[int, ...], k: int) -> int:
+    """How many segments the two-phase exchange cuts each column of ``shape`` into (with
+    ``per_column``; 1 otherwise).
+
+    Chunks of whole columns are padded with zero columns when K does not divide the
+    number of columns n: a (1024, 3) kernel on 8 devices would send 8 one-column chunks,
+    5 of them zeros. Cutting each column into r segments of ``m / r`` values makes
+    ``r n`` segment columns to deal out instead, at the price of a pair of means per
+    segment. r is the divisor of m up to K whose chunk (:meth:`chunk_shape`) has the
+    smallest payload; on ties, the one with the fewest padding columns (then the
+    smallest). r = 1 (whole columns, the paper's buckets) whenever K divides n, since more
+    segments then add means and no fewer signs.
+    """
+    if not self.per_column:
+      return 1
+    m, n = matrix_shape(shape)
+    costs = []
+    for r in range(1, min(k, m) + 1):
+      if m % r == 0:
+        c = -(-n * r // k)
+        costs.append((self.wire_bits((m // r, c)), k * c - n * r, r))
+    return min(costs)[2]
+
   def chunk_shape(self, shape: tuple[int, ...], k: int) -> tuple[int, ...]:
-    """See :meth:`Codec.chunk_shape`. With ``per_column``: ``(m, ceil(n / K))``, a block of
-    whole columns of the ``(m, n)`` matrix view (the last blocks padded with zero columns,
-    which decode to zero)."""
+    """See :meth:`Codec.chunk_shape`. With ``per_column``: ``(m / r, ceil(r n / K))``, a
+    block of whole segment columns: the ``(m, n)`` matrix view with each column cut into
+    r segments (:meth:`column_segments`; r = 1 keeps whole columns), the last blocks
+    padded with zero columns, which decode to zero."""
     if not self.per_column:
       return super().chunk_shape(shape, k)
     m, n = matrix_shape(shape)
-    return m, -(-n // k)
+    r = self.column_segments(shape, k)
+    return m // r, -(-n * r // k)
 
   def to_chunks(self, x: Array, k: int) -> Array:
     if not self.per_column:
       return super().to_chunks(x, k)
     m, n = matrix_shape(x.shape)
-    _, c = self.chunk_shape(x.shape, k)
-    x2 = x.reshape(m, n)
-    if k * c > n:
-      x2 = jnp.pad(x2, ((0, 0), (0, k * c - n)))
-    return x2.reshape(m, k, c).transpose(1, 0, 2)
+    ms, c = self.chunk_shape(x.shape, k)
+    r = m // ms
+    # Segment s of column j is segment column j r + s: column j's rows stay together.
+    x2 = x.reshape(r, ms, n).transpose(1, 2, 0).reshape(ms, n * r)
+    if k * c > n * r:
+      x2 = jnp.pad(x2, ((0, 0), (0, k * c - n * r)))
+    return x2.reshape(ms, k, c).transpose(1, 0, 2)
 
   def from_chunks(self, chunks: Array, shape: tuple[int, ...]) -> Array:
     if not self.per_column:
       return super().from_chunks(chunks, shape)
     m, n = matrix_shape(shape)
-    k, _, c = chunks.shape
-    return chunks.transpose(1, 0, 2).reshape(m, k * c)[:, :n].reshape(shape)
+    k, ms, c = chunks.shape
+    r = m // ms
+    x2 = chunks.transpose(1, 0, 2).reshape(ms, k * c)[:, : n * r]
+    return x2.reshape(ms, n, r).transpose(2, 0, 1).reshape(shape)
 
   def _kernel_encode(self, x: Array, residual: Array | None = None) -> tuple[Payload, ...]:
     """The sign_pack kernel's payload (and new residual, when ``residual`` is given)."""

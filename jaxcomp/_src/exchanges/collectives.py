@@ -689,8 +689,9 @@ def two_phase_means(codec: Codec, xs, keys, axis_name, chunk_residuals=None) -> 
   """Scatter-reduce then all-gather on payloads (1-bit SGD §3.1, CGX, DeepSpeed).
 
   Each tensor is cut into K chunks (:meth:`Codec.to_chunks`: by default flat slices of
-  equal aligned length, for per-column codecs blocks of whole columns). Each device
-  encodes its K chunks and sends chunk j to device j (``all_to_all``); device j decodes
+  equal aligned length, for per-column codecs blocks of whole columns or of column
+  segments). Each device encodes its K chunks and sends chunk j to device j
+  (``all_to_all``); device j decodes
   the K payloads of its chunk, averages them, adds its second-stage residual (when
   ``chunk_residuals`` gives one), re-encodes the average and ``all_gather``s it; every
   device decodes the K averaged chunks. Per-device traffic is about

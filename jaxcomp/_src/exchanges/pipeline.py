@@ -289,9 +289,8 @@ def leaf_mode(codec, collective: str, axis_name, shape, dtype) -> str:
   axis; with one, as :func:`resolve`, and ``"auto"`` keeps a leaf on the all-gather when
   the two-phase exchange would move at least as many bytes for it: ``2(K-1)`` chunk
   payloads (:meth:`Codec.chunk_shape`) against ``K-1`` payloads of the whole leaf. That
-  happens when the chunks are mostly padding, as with per-column buckets on a matrix of
-  fewer columns than devices (a vector is one column: its K chunks are K whole columns,
-  K-1 of them zeros)."""
+  happens when the chunks are mostly padding or per-chunk scales, as with a short vector
+  (per-column buckets cut a column into at most K segments of a pair of means each)."""
   if axis_name is None:
     return collective
   k = collectives.axis_size(axis_name)

@@ -557,9 +557,11 @@ def onebit_sgd(
   columns (a flax convolution kernel ``(width, in, out)`` has columns of ``width``
   values) cost far more than 1 bit per value. The column axis is the first one: a flax
   ``Dense`` kernel ``(in, out)`` has ``out`` columns of ``in`` values, one per output
-  unit (its fan-in weights), and a vector is one column. A matrix of fewer columns than
-  devices leaves most two-phase chunks as zero padding; ``collective="auto"`` then
-  all-gathers that leaf wherever the two-phase exchange would move as many bytes or more.
+  unit (its fan-in weights), and a vector is one column. Where K does not divide the
+  number of columns (fewer columns than devices, a vector), the two-phase exchange cuts
+  each column into segments with a pair of means each rather than send zero columns
+  (:meth:`~jaxcomp.codecs.OneBit.column_segments`); ``collective="auto"`` all-gathers a
+  leaf wherever the two-phase exchange would still move as many bytes or more.
 
   The paper applies AdaGrad/momentum to the aggregated gradient: chain this *before* the
   optimizer, e.g. ``optax.chain(jc.onebit_sgd(axis_name="batch"), optax.sgd(0.1, 0.9))``.
