@@ -55,21 +55,28 @@ def test_two_processes_end_with_identical_params(tmp_path):
     assert len(m["losses"]) == len(m["step_times_s"]) == STEPS
     assert all(math.isfinite(loss) for loss in m["losses"]), method
     assert all(t > 0 for t in m["step_times_s"]) and m["median_step_time_s"] > 0
-  # --profile: each process split two more steps by phase (jc.profile_phases).
+  # --profile: each process split two more steps by phase (jc.profile_phases). The CPU
+  # profiler loses events: jax 0.12's under jax.distributed those of collectives and the
+  # ops after them, either line's under load (rarely) all of a trace. A profile that lost
+  # events must say so (untraced); on jax 0.10 each method has at least one complete one.
+  complete = set()
   for r in results:
     for method in METHODS:
       ph = r["methods"][method]["phases"]
       assert ph["calls"] == 2 and ph["step_ms"] > 0, method
-      assert ph["gradient"] > 0, method
-      # jax 0.12's CPU runtime under jax.distributed loses collectives' events (and
-      # ops after them) from the trace: the profile must then say it is incomplete.
-      if ph["untraced"] and jax.__version_info__ >= (0, 12):
+      if ph["untraced"]:
+        traced = [ph[p] for p in ("gradient", "encode", "exchange", "decode", "update")]
+        assert min(traced) >= 0, method
+        assert ph["gradient"] > 0 or max(traced) == 0, method  # lost: after it, or all
         continue
-      assert ph["exchange"] > 0 and not ph["untraced"], method
+      complete.add(method)
+      assert ph["gradient"] > 0 and ph["exchange"] > 0, method
       if method != "dense":
         assert ph["encode"] > 0 and ph["decode"] > 0, method
       else:
         assert ph["encode"] == ph["decode"] == 0
+  if jax.__version_info__ < (0, 12):
+    assert complete == set(METHODS)
   assert "Where a step's time goes" in launch.summary(results)
   digests = {results[0]["methods"][m]["params_sha256"] for m in METHODS}
   assert len(digests) == len(METHODS)  # the exchanges really differ

@@ -91,7 +91,8 @@ class PhaseProfile:
       custom calls, dots, convolutions: each runs on every call) of which the trace
       holds no event. When not empty the profile is incomplete: their time is in
       ``idle``. jax 0.12's CPU runtime under ``jax.distributed`` loses events of a
-      step's collectives and of ops that run after them.
+      step's collectives and of ops that run after them; a CPU trace under load can
+      lose every event (then every kernel is listed).
   """
 
   PHASES = PHASES  # the phase names, in table order (``idle`` comes after them)
@@ -232,6 +233,35 @@ def _innermost(events):
   return keep
 
 
+def _read_trace(logdir: str, module: str):
+  """The op events of ``module`` in the trace under ``logdir``, by timeline, as
+  ``(start_ns, duration_ns, op)``; the (plane, device) pairs they ran on; and the other
+  modules the trace has op events of."""
+  files = sorted(
+    glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime
+  )
+  if not files:
+    raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {logdir}")
+  data = jax.profiler.ProfileData.from_file(files[-1])
+  per_line = collections.defaultdict(list)
+  devices = set()
+  others = set()
+  for plane in data.planes:
+    for line in plane.lines:
+      for e in line.events:
+        op = _stat(e, "hlo_op")
+        if op is None:
+          continue
+        if _stat(e, "hlo_module") != module:
+          others.add(_stat(e, "hlo_module"))
+          continue
+        device = _stat(e, "device_ordinal")
+        if device is not None:
+          devices.add((plane.name, device))
+        per_line[(plane.name, line.name)].append((e.start_ns, e.duration_ns, op))
+  return per_line, devices, others
+
+
 def profile_phases(
   run: Callable[[], Any], hlo, *, calls: int = 5, logdir: str | None = None
 ) -> PhaseProfile:
@@ -248,7 +278,12 @@ def profile_phases(
     logdir: where the trace is written (default: a temporary directory, removed).
 
   Returns:
-    A :class:`PhaseProfile`, per call and per local device of this process.
+    A :class:`PhaseProfile`, per call and per local device of this process. Where the
+    trace lost kernels' events it says so (``untraced``, a ``RuntimeWarning``), an empty
+    trace included.
+
+  Raises:
+    RuntimeError: the trace holds op events of other programs but none of ``hlo``'s.
   """
   if calls < 1:
     raise ValueError(f"calls must be at least 1, got {calls}")
@@ -265,34 +300,29 @@ def profile_phases(
         start = time.perf_counter()
         run()
         walls.append(time.perf_counter() - start)
-    files = sorted(
-      glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime
-    )
-    if not files:
-      raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {logdir}")
-    data = jax.profiler.ProfileData.from_file(files[-1])
-    per_line = collections.defaultdict(list)
-    devices = set()
-    for plane in data.planes:
-      for line in plane.lines:
-        for e in line.events:
-          op = _stat(e, "hlo_op")
-          if op is None or _stat(e, "hlo_module") != module:
-            continue
-          device = _stat(e, "device_ordinal")
-          if device is not None:
-            devices.add((plane.name, device))
-          per_line[(plane.name, line.name)].append((e.start_ns, e.duration_ns, op))
+    per_line, devices, others = _read_trace(logdir, module)
   finally:
     if tmp is not None:
       tmp.cleanup()
-  if not per_line:
+  if not per_line and others:
     raise RuntimeError(
-      f"the trace has no op events of module {module!r}: did run() call this compiled step?"
+      f"the trace has no op events of module {module!r}, only of {sorted(others)}: did "
+      "run() call this compiled step?"
     )
   seen = {op for events in per_line.values() for _, _, op in events}
   untraced = tuple(sorted(_entry_kernels(hlo) - seen))
-  if untraced:
+  if not per_line:
+    # An empty trace is the profiler's loss (or a run() that ran nothing compiled), not
+    # a wrong step: the profile says it is empty rather than abort a run over it, which
+    # under jax.distributed would stop every process.
+    warnings.warn(
+      f"the trace holds no op events at all (the profiler lost them, or run() ran no "
+      f"compiled program): the profile is empty, all {len(untraced)} of the step's "
+      "kernels untraced",
+      RuntimeWarning,
+      stacklevel=2,
+    )
+  elif untraced:
     warnings.warn(
       f"the trace has no event of {len(untraced)} of the step's kernels: the profile "
       "is incomplete, their time is counted as idle",
