@@ -66,7 +66,6 @@ def test_two_processes_end_with_identical_params(tmp_path):
       assert ph["calls"] == 2 and ph["step_ms"] > 0, method
       if ph["untraced"]:
         traced = [ph[p] for p in ("gradient", "encode", "exchange", "decode", "update")]
-        assert min(traced) >= 0, method
         assert ph["gradient"] > 0 or max(traced) == 0, method  # lost: after it, or all
         continue
       complete.add(method)

@@ -320,9 +320,9 @@ def test_wire_report_counts_whole_columns():
 def test_default_exchange_never_pays_more_than_the_allgather(shape, collective, ratio):
   """Fewer columns than devices: the two-phase exchange cuts the columns into segments
   rather than pad with zero columns (a (1024, 3) kernel on 8 devices: 21.3x fewer bytes
-  than the dense all-reduce, against 11.3x with 5 zero columns of 8), and the default
-  exchange ("auto") takes it only where its 2(K-1) chunk payloads cost less than the
-  all-gather's K-1 whole payloads."""
+  than the dense all-reduce, where chunks of whole columns, 5 of 8 zeros, give 11.3x),
+  and the default exchange ("auto") takes it only where its 2(K-1) chunk payloads cost
+  less than the all-gather's K-1 whole payloads."""
   params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
   report = jc.wire_report(
     jc.onebit_sgd(per_column=True, axis_name=AXIS, filter=ALL),

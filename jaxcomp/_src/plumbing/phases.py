@@ -252,8 +252,10 @@ def _read_trace(logdir: str, module: str):
         op = _stat(e, "hlo_op")
         if op is None:
           continue
-        if _stat(e, "hlo_module") != module:
-          others.add(_stat(e, "hlo_module"))
+        name = _stat(e, "hlo_module")
+        if name != module:
+          if name is not None:
+            others.add(name)
           continue
         device = _stat(e, "device_ordinal")
         if device is not None:
