@@ -1,7 +1,9 @@
 """jc.onebit_adam: warm-up = Adam, frozen v, two-stage error feedback, bytes, placement."""
 
+import dataclasses
 import doctest
 import functools
+import math
 
 import chex
 import jax
@@ -231,7 +233,12 @@ def test_compression_stage_follows_algorithm_1(bucket_size, compress):
   numpy implementation of Algorithm 1."""
   lr, freeze = 1e-2, 3
   tx = jc.onebit_adam(
-    lr, freeze_step=freeze, bucket_size=bucket_size, compress=compress, axis_name=AXIS
+    lr,
+    freeze_step=freeze,
+    bucket_size=bucket_size,
+    compress=compress,
+    bound_momentum=False,  # the paper's update
+    axis_name=AXIS,
   )
   outs, grads, states = _run(tx, 8)
   for s in states[freeze:]:
@@ -279,7 +286,12 @@ def test_two_stage_error_feedback_carries_what_was_not_sent(bucket_size, compres
   """
   freeze, steps, b1 = 2, 10, 0.9
   tx = jc.onebit_adam(
-    1e-2, freeze_step=freeze, bucket_size=bucket_size, compress=compress, axis_name=AXIS
+    1e-2,
+    freeze_step=freeze,
+    bucket_size=bucket_size,
+    compress=compress,
+    bound_momentum=False,  # the bound drops what it cuts (see the bound's tests)
+    axis_name=AXIS,
   )
   _, grads, states = _run(tx, steps)
   for name in ("w", "u"):
@@ -379,11 +391,11 @@ def test_local_mode_is_one_device():
   bit for bit, and C[C[x] + e_s] with one chunk."""
   lr, freeze = 1e-2, 1
   params = {"w": jnp.zeros((40, 50))}
-  local = jc.onebit_adam(lr, freeze_step=freeze)
+  local = jc.onebit_adam(lr, freeze_step=freeze, bound_momentum=False)  # the by-hand math
   state = local.init(params)
   step = jax.jit(local.update)
   m1 = helpers.mesh(1)
-  mapped = jc.onebit_adam(lr, freeze_step=freeze, axis_name=AXIS)
+  mapped = jc.onebit_adam(lr, freeze_step=freeze, bound_momentum=False, axis_name=AXIS)
   specs = jc.state_specs(mapped, params, axis_name=AXIS, num_devices=1)
   mstate = jax.jit(jax.shard_map(mapped.init, mesh=m1, in_specs=P(), out_specs=specs))(params)
   mstep = jax.jit(
@@ -654,6 +666,136 @@ def test_converges_like_adam_on_least_squares():
   onebit, _ = _least_squares(jc.onebit_adam(lr, freeze_step=steps // 5, axis_name=AXIS), steps)
   assert dense <= 1.01 * optimum, (dense, optimum)
   assert onebit - optimum <= 2 * (dense - optimum), (onebit, dense, optimum)
+
+
+# ----------------------------------------------------------------------------- momentum bound
+
+
+@pytest.mark.parametrize("b1,b2", [(0.9, 0.999), (0.9, 0.99), (0.5, 0.9), (0.0, 0.999)])
+def test_momentum_bound_is_adams_own_and_tight(b1, b2):
+  """|m| <= B sqrt(v) holds for optax.scale_by_adam's moments on any gradients (random
+  ones with spikes, and with zeros), and the gradient g_{t-k} = (β1/β2)^k (the newest
+  last) reaches B sqrt(1 - q^t), q = β1²/β2: the bound cuts nothing live Adam can
+  produce, and no smaller one would do. (Every g and g² is kept a normal float32: XLA
+  flushes subnormals to zero, and a flushed v makes any ratio look unbounded.)"""
+  bound = onebit_adam_lib.momentum_bound(b1, b2)
+  tx = optax.scale_by_adam(b1=b1, b2=b2)
+  update = jax.jit(tx.update)
+  steps = 200
+  rng = np.random.default_rng(0)
+  spikes = np.where(rng.random((steps, 64)) < 0.02, 1e3, 1.0)
+  # The extremal sequence over its last n steps (zero before), n such that every g and
+  # g² stays a normal float32.
+  n = steps if b1 == 0 else min(steps, int(np.log(1e-15) / np.log(b1 / b2)))
+  ages = np.arange(steps - 1, -1, -1.0)[:, None]
+  extremal = np.tile(np.where(ages < n, (b1 / b2) ** ages, 0.0), (1, 64))
+  runs = {
+    "spikes": rng.standard_normal((steps, 64)) * spikes,
+    "zeros": np.where(rng.random((steps, 64)) < 0.5, 0.0, rng.standard_normal((steps, 64))),
+    "extremal": extremal,
+  }
+  worst = {}
+  for name, g in runs.items():
+    state = tx.init(jnp.zeros(64))
+    worst[name] = 0.0
+    for t in range(steps):
+      with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes dtypes
+        _, state = update(jnp.asarray(g[t], jnp.float32), state)
+      mu, nu = np.asarray(state.mu, np.float64), np.asarray(state.nu, np.float64)
+      live = nu > 0
+      ratio = np.abs(mu[live]) / np.sqrt(nu[live])
+      worst[name] = max(worst[name], float(ratio.max(initial=0.0)))
+  # float32 moments: each ratio is off by a few ulps, far less than 1e-5.
+  assert max(worst.values()) <= bound * (1 + 1e-5), (worst, bound)
+  q = b1 * b1 / b2
+  assert worst["extremal"] >= bound * np.sqrt(1 - q**n) * (1 - 1e-5), (worst, bound)
+
+
+@pytest.mark.parametrize("compress", onebit_adam_lib.COMPRESS)
+def test_compression_stage_holds_the_momentum_to_adams_bound(compress):
+  """The demo's divergence in small: a warm-up of tiny gradients (a loss near zero at the
+  freeze) leaves v tiny; the gradients after it are 10^4 times larger. Live Adam would
+  step at most η B per coordinate. With the bound (the default), every compressed
+  leaf's m stays within ±B sqrt(v) and every update within η B sqrt(1-β2^T_w)/(1-β1^t),
+  step after step. Without it (bound_momentum=False, the paper's update) the first
+  compressed updates already exceed that by orders of magnitude and keep growing."""
+  lr, freeze, steps, b1, b2 = 1e-2, 3, 10, 0.9, 0.999
+  bound = onebit_adam_lib.momentum_bound(b1, b2)
+  m = helpers.mesh()
+
+  def run(**kwargs):
+    tx = jc.onebit_adam(lr, freeze_step=freeze, compress=compress, axis_name=AXIS, **kwargs)
+    state = helpers.shard_map_init(tx, PARAMS, m)
+    update = helpers.shard_map_update(tx, m, PARAMS)
+    excess = []  # per compressed step: max |u| over the live Adam step bound
+    for t in range(steps):
+      g = _grads(t, scale=1e-4 if t < freeze else 1.0)
+      u, state = update(helpers.shard(g, m), state)
+      if t < freeze:
+        continue
+      limit = lr * bound * np.sqrt(1 - b2**freeze) / (1 - b1 ** (t + 1))
+      core = state[0]
+      for name in ("w", "u"):
+        mm, vv = np.asarray(core.m[name], np.float64), np.asarray(core.v[name], np.float64)
+        if not kwargs:
+          # float32: the clip limit B sqrt(v) is rounded twice (sqrt, product).
+          assert np.all(np.abs(mm) <= bound * np.sqrt(vv) * (1 + 4 * EPS32)), name
+      excess.append(max(float(np.max(np.abs(u[n]))) for n in ("w", "u")) / limit)
+    return np.asarray(excess)
+
+  bounded = run()
+  # Each update's rounding: a few float32 operations on values near the limit.
+  assert np.all(bounded <= 1 + 16 * EPS32), bounded
+  unbounded = run(bound_momentum=False)
+  assert unbounded[0] > 100 and unbounded[-1] > unbounded[0], unbounded
+
+
+@pytest.mark.slow
+def test_demo_cnn_trains_past_a_freeze_at_near_zero_loss(tmp_path):
+  """The README demo's failure, trimmed to seconds: the demo's CNN and trainer on a
+  smaller MNIST-1D (2000 examples, the quick config's model), 120 steps, v frozen after
+  30, when the training loss is already small. Without the bound (the paper's update)
+  the first compressed steps blow the kernels up to hundreds of times their initial
+  norm (the negative control: this config reproduces the failure); with it (the
+  default) the run stays finite, the kernels move as in the warm-up, and it ends within
+  reach of the dense run."""
+  for module in ("flax", "mnist1d", "tqdm"):
+    pytest.importorskip(module)
+  from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
+  from examples.mnist1d.configs import quick  # pylint: disable=import-outside-toplevel
+
+  config = dataclasses.replace(
+    quick.get_config(),
+    num_samples=2000,
+    per_device_batch_size=16,
+    num_steps=120,
+    warmup_steps=20,
+    eval_every=120,
+  )
+  mesh, data, model, init = train.setup(config, str(tmp_path))
+  kw = dict(model=model, init_params=init, data=data, mesh=mesh)
+  runs = {
+    name: train.train_method(
+      "onebit_adam", config, exchange=train.make_onebit_adam(config, freeze_step=30, **opts), **kw
+    )
+    for name, opts in (("bounded", {}), ("unbounded", dict(bound_momentum=False)))
+  }
+  dense = train.train_method("dense", config, **kw)["test_accuracy"]
+  kernels = lambda r: max(v for p, v in r["layer_change"].items() if p.endswith("['kernel']"))
+  assert kernels(runs["unbounded"]) > 100, runs["unbounded"]["layer_change"]
+  bounded = runs["bounded"]
+  assert all(math.isfinite(x) for x in bounded["losses"])
+  assert kernels(bounded) < 2.0, bounded["layer_change"]
+  # One seed, 400 test examples: the bounded run may trail dense by a few points.
+  assert bounded["test_accuracy"] >= dense - 0.05, (bounded["test_accuracy"], dense)
+
+
+def test_bound_momentum_needs_b1_squared_below_b2():
+  with pytest.raises(ValueError, match="b1\\*\\*2 < b2"):
+    jc.onebit_adam(1e-3, freeze_step=10, b1=0.9, b2=0.8, axis_name=None)
+  jc.onebit_adam(1e-3, freeze_step=10, b1=0.9, b2=0.8, bound_momentum=False, axis_name=None)
+  with pytest.raises(TypeError, match="bound_momentum"):
+    jc.onebit_adam(1e-3, freeze_step=10, bound_momentum=1, axis_name=None)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -1,10 +1,11 @@
-"""Variants of the demo's DGC, Wangni and MIPD exchanges, trained like the demo's rows.
+"""Variants of the demo's DGC, Wangni, MIPD and 1-bit Adam exchanges, trained as its rows.
 
   python -m benchmarks.studies.demo_variants --variants dgc_clip_mean,dgc_no_clip --seed 0
   python -m benchmarks.studies.demo_variants --variants all --seed 1
   python -m benchmarks.studies.demo_variants --variants mipd_half,mipd_half_drop,mipd_full
   python -m benchmarks.studies.demo_variants --saturation
   python -m benchmarks.studies.demo_variants --mipd-drops
+  python -m benchmarks.studies.demo_variants --variants onebit_adam_demo,onebit_adam_unbounded
 
 Each variant trains the demo's CNN (examples/mnist1d, default config, 8 CPU devices)
 with one exchange changed and prints its test accuracy next to a dense run of the same
@@ -98,7 +99,36 @@ VARIANTS = {
     "mipd",
     lambda c, k, steady: jc.mipd(0.5, predict_from="compensated", axis_name=AXIS),
   ),
+  # 1-bit Adam: the demo's row is onebit_adam_demo (Algorithm 1, 20% warm-up, the
+  # momentum bound); the others without the bound, or compressing m / sqrt(v).
+  "onebit_adam_demo": ("onebit_adam", lambda c, k, steady: _onebit_adam(c, steady)),
+  "onebit_adam_unbounded": (
+    "onebit_adam",
+    lambda c, k, steady: _onebit_adam(c, steady, bound_momentum=False),
+  ),
+  "onebit_adam_preconditioned": (
+    "onebit_adam",
+    lambda c, k, steady: _onebit_adam(c, steady, compress="preconditioned"),
+  ),
+  "onebit_adam_preconditioned_unbounded": (
+    "onebit_adam",
+    lambda c, k, steady: _onebit_adam(c, steady, compress="preconditioned", bound_momentum=False),
+  ),
+  "onebit_adam_half_preconditioned_unbounded": (
+    "onebit_adam",
+    lambda c, k, steady: _onebit_adam(
+      c, steady, freeze=0.5, compress="preconditioned", bound_momentum=False
+    ),
+  ),
 }
+
+
+def _onebit_adam(config, steady: bool, *, freeze=None, **kwargs):
+  """The demo's 1-bit Adam with ``kwargs`` changed; ``freeze``: another warm-up
+  fraction; ``steady``: the compression stage alone (for the byte count)."""
+  if freeze is not None and not steady:
+    kwargs["freeze_step"] = round(freeze * config.num_steps)
+  return train.make_onebit_adam(config, warmup=not steady, **kwargs)
 
 
 def run(names, seed: int, workdir: str) -> None:

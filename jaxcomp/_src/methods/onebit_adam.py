@@ -234,7 +234,29 @@ def _exchange(
 # ----------------------------------------------------------------------------- options
 
 
-def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress):
+def momentum_bound(b1: float, b2: float) -> float:
+  r"""The largest ``|m| / sqrt(v)`` that Adam's moments can reach, for any gradients.
+
+  With ``m_0 = v_0 = 0``, ``m_t = (1-β1) Σ_k β1^k g_{t-k}`` and
+  ``v_t = (1-β2) Σ_k β2^k g_{t-k}^2``; writing ``β1^k = (β1/√β2)^k · √β2^k``,
+  Cauchy-Schwarz gives
+
+  .. math::
+    |m_t| \le \frac{1-\beta_1}{\sqrt{(1-\beta_2)(1-\beta_1^2/\beta_2)}} \sqrt{v_t}
+    \qquad (\beta_1^2 < \beta_2),
+
+  tight for a gradient ``g_{t-k} ∝ (β1/β2)^k``. (Kingma & Ba 2015, §2.1, bound the
+  bias-corrected step the same way for a single gradient.) About 7.27 for ``β1 = 0.9,
+  β2 = 0.999``.
+  """
+  if not b1 * b1 < b2:
+    raise ValueError(f"the momentum bound needs b1**2 < b2, got b1={b1!r}, b2={b2!r}")
+  return float((1 - b1) / np.sqrt((1 - b2) * (1 - b1 * b1 / b2)))
+
+
+def _check_options(
+  learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress, bound_momentum
+):
   """Every argument check of :func:`onebit_adam` and :func:`scale_by_onebit_adam`
   (``learning_rate`` and ``weight_decay`` are ``None`` for the latter)."""
   if learning_rate is not None and (
@@ -262,6 +284,13 @@ def _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket
     raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
   if compress not in COMPRESS:
     raise ValueError(f"compress must be one of {COMPRESS}, got {compress!r}")
+  if not isinstance(bound_momentum, bool):
+    raise TypeError(f"bound_momentum must be a bool, got {bound_momentum!r}")
+  if bound_momentum and not b1 * b1 < b2:
+    raise ValueError(
+      f"bound_momentum=True needs b1**2 < b2 (Adam's |m| <= B sqrt(v) holds only then), got "
+      f"b1={b1!r}, b2={b2!r}; pass bound_momentum=False to run without the bound"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +304,7 @@ class _Options:
   bias_correction: bool
   bucket_size: int | None
   compress: str
+  bound_momentum: bool
   axis_name: Any
   filter_fn: transforms.FilterFn
 
@@ -286,6 +316,14 @@ class _Options:
     if not self.bias_correction or self.freeze_step == 0:
       return None
     return 1 - jnp.float32(self.b2) ** jnp.minimum(t, jnp.float32(self.freeze_step))
+
+  def bound(self, m: Array, v: Array) -> Array:
+    """``m`` clipped to Adam's ``|m| <= B sqrt(v)`` (``momentum_bound``), when on."""
+    if not self.bound_momentum:
+      return m
+    limit = momentum_bound(self.b1, self.b2) * jnp.sqrt(v)
+    # Only finite values: an Inf must stay visible to the NaN/Inf policy, not be clipped.
+    return jnp.where(jnp.isfinite(m), jnp.clip(m, -limit, limit), m)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -386,13 +424,20 @@ def _compressed_moments(opts: _Options, gs, ms, vs, ews, ess, split, layouts) ->
   with jax.named_scope(phases.ENCODE_SCOPE):
     xs = []
     for i, e, d, ok in zip(comp, ews, denom, live):
-      m_local = (1 - opts.b1) * gs[i].astype(_F32) + opts.b1 * ms[i]
+      # Frozen v breaks Adam's invariant |m| <= B sqrt(v): a gradient larger than the
+      # warm-up's (a loss near zero at the freeze, a unit that revives) would make
+      # m / sqrt(v) unbounded, and the scaled sign spreads one such outlier's magnitude
+      # over its whole group, whose error feedback then grows without end. The bound
+      # restores the invariant: only a momentum live Adam could not have is cut.
+      m_local = opts.bound((1 - opts.b1) * gs[i].astype(_F32) + opts.b1 * ms[i], vs[i])
       # Dead coordinates enter neither the scales nor the errors (both modes).
       xs.append(jnp.where(ok, (m_local if d is None else m_local / d) + e, 0.0))
   exchanged = _exchange(xs, live, layouts, ess, opts.axis_name, opts.bucket_size is None)
   new_ews = []
   for i, x, e, ex, d, ok in zip(comp, xs, ews, exchanged, denom, live):
-    new_m[i] = jnp.where(ok, ex.mean if d is None else ex.mean * d, 0.0)
+    # The exchanged momentum (the same on every device) is held to the same bound: the
+    # decoded scaled sign gives a coordinate its group's magnitude, whatever its v.
+    new_m[i] = jnp.where(ok, opts.bound(ex.mean if d is None else ex.mean * d, vs[i]), 0.0)
     # A non-finite x on this device must not poison its worker error.
     new_ews.append(jnp.where(jnp.all(jnp.isfinite(x)), x - ex.sent, e))
   return _Moments(new_m, new_v, new_ews, [ex.server_error for ex in exchanged])
@@ -491,6 +536,7 @@ def scale_by_onebit_adam(
   bias_correction: bool = True,
   bucket_size: int | None = None,
   compress: str = "momentum",
+  bound_momentum: bool = True,
   axis_name: Any = None,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
@@ -516,7 +562,8 @@ def scale_by_onebit_adam(
 
   Args:
     freeze_step: ``T_w``, the number of full-precision warm-up steps.
-    b1, b2, eps, bias_correction, bucket_size, compress: as in :func:`onebit_adam`.
+    b1, b2, eps, bias_correction, bucket_size, compress, bound_momentum: as in
+      :func:`onebit_adam`.
     axis_name, filter: as in :func:`onebit_adam`.
 
   Returns:
@@ -535,7 +582,7 @@ def scale_by_onebit_adam(
     Tang et al. *1-bit Adam: Communication Efficient Large-Scale Training with Adam's
     Convergence Speed*. ICML 2021, Algorithm 1. https://arxiv.org/abs/2102.02888
   """
-  _check_options(None, freeze_step, b1, b2, eps, None, bucket_size, compress)
+  _check_options(None, freeze_step, b1, b2, eps, None, bucket_size, compress, bound_momentum)
   opts = _Options(
     freeze_step=int(freeze_step),
     b1=float(b1),
@@ -544,6 +591,7 @@ def scale_by_onebit_adam(
     bias_correction=bias_correction,
     bucket_size=bucket_size,
     compress=compress,
+    bound_momentum=bound_momentum,
     axis_name=axis_name,
     filter_fn=transforms.default_filter if filter is None else filter,
   )
@@ -569,6 +617,7 @@ def onebit_adam(
   bias_correction: bool = True,
   bucket_size: int | None = None,
   compress: str = "momentum",
+  bound_momentum: bool = True,
   axis_name: Any = None,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
@@ -624,6 +673,20 @@ def onebit_adam(
   Coordinates whose frozen ``v`` is 0 (no gradient on any warm-up step) keep ``m = 0``
   and take no step: Adam's step there is ``0 / (0 + ε) = 0``, which a sign cannot say
   (it would step ``s / ε``). DeepSpeed asks for that mask by hand (``exp_avg_mask``).
+
+  *Momentum bound* (``bound_momentum=True``, the default; not in the paper). Live
+  Adam's moments satisfy ``|m| <= B sqrt(v)`` for every gradient sequence, with
+  ``B = (1-β1) / sqrt((1-β2)(1 - β1²/β2))`` (7.27 for the
+  default betas), so its steps are at most ``η B`` per coordinate. A frozen ``v``
+  breaks that: where the gradient after the freeze is larger than in the warm-up (a
+  loss near zero at ``T_w``, so ``v`` tiny; a ReLU unit that revives), ``m / sqrt(v)``
+  is unbounded, the scaled sign hands that coordinate's magnitude to its whole group,
+  and the error feedback feeds it back: the run goes from a near-zero loss to NaN in a
+  few steps. In the compression stage the local momentum ``m_i`` and the exchanged
+  ``m`` are therefore clipped to ``±B sqrt(v)`` (elementwise, identical on every device
+  for the exchanged one): a momentum live Adam could not have is cut, nothing else
+  changes. The part cut is dropped, not fed back. ``False`` gives the paper's and
+  DeepSpeed's unbounded update.
 
   What is compressed (``compress``): ``"momentum"`` is Algorithm 1, ``x_i = m_i + e_i``.
   ``"preconditioned"`` compresses the step direction instead,
@@ -691,6 +754,9 @@ def onebit_adam(
     bucket_size: values per scale (see above); ``None``: DeepSpeed's.
     compress: ``"momentum"`` (Algorithm 1, DeepSpeed) or ``"preconditioned"`` (see
       above).
+    bound_momentum: hold the compression stage's momentum to Adam's own bound
+      ``|m| <= B sqrt(v)`` (see above; ``True``). ``False``: the paper's and
+      DeepSpeed's unbounded update. Needs ``b1**2 < b2`` when ``True``.
     axis_name: the mapped axis to average over, or ``None`` (local simulation).
     filter: ``filter(path, leaf) -> bool`` choosing the compressed leaves; defaults to
       :func:`jaxcomp.default_filter`.
@@ -712,7 +778,9 @@ def onebit_adam(
     Efficient Large-Scale Training with Adam's Convergence Speed*. ICML 2021, Algorithm 1
     and Section 4. https://arxiv.org/abs/2102.02888
   """
-  _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress)
+  _check_options(
+    learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress, bound_momentum
+  )
   core = scale_by_onebit_adam(
     freeze_step=freeze_step,
     b1=b1,
@@ -721,6 +789,7 @@ def onebit_adam(
     bias_correction=bias_correction,
     bucket_size=bucket_size,
     compress=compress,
+    bound_momentum=bound_momentum,
     axis_name=axis_name,
     filter=filter,
   )
