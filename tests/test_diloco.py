@@ -48,12 +48,16 @@ def _pmap_run(tx, params=PARAMS):
 class ShardMapRun:
   """DiLoCo under shard_map (check_vma on): replicas held with a leading device axis."""
 
-  def __init__(self, tx, params=PARAMS, grad_fn=_quadratic_grads, mesh=None):
+  def __init__(self, tx, params=PARAMS, grad_fn=_quadratic_grads, mesh=None, check_vma=True):
     chex.clear_trace_counter()  # this run's step may trace once
     self.mesh = helpers.mesh() if mesh is None else mesh
     self.tx = tx
     self.specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=self.mesh.size)
-    self.init = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs))
+    self.init = jax.jit(
+      jax.shard_map(
+        tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs, check_vma=check_vma
+      )
+    )
 
     @chex.assert_max_traces(n=1)
     def step(replicas, state, data):
@@ -69,6 +73,7 @@ class ShardMapRun:
         mesh=self.mesh,
         in_specs=(P(AXIS), self.specs, P(AXIS)),
         out_specs=(P(AXIS), self.specs),
+        check_vma=check_vma,
       )
     )
     self.params = params
@@ -434,9 +439,62 @@ def test_replicated_params_under_shard_map_are_refused():
     jax.jit(f).lower(PARAMS, state, helpers.shard(_centres(), m))
 
 
+NOT_AVERAGING = {  # exchanges that average over no axis, or not over AXIS
+  "axis_name=None": lambda: jc.qsgd(bits=4, axis_name=None),
+  "own transform": lambda: optax.scale(1.0),
+  "qsgd(axis_name='other')": lambda: jc.qsgd(bits=4, axis_name="other"),
+}
+
+
+@pytest.mark.parametrize(
+  "where, exchange",
+  [
+    (where, name)
+    for where in ("pmap", "shard_map check_vma=False")
+    for name in sorted(NOT_AVERAGING)
+    if not (where == "pmap" and "other" in name)  # pmap binds one axis: the next test
+  ],
+)
+def test_exchange_that_does_not_average_over_the_axis_is_refused(where, exchange):
+  """Under pmap and shard_map(check_vma=False) values carry no varying type; an exchange
+  whose result depends on no collective over DiLoCo's axis (built with axis_name=None,
+  or for another axis, or an optax transform doing no collective) let each replica step
+  the anchor with its own pseudo-gradient, and the anchors drifted apart silently. The
+  sync's trace refuses it, naming the axis and the fix."""
+  tx = jc.diloco(
+    optax.sgd(0.25),
+    optax.sgd(1.0),
+    sync_every=1,
+    axis_name=AXIS,
+    exchange=NOT_AVERAGING[exchange](),
+  )
+  other = "other" in exchange
+  over = "'other'" if other else "none"
+  match = rf"over axis '{AXIS}' \(its collectives run over: {over}\).*axis_name='{AXIS}'"
+
+  def one_step():  # a sync (H=1): this replica's parameters after it
+    if where == "pmap":
+      p, state, step = _pmap_run(tx)
+      return step(p, state, _centres())[0]
+    mesh = helpers.mesh()
+    if other:  # a mesh with both axes, the replicas on AXIS
+      mesh = jax.make_mesh(
+        (4, 2), (AXIS, "other"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+      )
+    run = ShardMapRun(tx, mesh=mesh, check_vma=False)
+    return run.run(1, lambda t: _centres(k=mesh.shape[AXIS]))[-1][0]
+
+  with pytest.raises(ValueError, match=match):
+    replicas = one_step()
+    # Reached only if nothing was refused: right after a sync every replica
+    # must sit on the anchor, the same on every device.
+    spread = max(np.ptp(np.asarray(x), axis=0).max() for x in jax.tree.leaves(replicas))
+    assert spread <= 4 * EPS, f"no error, and the replicas' anchors differ by {spread}"
+
+
 def test_exchange_over_another_axis_is_refused():
-  """An exchange that averages over another mesh axis (or an unbound one) is an error
-  naming the axis DiLoCo syncs over."""
+  """An exchange that averages over another mesh axis (check_vma on), or an unbound one
+  (pmap), is an error naming the axis DiLoCo syncs over."""
   mesh2 = jax.make_mesh((4, 2), (AXIS, "other"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   tx = jc.diloco(
     optax.sgd(0.1),
@@ -459,7 +517,7 @@ def test_exchange_over_another_axis_is_refused():
   state = jax.jit(init)(jax.device_put(PARAMS, jax.NamedSharding(mesh2, P())))
   per_device = jax.NamedSharding(mesh2, P(AXIS))
   replicas, c = jax.device_put((_stack(PARAMS, 4), _centres(k=4)), per_device)
-  with pytest.raises(ValueError, match=f"build it with axis_name='{AXIS}'"):
+  with pytest.raises(ValueError, match=f"axis_name='{AXIS}'"):
     f.lower(replicas, state, c)
 
   # Under pmap an exchange over an axis that is not bound is refused too.
@@ -474,6 +532,39 @@ def test_exchange_over_another_axis_is_refused():
   state = jax.pmap(tx.init, axis_name=AXIS)(p)
   with pytest.raises(ValueError, match="not bound"):
     jax.pmap(lambda p, s: tx.update(p, s, p), axis_name=AXIS)(p, state)
+
+
+@pytest.mark.parametrize(
+  "exchange",
+  [
+    lambda: jc.qsgd(bits=4, axis_name=AXIS),
+    lambda: jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase", error_feedback=True),
+    lambda: jc.onebit_sgd(axis_name=AXIS),
+    lambda: jc.ef_signsgd(axis_name=AXIS),
+    lambda: jc.powersgd(1, axis_name=AXIS),
+    lambda: jc.sparsify(density=0.1, axis_name=AXIS),
+    lambda: jc.mipd(0.5, axis_name=AXIS),
+    lambda: jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective="allgather"),
+    lambda: optax.chain(optax.scale(2.0), jc.qsgd(bits=4, axis_name=AXIS)),
+  ],
+  ids=[
+    "qsgd",
+    "qsgd_two_phase_ef",
+    "onebit",
+    "ef_signsgd",
+    "powersgd",
+    "sparsify",
+    "mipd",
+    "identity",
+    "chain",
+  ],
+)
+def test_exchanges_that_average_pass_the_check(exchange):
+  """The negative control: jaxcomp's exchanges over the axis (and a chain around one)
+  trace through the check (the wire report traces with check_vma off, as pmap does)."""
+  tx = jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2, axis_name=AXIS, exchange=exchange())
+  report = jc.wire_report(tx, PARAMS, axis_name=AXIS, num_devices=K)
+  assert report.bytes_received > 0
 
 
 def test_pmap_with_a_compressed_exchange():

@@ -170,8 +170,10 @@ def diloco(
       mean is the pseudo-gradient itself).
     exchange: a jaxcomp exchange over ``axis_name`` returning the mean of its input
       (``jc.qsgd``, ``jc.onebit_sgd``, ``jc.powersgd``, ...), unwrapped; ``None``: a
-      dense float mean. Under ``jax.shard_map`` (check_vma on) an exchange whose result
-      still varies over ``axis_name`` (one built for another axis) is an error.
+      dense float mean. One whose result depends on no collective over ``axis_name``
+      (built with ``axis_name=None`` or for another axis, or an optax transform that
+      averages nothing) is an error when the sync is traced, under ``jax.pmap`` and
+      ``jax.shard_map`` alike: each replica would step the anchor alone.
     fragments: ``F``, the number of fragments, ``1 <= F <= sync_every`` and at most
       the number of leaves; ``None``: all leaves sync together.
 
@@ -182,7 +184,7 @@ def diloco(
   Raises:
     ValueError: ``sync_every < 1``; ``fragments`` outside ``[1, sync_every]`` or above
       the number of leaves; ``update`` without ``params``; under ``jax.shard_map``,
-      replicated parameters or an exchange over another axis.
+      replicated parameters; an exchange that does not average over ``axis_name``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp as jc
@@ -314,6 +316,37 @@ def _check_update(o: _Options, grads, params) -> None:
     collectives.check_local(path, g, o.axis_name)
 
 
+def _axis_names(axis_name) -> frozenset:
+  return frozenset(axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
+
+
+def _check_averages(o: _Options, delta, ex_state, anchor) -> None:
+  """Refuses an exchange whose result does not depend on a collective over the axis.
+
+  Read off the exchange's traced update (:func:`collective_trace.output_axes`), once per
+  trace of the sync: it costs nothing per step, and holds under ``jax.pmap`` and
+  ``shard_map(check_vma=False)``, where values carry no varying type. Without it, an
+  exchange built with ``axis_name=None`` (or another axis, or an optax transform of
+  one's own that does no collective) lets each replica apply its own pseudo-gradient,
+  and the anchors, which must be the same on every device, drift apart silently.
+  """
+  closed, (mean, _) = jax.make_jaxpr(o.exchange.update, return_shape=True)(delta, ex_state, anchor)
+  paths = [path for path, _ in treeutil.flat(mean)[0]]
+  want = _axis_names(o.axis_name)
+  for path, axes in zip(paths, collective_trace.output_axes(closed)):
+    if not want <= axes:
+      over = ", ".join(sorted(map(repr, axes))) or "none"
+      raise ValueError(
+        f"jc.diloco: the exchange's result at {jax.tree_util.keystr(path)} depends on no "
+        f"collective over axis {o.axis_name!r} (its collectives run over: {over}), so "
+        f"each replica would step the anchor with its own pseudo-gradient and the "
+        f"replicas' anchors would drift apart. Build the exchange with "
+        f"axis_name={o.axis_name!r}, the axis jc.diloco syncs over (e.g. "
+        f"jc.qsgd(bits=4, axis_name={o.axis_name!r})), or pass exchange=None for a dense "
+        f"mean; a transform of your own must average over {o.axis_name!r} (lax.pmean)."
+      )
+
+
 def _mean_of(o: _Options, delta, ex_state, anchor):
   """The exchanged mean of the pseudo-gradient tree, and the exchange's new state."""
   if o.exchange is None:
@@ -323,8 +356,10 @@ def _mean_of(o: _Options, delta, ex_state, anchor):
     means, _ = collectives.dense_means(leaves, o.axis_name)
     return treedef.unflatten(means), ex_state
   try:
+    if o.axis_name is not None:
+      _check_averages(o, delta, ex_state, anchor)
     mean, ex_state = o.exchange.update(delta, ex_state, anchor)
-  except NameError as e:  # a collective over an axis that is not bound here
+  except NameError as e:  # a collective over an axis that is not bound
     raise ValueError(
       f"jc.diloco: the exchange runs a collective over an axis that is not bound "
       f"({e}); build it with axis_name={o.axis_name!r}, the axis jc.diloco syncs over."
