@@ -353,11 +353,11 @@ def test_fewer_rows_than_fragments_warns():
   params = {"w": jnp.zeros((2, 512))}
   tx = jc.diloco(optax.sgd(0.25), optax.sgd(1.0), sync_every=4, axis_name=AXIS, fragments=4)
   with pytest.warns(
-    UserWarning, match=r"fragments=4 cannot be balanced within 1.5x.*\['w'\] has 2 row"
+    UserWarning, match=r"fragments=4 are not balanced within 1.5x.*\['w'\] has 2 row"
   ):
     run = ShardMapRun(tx, params=params)
   centres = {"w": jax.random.normal(jax.random.key(0), (K, 2, 512))}
-  with pytest.warns(UserWarning, match="cannot be balanced"):
+  with pytest.warns(UserWarning, match="are not balanced"):
     history = run.run(8, lambda t: centres)
   pieces = diloco_lib.fragment_pieces([(2, 512)], 4)
   assert [len(ps) for ps in pieces] == [0, 1, 0, 1]

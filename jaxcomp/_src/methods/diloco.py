@@ -96,29 +96,31 @@ def fragment_pieces(shapes, fragments: int) -> list[list[Piece]]:
   Returns:
     Per fragment, its :class:`Piece`\\ s in leaf order.
   """
-  rows = [_rows(tuple(s)) for s in shapes]
-  row_size = [int(np.prod(s, dtype=np.int64)) // r for s, r in zip(shapes, rows)]
-  # The element offset of each boundary between rows (global row g starts at offsets[g]).
-  offsets = np.concatenate([[0], np.cumsum(np.repeat(row_size, rows))]).astype(np.float64)
-  leaf_rows = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)  # first row of each leaf
-  total, n = offsets[-1], int(leaf_rows[-1])
-  cuts = [0]
+  rows = np.array([_rows(tuple(s)) for s in shapes], np.int64)
+  row_size = np.array([np.prod(s, dtype=np.int64) for s in shapes], np.int64) // rows
+  starts = np.concatenate([[0], np.cumsum(rows * row_size)])  # each leaf's first value
+  leaf_rows = np.concatenate([[0], np.cumsum(rows)])  # each leaf's first row, all rows counted
+  total, n = int(starts[-1]), int(leaf_rows[-1])
+  cuts = [0]  # the global row each fragment starts at
   for f in range(1, fragments):
     ideal = f * total / fragments
-    at_leaf = leaf_rows[np.argmin(np.abs(offsets[leaf_rows] - ideal))]
-    g = at_leaf if abs(offsets[at_leaf] - ideal) <= total / (8 * fragments) else None
-    if g is None:
-      g = np.argmin(np.abs(offsets - ideal))
+    near = int(np.argmin(np.abs(starts - ideal)))  # the nearest leaf boundary
+    if abs(starts[near] - ideal) <= total / (8 * fragments):
+      g = int(leaf_rows[near])
+    else:  # the nearest boundary between rows of the leaf the cut falls in (ties: lower)
+      i = int(np.searchsorted(starts, ideal, side="right")) - 1
+      r = int(np.ceil((ideal - starts[i]) / row_size[i] - 0.5))
+      g = int(leaf_rows[i]) + min(max(r, 0), int(rows[i]))
     if n >= fragments:  # every fragment gets a row, and leaves one to each after it
-      cuts.append(min(max(int(g), cuts[-1] + 1), n - (fragments - f)))
+      cuts.append(min(max(g, cuts[-1] + 1), n - (fragments - f)))
     else:  # too few rows to go round: some fragments stay empty
-      cuts.append(max(int(g), cuts[-1]))
+      cuts.append(max(g, cuts[-1]))
   cuts.append(n)
   out = []
   for lo, hi in zip(cuts[:-1], cuts[1:]):
     pieces = []
-    for i, (first, r) in enumerate(zip(leaf_rows[:-1], rows)):
-      start, stop = max(lo - int(first), 0), min(hi - int(first), r)
+    for i, (first, r) in enumerate(zip(leaf_rows[:-1].tolist(), rows.tolist())):
+      start, stop = max(lo - first, 0), min(hi - first, r)
       if start < stop:
         pieces.append(Piece(i, start, stop))
     out.append(pieces)
@@ -360,7 +362,7 @@ def _warn_uneven(pieces, shapes, paths) -> None:
     return
   coarse = max(range(len(shapes)), key=lambda i: (row_size[i], -i))
   warnings.warn(
-    f"jc.diloco: fragments={len(pieces)} cannot be balanced within 1.5x of the mean: the "
+    f"jc.diloco: fragments={len(pieces)} are not balanced within 1.5x of the mean: the "
     f"largest holds {max(loads):,} of {sum(loads):,} values ({max(loads) / mean:.2f}x the "
     f"mean; {loads.count(0)} empty), because a leaf is cut only between the rows of its "
     f"first axis and the parameter at {jax.tree_util.keystr(paths[coarse])} has "
