@@ -48,12 +48,16 @@ def _pmap_run(tx, params=PARAMS):
 class ShardMapRun:
   """DiLoCo under shard_map (check_vma on): replicas held with a leading device axis."""
 
-  def __init__(self, tx, params=PARAMS, grad_fn=_quadratic_grads, mesh=None):
+  def __init__(self, tx, params=PARAMS, grad_fn=_quadratic_grads, mesh=None, check_vma=True):
     chex.clear_trace_counter()  # this run's step may trace once
     self.mesh = helpers.mesh() if mesh is None else mesh
     self.tx = tx
     self.specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=self.mesh.size)
-    self.init = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs))
+    self.init = jax.jit(
+      jax.shard_map(
+        tx.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs, check_vma=check_vma
+      )
+    )
 
     @chex.assert_max_traces(n=1)
     def step(replicas, state, data):
@@ -69,6 +73,7 @@ class ShardMapRun:
         mesh=self.mesh,
         in_specs=(P(AXIS), self.specs, P(AXIS)),
         out_specs=(P(AXIS), self.specs),
+        check_vma=check_vma,
       )
     )
     self.params = params
@@ -259,8 +264,9 @@ def test_fragments_sync_on_staggered_steps():
   centres = {n: jax.random.normal(k, (K, *s)) for k, (n, s) in zip(keys, sorted(shapes.items()))}
   tx = jc.diloco(optax.sgd(0.25), optax.sgd(1.0), sync_every=4, axis_name=AXIS, fragments=2)
   history = ShardMapRun(tx, params=params).run(8, lambda t: centres)
-  ids = dict(zip(sorted(shapes), diloco_lib.fragment_ids([1024, 1024], 2)))
-  offsets = {n: [0, 2][ids[n]] for n in shapes}
+  pieces = diloco_lib.fragment_pieces([(32, 32), (32, 32)], 2)  # the cut: a leaf boundary
+  assert pieces == [[diloco_lib.Piece(0, 0, 32)], [diloco_lib.Piece(1, 0, 32)]]
+  offsets = {"a": 0, "b": 2}
   assert sorted(offsets.values()) == [0, 2]
   prev = params
   for t, (replicas, state) in enumerate(history, start=1):
@@ -273,11 +279,161 @@ def test_fragments_sync_on_staggered_steps():
     prev = state.anchor
 
 
-def test_fragment_ids_balance():
-  """Largest leaves first to the lightest fragment: loads within one leaf of each other."""
-  ids = diloco_lib.fragment_ids([100, 10, 60, 50, 5], 2)
-  loads = [sum(s for s, i in zip([100, 10, 60, 50, 5], ids) if i == f) for f in range(2)]
-  assert ids == [0, 0, 1, 1, 0] and loads == [115, 110]
+# A stacked-layers model: most of its values in one leaf of 8 layers (the rows).
+STACKED = {
+  "embed": (64, 32),
+  "head": (32, 16),
+  "layers": {"b": (8, 64), "w": (8, 32, 64)},
+}
+STACKED_PARAMS = jax.tree.map(jnp.zeros, STACKED, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _fragment_trees(tx, params):
+  """Each fragment's tree, as its sync exchanges it: the outer momentum's trace (the
+  fragment's pieces; ``optax.MaskedNode()`` at the other leaves)."""
+  state = jax.eval_shape(tx.init, params)
+  return [outer[0].trace for outer in state.outer_state]
+
+
+def _values(tree):
+  return sum(x.size for x in jax.tree.leaves(tree))
+
+
+def test_fragments_of_a_stacked_model_balance():
+  """F=4 on a model whose stacked (8, 32, 64) leaf holds 84% of the values: the leaf is
+  split between its rows, so the largest fragment holds at most 1.5x the mean (whole
+  leaves would put that leaf alone in one fragment: 3.4x)."""
+  tx = jc.diloco(
+    optax.sgd(0.1), optax.sgd(1.0, momentum=0.9), sync_every=4, axis_name=AXIS, fragments=4
+  )
+  trees = _fragment_trees(tx, STACKED_PARAMS)
+  sizes = [_values(t) for t in trees]
+  assert sum(sizes) == _values(STACKED_PARAMS)
+  assert max(sizes) <= 1.5 * np.mean(sizes), sizes
+
+
+def test_fragment_pieces_cover_every_row_once():
+  """Every fragment is one run of consecutive rows of the leaves laid end to end: the
+  pieces cover each leaf's rows once, in order; a cut moves to a leaf boundary within
+  S/(8F) of where it falls, else to the nearest row; each fragment within S/(4F), or a
+  row, of S/F."""
+  cases = [
+    [(64, 32), (32, 16), (8, 64), (8, 32, 64)],
+    [(1000,), (3,), (), (7, 5), (40, 2, 2)],
+    [(32, 32), (32, 32)],
+    [(1,), (500, 4), (2,)],
+  ]
+  for shapes in cases:
+    sizes = [int(np.prod(s)) for s in shapes]
+    row = [sz // (s[0] if s else 1) for s, sz in zip(shapes, sizes)]
+    total = sum(sizes)
+    for f in range(1, 6):
+      pieces = diloco_lib.fragment_pieces(shapes, f)
+      flat = [p for ps in pieces for p in ps]
+      for i, s in enumerate(shapes):  # each leaf: its rows in order, once
+        mine = [(p.start, p.stop) for p in flat if p.leaf == i]
+        bounds = [b for pair in mine for b in pair]
+        assert bounds[0] == 0 and bounds[-1] == (s[0] if s else 1)
+        assert all(a == b for a, b in zip(bounds[1:-1:2], bounds[2:-1:2])), mine
+      assert [p.leaf for p in flat] == sorted(p.leaf for p in flat)  # runs in tree order
+      loads = [sum((p.stop - p.start) * row[p.leaf] for p in ps) for ps in pieces]
+      coarse = max(row[p.leaf] for ps in pieces[1:] for p in ps[:1]) if f > 1 else 0
+      for load in loads:
+        assert abs(load - total / f) <= max(total / (4 * f), coarse) + 1e-9, (shapes, f, loads)
+  # A cut near a leaf boundary stays on it: two leaves of 1024 and 1000 values, F=2.
+  assert diloco_lib.fragment_pieces([(32, 32), (1000,)], 2) == [
+    [diloco_lib.Piece(0, 0, 32)],
+    [diloco_lib.Piece(1, 0, 1000)],
+  ]
+
+
+def test_fewer_rows_than_fragments_warns():
+  """One leaf of 2 rows cannot make 4 balanced fragments: a warning says why and how;
+  the 2 fragments that hold a row sync it on their steps, the others are empty."""
+  params = {"w": jnp.zeros((2, 512))}
+  tx = jc.diloco(optax.sgd(0.25), optax.sgd(1.0), sync_every=4, axis_name=AXIS, fragments=4)
+  with pytest.warns(
+    UserWarning, match=r"fragments=4 are not balanced within 1.5x.*\['w'\] has 2 row"
+  ):
+    run = ShardMapRun(tx, params=params)
+  centres = {"w": jax.random.normal(jax.random.key(0), (K, 2, 512))}
+  with pytest.warns(UserWarning, match="are not balanced"):
+    history = run.run(8, lambda t: centres)
+  pieces = diloco_lib.fragment_pieces([(2, 512)], 4)
+  assert [len(ps) for ps in pieces] == [0, 1, 0, 1]
+  assert isinstance(history[0][1].outer_state[0], optax.EmptyState)
+  offset = {p.start: f for f, ps in enumerate(pieces) for p in ps}  # row -> its fragment
+  for t, (replicas, _) in enumerate(history, start=1):
+    spread = np.ptp(replicas["w"], axis=0).max(axis=-1)  # per row
+    synced = [(t - diloco_lib.fragment_offsets(4, 4)[offset[r]]) % 4 == 0 for r in range(2)]
+    assert (spread <= 4 * EPS).tolist() == synced, (t, spread)
+
+
+def test_split_fragments_follow_the_reference():
+  """Stacked model, F=4, H=4 (offsets 0, 1, 2, 3), inner SGD, outer Nesterov, dense
+  mean: every value follows DiLoCo's math (float64 reference) with its fragment's
+  schedule, the fragments being runs of rows of the leaves laid end to end."""
+  lr, h, f, mu, outer_lr = 0.25, 4, 4, 0.9, 0.7
+  tx = jc.diloco(
+    optax.sgd(lr),
+    optax.sgd(outer_lr, momentum=mu, nesterov=True),
+    sync_every=h,
+    axis_name=AXIS,
+    fragments=f,
+  )
+  leaves, treedef = jax.tree.flatten(STACKED_PARAMS)
+  keys = jax.random.split(jax.random.key(5), len(leaves))
+  centres = treedef.unflatten([jax.random.normal(k, (K, *x.shape)) for k, x in zip(keys, leaves)])
+  history = ShardMapRun(tx, params=STACKED_PARAMS).run(3 * h, lambda t: centres)
+  # The reference, on the leaves laid end to end (float64).
+  c = np.concatenate(
+    [np.asarray(x, np.float64).reshape(K, -1) for x in jax.tree.leaves(centres)], 1
+  )
+  row = [x.size // x.shape[0] for x in leaves]
+  starts = np.cumsum([0] + [x.size for x in leaves])
+  frag = np.zeros(c.shape[1], np.int64)
+  for g, pieces in enumerate(diloco_lib.fragment_pieces([x.shape for x in leaves], f)):
+    for p in pieces:
+      frag[starts[p.leaf] + p.start * row[p.leaf] : starts[p.leaf] + p.stop * row[p.leaf]] = g
+  offsets = np.asarray(diloco_lib.fragment_offsets(h, f))[frag]
+  theta = np.zeros(c.shape[1])
+  replicas = np.zeros_like(c)
+  trace = np.zeros_like(theta)
+  for t, (got_replicas, got) in enumerate(history, start=1):
+    replicas = replicas - lr * (replicas - c)
+    due = (t - offsets) % h == 0
+    delta = (theta[None] - replicas).mean(0)
+    new_trace = delta + mu * trace
+    step = -outer_lr * (delta + mu * new_trace)
+    trace = np.where(due, new_trace, trace)
+    theta = np.where(due, theta + step, theta)
+    replicas = np.where(due[None], theta[None], replicas)
+    got_anchor = np.concatenate([np.ravel(x) for x in jax.tree.leaves(got.anchor)])
+    got_rows = np.concatenate([x.reshape(K, -1) for x in jax.tree.leaves(got_replicas)], 1)
+    np.testing.assert_allclose(got_anchor, theta, rtol=0, atol=1e-5, err_msg=f"t={t}")
+    np.testing.assert_allclose(got_rows, replicas, rtol=0, atol=1e-5, err_msg=f"t={t}")
+
+
+def test_peak_bytes_per_sync_fall_with_fragments():
+  """4-bit QSGD pseudo-gradients of the stacked model, H=4: a sync step sends one
+  fragment, at most 1.5x a quarter of the whole model's bytes at F=4 (with whole leaves
+  the stacked leaf's fragment sends 3x that). Each fragment's bytes are the exchange's
+  on its tree; together, over H, they are DiLoCo's traced wire report."""
+  h, f = 4, 4
+  ex = lambda: jc.qsgd(bits=4, axis_name=AXIS)
+  tx = jc.diloco(
+    optax.sgd(0.1),
+    optax.sgd(1.0, momentum=0.9),
+    sync_every=h,
+    axis_name=AXIS,
+    exchange=ex(),
+    fragments=f,
+  )
+  report = lambda tx, params: jc.wire_report(tx, params, axis_name=AXIS, num_devices=K)
+  per_sync = [report(ex(), t).bytes_received for t in _fragment_trees(tx, STACKED_PARAMS)]
+  assert sum(per_sync) / h == pytest.approx(report(tx, STACKED_PARAMS).bytes_received, rel=1e-12)
+  whole = report(ex(), STACKED_PARAMS).bytes_received
+  assert max(per_sync) <= 1.5 * whole / f, (per_sync, whole)
 
 
 @pytest.mark.parametrize("fragments", [None, 2])
@@ -329,8 +485,8 @@ def test_state_is_stable_and_one_compile():
   state0 = jax.device_get(state0)
   for _, state in history:
     chex.assert_trees_all_equal_shapes_and_dtypes(state0, state)
-  # The exchange's state advances on its fragment's sync steps only: w (2048 values,
-  # fragment 0, offset 0) syncs at t = 2, 4, so its key changes there and nowhere else.
+  # The exchange's state advances on its fragment's sync steps only: fragment 0 (b and
+  # w's first 31 rows, offset 0) syncs at t = 2, 4, so its key changes there only.
   keys = [
     jax.random.key_data(s.exchange_state[0].inner.key) for s in [state0] + [s for _, s in history]
   ]
@@ -365,9 +521,12 @@ def test_per_device_state_hands_diloco_back_unchanged():
   assert jc.per_device_state(tx) is tx
 
 
-def test_checkpoint_round_trip_resumes_bit_identically():
+@pytest.mark.parametrize("fragments", [None, 2])
+def test_checkpoint_round_trip_resumes_bit_identically(fragments):
   """The state (typed keys included) saved as plain arrays after 3 steps and restored
-  as jc.restore_target places it continues exactly as the uninterrupted run."""
+  as jc.restore_target places it continues exactly as the uninterrupted run; with
+  fragments=2 the (64, 32) leaf is split between the two, its pieces' outer and
+  exchange states held in each."""
   chex.clear_trace_counter()
   tx = jc.diloco(
     optax.sgd(0.05, momentum=0.9),
@@ -375,7 +534,10 @@ def test_checkpoint_round_trip_resumes_bit_identically():
     sync_every=2,
     axis_name=AXIS,
     exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True),
+    fragments=fragments,
   )
+  if fragments:  # w's rows in both fragments
+    assert [len(t["w"]) for t in _fragment_trees(tx, PARAMS)] == [31, 33]
   run = ShardMapRun(tx)
   data = lambda t: _centres(seed=t)
   replicas, state = run.start()
@@ -409,9 +571,6 @@ def test_bad_input():
     jc.diloco(lambda g: g, sgd, sync_every=2, axis_name=AXIS)
   with pytest.raises(TypeError, match="exchange must be"):
     jc.diloco(sgd, sgd, sync_every=2, axis_name=AXIS, exchange=jc.codecs.Identity())
-  tx = jc.diloco(sgd, sgd, sync_every=4, axis_name=None, fragments=3)
-  with pytest.raises(ValueError, match="fragments=3 but the parameters have 2 leaves"):
-    tx.init(PARAMS)
   tx = jc.diloco(sgd, sgd, sync_every=2, axis_name=None)
   with pytest.raises(ValueError, match="update needs params"):
     tx.update(PARAMS, tx.init(PARAMS))
@@ -434,9 +593,62 @@ def test_replicated_params_under_shard_map_are_refused():
     jax.jit(f).lower(PARAMS, state, helpers.shard(_centres(), m))
 
 
+NOT_AVERAGING = {  # exchanges that average over no axis, or not over AXIS
+  "axis_name=None": lambda: jc.qsgd(bits=4, axis_name=None),
+  "own transform": lambda: optax.scale(1.0),
+  "qsgd(axis_name='other')": lambda: jc.qsgd(bits=4, axis_name="other"),
+}
+
+
+@pytest.mark.parametrize(
+  "where, exchange",
+  [
+    (where, name)
+    for where in ("pmap", "shard_map check_vma=False")
+    for name in sorted(NOT_AVERAGING)
+    if not (where == "pmap" and "other" in name)  # pmap binds one axis: the next test
+  ],
+)
+def test_exchange_that_does_not_average_over_the_axis_is_refused(where, exchange):
+  """Under pmap and shard_map(check_vma=False) values carry no varying type; an exchange
+  whose result depends on no collective over DiLoCo's axis (built with axis_name=None,
+  or for another axis, or an optax transform doing no collective) let each replica step
+  the anchor with its own pseudo-gradient, and the anchors drifted apart silently. The
+  sync's trace refuses it, naming the axis and the fix."""
+  tx = jc.diloco(
+    optax.sgd(0.25),
+    optax.sgd(1.0),
+    sync_every=1,
+    axis_name=AXIS,
+    exchange=NOT_AVERAGING[exchange](),
+  )
+  other = "other" in exchange
+  over = "'other'" if other else "none"
+  match = rf"over axis '{AXIS}' \(its collectives run over: {over}\).*axis_name='{AXIS}'"
+
+  def one_step():  # a sync (H=1): this replica's parameters after it
+    if where == "pmap":
+      p, state, step = _pmap_run(tx)
+      return step(p, state, _centres())[0]
+    mesh = helpers.mesh()
+    if other:  # a mesh with both axes, the replicas on AXIS
+      mesh = jax.make_mesh(
+        (4, 2), (AXIS, "other"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+      )
+    run = ShardMapRun(tx, mesh=mesh, check_vma=False)
+    return run.run(1, lambda t: _centres(k=mesh.shape[AXIS]))[-1][0]
+
+  with pytest.raises(ValueError, match=match):
+    replicas = one_step()
+    # Reached only if nothing was refused: right after a sync every replica
+    # must sit on the anchor, the same on every device.
+    spread = max(np.ptp(np.asarray(x), axis=0).max() for x in jax.tree.leaves(replicas))
+    assert spread <= 4 * EPS, f"no error, and the replicas' anchors differ by {spread}"
+
+
 def test_exchange_over_another_axis_is_refused():
-  """An exchange that averages over another mesh axis (or an unbound one) is an error
-  naming the axis DiLoCo syncs over."""
+  """An exchange that averages over another mesh axis (check_vma on), or an unbound one
+  (pmap), is an error naming the axis DiLoCo syncs over."""
   mesh2 = jax.make_mesh((4, 2), (AXIS, "other"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   tx = jc.diloco(
     optax.sgd(0.1),
@@ -459,7 +671,7 @@ def test_exchange_over_another_axis_is_refused():
   state = jax.jit(init)(jax.device_put(PARAMS, jax.NamedSharding(mesh2, P())))
   per_device = jax.NamedSharding(mesh2, P(AXIS))
   replicas, c = jax.device_put((_stack(PARAMS, 4), _centres(k=4)), per_device)
-  with pytest.raises(ValueError, match=f"build it with axis_name='{AXIS}'"):
+  with pytest.raises(ValueError, match=f"axis_name='{AXIS}'"):
     f.lower(replicas, state, c)
 
   # Under pmap an exchange over an axis that is not bound is refused too.
@@ -474,6 +686,39 @@ def test_exchange_over_another_axis_is_refused():
   state = jax.pmap(tx.init, axis_name=AXIS)(p)
   with pytest.raises(ValueError, match="not bound"):
     jax.pmap(lambda p, s: tx.update(p, s, p), axis_name=AXIS)(p, state)
+
+
+@pytest.mark.parametrize(
+  "exchange",
+  [
+    lambda: jc.qsgd(bits=4, axis_name=AXIS),
+    lambda: jc.qsgd(bits=4, axis_name=AXIS, collective="two_phase", error_feedback=True),
+    lambda: jc.onebit_sgd(axis_name=AXIS),
+    lambda: jc.ef_signsgd(axis_name=AXIS),
+    lambda: jc.powersgd(1, axis_name=AXIS),
+    lambda: jc.sparsify(density=0.1, axis_name=AXIS),
+    lambda: jc.mipd(0.5, axis_name=AXIS),
+    lambda: jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective="allgather"),
+    lambda: optax.chain(optax.scale(2.0), jc.qsgd(bits=4, axis_name=AXIS)),
+  ],
+  ids=[
+    "qsgd",
+    "qsgd_two_phase_ef",
+    "onebit",
+    "ef_signsgd",
+    "powersgd",
+    "sparsify",
+    "mipd",
+    "identity",
+    "chain",
+  ],
+)
+def test_exchanges_that_average_pass_the_check(exchange):
+  """The negative control: jaxcomp's exchanges over the axis (and a chain around one)
+  trace through the check (the wire report traces with check_vma off, as pmap does)."""
+  tx = jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2, axis_name=AXIS, exchange=exchange())
+  report = jc.wire_report(tx, PARAMS, axis_name=AXIS, num_devices=K)
+  assert report.bytes_received > 0
 
 
 def test_pmap_with_a_compressed_exchange():

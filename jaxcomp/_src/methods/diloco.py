@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 from typing import NamedTuple
+import warnings
 
 import jax
 from jax import lax
@@ -39,8 +40,10 @@ class DiLoCoState(NamedTuple):
   they are :class:`jaxcomp.PerDeviceState`\\ s (a leading axis of 1 per device), which
   :func:`jaxcomp.state_specs` places on the data axis. ``outer_state`` and
   ``exchange_state`` hold one entry per fragment (one in all without ``fragments``),
-  each the state of its transform over the parameters with ``optax.MaskedNode()`` in
-  place of the other fragments' leaves.
+  each the state of its transform over the fragment's tree: the parameters with
+  ``optax.MaskedNode()`` in place of the leaves it does not hold, and a leaf split
+  between fragments as its rows in this one (:func:`fragment_pieces`); an empty
+  fragment's is ``optax.EmptyState()``.
   """
 
   count: Array  # shape=(), dtype=int32: steps taken
@@ -57,29 +60,76 @@ def _check_transform(tx, name: str, *, optional: bool = False) -> None:
     raise TypeError(f"jc.diloco: {name} must be an optax GradientTransformation, got {tx!r}")
 
 
-def fragment_ids(sizes, fragments: int) -> list[int]:
-  """The fragment of each leaf: the largest leaves first, each to the lightest fragment.
+class Piece(NamedTuple):
+  """The rows ``[start, stop)`` of a leaf along its first axis that a fragment holds."""
 
-  Deterministic (ties go to the lower index), so every device and every call splits the
-  same tree the same way; fragments end up within one leaf's size of each other.
+  leaf: int  # the leaf's index in the flattened parameters
+  start: int
+  stop: int
+
+
+def _rows(shape) -> int:
+  """The rows a leaf can be cut between: its first axis (a 0-d or empty leaf: one)."""
+  return shape[0] if len(shape) and shape[0] >= 1 else 1
+
+
+def fragment_pieces(shapes, fragments: int) -> list[list[Piece]]:
+  """The pieces of each fragment: the leaves laid end to end, in tree order, cut in F runs.
+
+  Fragment ``f`` holds the values between about ``f·S/F`` and ``(f+1)·S/F`` of the
+  ``S`` in all. A cut moves to the nearest leaf boundary when one lies within
+  ``S/(8F)``, so that a leaf is split only where no boundary is near and its pieces are
+  no slivers; else to the nearest boundary between two rows (along the first axis) of
+  the leaf it falls in. Each fragment then holds ``S/F`` values to within the larger of
+  ``S/(4F)`` and one row of a leaf it cuts, one run of consecutive rows per leaf, and at
+  most ``F - 1`` leaves are split. Where the rows are too few or too coarse (a leaf with
+  fewer rows than fragments) the fragments come out uneven, some even empty, and
+  :func:`diloco` warns.
+
+  Deterministic, from the shapes alone: every device and every call cuts the same tree
+  the same way.
+
+  Args:
+    shapes: the shape of each leaf, in ``jax.tree.flatten`` order.
+    fragments: ``F``.
+
+  Returns:
+    Per fragment, its :class:`Piece`\\ s in leaf order.
   """
-  loads = [0] * fragments
-  out = [0] * len(sizes)
-  for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-    f = min(range(fragments), key=lambda f: (loads[f], f))
-    out[i] = f
-    loads[f] += sizes[i]
+  rows = np.array([_rows(tuple(s)) for s in shapes], np.int64)
+  row_size = np.array([np.prod(s, dtype=np.int64) for s in shapes], np.int64) // rows
+  starts = np.concatenate([[0], np.cumsum(rows * row_size)])  # each leaf's first value
+  leaf_rows = np.concatenate([[0], np.cumsum(rows)])  # each leaf's first row, all rows counted
+  total, n = int(starts[-1]), int(leaf_rows[-1])
+  cuts = [0]  # the global row each fragment starts at
+  for f in range(1, fragments):
+    ideal = f * total / fragments
+    near = int(np.argmin(np.abs(starts - ideal)))  # the nearest leaf boundary
+    if abs(starts[near] - ideal) <= total / (8 * fragments):
+      g = int(leaf_rows[near])
+    else:  # the nearest boundary between rows of the leaf the cut falls in (ties: lower)
+      i = int(np.searchsorted(starts, ideal, side="right")) - 1
+      r = int(np.ceil((ideal - starts[i]) / row_size[i] - 0.5))
+      g = int(leaf_rows[i]) + min(max(r, 0), int(rows[i]))
+    if n >= fragments:  # every fragment gets a row, and leaves one to each after it
+      cuts.append(min(max(g, cuts[-1] + 1), n - (fragments - f)))
+    else:  # too few rows to go round: some fragments stay empty
+      cuts.append(max(g, cuts[-1]))
+  cuts.append(n)
+  out = []
+  for lo, hi in zip(cuts[:-1], cuts[1:]):
+    pieces = []
+    for i, (first, r) in enumerate(zip(leaf_rows[:-1].tolist(), rows.tolist())):
+      start, stop = max(lo - first, 0), min(hi - first, r)
+      if start < stop:
+        pieces.append(Piece(i, start, stop))
+    out.append(pieces)
   return out
 
 
 def fragment_offsets(sync_every: int, fragments: int) -> list[int]:
   """Step offsets of the fragments, spread evenly over the period: ``f·H // F``."""
   return [f * sync_every // fragments for f in range(fragments)]
-
-
-def _masked(treedef, leaves, keep) -> Any:
-  """``leaves`` as a tree with ``optax.MaskedNode()`` where ``keep`` is False."""
-  return treedef.unflatten([x if k else optax.MaskedNode() for x, k in zip(leaves, keep)])
 
 
 def diloco(
@@ -140,11 +190,18 @@ def diloco(
   collectives on the same steps and none waits alone; steps without a sync run no
   collective at all.
 
-  ``fragments=F`` (Streaming DiLoCo): the leaves are split into F fragments of about
-  equal size (:func:`fragment_ids`), and fragment ``f`` syncs on the steps
-  ``t ≡ f·H // F (mod H)`` (``t`` counts from 1), each with its own anchor, outer state
-  and exchange state. Every leaf still syncs once per ``H`` steps, but a sync step sends
-  one fragment, about ``1/F`` of the bytes.
+  ``fragments=F`` (Streaming DiLoCo): the parameters are cut into F fragments of about
+  equal size, and fragment ``f`` syncs on the steps ``t ≡ f·H // F (mod H)`` (``t``
+  counts from 1), each with its own anchor entries, outer state and exchange state.
+  The leaves, laid end to end in tree order, are cut into F runs; a cut that falls
+  inside a leaf splits it between two rows of its first axis (:func:`fragment_pieces`),
+  so a model whose layers are stacked along a leading axis splits between layers. Every
+  value still syncs once per ``H`` steps, but a sync step sends one fragment, about
+  ``1/F`` of the bytes. The exchange sees a split leaf's rows as a leaf of that shape,
+  and so does its filter (under the default one, a piece of fewer than 1024 values is
+  averaged dense; the cuts leave no slivers). Where the rows are too coarse to balance
+  the fragments within 1.5x of the mean (a leaf with fewer rows than fragments), a
+  warning says so and how to fix it.
 
   Bytes per device per step: the exchange's bytes for the whole model divided by ``H``
   on average (:func:`jaxcomp.wire_report` reports that: the sync's collectives count
@@ -170,19 +227,21 @@ def diloco(
       mean is the pseudo-gradient itself).
     exchange: a jaxcomp exchange over ``axis_name`` returning the mean of its input
       (``jc.qsgd``, ``jc.onebit_sgd``, ``jc.powersgd``, ...), unwrapped; ``None``: a
-      dense float mean. Under ``jax.shard_map`` (check_vma on) an exchange whose result
-      still varies over ``axis_name`` (one built for another axis) is an error.
-    fragments: ``F``, the number of fragments, ``1 <= F <= sync_every`` and at most
-      the number of leaves; ``None``: all leaves sync together.
+      dense float mean. One whose result depends on no collective over ``axis_name``
+      (built with ``axis_name=None`` or for another axis, or an optax transform that
+      averages nothing) is an error when the sync is traced, under ``jax.pmap`` and
+      ``jax.shard_map`` alike: each replica would step the anchor alone.
+    fragments: ``F``, the number of fragments, ``1 <= F <= sync_every``; ``None``: all
+      leaves sync together.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update(grads, state, params)`` needs
     this replica's ``params`` and returns this replica's updates.
 
   Raises:
-    ValueError: ``sync_every < 1``; ``fragments`` outside ``[1, sync_every]`` or above
-      the number of leaves; ``update`` without ``params``; under ``jax.shard_map``,
-      replicated parameters or an exchange over another axis.
+    ValueError: ``sync_every < 1``; ``fragments`` outside ``[1, sync_every]``;
+      ``update`` without ``params``; under ``jax.shard_map``,
+      replicated parameters; an exchange that does not average over ``axis_name``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp as jc
@@ -214,14 +273,6 @@ def diloco(
       lambda grads, state, params=None: _update(o, grads, state, params),
     )
   )
-
-
-def _scatter(xs, idx, n) -> list:
-  """A list of length ``n`` with ``xs`` at positions ``idx`` and ``None`` elsewhere."""
-  out = [None] * n
-  for x, i in zip(xs, idx):
-    out[i] = x
-  return out
 
 
 class _Options(NamedTuple):
@@ -268,32 +319,75 @@ def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Optio
   )
 
 
-def _split(o: _Options, params):
-  """The tree's leaves, its treedef and each leaf's fragment."""
+class _Partition(NamedTuple):
+  """The parameters' leaves, their treedef, and the pieces of each fragment."""
+
+  leaves: list
+  treedef: Any
+  pieces: list  # per fragment, its pieces in leaf order
+
+  def cut(self, leaves, piece: Piece):
+    """``piece`` of ``leaves[piece.leaf]`` (the leaf itself when it holds all rows)."""
+    x = leaves[piece.leaf]
+    if (piece.start, piece.stop) == (0, _rows(np.shape(x))):
+      return x
+    return x[piece.start : piece.stop]
+
+  def tree(self, f: int, xs) -> Any:
+    """Fragment ``f``'s tree: ``xs`` (one per piece) at its leaves, ``MaskedNode`` elsewhere."""
+    at = {p.leaf: x for p, x in zip(self.pieces[f], xs)}
+    return self.treedef.unflatten([at.get(i, optax.MaskedNode()) for i in range(len(self.leaves))])
+
+  def fragment(self, f: int, leaves) -> Any:
+    """Fragment ``f``'s tree of the parameter-shaped ``leaves``."""
+    return self.tree(f, [self.cut(leaves, p) for p in self.pieces[f]])
+
+
+def _split(o: _Options, params) -> _Partition:
+  """The tree cut into fragments (:func:`fragment_pieces`); a warning when they are
+  uneven beyond 1.5x of the mean."""
   leaves, treedef = jax.tree.flatten(params)
-  if len(leaves) < o.num_fragments:
-    raise ValueError(
-      f"jc.diloco: fragments={o.num_fragments} but the parameters have {len(leaves)} "
-      f"leaves; a fragment is a set of whole leaves"
-    )
-  sizes = [int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves]
-  return leaves, treedef, fragment_ids(sizes, o.num_fragments)
+  shapes = [tuple(np.shape(x)) for x in leaves]
+  pieces = fragment_pieces(shapes, o.num_fragments)
+  _warn_uneven(pieces, shapes, [path for path, _ in treeutil.flat(params)[0]])
+  return _Partition(leaves, treedef, pieces)
+
+
+def _warn_uneven(pieces, shapes, paths) -> None:
+  """A warning, naming the coarsest leaf, when the largest fragment exceeds 1.5x the mean."""
+  row_size = [int(np.prod(s, dtype=np.int64)) // _rows(s) for s in shapes]
+  loads = [sum((p.stop - p.start) * row_size[p.leaf] for p in ps) for ps in pieces]
+  mean = sum(loads) / len(loads)
+  if not mean or max(loads) <= 1.5 * mean:
+    return
+  coarse = max(range(len(shapes)), key=lambda i: (row_size[i], -i))
+  warnings.warn(
+    f"jc.diloco: fragments={len(pieces)} are not balanced within 1.5x of the mean: the "
+    f"largest holds {max(loads):,} of {sum(loads):,} values ({max(loads) / mean:.2f}x the "
+    f"mean; {loads.count(0)} empty), because a leaf is cut only between the rows of its "
+    f"first axis and the parameter at {jax.tree_util.keystr(paths[coarse])} has "
+    f"{_rows(shapes[coarse])} row(s) of {row_size[coarse]:,} values. Pass fewer "
+    f"fragments, or give the large parameters a first axis of many rows (stack the "
+    f"layers of a model along axis 0, or reshape a parameter to (rows, -1)).",
+    stacklevel=5,
+  )
 
 
 def _init(o: _Options, params) -> DiLoCoState:
   """The anchor at ``params``, the inner state, and per fragment the outer and exchange
-  states (of the fragment's leaves, the others masked)."""
+  states (of the fragment's pieces, the other leaves masked; an empty fragment's:
+  ``optax.EmptyState()``)."""
   for path, leaf in treeutil.flat(params)[0]:
     treeutil.check_leaf(path, leaf, "jc.diloco needs floating-point parameters")
-  leaves, treedef, ids = _split(o, params)
-  frag_trees = [_masked(treedef, leaves, [i == f for i in ids]) for f in range(o.num_fragments)]
+  part = _split(o, params)
+  frags = [part.fragment(f, part.leaves) if ps else None for f, ps in enumerate(part.pieces)]
   return DiLoCoState(
     count=jnp.zeros((), jnp.int32),
     anchor=jax.tree.map(jnp.asarray, params),
     inner_state=o.inner.init(params),
-    outer_state=tuple(o.outer.init(t) for t in frag_trees),
+    outer_state=tuple(optax.EmptyState() if t is None else o.outer.init(t) for t in frags),
     exchange_state=tuple(
-      optax.EmptyState() if o.exchange is None else o.exchange.init(t) for t in frag_trees
+      optax.EmptyState() if t is None or o.exchange is None else o.exchange.init(t) for t in frags
     ),
   )
 
@@ -314,6 +408,37 @@ def _check_update(o: _Options, grads, params) -> None:
     collectives.check_local(path, g, o.axis_name)
 
 
+def _axis_names(axis_name) -> frozenset:
+  return frozenset(axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,))
+
+
+def _check_averages(o: _Options, delta, ex_state, anchor) -> None:
+  """Refuses an exchange whose result does not depend on a collective over the axis.
+
+  Read off the exchange's traced update (:func:`collective_trace.output_axes`), once per
+  trace of the sync: it costs nothing per step, and holds under ``jax.pmap`` and
+  ``shard_map(check_vma=False)``, where values carry no varying type. Without it, an
+  exchange built with ``axis_name=None`` (or another axis, or an optax transform of
+  one's own that does no collective) lets each replica apply its own pseudo-gradient,
+  and the anchors, which must be the same on every device, drift apart silently.
+  """
+  closed, (mean, _) = jax.make_jaxpr(o.exchange.update, return_shape=True)(delta, ex_state, anchor)
+  paths = [path for path, _ in treeutil.flat(mean)[0]]
+  want = _axis_names(o.axis_name)
+  for path, axes in zip(paths, collective_trace.output_axes(closed)):
+    if not want <= axes:
+      over = ", ".join(sorted(map(repr, axes))) or "none"
+      raise ValueError(
+        f"jc.diloco: the exchange's result at {jax.tree_util.keystr(path)} depends on no "
+        f"collective over axis {o.axis_name!r} (its collectives run over: {over}), so "
+        f"each replica would step the anchor with its own pseudo-gradient and the "
+        f"replicas' anchors would drift apart. Build the exchange with "
+        f"axis_name={o.axis_name!r}, the axis jc.diloco syncs over (e.g. "
+        f"jc.qsgd(bits=4, axis_name={o.axis_name!r})), or pass exchange=None for a dense "
+        f"mean; a transform of your own must average over {o.axis_name!r} (lax.pmean)."
+      )
+
+
 def _mean_of(o: _Options, delta, ex_state, anchor):
   """The exchanged mean of the pseudo-gradient tree, and the exchange's new state."""
   if o.exchange is None:
@@ -323,8 +448,10 @@ def _mean_of(o: _Options, delta, ex_state, anchor):
     means, _ = collectives.dense_means(leaves, o.axis_name)
     return treedef.unflatten(means), ex_state
   try:
+    if o.axis_name is not None:
+      _check_averages(o, delta, ex_state, anchor)
     mean, ex_state = o.exchange.update(delta, ex_state, anchor)
-  except NameError as e:  # a collective over an axis that is not bound here
+  except NameError as e:  # a collective over an axis that is not bound
     raise ValueError(
       f"jc.diloco: the exchange runs a collective over an axis that is not bound "
       f"({e}); build it with axis_name={o.axis_name!r}, the axis jc.diloco syncs over."
@@ -341,10 +468,10 @@ def _mean_of(o: _Options, delta, ex_state, anchor):
   return mean, ex_state
 
 
-def _sync(o: _Options, treedef, keep, idx, u, a, p, outer_state, ex_state):
-  """One fragment's sync: the pseudo-gradient's mean, the outer step from the anchor,
+def _sync(o: _Options, part: _Partition, f: int, u, a, p, outer_state, ex_state):
+  """Fragment ``f``'s sync: the pseudo-gradient's mean, the outer step from the anchor,
   and each replica's update that lands it on the new anchor. ``u``, ``a``, ``p``: the
-  fragment's inner updates, anchor and parameters (leaves at ``idx`` of ``keep``)."""
+  fragment's pieces of the inner updates, the anchor and the parameters."""
   with jax.named_scope(collective_trace.every_scope(o.sync_every)):
     # Δ = θ - (θ_i + u_i), taken as (θ - θ_i) - u_i: exactly -u_i while the
     # replica sits on the anchor (sync_every=1), with no rounding of θ_i + u_i.
@@ -352,12 +479,10 @@ def _sync(o: _Options, treedef, keep, idx, u, a, p, outer_state, ex_state):
       ((a_.astype(_F32) - p_.astype(_F32)) - u_.astype(_F32)).astype(p_.dtype)
       for u_, a_, p_ in zip(u, a, p)
     ]
-    full = lambda xs: _masked(treedef, _scatter(xs, idx, len(keep)), keep)
-    mean, ex_state_new = _mean_of(o, full(delta), ex_state, full(a))
-    mean = treedef.flatten_up_to(mean)
-    outer_u, outer_new = o.outer.update(full([mean[i] for i in idx]), outer_state, full(a))
-    outer_u = treedef.flatten_up_to(outer_u)
-    a_new = [optax.apply_updates(a_, outer_u[i].astype(a_.dtype)) for a_, i in zip(a, idx)]
+    mean, ex_state_new = _mean_of(o, part.tree(f, delta), ex_state, part.tree(f, a))
+    outer_u, outer_new = o.outer.update(mean, outer_state, part.tree(f, a))
+    outer_u = jax.tree.leaves(outer_u)  # the pieces, in leaf order
+    a_new = [optax.apply_updates(a_, v.astype(a_.dtype)) for a_, v in zip(a, outer_u)]
     u_new = [(an - p_).astype(u_.dtype) for an, p_, u_ in zip(a_new, p, u)]
   match = lambda new, old: jax.tree.map(wrappers._match_varying, new, old)  # pylint: disable=protected-access
   return (
@@ -374,44 +499,46 @@ def _stay(u, a, p, outer_state, ex_state):
   return u, a, outer_state, ex_state
 
 
+def _joined(parts: list):
+  """A leaf from its pieces, in row order."""
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
 def _update(o: _Options, grads, state: DiLoCoState, params):
   """The inner step on this replica's gradient; each fragment due this step syncs."""
   if params is None:
     raise ValueError(
       "jc.diloco: update needs params (this replica's parameters): tx.update(grads, state, params)"
     )
-  p_leaves, treedef, ids = _split(o, params)
-  if treedef != jax.tree.structure(state.anchor):
+  part = _split(o, params)
+  if part.treedef != jax.tree.structure(state.anchor):
     raise ValueError(
-      f"jc.diloco: params have tree {treedef}, but init saw {jax.tree.structure(state.anchor)}"
+      f"jc.diloco: params have tree {part.treedef}, but init saw {jax.tree.structure(state.anchor)}"
     )
   _check_update(o, grads, params)
   inner_u, inner_state = o.inner.update(grads, state.inner_state, params)
-  u_leaves = treedef.flatten_up_to(inner_u)
-  a_leaves = treedef.flatten_up_to(state.anchor)
+  u_leaves = part.treedef.flatten_up_to(inner_u)
+  a_leaves = part.treedef.flatten_up_to(state.anchor)
   t = state.count + 1
-  out, new_anchor = list(u_leaves), list(a_leaves)
+  out = [[] for _ in u_leaves]  # per leaf, its pieces' updates in row order
+  new_anchor = [[] for _ in a_leaves]
   outer_states, exchange_states = [], []
-  for f in range(o.num_fragments):
-    keep = [i == f for i in ids]
-    idx = [i for i, k in enumerate(keep) if k]
-    sync = functools.partial(_sync, o, treedef, keep, idx)
-    u = [u_leaves[i] for i in idx]
-    a = [a_leaves[i] for i in idx]
-    p = [p_leaves[i] for i in idx]
-    due = (t - o.offsets[f]) % o.sync_every == 0
-    u, a, o_f, e = lax.cond(
-      due, sync, _stay, u, a, p, state.outer_state[f], state.exchange_state[f]
-    )
-    for j, i in enumerate(idx):
-      out[i], new_anchor[i] = u[j], a[j]
+  for f, pieces in enumerate(part.pieces):
+    u, a, p = ([part.cut(xs, q) for q in pieces] for xs in (u_leaves, a_leaves, part.leaves))
+    o_f, e = state.outer_state[f], state.exchange_state[f]
+    if pieces:  # an empty fragment (too few rows to go round) has nothing to sync
+      due = (t - o.offsets[f]) % o.sync_every == 0
+      u, a, o_f, e = lax.cond(due, functools.partial(_sync, o, part, f), _stay, u, a, p, o_f, e)
+    for q, u_, a_ in zip(pieces, u, a):
+      out[q.leaf].append(u_)
+      new_anchor[q.leaf].append(a_)
     outer_states.append(o_f)
     exchange_states.append(e)
   new_state = DiLoCoState(
     count=t,
-    anchor=treedef.unflatten(new_anchor),
+    anchor=part.treedef.unflatten([_joined(x) for x in new_anchor]),
     inner_state=inner_state,
     outer_state=tuple(outer_states),
     exchange_state=tuple(exchange_states),
   )
-  return treedef.unflatten(out), new_state
+  return part.treedef.unflatten([_joined(x) for x in out]), new_state

@@ -10,7 +10,8 @@ are marked ``fallback``; those under ``jax.named_scope(every_scope(n))`` count `
 
 It is plumbing, not a tool, because methods read it too: :func:`jaxcomp.qsvrg_wire_report`
 counts QSVRG's bits with it and :func:`jaxcomp.diloco` scopes its sync with
-:func:`every_scope`; the wire report (``tools/wire.py``) builds on it.
+:func:`every_scope` and checks with :func:`output_axes` that its exchange averages over
+its axis; the wire report (``tools/wire.py``) builds on it.
 """
 
 from __future__ import annotations
@@ -165,3 +166,70 @@ def merge_ops(ops) -> tuple[CollectiveOp, ...]:
   return tuple(
     CollectiveOp(n, b, c, r, rare, every) for (n, b, rare, every), (c, r) in merged.items()
   )
+
+
+def _collective_axes(eqn) -> frozenset:
+  """The named axes a collective equation communicates over; empty for other equations."""
+  if canonical(eqn.primitive.name) not in TRAFFIC:
+    return frozenset()
+  axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+  return frozenset(a for a in axes if not isinstance(a, int))  # ints: vmapped positional axes
+
+
+def _every_axis(jaxpr) -> frozenset:
+  """Every named axis a collective anywhere in ``jaxpr`` communicates over."""
+  out = frozenset()
+  for eqn in jaxpr.eqns:
+    out |= _collective_axes(eqn)
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        out |= _every_axis(sub)
+  return out
+
+
+def _is_call(eqn, subs) -> bool:
+  """Whether ``eqn`` runs its one sub-jaxpr once on its operands, outputs to outputs."""
+  return (
+    eqn.primitive.name not in ("scan", "while")  # loops carry values between iterations
+    and len(subs) == 1
+    and len(subs[0].invars) == len(eqn.invars)
+    and len(subs[0].outvars) == len(eqn.outvars)
+  )
+
+
+def _flow(jaxpr, in_axes) -> list:
+  """The axes each output of ``jaxpr`` depends on through collectives, given its inputs'."""
+  env: dict = {}
+  read = lambda v: frozenset() if isinstance(v, _core.Literal) else env.get(v, frozenset())
+  for v, axes in zip(jaxpr.invars, in_axes):
+    env[v] = axes
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    subs = [sub for value in eqn.params.values() for sub in _sub_jaxprs(value)]
+    if eqn.primitive.name == "cond":  # the index, then the branches' operands
+      outs = [ins[0]] * len(eqn.outvars)
+      for sub in subs:
+        outs = [a | b for a, b in zip(outs, _flow(sub, ins[1:]))]
+    elif _is_call(eqn, subs):  # jit, custom_jvp/vjp, remat, a nested shard_map
+      outs = _flow(subs[0], ins)
+    else:  # loops and the rest: every output depends on every input and collective inside
+      axes = frozenset().union(*ins, *(_every_axis(sub) for sub in subs))
+      outs = [axes] * len(eqn.outvars)
+    own = _collective_axes(eqn)
+    for v, axes in zip(eqn.outvars, outs):
+      env[v] = axes | own
+  return [read(v) for v in jaxpr.outvars]
+
+
+def output_axes(closed) -> list[frozenset]:
+  """For each output of a traced function (a ``ClosedJaxpr``, e.g. from
+  ``jax.make_jaxpr``), the named axes of the collectives its value depends on.
+
+  An output computed from this device's inputs alone depends on none: under
+  ``jax.pmap`` or ``shard_map(check_vma=False)``, where values carry no varying type,
+  this tells a mean over an axis from a local value. Through loops (``scan``,
+  ``while``) every output counts as depending on every collective inside, so a
+  missing axis is certain, a present one an upper bound.
+  """
+  return _flow(closed.jaxpr, [frozenset()] * len(closed.jaxpr.invars))
