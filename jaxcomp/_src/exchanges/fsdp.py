@@ -86,11 +86,11 @@ _LOST = (
 
 _SHARED = (
   "the same error-feedback residuals were fed to two jc.fsdp_gather calls under one "
-  "differentiation (tied weights, a loss evaluated twice, or residuals closed over "
-  "by a lax.scan body): the residual would be added to both exchanges and their new "
-  "residuals summed, so the error it holds would be sent twice. Give each gather its "
-  "own residuals (jc.init_fsdp_feedback per gather; under lax.scan, pass them in xs), "
-  "or gather the tied weights once and use the result twice"
+  "differentiation (tied weights, or the loss evaluated twice): the residual would be "
+  "added to both exchanges and their new residuals summed, so the error it holds would "
+  "be sent twice. Give each gather its own residuals (jc.init_fsdp_feedback per "
+  "gather; under lax.scan, pass them in xs), or gather the tied weights once and use "
+  "the result twice"
 )
 
 
