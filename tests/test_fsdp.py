@@ -344,6 +344,38 @@ def test_small_leaves_go_dense_by_the_default_filter():
   assert float(jnp.max(jnp.abs(got["w"][0] - full["w"]))) > 0  # int8, as asked
 
 
+def test_dense_leaves_move_in_their_own_dtype():
+  """A bfloat16 leaf the filter leaves dense costs dense FSDP's bytes both ways (2 a
+  value: its gather and its gradient's psum_scatter), and its gradient is dense FSDP's
+  bit for bit."""
+  shard = jax.ShapeDtypeStruct((16, 4), jnp.bfloat16)  # full (128, 4): 512 values
+
+  def backward(s, x):
+    loss = lambda s: jnp.sum(jnp.tanh(jc.fsdp_gather(s, axis_name=AXIS, grad_codec=QSGD4) @ x))  # noqa: E731
+    return jax.grad(loss)(s)
+
+  x = jax.ShapeDtypeStruct((4,), jnp.bfloat16)
+  ops = wire.collective_ops(backward, shard, x, axis_name=AXIS, num_devices=K)
+  assert [(wire.canonical(op.primitive), op.operand_bytes) for op in ops] == [
+    ("all_gather", 2 * 16 * 4),
+    ("psum_scatter", 2 * 128 * 4),
+  ], ops
+
+  def dense(s, x):
+    loss = lambda s: jnp.sum(jnp.tanh(lax.all_gather(s, AXIS, tiled=True) @ x))  # noqa: E731
+    return jax.grad(loss)(s) / jnp.asarray(K, jnp.bfloat16)
+
+  m = helpers.mesh()
+  w = put(m, jax.random.normal(jax.random.key(60), (128, 4)).astype(jnp.bfloat16), P(AXIS))
+  xs = put(m, jax.random.normal(jax.random.key(61), (K, 4)).astype(jnp.bfloat16), P(AXIS))
+  run = lambda f: jax.jit(  # noqa: E731
+    jax.shard_map(lambda s, x: f(s, x[0]), mesh=m, in_specs=P(AXIS), out_specs=P(AXIS))
+  )(w, xs)
+  got, want = run(backward), run(dense)
+  assert got.dtype == jnp.bfloat16
+  chex.assert_trees_all_equal(jax.device_get(got), jax.device_get(want))
+
+
 # ----------------------------------------------------------------------------- item 4
 
 

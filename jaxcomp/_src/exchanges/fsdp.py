@@ -59,10 +59,12 @@ def _backward(axis_name, grad_codec, compressed, feedback, key, cts) -> tuple:
   out = [None] * n
   for codec, on in ((grad_codec, True), (None, False)):
     idx = [i for i in range(n) if compressed[i] == on]
+    # Without residuals, a dense leaf's gradient is reduce-scattered in its own dtype,
+    # as dense FSDP's transposed all_gather does (a bfloat16 leaf in half float32's
+    # bytes); with them, the float32 sum of gradient and residual.
+    xs = [cts[i] if codec is None and feedback is None else vs[i] for i in idx]
     if idx:
-      got = collectives.reduce_scatter_means(
-        codec, [vs[i] for i in idx], [keys[i] for i in idx], axis_name
-      )
+      got = collectives.reduce_scatter_means(codec, xs, [keys[i] for i in idx], axis_name)
       for i, o in zip(idx, got):
         out[i] = o
   grads = [o.mean.astype(g.dtype) for o, g in zip(out, cts)]
@@ -160,10 +162,11 @@ def fsdp_gather(
   from compressed row chunks (chunk j of device i's ``v_i`` goes to device j, which
   decodes and sums the K payloads in float32; traffic ``(K-1)/K`` of the payload), so
   no layer's full-size gradient outlives its backward. ``grad_codec=None`` reduce-scatters
-  in full precision (``lax.psum_scatter(g, tiled=True) / K``: dense FSDP with this
+  in the gradient's dtype (``lax.psum_scatter(g, tiled=True) / K``: dense FSDP with this
   forward). Both codecs apply to the leaves ``filter`` compresses (by default weights
   of at least 1024 values and 2 dimensions, judged by the full weight's shape); the
-  others (biases, norms' scales) are gathered and reduce-scattered dense.
+  others (biases, norms' scales) are gathered and reduce-scattered dense, in their
+  dtype (in float32 where ``feedback`` is given, which is added in float32).
 
   **Error feedback** (optional, for biased codecs): pass ``feedback``, residuals shaped
   like the gathered weights (e.g. zeros at the start, in float32 or a narrower float
@@ -189,7 +192,8 @@ def fsdp_gather(
     weight_codec: the forward gather's codec: ``None`` (the default) for the exact
       float gather, ``jc.codecs.BlockInt8()`` for int8 weights (ZeRO++'s qwZ: the
       forward then computes with rounded weights, a choice made here).
-    grad_codec: the backward reduce-scatter's codec (``None``: full precision).
+    grad_codec: the backward reduce-scatter's codec (``None``: dense, in the gradient's
+      dtype).
     filter: ``filter(path, leaf) -> bool``, which leaves the codecs compress, asked of
       the full weight's shape and dtype; ``None`` is :func:`jaxcomp.default_filter`.
 
