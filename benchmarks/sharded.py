@@ -9,7 +9,8 @@ data axis. One SGD step of each method:
   layer; JAX transposes it into a float32 ``psum_scatter`` (divided by K).
 * ``fsdp_int8_qsgd4``: ``jc.fsdp_gather`` in each layer, the weights gathered from int8
   (``jc.codecs.BlockInt8``), the gradient reduce-scattered as 4-bit QSGD (7 levels, max
-  norm, buckets of 512) inside the layer's backward (item 4 with item 3).
+  norm, buckets of 512) inside the layer's backward (item 4 with item 3); the biases
+  are compressed too (``filter=`` every leaf), as ``zero_qsgd4`` compresses them.
 * ``fsdp_qsgd4``: the same with an exact float32 gather (item 4 alone).
 * ``zero_qsgd4``: all weights gathered up front (float32), the loss differentiated with
   respect to them (the model's full-size local gradient), then one compressed
@@ -103,7 +104,15 @@ def build(method: str, *, layers: int, width: int, lr: float = 0.01):
 
       def layer(xs):
         w, b, key = xs
-        return jc.fsdp_gather((w, b), axis_name=AXIS, key=key, weight_codec=wc, grad_codec=qsgd4)
+        # Every leaf compressed, biases too, as zero_qsgd4 compresses them.
+        return jc.fsdp_gather(
+          (w, b),
+          axis_name=AXIS,
+          key=key,
+          weight_codec=wc,
+          grad_codec=qsgd4,
+          filter=lambda path, leaf: True,
+        )
 
     def step(p, x, y):
       g = jax.grad(lambda p: mse(forward(layer, p["w"], p["b"], x, keys), y))(p)

@@ -137,14 +137,48 @@ def test_block_int8_bfloat16_and_zeros():
     jc.codecs.BlockInt8(block_size=0)
 
 
+def _bf16_bound_holds(x, out, step, y32=None):
+  """``|out - x| <= s/2 + 2^-8 |y|`` per value (half a step, then bfloat16's rounding of
+  the float32 decode ``y``, or of ``|x| + s/2`` where ``y`` is not given); returns the
+  largest error in steps."""
+  x, out = x.astype(jnp.float32), out.astype(jnp.float32)
+  y = jnp.abs(x) + step / 2 if y32 is None else jnp.abs(y32)
+  err = jnp.abs(out - x)
+  assert bool(jnp.all(err <= step * (0.5 + 1e-6) + 2.0**-8 * y)), float(jnp.max(err / step))
+  return float(jnp.max(err / step))
+
+
+def test_block_int8_bfloat16_within_half_a_step_plus_its_rounding():
+  """Decoded to bfloat16, a value is within half a step plus bfloat16's rounding of the
+  float32 decode (2^-8 of it): over 400 blocks of random bfloat16 values of scales from
+  1e-3 to 1e3. The bound is near tight: errors above 3/4 of a step occur (half a step, the
+  float32 bound, does not hold for bfloat16), and none reach a step."""
+  codec = jc.codecs.BlockInt8(block_size=64)
+  kx, ks = jax.random.split(jax.random.key(50))
+  scale = jnp.exp(jax.random.uniform(ks, (400, 1), minval=-7.0, maxval=7.0))
+  x = (jax.random.normal(kx, (400, 64)) * scale).astype(jnp.bfloat16).reshape(-1)
+  p = codec.encode(x)
+  out, y32 = codec.decode(p), codec.decode(p, jnp.float32)
+  assert out.dtype == jnp.bfloat16
+  step = jnp.repeat(jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(400, 64), axis=1) / 127, 64)
+  worst = _bf16_bound_holds(x, out, step, y32)
+  assert 0.75 < worst < 1.0, worst
+
+
 # ----------------------------------------------------------------------------- item 3
 
 
-def _gathered(codec, full):
+def _everything(path, leaf):
+  """A filter that compresses every leaf, however small."""
+  del path, leaf
+  return True
+
+
+def _gathered(codec, full, **kw):
   """Each device's gather of its shard of ``full`` (a dict of arrays), stacked (K, ...)."""
 
   def f(shards):
-    out = jc.gather_weights(shards, axis_name=AXIS, codec=codec)
+    out = jc.gather_weights(shards, axis_name=AXIS, codec=codec, **kw)
     return jax.tree.map(lambda a: a[None], out)
 
   m = helpers.mesh()
@@ -161,20 +195,28 @@ def test_gather_weights_exact_in_full_precision(codec):
       chex.assert_trees_all_equal(got[name][i], full[name])
 
 
-def test_gather_weights_int8_within_the_block_bound():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gather_weights_int8_within_the_block_bound(dtype):
   """Every device gets the same weights, each within half a step of its block (blocks
-  restart at each device's shard)."""
+  restart at each device's shard); bfloat16 shards within half a step plus bfloat16's
+  rounding of the result."""
   codec = jc.codecs.BlockInt8(block_size=32)
   full = {"w": jax.random.normal(jax.random.key(2), (64, 48)), "v": jnp.linspace(-3, 5, 8 * 40)}
-  got = _gathered(codec, full)
+  full = jax.tree.map(lambda a: a.astype(dtype), full)
+  got = _gathered(codec, full, filter=_everything)
   for name, x in full.items():
     for i in range(K):
       chex.assert_trees_all_equal(got[name][i], got[name][0])
-    shard_blocks = jnp.pad(jnp.abs(x).reshape(K, -1), ((0, 0), (0, 31))).reshape(K, -1)
+    shard_blocks = jnp.pad(jnp.abs(x.astype(jnp.float32)).reshape(K, -1), ((0, 0), (0, 31)))
+    shard_blocks = shard_blocks.reshape(K, -1)
     per = x.size // K
     nb = -(-per // 32)
     step = jnp.max(shard_blocks[:, : nb * 32].reshape(K, nb, 32), axis=2) / 127
     step = jnp.repeat(step, 32, axis=1)[:, :per].reshape(x.shape)
+    assert got[name].dtype == dtype
+    if dtype == jnp.bfloat16:
+      assert _bf16_bound_holds(x, got[name][0], step) > 0  # it is quantized
+      continue
     err = jnp.abs(got[name][0] - x)
     assert bool(jnp.all(err <= step * (0.5 + 1e-6))), name
     assert float(jnp.max(err)) > 0  # it is quantized
@@ -223,6 +265,117 @@ def test_gather_weights_gradient_is_local_and_full_size():
     )
 
 
+def test_default_gathers_are_dense_fsdp_bit_for_bit():
+  """Without a codec, jc.gather_weights and jc.fsdp_gather (forward and backward) are
+  dense FSDP bit for bit: int8 weights are the caller's choice, never a default."""
+  m = helpers.mesh()
+  full = {"w": jax.random.normal(jax.random.key(30), (64, 48)), "b": jnp.linspace(-1, 1, 64)}
+  x = jax.random.normal(jax.random.key(31), (K, 48))
+
+  def f(shards, x):
+    def loss(gather, s):
+      w = gather(s)
+      return jnp.sum(jnp.tanh(w["w"] @ x[0] + w["b"]))
+
+    dense = lambda s: jax.tree.map(lambda a: lax.all_gather(a, AXIS, tiled=True), s)  # noqa: E731
+    ours = [
+      lambda s: jc.gather_weights(s, axis_name=AXIS),
+      lambda s: jc.fsdp_gather(s, axis_name=AXIS),
+    ]
+    out = [g(shards) for g in (dense, *ours)]
+    # JAX transposes the all_gather into a psum_scatter (a sum): / K is the mean's shard
+    grads = [jax.tree.map(lambda a: a / K, jax.grad(functools.partial(loss, dense))(shards))]
+    grads.append(jax.grad(functools.partial(loss, ours[1]))(shards))
+    return jax.tree.map(lambda *a: jnp.stack(a)[None], *out), jax.tree.map(
+      lambda *a: jnp.stack(a)[None], *grads
+    )
+
+  run = jax.jit(jax.shard_map(f, mesh=m, in_specs=P(AXIS), out_specs=P(AXIS)))
+  out, grads = jax.device_get(run(put(m, full, P(AXIS)), put(m, x, P(AXIS))))
+  for name in full:
+    for i in range(K):
+      chex.assert_trees_all_equal(out[name][i, 0], full[name])
+      chex.assert_trees_all_equal(out[name][i, 1], full[name])
+      chex.assert_trees_all_equal(out[name][i, 2], full[name])
+    chex.assert_trees_all_equal(grads[name][:, 1], grads[name][:, 0])
+
+
+def test_small_leaves_go_dense_by_the_default_filter():
+  """With the int8 codec, jc.default_filter decides per leaf, from the full weight's
+  shape: a leaf of one value per device, a 1024-value bias and a (128, 4) matrix (512
+  values) are gathered exactly, in the same all_gather as the (1024, 2) matrix's int8
+  payload (compressed, though its shard has 256 values); no leaf costs more than its
+  dense bytes. filter= overrides it."""
+  shards = {
+    "one": jax.ShapeDtypeStruct((1,), jnp.float32),
+    "bias": jax.ShapeDtypeStruct((128,), jnp.float32),
+    "thin": jax.ShapeDtypeStruct((16, 4), jnp.float32),
+    "w": jax.ShapeDtypeStruct((128, 2), jnp.float32),
+  }
+  int8 = jc.codecs.BlockInt8()
+
+  def gather_ops(f, tree):
+    return wire.collective_ops(f, tree, axis_name=AXIS, num_devices=K)
+
+  ops = gather_ops(lambda s: jc.gather_weights(s, axis_name=AXIS, codec=int8), shards)
+  assert len(ops) == 1 and wire.canonical(ops[0].primitive) == "all_gather", ops
+  assert ops[0].operand_bytes == 4 * (1 + 128 + 64) + (256 + 4)  # dense, then codes + scale
+  alone = gather_ops(lambda s: jc.gather_weights(s, axis_name=AXIS, codec=int8), shards["one"])
+  assert [op.operand_bytes for op in alone] == [4]  # a float32, not an int8 code + a scale
+  forced = gather_ops(
+    lambda s: jc.gather_weights(s, axis_name=AXIS, codec=int8, filter=_everything), shards["one"]
+  )
+  assert [op.operand_bytes for op in forced] == [1 + 4]
+
+  def backward(s):  # the gradient of a small leaf: a dense psum_scatter, no QSGD payload
+    return jax.grad(lambda s: jnp.sum(jc.fsdp_gather(s, axis_name=AXIS, grad_codec=QSGD4)))(s)
+
+  ops = gather_ops(backward, shards["bias"])
+  assert [wire.canonical(op.primitive) for op in ops] == ["all_gather", "psum_scatter"], ops
+
+  full = {
+    name: jax.random.normal(jax.random.key(i), (K * a.shape[0],) + a.shape[1:])
+    for i, (name, a) in enumerate(shards.items())
+  }
+  got = _gathered(int8, full)
+  for name in ("one", "bias", "thin"):
+    for i in range(K):
+      chex.assert_trees_all_equal(got[name][i], full[name])
+  assert float(jnp.max(jnp.abs(got["w"][0] - full["w"]))) > 0  # int8, as asked
+
+
+def test_dense_leaves_move_in_their_own_dtype():
+  """A bfloat16 leaf the filter leaves dense costs dense FSDP's bytes both ways (2 a
+  value: its gather and its gradient's psum_scatter), and its gradient is dense FSDP's
+  bit for bit."""
+  shard = jax.ShapeDtypeStruct((16, 4), jnp.bfloat16)  # full (128, 4): 512 values
+
+  def backward(s, x):
+    loss = lambda s: jnp.sum(jnp.tanh(jc.fsdp_gather(s, axis_name=AXIS, grad_codec=QSGD4) @ x))  # noqa: E731
+    return jax.grad(loss)(s)
+
+  x = jax.ShapeDtypeStruct((4,), jnp.bfloat16)
+  ops = wire.collective_ops(backward, shard, x, axis_name=AXIS, num_devices=K)
+  assert [(wire.canonical(op.primitive), op.operand_bytes) for op in ops] == [
+    ("all_gather", 2 * 16 * 4),
+    ("psum_scatter", 2 * 128 * 4),
+  ], ops
+
+  def dense(s, x):
+    loss = lambda s: jnp.sum(jnp.tanh(lax.all_gather(s, AXIS, tiled=True) @ x))  # noqa: E731
+    return jax.grad(loss)(s) / jnp.asarray(K, jnp.bfloat16)
+
+  m = helpers.mesh()
+  w = put(m, jax.random.normal(jax.random.key(60), (128, 4)).astype(jnp.bfloat16), P(AXIS))
+  xs = put(m, jax.random.normal(jax.random.key(61), (K, 4)).astype(jnp.bfloat16), P(AXIS))
+  run = lambda f: jax.jit(  # noqa: E731
+    jax.shard_map(lambda s, x: f(s, x[0]), mesh=m, in_specs=P(AXIS), out_specs=P(AXIS))
+  )(w, xs)
+  got, want = run(backward), run(dense)
+  assert got.dtype == jnp.bfloat16
+  chex.assert_trees_all_equal(jax.device_get(got), jax.device_get(want))
+
+
 # ----------------------------------------------------------------------------- item 4
 
 
@@ -243,8 +396,10 @@ def test_per_layer_gradients_equal_dense_fsdp(grad_codec):
 
 
 def test_per_layer_exchange_is_compressed_inside_the_scan():
-  """One int8 all_gather per layer forward and again in its (rematerialized) backward,
-  one all_to_all of QSGD payloads per layer backward; no float32 gradient collective."""
+  """One all_gather per layer forward and again in its (rematerialized) backward, one
+  all_to_all of QSGD payloads per layer backward: the weight's int8 codes and QSGD
+  payload; the bias (32 values), which the default filter leaves dense, rides in the
+  same all_gather as float32 and takes a float32 psum_scatter of 4·32 bytes."""
   shards = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct((L, a.shape[1] // K) + a.shape[2:], a.dtype),
     _model(jax.random.key(0)),
@@ -258,11 +413,12 @@ def test_per_layer_exchange_is_compressed_inside_the_scan():
 
   ops = wire.merge_ops(wire.collective_ops(step, shards, keys, x, axis_name=AXIS, num_devices=K))
   by = {wire.canonical(op.primitive): op for op in ops}
-  assert set(by) == {"all_gather", "all_to_all"}, ops
+  assert set(by) == {"all_gather", "all_to_all", "psum_scatter"}, ops
   assert by["all_gather"].count == 2 * L and by["all_to_all"].count == L
-  rows = D // K * D + D // K  # values of one device's shard of a layer
-  assert by["all_gather"].operand_bytes == rows + 4 * 2  # int8 codes, a scale per block
-  dense_rs = (K - 1) / K * 4 * K * rows  # psum_scatter of the float32 layer gradient
+  assert by["psum_scatter"].count == L and by["psum_scatter"].operand_bytes == 4 * D
+  w_rows, b_rows = D // K * D, D // K  # values of one device's shard of a layer's w and b
+  assert by["all_gather"].operand_bytes == w_rows + 4 + 4 * b_rows  # codes, a scale, b
+  dense_rs = (K - 1) / K * 4 * K * w_rows  # psum_scatter of the float32 weight gradient
   assert by["all_to_all"].bytes_received / L < dense_rs / 6
 
 
@@ -319,10 +475,86 @@ def test_error_feedback_residual_is_what_was_not_sent():
     return jax.vmap(lambda r: codec.decode(codec.encode(r)))(rows).reshape(a.shape)
 
   for name in ("w", "b"):
-    s = jax.jit(jax.vmap(jax.vmap(sent)))(g[name])  # (K devices, L layers, ...)
+    # (K devices, L layers, ...); the default filter leaves the bias (32 values) dense:
+    # sent as it is, its residual stays zero.
+    s = jax.jit(jax.vmap(jax.vmap(sent)))(g[name]) if name == "w" else g[name]
     chex.assert_trees_all_close(fb1[name], g[name] - s, rtol=1e-5, atol=1e-6)
     mean = jnp.mean(s, axis=0)  # (L, D, ...): the shards' gradient, gathered
     chex.assert_trees_all_close(grads[name], mean, rtol=1e-5, atol=1e-6)
+
+
+def test_error_feedback_cannot_be_dropped_by_the_usual_grad():
+  """The new residuals come back only as the residuals' gradient: jax.grad(loss)(params,
+  feedback), which differentiates the shards alone, would drop them (error feedback
+  off, silently); it is refused when traced, scanned or not. Asking for both gradients
+  works (the residuals' values: test_error_feedback_residual_is_what_was_not_sent), and
+  so does a forward without differentiation."""
+  m = helpers.mesh()
+  codec = jc.codecs.ScaledSign(bucket_size=32)
+  spec = {"w": WSPEC, "b": WSPEC}
+  params = put(m, _model(jax.random.key(6)), spec)
+  x, y = _data(jax.random.key(7))
+  x, y = put(m, x, P(AXIS)), put(m, y, P(AXIS))
+  fb = put(m, {"w": jnp.zeros((K, L, D, D)), "b": jnp.zeros((K, L, D))}, P(AXIS))
+  keys = jax.random.split(jax.random.key(8), L)
+
+  def layer(xs):
+    w, b, ew, eb, key = xs
+    return jc.fsdp_gather((w, b), (ew, eb), axis_name=AXIS, key=key, grad_codec=codec)
+
+  def scanned(p, e, x, y):
+    return _mse(_forward(layer, p, x, (e["w"], e["b"], keys)), y)
+
+  def one_layer(p, e, x, y):  # the first layer alone, no scan
+    w, b = layer((p["w"][0], p["b"][0], e["w"][0], e["b"][0], keys[0]))
+    return _mse(x + jnp.tanh(x @ w + b), y)
+
+  def run(step):
+    def f(params, fb, x, y):
+      out = step(params, jax.tree.map(lambda a: a[0], fb), x, y)
+      return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+
+    return jax.jit(
+      jax.shard_map(f, mesh=m, in_specs=(spec, P(AXIS), P(AXIS), P(AXIS)), out_specs=P(AXIS))
+    )(params, fb, x, y)
+
+  for loss in (scanned, one_layer):
+    with pytest.raises(ValueError, match=r"argnums=\(0, 1\)"):
+      run(lambda *a, loss=loss: jax.grad(loss)(*a))
+    _, new = run(lambda *a, loss=loss: jax.grad(loss, argnums=(0, 1))(*a))
+    assert float(jnp.max(jnp.abs(new["w"]))) > 0  # the residuals come back
+    run(loss)  # a forward (evaluation) needs no gradient
+
+
+def test_one_residual_fed_to_two_gathers_is_refused():
+  """Tied weights gathered twice with the same residuals would add the residual to both
+  exchanges and sum their new residuals (the error sent twice): refused under
+  differentiation. Each gather with its own residuals, or a forward alone, is fine."""
+  m = helpers.mesh()
+  codec = jc.codecs.ScaledSign(bucket_size=32)
+  w = put(m, jax.random.normal(jax.random.key(40), (64, 16)), P(AXIS))
+  x = put(m, jax.random.normal(jax.random.key(41), (K, 16)), P(AXIS))
+
+  def gather(s, e):
+    return jc.fsdp_gather(s, e, axis_name=AXIS, grad_codec=codec)
+
+  def tied(s, e, x):  # an embedding used again as the output layer
+    return jnp.sum(jnp.tanh(gather(s, e) @ x[0]) @ gather(s, e))
+
+  def untied(s, es, x):
+    return jnp.sum(jnp.tanh(gather(s, es[0]) @ x[0]) @ gather(s, es[1]))
+
+  def run(f, e):
+    g = lambda s, e, x: jax.tree.map(lambda a: jnp.asarray(a)[None], f(s, e, x))  # noqa: E731
+    return jax.jit(jax.shard_map(g, mesh=m, in_specs=P(AXIS), out_specs=P(AXIS)))(w, e, x)
+
+  zeros = put(m, jnp.zeros((K, 64, 16)), P(AXIS))
+  with pytest.raises(ValueError, match="own residuals"):
+    run(lambda s, e, x: jax.grad(tied, argnums=(0, 1))(s, e[0], x), zeros)
+  run(lambda s, e, x: tied(s, e[0], x), zeros)  # a forward alone sends no gradient
+  pair = put(m, jnp.zeros((K, 2, 64, 16)), P(AXIS))
+  _, new = run(lambda s, e, x: jax.grad(untied, argnums=(0, 1))(s, e[0], x), pair)
+  assert new.shape == (K, 2, 64, 16) and float(jnp.max(jnp.abs(new[:, 1]))) > 0
 
 
 def params_layer_shards():
@@ -406,23 +638,29 @@ def test_bad_input_errors_clearly():
   def run(f, *args, specs):
     return jax.jit(jax.shard_map(f, mesh=m, in_specs=specs, out_specs=P(AXIS)))(*args)
 
-  w = put(m, jnp.ones((16, 4)), P(AXIS))
+  w = put(m, jnp.ones((64, 16)), P(AXIS))  # 1024 values: the default filter compresses it
   with pytest.raises(ValueError, match="feedback leaf 0 must be a float array of the gathered"):
     run(
-      lambda s: jc.fsdp_gather(s, jnp.zeros((3, 4)), axis_name=AXIS, grad_codec=QSGD4),
+      lambda s: jc.fsdp_gather(s, jnp.zeros((3, 16)), axis_name=AXIS, grad_codec=QSGD4),
       w,
       specs=P(AXIS),
     )
   with pytest.raises(ValueError, match="feedback leaf 0 is replicated over axis"):
     run(
-      lambda s: jc.fsdp_gather(s, jnp.zeros((16, 4)), axis_name=AXIS, grad_codec=QSGD4),
+      lambda s: jc.fsdp_gather(s, jnp.zeros((64, 16)), axis_name=AXIS, grad_codec=QSGD4),
+      w,
+      specs=P(AXIS),
+    )
+  with pytest.raises(ValueError, match="feedback has nothing to correct"):
+    run(
+      lambda s: jc.fsdp_gather(s[:, :1], jnp.zeros((8, 1)), axis_name=AXIS, grad_codec=QSGD4),
       w,
       specs=P(AXIS),
     )
   with pytest.raises(ValueError, match="shards leaf 0 is replicated over axis"):
     run(lambda s: jc.fsdp_gather(s, axis_name=AXIS)[None], jnp.ones((2, 4)), specs=P())
   with pytest.raises(ValueError, match="feedback needs a grad_codec"):
-    run(lambda s: jc.fsdp_gather(s, jnp.zeros((16, 4)), axis_name=AXIS), w, specs=P(AXIS))
+    run(lambda s: jc.fsdp_gather(s, jnp.zeros((64, 16)), axis_name=AXIS), w, specs=P(AXIS))
   with pytest.raises(ValueError, match="scalar"):
     run(lambda s: jc.gather_weights(s[0, 0], axis_name=AXIS)[None], w, specs=P(AXIS))
   with pytest.raises(ValueError, match="floating-point"):
@@ -550,7 +788,7 @@ def test_step_wire_report_prices_a_per_layer_step_against_dense_fsdp():
     compressed, shards, keys, x, axis_name=AXIS, num_devices=K, baseline=dense
   )
   by = {wire.canonical(op.primitive): op for op in report.ops}
-  assert set(by) == {"all_gather", "all_to_all"}, report.ops
+  assert set(by) == {"all_gather", "all_to_all", "psum_scatter"}, report.ops  # b: dense
   assert report.bytes_received == sum(op.bytes_received for op in report.ops)
   alone = jc.step_wire_report(dense, shards, keys, x, axis_name=AXIS, num_devices=K)
   assert report.dense_bytes == alone.bytes_received > 2 * report.bytes_received

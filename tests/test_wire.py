@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -75,3 +76,48 @@ def test_dense_leaves_are_counted_as_psum():
 def test_wire_report_needs_an_axis():
   with pytest.raises(ValueError):
     jc.wire_report(jc.qsgd(), BIG, axis_name=None, num_devices=8)
+
+
+def test_dense_baseline_is_in_each_leafs_own_dtype():
+  """The dense baseline prices each leaf in its dtype: 2 bytes a value for bfloat16. A
+  dense exchange of a bfloat16 model (the filter leaves every leaf out) is then 1.00x,
+  and 4-bit QSGD of a bfloat16 matrix half its float32 ratio."""
+  n = 1024 * 1024
+  mixed = {
+    "w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+    "v": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
+  }
+  q4 = _report(jc.qsgd(bits=4, bucket_size=512, axis_name=AXIS, collective="two_phase"), mixed)
+  assert q4.dense_bytes == 2 * 7 / 8 * (2 + 4) * n
+  assert "dense bfloat16/float32" in str(q4)
+  bf16 = {"w": mixed["w"]}
+  dense = _report(
+    jc.compress(jc.codecs.Identity(), axis_name=AXIS, filter=lambda path, leaf: False), bf16
+  )
+  assert dense.bytes_received == dense.dense_bytes == 2 * 7 / 8 * 2 * n
+  assert dense.ratio == 1.0 and "dense bfloat16" in str(dense)
+  q4_bf16 = _report(jc.qsgd(bits=4, bucket_size=512, axis_name=AXIS, collective="two_phase"), bf16)
+  assert q4_bf16.ratio == pytest.approx(16 / (4 + 32 / 512), rel=1e-3)  # 3.94x
+  scattered = jc.wire_report(
+    jc.qsgd(bits=4, axis_name=AXIS, collective="reduce_scatter", param_specs={"w": P(AXIS)}),
+    bf16,
+    axis_name=AXIS,
+    num_devices=8,
+    param_specs={"w": P(AXIS)},
+  )
+  assert scattered.dense_bytes == 7 / 8 * 2 * n  # a bfloat16 psum_scatter
+
+
+def test_step_wire_report_baseline_is_the_baseline_steps_own_bytes():
+  """jc.step_wire_report reads the baseline's bytes off its trace: a bfloat16 dense FSDP
+  gather costs (K-1)·2 bytes a value of the shard, not float32's 4."""
+  shard = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+  report = jc.step_wire_report(
+    lambda s: jc.gather_weights(s, axis_name=AXIS, codec=jc.codecs.BlockInt8()),
+    shard,
+    axis_name=AXIS,
+    num_devices=8,
+    baseline=lambda s: jax.lax.all_gather(s, AXIS, tiled=True),
+  )
+  assert report.dense_bytes == 7 * 128 * 64 * 2
+  assert report.bytes_received == 7 * (128 * 64 + 4 * 32)  # int8 codes, 32 float32 scales

@@ -4,7 +4,9 @@ Under FSDP/ZeRO-3 each device holds a shard of every weight (cut along its first
 as ``P("data")`` cuts it) and all-gathers the full weight before using it. The gather is
 the forward's traffic; sending the shards as round-to-nearest int8 with one float32
 scale per block moves about a quarter of the bytes, deterministically (the same bits
-on every step for the same weights, no key).
+on every step for the same weights, no key). The forward then computes with rounded
+weights, so the int8 gather is the caller's choice (``codec=BlockInt8()``), as ZeRO++
+makes qwZ opt-in; by default the gather is exact.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jaxcomp._src.codecs.base import _check_float
 from jaxcomp._src.codecs.base import buckets
 from jaxcomp._src.codecs.base import check_positive_int
 from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.plumbing import treeutil
 from jaxcomp._src.plumbing.arith import row_absmax_finite
 from jaxcomp._src.plumbing.arith import to_buckets
 from jaxcomp._src.plumbing.phases import DECODE_SCOPE
@@ -44,10 +47,15 @@ class BlockInt8(Codec):
     s = \max_i |v_i| / 127, \qquad q_i = \mathrm{round}(v_i / s) \in [-127, 127],
     \qquad \hat v_i = s \, q_i,
 
-  so every decoded value is within ``s / 2 = max|v| / 254`` of its input (plus float32
-  rounding of the division). It is deterministic and biased; for weights that is the
-  point: the forward sees the same weights on every device and every call. A block
-  holding a NaN or an infinity gets a NaN scale and decodes to NaN, never hidden.
+  so every value decoded in float32 is within ``s / 2 = max|v| / 254`` of its input
+  (plus float32 rounding of the division). Decoded to a narrower dtype, ``s q_i`` is
+  then rounded to it: for bfloat16 (8 significant bits) the error bound is
+  ``s / 2 + 2^{-8} |s q_i|``, at most ``s / 2 + 127 s / 256``, just under one step
+  ``s`` at the block's largest values (no decode can do better in general: the nearest
+  bfloat16 to ``s q_i`` is all that dtype can hold). It is deterministic and biased;
+  for weights that is the point: the forward sees the same weights on every device and
+  every call. A block holding a NaN or an infinity gets a NaN scale and decodes to NaN,
+  never hidden.
 
   Wire format: ``n`` int8 codes and ``ceil(n / block_size)`` float32 scales, i.e.
   ``8 + 32 / block_size`` bits per value.
@@ -91,8 +99,19 @@ class BlockInt8(Codec):
     return (q * payload.arrays["scales"][:, None]).reshape(-1)[:n]
 
 
-#: The default codec of the weight all-gather (round to nearest: deterministic).
-DEFAULT_WEIGHT_CODEC = BlockInt8()
+def compressed_leaves(filter_fn, shards, k: int) -> tuple[bool, ...]:
+  """For each leaf of ``shards``, whether ``filter_fn`` compresses it (a static tuple).
+
+  The filter (``None``: :func:`jaxcomp.default_filter`) is asked of the *full* weight,
+  ``(K·n0, ...)`` in the shard's dtype, so a leaf is compressed or not whatever the
+  number of devices cuts it into: a bias of 1024 values stays a bias on 8 devices.
+  """
+  fn = treeutil.default_filter if filter_fn is None else filter_fn
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(shards)[0]:
+    full = jax.ShapeDtypeStruct((k * x.shape[0],) + tuple(x.shape[1:]), x.dtype)
+    out.append(treeutil.selected(fn, path, full))
+  return tuple(out)
 
 
 def check_shards(shards, k: int, what: str = "shards") -> None:
@@ -111,18 +130,22 @@ def check_shards(shards, k: int, what: str = "shards") -> None:
       )
 
 
-def gather_leaves(codec: Codec | None, shards: list, axis_name, key: Array | None) -> list:
+def gather_leaves(
+  codec: Codec | None, shards: list, axis_name, key: Array | None, compressed: tuple[bool, ...]
+) -> list:
   """The full weights from this device's ``shards`` (a list), concatenated along axis 0.
 
-  Every shard is encoded with ``codec``, all payloads go in one fused ``all_gather``
-  (:func:`jaxcomp._src.exchanges.collectives.gather_tree`), and the K payloads of each leaf are
-  decoded in rank order; ``codec=None`` gathers each leaf as it is (a tiled
-  ``all_gather``, as dense FSDP does). The result is typed varying over the
-  axis (no data movement): the loss differentiated with respect to it then gives each
-  device its *local* gradient, not one already summed over devices.
+  The shards ``compressed`` marks are encoded with ``codec``; their payloads and the
+  other shards, as they are, go in one fused ``all_gather``
+  (:func:`jaxcomp._src.exchanges.collectives.gather_tree`, exactly their bytes), and the
+  K payloads of each leaf are decoded in rank order. With no leaf to compress
+  (``codec=None``, or the filter leaves every one out) each leaf is gathered as it is,
+  one tiled ``all_gather`` each, as dense FSDP does. The result is typed varying over
+  the axis (no data movement): the loss differentiated with respect to it then gives
+  each device its *local* gradient, not one already summed over devices.
   """
   k = collectives.axis_size(axis_name)
-  if codec is None:
+  if codec is None or not any(compressed):
     # The float gather as dense FSDP writes it, one tiled all_gather per leaf: fused
     # into one buffer of words, the leaves would be copied in and out of it, a full
     # layer's extra copy at the peak of the step.
@@ -134,12 +157,14 @@ def gather_leaves(codec: Codec | None, shards: list, axis_name, key: Array | Non
     base = jax.random.fold_in(key, lax.axis_index(axis_name))
     keys = list(jax.random.split(base, len(shards)))
   with jax.named_scope(ENCODE_SCOPE):
-    payloads = [codec.encode(x, key=kk) for x, kk in zip(shards, keys)]
-  gathered = collectives.gather_tree(payloads, axis_name)
+    # The leaves left dense ride in the same collective (one latency, not two); they
+    # are small by the filter's choice, so copying them into its buffer costs nothing.
+    sent = [codec.encode(x, key=kk) if c else x for x, kk, c in zip(shards, keys, compressed)]
+  gathered = collectives.gather_tree(sent, axis_name)
   out = []
   with jax.named_scope(DECODE_SCOPE):
-    for x, g in zip(shards, gathered):
-      parts = jax.vmap(lambda p: codec.decode(p, x.dtype))(g)
+    for x, g, c in zip(shards, gathered, compressed):
+      parts = jax.vmap(lambda p, x=x: codec.decode(p, x.dtype))(g) if c else g
       out.append(parts.reshape((k * x.shape[0],) + x.shape[1:]))
   return collectives.vary(out, axis_name)
 
@@ -153,15 +178,20 @@ def _not_differentiable(*_):
   )
 
 
-def gather_weights(shards, *, axis_name, codec: Codec | None = DEFAULT_WEIGHT_CODEC, key=None):
-  """All-gathers parameter shards into full weights from a compressed payload (qwZ).
+def gather_weights(shards, *, axis_name, codec: Codec | None = None, key=None, filter=None):  # pylint: disable=redefined-builtin
+  """All-gathers parameter shards into full weights, exactly or from a compressed payload.
 
   Call inside ``jax.shard_map`` over ``axis_name``; each leaf of ``shards`` is this
   device's slice of a weight cut along its first axis (``P(axis_name)``), and comes back
   as the full weight ``(K·n0, ...)``, in the shard's dtype, the K slices in rank order.
-  The bytes on the wire are the payload's arrays: int8 codes plus a float32 scale per
-  block with the default :class:`BlockInt8` (``jc.wire_report`` and
-  ``plumbing.collective_trace.collective_ops`` read them off the traced ``all_gather``).
+  By default the gather is exact (``lax.all_gather(tiled=True)``, bit for bit dense
+  FSDP's). ``codec=jc.codecs.BlockInt8()`` sends int8 codes plus a float32 scale per
+  block instead (ZeRO++'s qwZ, about a quarter of float32's bytes), and the forward
+  computes with weights rounded to within the codec's bound; ``jc.wire_report`` and
+  ``plumbing.collective_trace.collective_ops`` read the bytes off the traced
+  ``all_gather``. Leaves that ``filter`` leaves out (by default biases, norms' scales,
+  every leaf under 1024 values) are gathered as they are, in the same collective: for
+  them, a payload's per-block scales would cost more than they save.
 
   The result is typed varying over the axis, so ``jax.grad`` of the loss with respect
   to it is each device's *full-size local* gradient: hand it to a transform with
@@ -173,11 +203,14 @@ def gather_weights(shards, *, axis_name, codec: Codec | None = DEFAULT_WEIGHT_CO
   Args:
     shards: a pytree of floating-point arrays, each this device's shard.
     axis_name: the data axis the shards are cut over.
-    codec: the codec of the weights on the wire; :class:`~jaxcomp.codecs.BlockInt8`
-      (round to nearest, deterministic) by default, ``None`` or
-      :class:`~jaxcomp.codecs.Identity` for the exact full-precision gather, or any
-      jaxcomp codec (a stochastic one needs ``key``).
+    codec: the codec of the weights on the wire: ``None`` (the default) or
+      :class:`~jaxcomp.codecs.Identity` for the exact full-precision gather,
+      :class:`~jaxcomp.codecs.BlockInt8` (round to nearest, deterministic) for qwZ, or
+      any jaxcomp codec (a stochastic one needs ``key``).
     key: a PRNG key for stochastic codecs (folded with the device index).
+    filter: ``filter(path, leaf) -> bool``, which leaves ``codec`` compresses, asked of
+      the full weight's shape and dtype (``jax.ShapeDtypeStruct``, not the shard's);
+      ``None`` is :func:`jaxcomp.default_filter`, as for :func:`jaxcomp.compress`.
 
   Returns:
     The full weights, a pytree like ``shards``.
@@ -189,9 +222,10 @@ def gather_weights(shards, *, axis_name, codec: Codec | None = DEFAULT_WEIGHT_CO
   k = collectives.axis_size(axis_name)
   check_shards(shards, k)
   leaves, treedef = jax.tree.flatten(shards)
+  compressed = compressed_leaves(filter, shards, k)
 
   def plain(xs, kk):
-    return gather_leaves(codec, xs, axis_name, kk)
+    return gather_leaves(codec, xs, axis_name, kk, compressed)
 
   gather = jax.custom_vjp(plain)
   gather.defvjp(lambda xs, kk: (plain(xs, kk), None), _not_differentiable)

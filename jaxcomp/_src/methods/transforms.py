@@ -20,37 +20,11 @@ from jaxcomp._src.codecs import wangni
 from jaxcomp._src.exchanges import collectives
 from jaxcomp._src.exchanges import pipeline
 from jaxcomp._src.plumbing import treeutil
+from jaxcomp._src.plumbing.treeutil import default_filter as default_filter
 
 Array = jax.Array
 _F32 = jnp.float32
 FilterFn = Callable[[tuple, Array], bool]
-
-
-def default_filter(path: tuple, leaf: Array) -> bool:
-  """Compress leaves with at least 1024 elements and at least 2 dimensions.
-
-  Biases, norms' scales and small tensors go through a dense ``pmean``: they are a
-  negligible share of the bytes and the most sensitive to quantization. The thresholds
-  are jaxcomp's choice, the default of every method; the papers each draw the line
-  their own way:
-
-  * QSGD (Alistarh et al., §5) leaves tensors of fewer than 10K values unquantized,
-    whatever their rank; ``filter=lambda path, leaf: leaf.size >= 10_000`` does the same;
-  * DGC's reference code (Lin et al.) compresses the tensors of more than one dimension
-    and sends the others dense, whatever their size;
-  * 1-bit SGD (Seide et al., §3) quantizes the models' gradient matrices, column by
-    column, and sets no size threshold;
-  * EF-signSGD (Karimireddy et al., Algorithm 1) compresses the whole gradient.
-
-  Args:
-    path: the leaf's key path (unused).
-    leaf: the gradient leaf (only its shape is read).
-
-  Returns:
-    Whether the leaf is compressed.
-  """
-  del path
-  return leaf.ndim >= 2 and leaf.size >= 1024
 
 
 class CompressState(NamedTuple):

@@ -25,6 +25,36 @@ def check_leaf(path, leaf, what: str = "jaxcomp transforms need floating-point g
     raise TypeError(f"{what}; the leaf at {jax.tree_util.keystr(path)} has dtype {dtype}")
 
 
+def default_filter(path: tuple, leaf) -> bool:
+  """Compress leaves with at least 1024 elements and at least 2 dimensions.
+
+  Biases, norms' scales and small tensors go through a dense ``pmean`` (or, under
+  :func:`jaxcomp.fsdp_gather` and :func:`jaxcomp.gather_weights`, a dense gather and
+  reduce-scatter): they are a negligible share of the bytes, the most sensitive to
+  quantization, and a payload's per-block scales would cost more than they save. The thresholds
+  are jaxcomp's choice, the default of every method; the papers each draw the line
+  their own way:
+
+  * QSGD (Alistarh et al., §5) leaves tensors of fewer than 10K values unquantized,
+    whatever their rank; ``filter=lambda path, leaf: leaf.size >= 10_000`` does the same;
+  * DGC's reference code (Lin et al.) compresses the tensors of more than one dimension
+    and sends the others dense, whatever their size;
+  * 1-bit SGD (Seide et al., §3) quantizes the models' gradient matrices, column by
+    column, and sets no size threshold;
+  * EF-signSGD (Karimireddy et al., Algorithm 1) compresses the whole gradient.
+
+  Args:
+    path: the leaf's key path (unused).
+    leaf: the gradient leaf, or an array-like with its shape (only ``ndim`` and ``size``
+      are read; the FSDP gathers pass the full weight's shape, not the shard's).
+
+  Returns:
+    Whether the leaf is compressed.
+  """
+  del path
+  return leaf.ndim >= 2 and leaf.size >= 1024
+
+
 def selected(filter_fn, path, leaf) -> bool:
   """``filter_fn(path, leaf)`` as a Python bool.
 

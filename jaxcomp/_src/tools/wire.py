@@ -15,8 +15,9 @@ psum_scatter       (K-1)/K·B
 ppermute           B
 =================  ====================
 
-and as much is sent. The dense baseline is a float32 ``pmean`` of every parameter (a
-float32 ``psum_scatter`` of a leaf sharded over the data axis).
+and as much is sent. The dense baseline is a ``pmean`` of every parameter in its own
+dtype (2 bytes a value for a bfloat16 leaf, 4 for float32), as plain JAX would exchange
+its gradient (a ``psum_scatter`` of a leaf sharded over the data axis).
 Of a ``lax.cond``/``lax.switch`` only the branch that moves the most bytes is counted
 (one branch runs per step; e.g. the first warm-up stage of :func:`jaxcomp.dgc`), so the
 report is an upper bound there; report the steady state of such a transform without it
@@ -48,7 +49,8 @@ from jaxcomp._src.tools import specs
 
 @dataclasses.dataclass(frozen=True)
 class WireReport:
-  """Bytes per device per step of a transform's collectives, vs a dense float32 pmean."""
+  """Bytes per device per step of a transform's collectives, vs a dense pmean (or a
+  baseline step)."""
 
   num_devices: int
   bytes_sent: float
@@ -56,8 +58,9 @@ class WireReport:
   dense_bytes: float
   ops: tuple[CollectiveOp, ...]
   fallback_bytes: float = 0.0  # bytes of the rare fallback path, when it is taken
-  # What dense_bytes prices: None for the dense float32 exchange of wire_report; the
-  # baseline's name for step_wire_report (NaN dense_bytes when it had none).
+  # What dense_bytes prices: the dense exchange of wire_report in the leaves' dtypes
+  # ("dense float32"; None reads the same); the baseline's name for step_wire_report
+  # (NaN dense_bytes when it had none).
   baseline: str | None = None
 
   @property
@@ -107,10 +110,11 @@ def wire_report(
   bytes are read from the operands of the collectives in the traced program, and priced
   by the ring convention in this module's docstring; a collective that runs once every
   ``n`` steps (the sync of :func:`jaxcomp.diloco`) counts ``1/n`` of its bytes. The
-  dense baseline is ``lax.pmean`` of every leaf of ``params`` in float32:
-  ``2(K-1)/K · 4 · N`` bytes; for the leaves ``param_specs`` shard over ``axis_name``
-  (a ``collective="reduce_scatter"`` exchange, which returns this device's shard) it is
-  a float32 ``psum_scatter``: ``(K-1)/K · 4 · N``.
+  dense baseline is ``lax.pmean`` of every leaf of ``params`` in the leaf's own dtype,
+  of itemsize b (4 for float32, 2 for bfloat16): ``2(K-1)/K · b · N`` bytes; for the
+  leaves ``param_specs`` shard over ``axis_name`` (a ``collective="reduce_scatter"``
+  exchange, which returns this device's shard) it is a ``psum_scatter``:
+  ``(K-1)/K · b · N``.
 
   Args:
     tx: an ``optax.GradientTransformation`` (e.g. a chain starting with ``jc.qsgd``).
@@ -168,10 +172,13 @@ def wire_report(
   fallback = float(sum(op.bytes_received for op in ops if op.fallback))
   k = num_devices
   dense = 0.0
-  for spec, shape in zip(layout.specs, layout.full):
+  for spec, shape, p in zip(layout.specs, layout.full, leaves):
     n = int(np.prod(shape, dtype=np.int64))
     scattered = specs.data_sharded(spec, axis_name)
-    dense += (1 if scattered else 2) * (k - 1) / k * 4 * n
+    # A bfloat16 model's gradients are exchanged in bfloat16 by plain JAX: pricing them
+    # as float32 would double the baseline and every ratio against it.
+    dense += (1 if scattered else 2) * (k - 1) / k * jnp.dtype(p.dtype).itemsize * n
+  dtypes = sorted({jnp.dtype(p.dtype).name for p in leaves})
   return WireReport(
     num_devices=k,
     bytes_sent=received,
@@ -179,6 +186,7 @@ def wire_report(
     dense_bytes=dense,
     ops=merge_ops(ops),
     fallback_bytes=fallback,
+    baseline="dense " + "/".join(dtypes),
   )
 
 
