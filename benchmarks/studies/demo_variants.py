@@ -99,26 +99,25 @@ VARIANTS = {
     "mipd",
     lambda c, k, steady: jc.mipd(0.5, predict_from="compensated", axis_name=AXIS),
   ),
-  # 1-bit Adam: the demo's row is onebit_adam_demo (Algorithm 1, 20% warm-up, the
-  # momentum bound); the others without the bound, or compressing m / sqrt(v).
+  # 1-bit Adam: the demo's row is onebit_adam_demo (m / sqrt(v) compressed, 20% warm-up,
+  # the momentum bound); the others without the bound, or Algorithm 1 ("momentum").
   "onebit_adam_demo": ("onebit_adam", lambda c, k, steady: _onebit_adam(c, steady)),
   "onebit_adam_unbounded": (
     "onebit_adam",
     lambda c, k, steady: _onebit_adam(c, steady, bound_momentum=False),
   ),
-  "onebit_adam_preconditioned": (
+  "onebit_adam_momentum": (
     "onebit_adam",
-    lambda c, k, steady: _onebit_adam(c, steady, compress="preconditioned"),
+    lambda c, k, steady: _onebit_adam(c, steady, compress="momentum"),
   ),
-  "onebit_adam_preconditioned_unbounded": (
+  "onebit_adam_momentum_unbounded": (
     "onebit_adam",
-    lambda c, k, steady: _onebit_adam(c, steady, compress="preconditioned", bound_momentum=False),
+    lambda c, k, steady: _onebit_adam(c, steady, compress="momentum", bound_momentum=False),
   ),
-  "onebit_adam_half_preconditioned_unbounded": (
+  "onebit_adam_half": ("onebit_adam", lambda c, k, steady: _onebit_adam(c, steady, freeze=0.5)),
+  "onebit_adam_half_unbounded": (
     "onebit_adam",
-    lambda c, k, steady: _onebit_adam(
-      c, steady, freeze=0.5, compress="preconditioned", bound_momentum=False
-    ),
+    lambda c, k, steady: _onebit_adam(c, steady, freeze=0.5, bound_momentum=False),
   ),
 }
 

@@ -214,9 +214,10 @@ def make_onebit_adam(config, *, warmup: bool = True) -> optax.GradientTransforma
 
   The first ``config.onebit_adam_freeze`` of the updates are the full-precision
   warm-up (the paper's 15-25%), after which ``v`` is frozen and the step direction
-  ``m / sqrt(v)`` crosses the wire at 1 bit (``compress="preconditioned"``, as in the
-  MNIST-1D demo). No clipping: the gradient stays local. ``warmup=False``: the
-  compression stage from the first update (for byte counts).
+  ``m / sqrt(v)`` crosses the wire at 1 bit (``compress="preconditioned"``), held to
+  Adam's momentum bound (``jc.onebit_adam``'s default). No clipping: the gradient stays
+  local. ``warmup=False``: the compression stage from the first update (for byte
+  counts).
   """
   freeze = max(1, round(config.onebit_adam_freeze * config.num_steps)) if warmup else 0
   return jc.onebit_adam(

@@ -55,6 +55,10 @@ OPTIMIZER_IN_EXCHANGE = ("onebit_adam",)
 # v is frozen at a loss near zero on this small model, so the compressed stage relies on
 # jc.onebit_adam's momentum bound (docs/methods/onebit_adam.md).
 ONEBIT_ADAM_FREEZE = 0.2
+# What 1-bit Adam compresses: the step direction m / sqrt(v). The frozen v of this ReLU
+# CNN spans orders of magnitude within a kernel, where a scaled sign of the momentum
+# itself (Algorithm 1, "momentum") gives the small-v coordinates the largest steps.
+ONEBIT_ADAM_COMPRESS = "preconditioned"
 
 # Exchanges whose state is identical on every device (MIPD's prediction is updated from
 # the aggregated gradient only): kept replicated, not wrapped in jc.per_device_state.
@@ -144,17 +148,18 @@ def make_onebit_adam(config, *, warmup: bool = True, **kwargs) -> optax.Gradient
   is ``"adamw"`` (the rate is then already an Adam one) and at
   ``config.adam_learning_rate`` otherwise (the default's rate is SGD's); weight decay is
   ``config.weight_decay``, decoupled as in ``optax.adamw``. The first
-  ``ONEBIT_ADAM_FREEZE`` of the steps are the full-precision warm-up; after it the
-  momentum is compressed as in Algorithm 1 (``jc.onebit_adam``'s defaults, momentum
-  bound included). There is no clipping: the gradient is local, and in the compression
-  stage no mean gradient exists to clip (Adam's steps are normalized by ``sqrt(v)``
-  anyway). ``warmup=False`` gives the compression stage alone (``freeze_step=0``, for
+  ``ONEBIT_ADAM_FREEZE`` of the steps are the full-precision warm-up; after it the step
+  direction is compressed (``ONEBIT_ADAM_COMPRESS``), held to Adam's momentum bound
+  (``jc.onebit_adam``'s default). There is no clipping: the gradient is local, and in
+  the compression stage no mean gradient exists to clip (Adam's steps are normalized by
+  ``sqrt(v)`` anyway). ``warmup=False`` gives the compression stage alone (``freeze_step=0``, for
   byte counts); ``config`` ``None`` a constant rate of 1e-3 (for byte counts too).
   ``kwargs`` go to ``jc.onebit_adam``, over the demo's (e.g. ``bound_momentum=False``,
   another ``freeze_step``).
   """
   if config is None:
-    return jc.onebit_adam(1e-3, freeze_step=1 if warmup else 0, axis_name=AXIS, **kwargs)
+    options = dict(freeze_step=1 if warmup else 0, compress=ONEBIT_ADAM_COMPRESS, axis_name=AXIS)
+    return jc.onebit_adam(1e-3, **{**options, **kwargs})
   peak = config.learning_rate if config.optimizer == "adamw" else config.adam_learning_rate
   warmup_cosine = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
@@ -164,7 +169,12 @@ def make_onebit_adam(config, *, warmup: bool = True, **kwargs) -> optax.Gradient
   )
   schedule = lambda count: warmup_cosine(jnp.asarray(count, jnp.float32))
   freeze_step = max(1, round(ONEBIT_ADAM_FREEZE * config.num_steps)) if warmup else 0
-  options = dict(freeze_step=freeze_step, weight_decay=config.weight_decay, axis_name=AXIS)
+  options = dict(
+    freeze_step=freeze_step,
+    weight_decay=config.weight_decay,
+    compress=ONEBIT_ADAM_COMPRESS,
+    axis_name=AXIS,
+  )
   return jc.onebit_adam(schedule, **{**options, **kwargs})
 
 
