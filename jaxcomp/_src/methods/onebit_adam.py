@@ -307,6 +307,11 @@ def _init(opts: _Options, params) -> OneBitAdamState:
     else:
       worker.append(optax.MaskedNode())
       server.append(optax.MaskedNode())
+  pipeline.warn_if_nothing_compressed(
+    "jc.onebit_adam",
+    [not isinstance(w, optax.MaskedNode) for w in worker],
+    pipeline.filter_rule(opts.filter_fn, transforms.default_filter),
+  )
   return OneBitAdamState(
     count=jnp.zeros((), jnp.int32),
     m=treedef.unflatten(moments),
@@ -491,7 +496,7 @@ def scale_by_onebit_adam(
   bias_correction: bool = True,
   bucket_size: int | None = None,
   compress: str = "momentum",
-  axis_name: Any = None,
+  axis_name: Any = transforms.AXIS_REQUIRED,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""Rescales local gradients by 1-bit Adam's step direction, exchange included.
@@ -525,7 +530,7 @@ def scale_by_onebit_adam(
 
   Example:
     >>> import jax.numpy as jnp, jaxcomp as jc
-    >>> tx = jc.scale_by_onebit_adam(freeze_step=100)
+    >>> tx = jc.scale_by_onebit_adam(freeze_step=100, axis_name=None)  # one device
     >>> state = tx.init({"w": jnp.ones((64, 32))})
     >>> updates, state = tx.update({"w": jnp.ones((64, 32))}, state)
     >>> round(float(updates["w"][0, 0]), 4)  # Adam's first direction: sign(g)
@@ -535,6 +540,7 @@ def scale_by_onebit_adam(
     Tang et al. *1-bit Adam: Communication Efficient Large-Scale Training with Adam's
     Convergence Speed*. ICML 2021, Algorithm 1. https://arxiv.org/abs/2102.02888
   """
+  transforms.require_axis_name(axis_name, "jc.scale_by_onebit_adam")
   _check_options(None, freeze_step, b1, b2, eps, None, bucket_size, compress)
   opts = _Options(
     freeze_step=int(freeze_step),
@@ -569,7 +575,7 @@ def onebit_adam(
   bias_correction: bool = True,
   bucket_size: int | None = None,
   compress: str = "momentum",
-  axis_name: Any = None,
+  axis_name: Any = transforms.AXIS_REQUIRED,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""1-bit Adam: Adam whose momentum is exchanged 1-bit with two-stage error feedback.
@@ -691,7 +697,8 @@ def onebit_adam(
     bucket_size: values per scale (see above); ``None``: DeepSpeed's.
     compress: ``"momentum"`` (Algorithm 1, DeepSpeed) or ``"preconditioned"`` (see
       above).
-    axis_name: the mapped axis to average over, or ``None`` (local simulation).
+    axis_name: the mapped axis to average over (required), or ``None``: the explicit
+      one-device simulation, which exchanges nothing.
     filter: ``filter(path, leaf) -> bool`` choosing the compressed leaves; defaults to
       :func:`jaxcomp.default_filter`.
 
@@ -700,7 +707,7 @@ def onebit_adam(
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxcomp as jc
-    >>> tx = jc.onebit_adam(1e-3, freeze_step=100)
+    >>> tx = jc.onebit_adam(1e-3, freeze_step=100, axis_name=None)  # one device
     >>> params = {"w": jnp.ones((64, 32))}
     >>> state = tx.init(params)
     >>> updates, state = tx.update({"w": jnp.ones((64, 32))}, state, params)
@@ -712,6 +719,7 @@ def onebit_adam(
     Efficient Large-Scale Training with Adam's Convergence Speed*. ICML 2021, Algorithm 1
     and Section 4. https://arxiv.org/abs/2102.02888
   """
+  transforms.require_axis_name(axis_name, "jc.onebit_adam")
   _check_options(learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress)
   core = scale_by_onebit_adam(
     freeze_step=freeze_step,
