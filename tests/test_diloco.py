@@ -443,7 +443,7 @@ def test_exchange_over_another_axis_is_refused():
     optax.sgd(1.0),
     sync_every=2,
     axis_name=AXIS,
-    exchange=jc.qsgd(bits=4, axis_name="other"),
+    exchange=jc.qsgd(bits=4, axis_name="other", collective="allgather"),
   )
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=4)
 
@@ -468,7 +468,7 @@ def test_exchange_over_another_axis_is_refused():
     optax.sgd(1.0),
     sync_every=1,
     axis_name=AXIS,
-    exchange=jc.qsgd(bits=4, axis_name="nope"),
+    exchange=jc.qsgd(bits=4, axis_name="nope", collective="allgather"),
   )
   p = _stack(PARAMS, 2)
   state = jax.pmap(tx.init, axis_name=AXIS)(p)
