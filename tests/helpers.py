@@ -64,7 +64,13 @@ def kernel_vs_xla_under_pmap(make, impl: str, *, bitwise_outputs: bool):
   grads = per_device_grads(jax.random.key(0), {"w": (40, 50), "b": (64,)})
 
   def run(codec):
-    tx = jc.compress(codec, axis_name=AXIS, error_feedback=True, filter=lambda path, leaf: True)
+    tx = jc.compress(
+      codec,
+      axis_name=AXIS,
+      error_feedback=True,
+      filter=lambda path, leaf: True,
+      collective="allgather",
+    )
     state = jax.pmap(lambda _: tx.init(params), axis_name=AXIS)(jnp.arange(K))
     step = jax.pmap(tx.update, axis_name=AXIS)
     out, state = step(grads, state)

@@ -34,7 +34,9 @@ BATCH = 4
 
 EXCHANGES = {
   "onebit_sgd": lambda: jc.per_device_state(jc.onebit_sgd(axis_name=AXIS)),
-  "dgc": lambda: jc.per_device_state(jc.dgc(0.01, 0.9, axis_name=AXIS, warmup_steps=2)),
+  "dgc": lambda: jc.per_device_state(
+    jc.dgc(0.01, 0.9, axis_name=AXIS, warmup_steps=2, collective="allgather")
+  ),
   "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),  # replicated state
   "qsgd_two_phase": lambda: jc.per_device_state(
     jc.qsgd(axis_name=AXIS, collective="two_phase", error_feedback=True)

@@ -62,7 +62,7 @@ def test_identity_equals_pmean_exactly_pmap(collective):
 
 
 TRANSFORMS = {
-  "qsgd4_allgather": lambda: jc.qsgd(bits=4, axis_name=AXIS),
+  "qsgd4_allgather": lambda: jc.qsgd(bits=4, axis_name=AXIS, collective="allgather"),
   "qsgd2_two_phase": lambda: jc.qsgd(
     bits=2, bucket_size=128, axis_name=AXIS, collective="two_phase"
   ),
@@ -71,7 +71,7 @@ TRANSFORMS = {
   ),
   "onebit": lambda: jc.onebit_sgd(axis_name=AXIS),
   "onebit_allgather": lambda: jc.onebit_sgd(axis_name=AXIS, collective="allgather"),
-  "fp16": lambda: jc.compress(jc.codecs.Cast(jnp.float16), axis_name=AXIS),
+  "fp16": lambda: jc.compress(jc.codecs.Cast(jnp.float16), axis_name=AXIS, collective="allgather"),
 }
 
 
@@ -157,11 +157,11 @@ def test_devices_draw_independent_bits():
   """Identical gradients on all devices: independent rounding averages the noise down."""
   g = jax.random.normal(jax.random.key(5), SHAPES["w"])
   grads = {"w": jnp.broadcast_to(g, (K, *g.shape)), "b": jnp.zeros((K, 96))}
-  tx = jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS)
+  tx = jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="allgather")
   updates, _ = _shard_map_run(tx, grads)
-  single, _ = jc.qsgd(bits=2, bucket_size=128).update(
+  single, _ = jc.qsgd(bits=2, bucket_size=128, axis_name=None).update(
     {"w": g, "b": jnp.zeros(96)},
-    jc.qsgd(bits=2, bucket_size=128).init({"w": g, "b": jnp.zeros(96)}),
+    jc.qsgd(bits=2, bucket_size=128, axis_name=None).init({"w": g, "b": jnp.zeros(96)}),
   )
   err_k = float(jnp.sum((updates["w"] - g) ** 2))
   err_1 = float(jnp.sum((single["w"] - g) ** 2))
@@ -170,9 +170,9 @@ def test_devices_draw_independent_bits():
 
 def test_same_seed_same_run_different_seed_differs():
   grads = helpers.per_device_grads(jax.random.key(6), SHAPES)
-  a, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=3), grads)
-  b, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=3), grads)
-  c, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=4), grads)
+  a, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=3, collective="allgather"), grads)
+  b, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=3, collective="allgather"), grads)
+  c, _ = _shard_map_run(jc.qsgd(bits=2, axis_name=AXIS, seed=4, collective="allgather"), grads)
   chex.assert_trees_all_equal(a, b)
   assert not np.array_equal(a["w"], c["w"])
 
@@ -208,7 +208,7 @@ def test_error_feedback_conserves_the_gradient_on_8_devices(collective):
 
 
 def test_unbound_axis_name_is_a_clear_error():
-  tx = jc.qsgd(axis_name=AXIS)
+  tx = jc.qsgd(axis_name=AXIS, collective="allgather")
   state = tx.init(PARAMS)
   with pytest.raises(ValueError, match="not bound"):
     tx.update(PARAMS, state)
@@ -321,7 +321,7 @@ def test_psum_tree_sums_one_buffer_per_dtype_exactly():
 def test_dense_leaves_share_one_all_reduce_operand():
   shapes = {"w": (64, 64), "b1": (64,), "b2": (32,), "b3": (16,), "s": ()}
   grads = helpers.per_device_grads(jax.random.key(4), shapes)
-  tx = jc.qsgd(axis_name=AXIS)
+  tx = jc.qsgd(axis_name=AXIS, collective="allgather")
   replicated = {n: jnp.zeros((K, *s)) for n, s in shapes.items()}
   state = jax.pmap(tx.init, axis_name=AXIS)(replicated)
   update = jax.pmap(tx.update, axis_name=AXIS)
@@ -366,7 +366,12 @@ def test_two_devices_send_dense_leaves_with_the_payloads(codec):
 def test_compressed_leaves_share_one_all_gather():
   params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros((32, 128)), "b": jnp.zeros((64,))}
   codec = jc.codecs.QSGD(7, 512, "max")
-  report = jc.wire_report(jc.compress(codec, axis_name=AXIS), params, axis_name=AXIS, num_devices=K)
+  report = jc.wire_report(
+    jc.compress(codec, axis_name=AXIS, collective="allgather"),
+    params,
+    axis_name=AXIS,
+    num_devices=K,
+  )
   gathers = [op for op in report.ops if "all_gather" in op.primitive]
   per_leaf = [
     sum(

@@ -414,7 +414,11 @@ def test_compress_native_under_pmap_and_shard_map(make):
   m = helpers.mesh()
   spec = jax.sharding.PartitionSpec(helpers.AXIS)
   tx = jc.compress(
-    make("native"), axis_name=helpers.AXIS, error_feedback=True, filter=lambda path, leaf: True
+    make("native"),
+    axis_name=helpers.AXIS,
+    error_feedback=True,
+    filter=lambda path, leaf: True,
+    collective="allgather",
   )
   state = jax.pmap(lambda _: tx.init(params), axis_name=helpers.AXIS)(jnp.arange(8))
 

@@ -56,7 +56,7 @@ def test_density_one_is_momentum_sgd(nesterov, collective):
 
 def test_density_one_with_masking_is_plain_sgd():
   # Everything is sent every step, so masking zeroes all of the momentum.
-  dgc = jc.dgc(1.0, 0.9, method="exact", axis_name=AXIS)
+  dgc = jc.dgc(1.0, 0.9, method="exact", axis_name=AXIS, collective="allgather")
   outs, grads, _ = _run_sharded(optax.chain(jc.per_device_state(dgc), optax.sgd(0.1)), 4)
   for u, g in zip(outs[1:], grads[1:]):
     np.testing.assert_allclose(u["w"], -0.1 * g["w"], rtol=1e-5, atol=1e-6)
@@ -71,7 +71,9 @@ def _local_step(tx, grads, state):
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("masking", [False, True])
 def test_residual_conservation_and_masking(nesterov, masking):
-  tx = jc.dgc(0.02, 0.9, nesterov=nesterov, momentum_masking=masking, method="exact")
+  tx = jc.dgc(
+    0.02, 0.9, nesterov=nesterov, momentum_masking=masking, method="exact", axis_name=None
+  )
   state = tx.init(PARAMS)
   for t in range(4):
     g = {
@@ -103,7 +105,7 @@ def test_warmup_schedule_and_sent_counts():
   )
   assert jc.dgc_density_schedule(0.3, warmup_steps=8)(0) == pytest.approx(0.3)
   assert float(jc.dgc_density_schedule(0.01, 0)(0)) == pytest.approx(0.01)
-  tx = jc.dgc(0.001, 0.9, warmup_steps=8, method="exact")
+  tx = jc.dgc(0.001, 0.9, warmup_steps=8, method="exact", axis_name=None)
   state = tx.init(PARAMS)
   n = 64 * 48
   for t in range(10):
@@ -153,6 +155,7 @@ def test_local_gradient_clipping_by_hand(mode, sharded):
     momentum_masking=False,
     method="exact",
     axis_name=AXIS if sharded else None,
+    collective="allgather",
   )
   if sharded:
     m = helpers.mesh()
@@ -217,7 +220,7 @@ def test_wire_bytes_chunked_flat_allgather_linear():
   ks = [2, 8, 64, 512]
   gather = [
     jc.wire_report(
-      jc.dgc(0.001, axis_name=AXIS), params, axis_name=AXIS, num_devices=k
+      jc.dgc(0.001, axis_name=AXIS, collective="allgather"), params, axis_name=AXIS, num_devices=k
     ).bytes_received
     for k in ks
   ]
@@ -237,7 +240,7 @@ def test_wire_bytes_chunked_flat_allgather_linear():
 
 
 def test_dense_leaves_and_outputs_identical_under_pmap():
-  dgc = jc.dgc(0.01, 0.9, method="sampled", axis_name=AXIS, warmup_steps=4)
+  dgc = jc.dgc(0.01, 0.9, method="sampled", axis_name=AXIS, warmup_steps=4, collective="allgather")
   tx = optax.chain(jc.per_device_state(dgc), optax.sgd(0.1))
   outs, _, _ = _run_sharded(tx, 6)
   # pmap: the same transform (state per device already, no wrapper) gives the same
@@ -256,7 +259,7 @@ def test_dense_leaves_and_outputs_identical_under_pmap():
 
 
 def test_nonfinite_gradient_keeps_state_and_is_not_hidden():
-  tx = jc.dgc(0.05, 0.9, method="exact")
+  tx = jc.dgc(0.05, 0.9, method="exact", axis_name=None)
   state = tx.init(PARAMS)
   g = {"w": jnp.ones((64, 48)), "b": jnp.ones(48)}
   _, state = _local_step(tx, g, state)
@@ -269,20 +272,20 @@ def test_nonfinite_gradient_keeps_state_and_is_not_hidden():
 
 def test_bad_arguments():
   with pytest.raises(ValueError):
-    jc.dgc(0.0)
+    jc.dgc(0.0, axis_name=None)
   with pytest.raises(ValueError):
-    jc.dgc(0.01, momentum=1.0)
+    jc.dgc(0.01, momentum=1.0, axis_name=None)
   with pytest.raises(ValueError):
-    jc.dgc(0.01, clip_norm=0.0)
+    jc.dgc(0.01, clip_norm=0.0, axis_name=None)
   with pytest.raises(ValueError, match="clip"):
-    jc.dgc(0.01, clip_norm=1.0, clip="per_leaf")
+    jc.dgc(0.01, clip_norm=1.0, clip="per_leaf", axis_name=None)
   with pytest.raises(ValueError):
-    jc.dgc(0.01, collective="two_phase")
+    jc.dgc(0.01, collective="two_phase", axis_name=None)
   with pytest.raises(ValueError):
-    jc.dgc(0.01, method="approx")
+    jc.dgc(0.01, method="approx", axis_name=None)
   with pytest.raises(ValueError):
-    jc.dgc(0.01, chunk_size=0)
-  tx = jc.dgc(0.01, axis_name=AXIS)
+    jc.dgc(0.01, chunk_size=0, axis_name=None)
+  tx = jc.dgc(0.01, axis_name=AXIS, collective="allgather")
   with pytest.raises(ValueError, match="not bound"):
     tx.update(PARAMS, tx.init(PARAMS))
 
@@ -290,7 +293,9 @@ def test_bad_arguments():
 def test_warmup_stage_rides_in_the_dense_all_reduce():
   # Under shard_map the step count is typed varying: the warm-up stage (the branch index)
   # is made invariant through the dense leaves' all-reduce, not a pmax of its own.
-  tx = jc.per_device_state(jc.dgc(0.01, 0.9, method="exact", axis_name=AXIS, warmup_steps=4))
+  tx = jc.per_device_state(
+    jc.dgc(0.01, 0.9, method="exact", axis_name=AXIS, warmup_steps=4, collective="allgather")
+  )
   m = helpers.mesh()
   state = helpers.shard_map_init(tx, PARAMS, m)
   update = helpers.shard_map_update(tx, m, PARAMS)
@@ -310,7 +315,7 @@ def test_warmup_stage_rides_in_the_dense_all_reduce():
 
 
 def test_two_devices_send_dense_leaves_with_the_payloads():
-  tx = jc.dgc(0.01, 0.9, method="exact", axis_name=AXIS)
+  tx = jc.dgc(0.01, 0.9, method="exact", axis_name=AXIS, collective="allgather")
   devices = jax.devices()[:2]
   replicated = jax.tree.map(lambda p: jnp.broadcast_to(p, (2, *p.shape)), PARAMS)
   state = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(replicated)

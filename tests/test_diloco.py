@@ -225,7 +225,7 @@ def test_converges_with_different_data_per_replica(exchange):
   loss of the anchor within 2% of the optimum's excess at init, dense and with 4-bit
   QSGD pseudo-gradients; each replica's own optimum is far from the global one."""
   x, y = _lstsq_problem()
-  ex = None if exchange is None else jc.qsgd(bits=4, axis_name=AXIS)
+  ex = None if exchange is None else jc.qsgd(bits=4, axis_name=AXIS, collective="allgather")
   tx = jc.diloco(
     optax.sgd(0.1),
     optax.sgd(0.7, momentum=0.9, nesterov=True),
@@ -442,7 +442,7 @@ def test_wire_report_divides_by_sync_every(fragments):
   H (for the dense mean, the dense all-reduce's); fragments send the same bytes in all."""
   h = 5
   params = {"w": jnp.zeros((64, 32)), "v": jnp.zeros((32, 64)), "b": jnp.zeros((32,))}
-  for ex in (None, lambda: jc.qsgd(bits=4, axis_name=AXIS)):
+  for ex in (None, lambda: jc.qsgd(bits=4, axis_name=AXIS, collective="allgather")):
     tx = jc.diloco(
       optax.sgd(0.1),
       optax.sgd(1.0),
@@ -475,7 +475,7 @@ def test_state_is_stable_and_one_compile():
     optax.sgd(0.7, momentum=0.9, nesterov=True),
     sync_every=2,
     axis_name=AXIS,
-    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True),
+    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True, collective="allgather"),
     fragments=2,
   )
   with jax.numpy_dtype_promotion("standard"):  # optax.adam: float ** int32 count
@@ -502,7 +502,7 @@ def test_state_specs():
     optax.sgd(0.7, momentum=0.9),
     sync_every=4,
     axis_name=AXIS,
-    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True),
+    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True, collective="allgather"),
   )
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=K)
   assert specs.count == P()
@@ -533,7 +533,7 @@ def test_checkpoint_round_trip_resumes_bit_identically(fragments):
     optax.sgd(0.7, momentum=0.9, nesterov=True),
     sync_every=2,
     axis_name=AXIS,
-    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True),
+    exchange=jc.qsgd(bits=4, axis_name=AXIS, error_feedback=True, collective="allgather"),
     fragments=fragments,
   )
   if fragments:  # w's rows in both fragments
@@ -655,7 +655,7 @@ def test_exchange_over_another_axis_is_refused():
     optax.sgd(1.0),
     sync_every=2,
     axis_name=AXIS,
-    exchange=jc.qsgd(bits=4, axis_name="other"),
+    exchange=jc.qsgd(bits=4, axis_name="other", collective="allgather"),
   )
   specs = jc.state_specs(tx, PARAMS, axis_name=AXIS, num_devices=4)
 
@@ -680,7 +680,7 @@ def test_exchange_over_another_axis_is_refused():
     optax.sgd(1.0),
     sync_every=1,
     axis_name=AXIS,
-    exchange=jc.qsgd(bits=4, axis_name="nope"),
+    exchange=jc.qsgd(bits=4, axis_name="nope", collective="allgather"),
   )
   p = _stack(PARAMS, 2)
   state = jax.pmap(tx.init, axis_name=AXIS)(p)
@@ -748,7 +748,7 @@ def test_network_model_prices_a_sync_once_per_period():
   step is the exchange's over H."""
   link = jc.network.Link(latency_s=1e-3, bandwidth=100e6 / 8)
   params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
-  ex = lambda: jc.qsgd(bits=4, axis_name=AXIS)
+  ex = lambda: jc.qsgd(bits=4, axis_name=AXIS, collective="allgather")
   tx = jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=8, axis_name=AXIS, exchange=ex())
   per_step = jc.network.exchange_time(
     jc.wire_report(tx, params, axis_name=AXIS, num_devices=K), link

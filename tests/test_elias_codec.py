@@ -106,8 +106,12 @@ def test_allgather_exchange_and_fallback_under_shard_map(capacity):
   m = helpers.mesh()
   params = {"w": jnp.zeros((64, 64))}
   codec = jc.codecs.EliasQSGD(64, capacity=capacity)
-  tx = jc.per_device_state(jc.compress(codec, axis_name=AXIS, filter=lambda p, x: True))
-  ref = jc.per_device_state(jc.compress(codec.fallback, axis_name=AXIS, filter=lambda p, x: True))
+  tx = jc.per_device_state(
+    jc.compress(codec, axis_name=AXIS, filter=lambda p, x: True, collective="allgather")
+  )
+  ref = jc.per_device_state(
+    jc.compress(codec.fallback, axis_name=AXIS, filter=lambda p, x: True, collective="allgather")
+  )
   grads = helpers.shard(helpers.per_device_grads(jax.random.key(0), {"w": (64, 64)}), m)
   out, state = helpers.shard_map_update(tx, m, params)(grads, helpers.shard_map_init(tx, params, m))
   want, _ = helpers.shard_map_update(ref, m, params)(grads, helpers.shard_map_init(ref, params, m))

@@ -345,6 +345,7 @@ def test_compress_with_kernels_keeps_residual_on_nonfinite():
     jc.codecs.QSGD(7, 64, "max", implementation="pallas"),
     error_feedback=True,
     filter=lambda path, leaf: True,
+    axis_name=None,
   )
   params = {"w": jnp.zeros((256,))}
   state = tx.init(params)

@@ -69,16 +69,16 @@ def batches(n=2, rows=16):
 
 
 TRANSFORMS = {
-  "qsgd": lambda: jc.per_device_state(jc.qsgd(axis_name=D)),
+  "qsgd": lambda: jc.per_device_state(jc.qsgd(axis_name=D, collective="allgather")),
   "qsgd_two_phase_ef": lambda: jc.per_device_state(
     jc.qsgd(axis_name=D, collective="two_phase", error_feedback=True)
   ),
   "onebit_sgd": lambda: jc.per_device_state(jc.onebit_sgd(axis_name=D)),
-  "dgc": lambda: jc.per_device_state(jc.dgc(0.01, axis_name=D)),
+  "dgc": lambda: jc.per_device_state(jc.dgc(0.01, axis_name=D, collective="allgather")),
   "sparsify": lambda: jc.per_device_state(jc.sparsify(density=0.05, axis_name=D)),
   "mipd": lambda: jc.mipd(axis_name=D),
   "topk_ef": lambda: jc.per_device_state(
-    jc.compress(jc.codecs.TopK(0.05), axis_name=D, error_feedback=True)
+    jc.compress(jc.codecs.TopK(0.05), axis_name=D, error_feedback=True, collective="allgather")
   ),
 }
 
@@ -106,7 +106,7 @@ def test_every_transform_trains_on_a_2d_mesh(name):
 
 def test_identity_is_pmean_over_data_exactly():
   mesh = mesh2d()
-  tx = jc.per_device_state(jc.compress(jc.codecs.Identity(), axis_name=D))
+  tx = jc.per_device_state(jc.compress(jc.codecs.Identity(), axis_name=D, collective="allgather"))
   state_specs = jc.state_specs(tx, PARAMS, axis_name=D, num_devices=4, param_specs=SPECS, mesh=mesh)
   params = jax.device_put(PARAMS, jax.tree.map(lambda s: jax.NamedSharding(mesh, s), SPECS))
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(SPECS,), out_specs=state_specs))(
@@ -184,7 +184,10 @@ def test_three_axis_mesh():
 
   for inner, identity in (
     (jc.per_device_state(jc.onebit_sgd(axis_name=D)), False),
-    (jc.per_device_state(jc.compress(jc.codecs.Identity(), axis_name=D)), True),
+    (
+      jc.per_device_state(jc.compress(jc.codecs.Identity(), axis_name=D, collective="allgather")),
+      True,
+    ),
   ):
     tx = optax.chain(inner, optax.sgd(0.1))
     st_specs = jc.state_specs(tx, params, axis_name=D, num_devices=2, param_specs=specs, mesh=mesh)

@@ -184,7 +184,7 @@ def test_balanced_halves():
 
 
 def test_no_drop_no_quantization_is_the_gradient_and_esp_recurrence():
-  tx = jc.mipd(0.0, alpha=0.3, quantize=False, half_update=False)
+  tx = jc.mipd(0.0, alpha=0.3, quantize=False, half_update=False, axis_name=None)
   state = tx.init(PARAMS)
   pred = None
   for t in range(4):
@@ -219,7 +219,7 @@ def _local_steps(tx, beta=0.5, steps=3):
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_drop_counts_are_the_hand_computed_ones(beta):
-  tx = jc.mipd(0.5, beta=beta, quantize=False, half_update=False, compensate=False)
+  tx = jc.mipd(0.5, beta=beta, quantize=False, half_update=False, compensate=False, axis_name=None)
   for _, g, sent, _, out, _ in _local_steps(tx, beta=beta):
     for name in COMPRESSED:
       o, x = np.asarray(out[name]), np.asarray(g[name])
@@ -242,7 +242,13 @@ def test_drop_counts_are_the_hand_computed_ones(beta):
 def test_min_keep_caps_a_layers_drops(min_keep, want):
   params = _params({"a": 4.0, "c": 1.0, "d": 4.0})
   tx = jc.mipd(
-    0.5, beta=1.0, quantize=False, half_update=False, compensate=False, min_keep=min_keep
+    0.5,
+    beta=1.0,
+    quantize=False,
+    half_update=False,
+    compensate=False,
+    min_keep=min_keep,
+    axis_name=None,
   )
   g = _grads(0)
   out, _ = _step(tx, g, tx.init(params), params)
@@ -253,7 +259,7 @@ def test_min_keep_caps_a_layers_drops(min_keep, want):
 
 
 def test_compensation_fills_dropped_entries_with_the_prediction():
-  tx = jc.mipd(0.5, quantize=False, half_update=False, compensate=True)
+  tx = jc.mipd(0.5, quantize=False, half_update=False, compensate=True, axis_name=None)
   for t, g, sent, pred, out, _ in _local_steps(tx):
     for name in COMPRESSED:
       o, x, p, m = np.asarray(out[name]), np.asarray(g[name]), np.asarray(pred[name]), sent[name]
@@ -265,7 +271,9 @@ def test_compensation_fills_dropped_entries_with_the_prediction():
 
 @pytest.mark.parametrize("predict_from", ["received", "compensated"])
 def test_prediction_smooths_the_received_or_the_compensated_mean(predict_from):
-  tx = jc.mipd(0.5, alpha=0.3, quantize=False, half_update=False, predict_from=predict_from)
+  tx = jc.mipd(
+    0.5, alpha=0.3, quantize=False, half_update=False, predict_from=predict_from, axis_name=None
+  )
   for t, g, sent, pred, out, state in _local_steps(tx):
     for name in COMPRESSED:
       m = sent[name].ravel()
@@ -280,7 +288,7 @@ def test_prediction_smooths_the_received_or_the_compensated_mean(predict_from):
 
 
 def test_quantized_kept_entries_within_their_interval_width():
-  tx = jc.mipd(0.5, intervals=16, half_update=False, compensate=False)
+  tx = jc.mipd(0.5, intervals=16, half_update=False, compensate=False, axis_name=None)
   state = tx.init(PARAMS)
   g = _grads(0)
   out, state = _step(tx, g, state)
@@ -297,7 +305,7 @@ def test_quantized_kept_entries_within_their_interval_width():
 
 
 def test_half_update_alternates_groups_and_fills_from_the_prediction():
-  tx = jc.mipd(0.0, quantize=False, half_update=True)
+  tx = jc.mipd(0.0, quantize=False, half_update=True, axis_name=None)
   halves = mipd_lib.balanced_halves(SIZES)
   groups = [[COMPRESSED[i] for i in h] for h in halves]
   assert groups[0] and groups[1]
@@ -317,7 +325,7 @@ def test_half_update_alternates_groups_and_fills_from_the_prediction():
 
 
 def test_nonfinite_gradient_keeps_state():
-  tx = jc.mipd(0.5)
+  tx = jc.mipd(0.5, axis_name=None)
   state = tx.init(PARAMS)
   _, state = _step(tx, _grads(0), state)
   bad = dict(_grads(1))
@@ -329,7 +337,7 @@ def test_nonfinite_gradient_keeps_state():
 
 
 def test_outlier_overflow_sends_the_same_selection_exactly_and_is_counted():
-  kwargs = dict(outlier_fraction=0.01, half_update=False, compensate=False)
+  kwargs = dict(outlier_fraction=0.01, half_update=False, compensate=False, axis_name=None)
   tx = jc.mipd(0.5, **kwargs)
   state = tx.init(PARAMS)
   g = dict(_grads(0))
@@ -359,10 +367,10 @@ def test_bad_arguments():
     dict(collective="psum"),
   ]:
     with pytest.raises(ValueError):
-      jc.mipd(**kwargs)
+      jc.mipd(**kwargs, axis_name=None)
   with pytest.raises(TypeError):
-    jc.mipd(quantize_pull="yes")
-  tx = jc.mipd(0.5)
+    jc.mipd(quantize_pull="yes", axis_name=None)
+  tx = jc.mipd(0.5, axis_name=None)
   with pytest.raises(ValueError, match="params"):
     tx.update(_grads(0), tx.init(PARAMS))
 

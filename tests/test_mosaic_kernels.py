@@ -147,7 +147,9 @@ def test_compress_with_fused_feedback_on_mosaic_matches_xla():
     assert make("pallas").fuses_feedback(4096, jnp.float32)
     runs = []
     for impl in ("pallas", "xla"):
-      tx = jc.compress(make(impl), error_feedback=True, filter=lambda path, leaf: True)
+      tx = jc.compress(
+        make(impl), error_feedback=True, filter=lambda path, leaf: True, axis_name=None
+      )
       state, outs = tx.init(grads[0]), []
       if impl == "pallas":
         assert _is_mosaic(lambda g: tx.update(g, state)[0], grads[0])

@@ -102,7 +102,12 @@ def test_exchange_time_prices_every_collective_of_a_report():
 
 def test_exchange_time_fallback_ops_are_apart():
   params = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}
-  tx = jc.compress(jc.codecs.EliasQSGD(7, 512, "max"), axis_name="b", filter=lambda p, x: True)
+  tx = jc.compress(
+    jc.codecs.EliasQSGD(7, 512, "max"),
+    axis_name="b",
+    filter=lambda p, x: True,
+    collective="allgather",
+  )
   report = jc.wire_report(tx, params, axis_name="b", num_devices=4)
   assert any(op.fallback for op in report.ops)
   link = net.Link(0.0, 1e9)

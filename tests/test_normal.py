@@ -161,7 +161,7 @@ def test_outlier_overflow_is_reported_and_the_fallback_is_exact():
 
 def test_in_compress_overflow_takes_the_exact_fallback_on_every_device():
   q = jc.codecs.NormalQuantizer(intervals=64, outlier_fraction=0.01)
-  tx = jc.per_device_state(jc.compress(q, axis_name=AXIS))
+  tx = jc.per_device_state(jc.compress(q, axis_name=AXIS, collective="allgather"))
   params = {"w": jnp.zeros((64, 64))}
   m = helpers.mesh()
   state = helpers.shard_map_init(tx, params, m)

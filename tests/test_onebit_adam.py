@@ -353,7 +353,7 @@ def test_momentum_mode_dead_coordinates_enter_neither_scale_nor_error():
   momentum on the live coordinates, 0 on the dead ones, and no error is kept anywhere."""
   b1, c = 0.9, 0.25
   params = {"w": jnp.zeros((64, 96))}
-  tx = jc.onebit_adam(1e-2, freeze_step=1, compress="momentum")
+  tx = jc.onebit_adam(1e-2, freeze_step=1, compress="momentum", axis_name=None)
   state = tx.init(params)
   update = jax.jit(tx.update)
   g0 = {"w": jnp.full((64, 96), c).at[:8].set(0.0)}  # rows 0-7: no warm-up gradient
@@ -373,7 +373,7 @@ def test_finite_gradient_overflowing_v_is_counted_and_visible():
   previous value (0), the step's update is non-finite and moments_nonfinite_count counts
   it (the gradient itself was finite: nonfinite_count does not)."""
   params = {"w": jnp.zeros((64, 96))}
-  tx = jc.onebit_adam(1e-2, freeze_step=2)
+  tx = jc.onebit_adam(1e-2, freeze_step=2, axis_name=None)
   state = tx.init(params)
   update = jax.jit(tx.update)
   u, state = update({"w": jnp.full((64, 96), 1e20)}, state)
@@ -391,7 +391,9 @@ def test_local_mode_is_one_device():
   bit for bit, and C[C[x] + e_s] with one chunk."""
   lr, freeze = 1e-2, 1
   params = {"w": jnp.zeros((40, 50))}
-  local = jc.onebit_adam(lr, freeze_step=freeze, bound_momentum=False)  # the by-hand math
+  local = jc.onebit_adam(
+    lr, freeze_step=freeze, bound_momentum=False, axis_name=None
+  )  # the by-hand math
   state = local.init(params)
   step = jax.jit(local.update)
   m1 = helpers.mesh(1)
@@ -822,15 +824,15 @@ def test_bound_momentum_needs_b1_squared_below_b2():
 )
 def test_bad_arguments_raise_value_error(kwargs):
   with pytest.raises(ValueError):
-    jc.onebit_adam(1e-3, **kwargs)
+    jc.onebit_adam(1e-3, **kwargs, axis_name=None)
 
 
 def test_bad_inputs():
   with pytest.raises(TypeError, match="learning_rate"):
-    jc.onebit_adam("fast", freeze_step=1)
+    jc.onebit_adam("fast", freeze_step=1, axis_name=None)
   with pytest.raises(TypeError):
-    jc.onebit_adam(1e-3)  # freeze_step is required, keyword-only
-  tx = jc.onebit_adam(1e-3, freeze_step=1, weight_decay=1e-4)
+    jc.onebit_adam(1e-3, axis_name=None)  # freeze_step is required, keyword-only
+  tx = jc.onebit_adam(1e-3, freeze_step=1, weight_decay=1e-4, axis_name=None)
   state = tx.init(PARAMS)
   with pytest.raises(ValueError, match="params"):
     tx.update(PARAMS, state)

@@ -129,12 +129,12 @@ def test_arguments():
   with pytest.raises(TypeError):
     C.OneBit(None, None, True)  # keyword only
   with pytest.raises(ValueError, match="per_column"):
-    jc.onebit_sgd(per_column=True, bucket_size=256)
+    jc.onebit_sgd(per_column=True, bucket_size=256, axis_name=None)
   with pytest.raises(ValueError, match="per_column"):
-    jc.onebit_sgd(per_column=True, bucket_size=1024)  # an explicit 1024 too
-  jc.onebit_sgd(per_column=True)
-  jc.onebit_sgd(per_column=True, bucket_size=None)
-  jc.onebit_sgd(bucket_size=1024)
+    jc.onebit_sgd(per_column=True, bucket_size=1024, axis_name=None)  # an explicit 1024 too
+  jc.onebit_sgd(per_column=True, axis_name=None)
+  jc.onebit_sgd(per_column=True, bucket_size=None, axis_name=None)
+  jc.onebit_sgd(bucket_size=1024, axis_name=None)
 
 
 def test_chunks_are_blocks_of_whole_columns():
@@ -266,7 +266,7 @@ def test_shard_map_matches_the_hand_computation(collective):
 
 
 def test_local_matches_the_hand_computation():
-  tx = jc.onebit_sgd(per_column=True, filter=ALL)  # axis_name=None: one device
+  tx = jc.onebit_sgd(per_column=True, filter=ALL, axis_name=None)  # one device
   state = tx.init(PARAMS)
   update = jax.jit(tx.update)
   e = {n: np.zeros(p.shape) for n, p in PARAMS.items()}

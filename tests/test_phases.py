@@ -75,7 +75,9 @@ def _qsgd_step():
   """A compiled 2-device shard_map train step with QSGD: (run, compiled)."""
   mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2])
   params = {"w": jnp.ones((256, 512)) * 0.01, "b": jnp.zeros((512,))}
-  tx = optax.chain(jc.per_device_state(jc.qsgd(axis_name=AXIS)), optax.sgd(0.1))
+  tx = optax.chain(
+    jc.per_device_state(jc.qsgd(axis_name=AXIS, collective="allgather")), optax.sgd(0.1)
+  )
   specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=2)
 
   def step(p, s, x):
@@ -160,7 +162,7 @@ def test_profile_phases_reports_an_empty_trace_as_incomplete():
 def test_every_method_scopes_its_encode_and_decode(name):
   tx = {
     "onebit": lambda: jc.onebit_sgd(axis_name=AXIS),
-    "dgc": lambda: jc.dgc(0.01, 0.9, axis_name=AXIS),
+    "dgc": lambda: jc.dgc(0.01, 0.9, axis_name=AXIS, collective="allgather"),
     "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),
     "sparsify": lambda: jc.sparsify(density=0.05, axis_name=AXIS),
   }[name]()

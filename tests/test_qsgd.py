@@ -575,22 +575,25 @@ def test_qsgd_levels_argument():
     return v / amax  # multiples of 1/s
 
   for levels, bits in [(16, 4), (5, 2), (127, 3)]:
-    q = grid_steps(jc.qsgd(bits=bits, levels=levels, filter=every))
+    q = grid_steps(jc.qsgd(bits=bits, levels=levels, filter=every, axis_name=None))
     np.testing.assert_allclose(q * levels, np.round(q * levels), atol=1e-4)
     assert len(np.unique(np.round(np.abs(q) * levels))) > 1
   # bits alone: s = 2**(bits-1) - 1 = 7; 16 levels are not a grid of sevenths
-  q = grid_steps(jc.qsgd(bits=4, filter=every))
+  q = grid_steps(jc.qsgd(bits=4, filter=every, axis_name=None))
   np.testing.assert_allclose(q * 7, np.round(q * 7), atol=1e-4)
   assert np.max(np.abs(q * 16 - np.round(q * 16))) > 0.1
   # the wire: 16 levels take 5 magnitude bits and a sign
   params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
   report = jc.wire_report(
-    jc.qsgd(levels=16, bucket_size=512, axis_name="batch"), params, axis_name="batch", num_devices=8
+    jc.qsgd(levels=16, bucket_size=512, axis_name="batch", collective="allgather"),
+    params,
+    axis_name="batch",
+    num_devices=8,
   )
   assert report.bytes_received == 7 * (1024 * 1024 * 6 // 8 + 2048 * 4)
   for bad in (0, -3, 2**24, 1.5, True):
     with pytest.raises(ValueError):
-      jc.qsgd(levels=bad)
+      jc.qsgd(levels=bad, axis_name=None)
 
 
 def test_qsgd_docs_table_is_the_codecs():

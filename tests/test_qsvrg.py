@@ -76,7 +76,7 @@ def _train_shard_map(problem, codec=None, epochs=EPOCHS):
   Returns the suboptimality before each epoch and after the last, the final params and
   each device's own copy of them (leading axis K).
   """
-  opt = qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, codec=codec)
+  opt = qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, codec=codec, collective="allgather")
   traces = []
 
   def epoch(params, state, x, y, key):
@@ -164,7 +164,7 @@ def test_parameters_identical_on_every_device(runs):
 
 def test_pmap_matches_shard_map(problem, runs):
   """Two epochs under jax.pmap: same result as shard_map, identical on every device."""
-  opt = qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS)
+  opt = qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, collective="allgather")
 
   def epoch(params, state, x, y, key):
     return opt.epoch(params, state, (x, y), _sample(x, y, key))
@@ -187,7 +187,7 @@ def test_pmap_matches_shard_map(problem, runs):
 
 
 def test_bits_per_epoch():
-  opt = qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS)
+  opt = qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, collective="allgather")
   batch = (
     jax.ShapeDtypeStruct((BATCH, D), jnp.float32),
     jax.ShapeDtypeStruct((BATCH,), jnp.float32),
@@ -215,7 +215,7 @@ def test_bits_per_epoch():
   assert report.received_bits_per_epoch == pytest.approx(expected_received)
   # Unquantized SVRG through the same code sends 32n bits per step.
   dense = qsvrg_lib.qsvrg_wire_report(
-    qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, codec=jc.codecs.Identity()),
+    qsvrg_lib.qsvrg(_loss, ETA, axis_name=AXIS, codec=jc.codecs.Identity(), collective="allgather"),
     PARAMS,
     batch,
     axis_name=AXIS,
@@ -230,6 +230,7 @@ def test_bits_per_epoch():
       ETA,
       axis_name=AXIS,
       codec=lambda leaf: jc.codecs.QSGD(qsvrg_lib.default_levels(leaf.size)),
+      collective="allgather",
     ),
     PARAMS,
     batch,
@@ -257,7 +258,7 @@ def test_bits_for_a_large_tensor_against_the_paper_bound():
   """n = 2**20, s = 1024: fixed-width 12 bits per value vs the Elias bound's 2.8."""
   params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
   loss = lambda p, batch: jnp.sum(p["w"] * batch)
-  opt = qsvrg_lib.qsvrg(loss, 0.1, axis_name=AXIS)
+  opt = qsvrg_lib.qsvrg(loss, 0.1, axis_name=AXIS, collective="allgather")
   batch = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
   report = qsvrg_lib.qsvrg_wire_report(
     opt, params, batch, axis_name=AXIS, num_devices=K, inner_steps=100
@@ -283,7 +284,9 @@ def test_epoch_equals_snapshot_steps_end_epoch():
   """epoch = snapshot, T steps, end_epoch; dtypes and state kept; a schedule works."""
   data, loss = _local_problem()
   # An optax schedule mixes int32 and float: must pass under strict dtype promotion.
-  opt = qsvrg_lib.qsvrg(loss, optax.exponential_decay(0.2, 8, 0.5), levels=3, bucket_size=4, seed=3)
+  opt = qsvrg_lib.qsvrg(
+    loss, optax.exponential_decay(0.2, 8, 0.5), levels=3, bucket_size=4, seed=3, axis_name=None
+  )
   params = {"w": jnp.zeros(8), "c": jnp.zeros((), jnp.bfloat16)}
   state = opt.init(params)
   batches = jax.tree.map(lambda v: v.reshape(8, 8, *v.shape[1:]), data)
@@ -315,18 +318,20 @@ def test_epoch_equals_snapshot_steps_end_epoch():
 @pytest.mark.parametrize(
   "make",
   [
-    lambda: qsvrg_lib.qsvrg(_loss, 0.0),
-    lambda: qsvrg_lib.qsvrg(_loss, -1.0),
-    lambda: qsvrg_lib.qsvrg(_loss, 0.1, collective="psum"),
-    lambda: qsvrg_lib.qsvrg(_loss, 0.1, levels=0),
-    lambda: qsvrg_lib.qsvrg(_loss, 0.1, bucket_size=0),
-    lambda: qsvrg_lib.qsvrg(_loss, 0.1, codec=jc.codecs.Identity(), levels=4),
-    lambda: qsvrg_lib.qsvrg(_loss, 0.1).snapshot(PARAMS, qsvrg_lib.qsvrg(_loss, 0.1).init(PARAMS)),
-    lambda: qsvrg_lib.qsvrg(_loss, 0.1, axis_name=AXIS).snapshot(
-      PARAMS, qsvrg_lib.qsvrg(_loss, 0.1).init(PARAMS), grad=PARAMS
+    lambda: qsvrg_lib.qsvrg(_loss, 0.0, axis_name=None),
+    lambda: qsvrg_lib.qsvrg(_loss, -1.0, axis_name=None),
+    lambda: qsvrg_lib.qsvrg(_loss, 0.1, collective="psum", axis_name=None),
+    lambda: qsvrg_lib.qsvrg(_loss, 0.1, levels=0, axis_name=None),
+    lambda: qsvrg_lib.qsvrg(_loss, 0.1, bucket_size=0, axis_name=None),
+    lambda: qsvrg_lib.qsvrg(_loss, 0.1, codec=jc.codecs.Identity(), levels=4, axis_name=None),
+    lambda: qsvrg_lib.qsvrg(_loss, 0.1, axis_name=None).snapshot(
+      PARAMS, qsvrg_lib.qsvrg(_loss, 0.1, axis_name=None).init(PARAMS)
+    ),
+    lambda: qsvrg_lib.qsvrg(_loss, 0.1, axis_name=AXIS, collective="allgather").snapshot(
+      PARAMS, qsvrg_lib.qsvrg(_loss, 0.1, axis_name=None).init(PARAMS), grad=PARAMS
     ),  # axis not bound
     lambda: qsvrg_lib.qsvrg_wire_report(
-      qsvrg_lib.qsvrg(_loss, 0.1, axis_name=AXIS),
+      qsvrg_lib.qsvrg(_loss, 0.1, axis_name=AXIS, collective="allgather"),
       PARAMS,
       PARAMS,
       axis_name=AXIS,
@@ -342,10 +347,10 @@ def test_bad_arguments_raise_value_error(make):
 
 def test_bad_types_raise_type_error():
   with pytest.raises(TypeError, match="codec"):
-    qsvrg_lib.qsvrg(_loss, 0.1, codec="qsgd")
+    qsvrg_lib.qsvrg(_loss, 0.1, codec="qsgd", axis_name=None)
   with pytest.raises(TypeError, match="floating-point"):
-    qsvrg_lib.qsvrg(_loss, 0.1).init({"w": jnp.zeros(4, jnp.int32)})
-  opt = qsvrg_lib.qsvrg(_loss, 0.1, codec=lambda leaf: "qsgd")
+    qsvrg_lib.qsvrg(_loss, 0.1, axis_name=None).init({"w": jnp.zeros(4, jnp.int32)})
+  opt = qsvrg_lib.qsvrg(_loss, 0.1, codec=lambda leaf: "qsgd", axis_name=None)
   batch = (jnp.zeros((BATCH, D)), jnp.zeros(BATCH))
   with pytest.raises(TypeError, match="must return a jaxcomp codec"):
     jax.eval_shape(opt.step, PARAMS, opt.init(PARAMS), batch)
@@ -373,7 +378,9 @@ def test_step_exchanges_all_leaves_together_with_per_leaf_results():
   # Max-norm QSGD, levels per leaf as the default: an l2 scale's sum of squares may be
   # added in another order in another program, which moves it by an ulp.
   codec = lambda leaf: jc.codecs.QSGD(qsvrg_lib.default_levels(leaf.size), None, "max")
-  opt = qsvrg_lib.qsvrg(loss, 1.0, axis_name=AXIS, filter=only_w, codec=codec)
+  opt = qsvrg_lib.qsvrg(
+    loss, 1.0, axis_name=AXIS, filter=only_w, codec=codec, collective="allgather"
+  )
   batches = jnp.arange(1.0, K + 1.0)
   state = opt.init(params)
 
@@ -410,3 +417,21 @@ def test_step_exchanges_all_leaves_together_with_per_leaf_results():
   # The snapshot's all-reduce of every leaf, the step's of b1 and b2, the step's
   # all-gather of w1's and w2's payloads.
   assert helpers.collective_counts(hlo) == {"all-gather": 1, "all-reduce": 2, "all-to-all": 0}
+
+
+def test_default_collective_pays_at_the_device_count():
+  """collective="auto" (the default): on 8 devices a leaf large enough for the two-phase
+  exchange moves its bytes, fewer than the all-gather's; on 2 devices the all-gather."""
+  n = 4096
+  loss = lambda w, batch: 0.5 * jnp.mean((batch[0] @ w - batch[1]) ** 2)
+  params = jax.ShapeDtypeStruct((n,), jnp.float32)
+  batch = (jax.ShapeDtypeStruct((4, n), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
+
+  def received(k, **kw):
+    opt = qsvrg_lib.qsvrg(loss, ETA, axis_name=AXIS, **kw)
+    return qsvrg_lib.qsvrg_wire_report(
+      opt, params, batch, axis_name=AXIS, num_devices=k, inner_steps=T
+    ).received_bits_per_epoch
+
+  assert received(8) == received(8, collective="two_phase") < received(8, collective="allgather")
+  assert received(2) == received(2, collective="allgather")

@@ -11,11 +11,13 @@ import jaxcomp as jc
 PARAMS = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
 
 TRANSFORMS = {
-  "compress_ef": lambda: jc.compress(jc.codecs.OneBit(), error_feedback=True),
-  "qsgd": lambda: jc.qsgd(),
-  "dgc": lambda: jc.dgc(0.01),
-  "mipd": lambda: jc.mipd(),
-  "chain": lambda: optax.chain(jc.per_device_state(jc.onebit_sgd()), optax.sgd(1e-3, momentum=0.9)),
+  "compress_ef": lambda: jc.compress(jc.codecs.OneBit(), error_feedback=True, axis_name=None),
+  "qsgd": lambda: jc.qsgd(axis_name=None),
+  "dgc": lambda: jc.dgc(0.01, axis_name=None),
+  "mipd": lambda: jc.mipd(axis_name=None),
+  "chain": lambda: optax.chain(
+    jc.per_device_state(jc.onebit_sgd(axis_name=None)), optax.sgd(1e-3, momentum=0.9)
+  ),
 }
 
 

@@ -545,20 +545,24 @@ def test_bad_inputs_get_clear_errors():
     )
   with pytest.raises(ValueError, match="no transform of tx takes shards"):
     jc.state_specs(
-      jc.qsgd(axis_name=AXIS), params, axis_name=AXIS, num_devices=K, param_specs=P(AXIS)
+      jc.qsgd(axis_name=AXIS, collective="allgather"),
+      params,
+      axis_name=AXIS,
+      num_devices=K,
+      param_specs=P(AXIS),
     )
   with pytest.raises(ValueError, match="shard no leaf"):
     jc.state_specs(tx, params, axis_name=AXIS, num_devices=K)
   with pytest.raises(ValueError, match="0-d"):
     jc.state_specs(tx, {"s": jnp.zeros(())}, axis_name=AXIS, num_devices=K, param_specs=P())
   with pytest.raises(ValueError, match="needs the axis_name"):
-    jc.qsgd(collective="reduce_scatter")
+    jc.qsgd(collective="reduce_scatter", axis_name=None)
   with pytest.raises(ValueError, match="param_specs say which leaves"):
-    jc.qsgd(axis_name=AXIS, param_specs=P(AXIS))
+    jc.qsgd(axis_name=AXIS, param_specs=P(AXIS), collective="allgather")
   with pytest.raises(ValueError, match="residual_dtype must be one of"):
     jc.onebit_sgd(axis_name=AXIS, residual_dtype=jnp.float16)
   with pytest.raises(ValueError, match="needs error_feedback=True"):
-    jc.qsgd(axis_name=AXIS, residual_dtype=jnp.bfloat16)
+    jc.qsgd(axis_name=AXIS, residual_dtype=jnp.bfloat16, collective="allgather")
   with pytest.raises(ValueError, match="needs the all-gather|needs collective='allgather'"):
     jc.compress(jc.codecs.EliasQSGD(7), axis_name=AXIS, collective="reduce_scatter")
   for make in (jc.dgc, jc.mipd):

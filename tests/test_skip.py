@@ -28,16 +28,16 @@ from tests.helpers import shard
 PARAMS = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
 
 TRANSFORMS = {
-  "qsgd": lambda: jc.per_device_state(jc.qsgd(axis_name=AXIS)),
+  "qsgd": lambda: jc.per_device_state(jc.qsgd(axis_name=AXIS, collective="allgather")),
   "qsgd_two_phase_ef": lambda: jc.per_device_state(
     jc.qsgd(axis_name=AXIS, collective="two_phase", error_feedback=True)
   ),
   "onebit_sgd": lambda: jc.per_device_state(jc.onebit_sgd(axis_name=AXIS)),
-  "dgc": lambda: jc.per_device_state(jc.dgc(0.01, axis_name=AXIS)),
+  "dgc": lambda: jc.per_device_state(jc.dgc(0.01, axis_name=AXIS, collective="allgather")),
   "sparsify": lambda: jc.per_device_state(jc.sparsify(density=0.05, axis_name=AXIS)),
   "mipd": lambda: jc.mipd(axis_name=AXIS),
   "topk_ef": lambda: jc.per_device_state(
-    jc.compress(jc.codecs.TopK(0.05), axis_name=AXIS, error_feedback=True)
+    jc.compress(jc.codecs.TopK(0.05), axis_name=AXIS, error_feedback=True, collective="allgather")
   ),
 }
 
@@ -127,7 +127,7 @@ def test_tensor_parallel_shards_skip_together():
 
 
 def test_compress_counts_a_nan_in_a_dense_leaf():
-  tx = jc.compress(jc.codecs.OneBit(), axis_name=AXIS)
+  tx = jc.compress(jc.codecs.OneBit(), axis_name=AXIS, collective="allgather")
   state = jax.pmap(lambda _: tx.init(PARAMS), axis_name=AXIS)(jnp.arange(K))
   out, state = jax.pmap(tx.update, axis_name=AXIS)(grads(0, "b"), state)
   np.testing.assert_array_equal(np.asarray(state.nonfinite_count)[3], 1)

@@ -355,7 +355,9 @@ def test_topk_through_compress_allgather_with_error_feedback():
   m = helpers.mesh()
   params = {"w": jnp.zeros((64, 64))}
   tx = jc.per_device_state(
-    jc.compress(C.TopK(0.01, "sampled"), axis_name=AXIS, error_feedback=True)
+    jc.compress(
+      C.TopK(0.01, "sampled"), axis_name=AXIS, error_feedback=True, collective="allgather"
+    )
   )
   state = helpers.shard_map_init(tx, params, m)
   update = helpers.shard_map_update(tx, m, params)
@@ -393,7 +395,7 @@ def test_sparsify_under_shard_map_counts_overflow_and_bytes():
 
 def test_sparsify_is_unbiased_over_steps():
   # One device (axis None): the average of many steps' updates converges to g.
-  tx = jc.sparsify(density=0.1, filter=lambda p, x: True)
+  tx = jc.sparsify(density=0.1, filter=lambda p, x: True, axis_name=None)
   g = {"w": jax.random.normal(jax.random.key(1), (256,))}
   state = tx.init(g)
 

@@ -20,13 +20,15 @@ from tests.helpers import K
 PARAMS = {"w": jnp.full((64, 48), 0.5, jnp.float32), "b": jnp.zeros((48,), jnp.float32)}
 
 METHODS = {
-  "compress": lambda: jc.compress(jc.codecs.QSGD(7, 512, "max"), axis_name=AXIS),
+  "compress": lambda: jc.compress(
+    jc.codecs.QSGD(7, 512, "max"), axis_name=AXIS, collective="allgather"
+  ),
   "qsgd": lambda: jc.qsgd(axis_name=AXIS, collective="two_phase"),
   "onebit_sgd": lambda: jc.onebit_sgd(axis_name=AXIS),
   "ef_signsgd": lambda: jc.ef_signsgd(axis_name=AXIS),
   "sparsify": lambda: jc.sparsify(density=0.1, axis_name=AXIS),
   "powersgd": lambda: jc.powersgd(2, axis_name=AXIS),
-  "dgc": lambda: jc.dgc(0.01, axis_name=AXIS),
+  "dgc": lambda: jc.dgc(0.01, axis_name=AXIS, collective="allgather"),
   "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),
   "onebit_adam": lambda: jc.onebit_adam(1e-2, freeze_step=1, axis_name=AXIS),
 }
@@ -83,5 +85,5 @@ def test_transforms_that_place_their_own_state_come_back_unchanged(name):
   itself: per_device_state returns them as they are (their state is not stacked)."""
   tx = METHODS[name]()
   assert jc.per_device_state(tx) is tx
-  other = jc.compress(jc.codecs.Identity(), axis_name=AXIS)
+  other = jc.compress(jc.codecs.Identity(), axis_name=AXIS, collective="allgather")
   assert jc.per_device_state(other) is not other

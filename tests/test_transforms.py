@@ -1,6 +1,8 @@
 """One harness over every transform and codec (dtypes, state, one compilation, the error
 against the mean under shard_map and pmap), plus bad input, the NaN policy and convergence."""
 
+import warnings
+
 import chex
 import jax
 from jax import lax
@@ -24,16 +26,22 @@ PARAMS = {
 }
 
 FACTORIES = {
-  "identity": lambda axis: jc.compress(jc.codecs.Identity(), axis_name=axis),
-  "bf16": lambda axis: jc.compress(jc.codecs.Cast(jnp.bfloat16), axis_name=axis),
+  "identity": lambda axis: jc.compress(
+    jc.codecs.Identity(), axis_name=axis, collective="allgather"
+  ),
+  "bf16": lambda axis: jc.compress(
+    jc.codecs.Cast(jnp.bfloat16), axis_name=axis, collective="allgather"
+  ),
   "fp16_two_phase": lambda axis: jc.compress(
     jc.codecs.Cast(jnp.float16), axis_name=axis, collective="two_phase"
   ),
-  "qsgd4": lambda axis: jc.qsgd(bits=4, axis_name=axis),
+  "qsgd4": lambda axis: jc.qsgd(bits=4, axis_name=axis, collective="allgather"),
   "qsgd2_l2_two_phase": lambda axis: jc.qsgd(
     bits=2, bucket_size=128, norm="l2", axis_name=axis, collective="two_phase"
   ),
-  "qsgd8_ef": lambda axis: jc.qsgd(bits=8, axis_name=axis, error_feedback=True),
+  "qsgd8_ef": lambda axis: jc.qsgd(
+    bits=8, axis_name=axis, error_feedback=True, collective="allgather"
+  ),
   "onebit_sgd": lambda axis: jc.onebit_sgd(axis_name=axis),
   "onebit_allgather": lambda axis: jc.onebit_sgd(axis_name=axis, collective="allgather"),
   # Relative error on the harness's second step: the update is an orthogonal
@@ -48,16 +56,20 @@ FACTORIES = {
   "ef_signsgd_allgather": lambda axis: jc.ef_signsgd(
     bucket_size=256, axis_name=axis, collective="allgather"
   ),
-  "topk": lambda axis: jc.compress(jc.codecs.TopK(0.1), axis_name=axis),
-  "randomk": lambda axis: jc.compress(jc.codecs.RandomK(0.25), axis_name=axis),
-  "elias_qsgd": lambda axis: jc.compress(
-    jc.codecs.EliasQSGD(7, bucket_size=512, norm="max"), axis_name=axis
+  "topk": lambda axis: jc.compress(jc.codecs.TopK(0.1), axis_name=axis, collective="allgather"),
+  "randomk": lambda axis: jc.compress(
+    jc.codecs.RandomK(0.25), axis_name=axis, collective="allgather"
   ),
-  "normal": lambda axis: jc.compress(jc.codecs.NormalQuantizer(256), axis_name=axis),
+  "elias_qsgd": lambda axis: jc.compress(
+    jc.codecs.EliasQSGD(7, bucket_size=512, norm="max"), axis_name=axis, collective="allgather"
+  ),
+  "normal": lambda axis: jc.compress(
+    jc.codecs.NormalQuantizer(256), axis_name=axis, collective="allgather"
+  ),
   "sparsify": lambda axis: jc.sparsify(epsilon=1.0, density=0.5, method="exact", axis_name=axis),
   # Momentum correction on the harness's second step (u = v = 0 after the zero step):
   # v = g, and DGC sends its top 10%.
-  "dgc": lambda axis: jc.dgc(0.1, axis_name=axis),
+  "dgc": lambda axis: jc.dgc(0.1, axis_name=axis, collective="allgather"),
   # Not quantized, every layer exchanged each step, and one compressed layer (w32), so
   # that the update after the zero step (prediction 0) is the mean of each device's top
   # half of w32 exactly; the default configuration's quantization and half updates are
@@ -562,11 +574,13 @@ def test_optimizer_harness_shard_map(name):
     lambda: jc.codecs.QSGD(7, bucket_size=0),
     lambda: jc.codecs.QSGD(7, bucket_size=-512),
     lambda: jc.codecs.OneBit(bucket_size=0),
-    lambda: jc.qsgd(bits=1),
-    lambda: jc.qsgd(norm="inf"),
-    lambda: jc.qsgd(bucket_size=0),
-    lambda: jc.compress(jc.codecs.Identity(), collective="ring"),
-    lambda: jc.wire_report(jc.qsgd(axis_name=AXIS), PARAMS, axis_name=AXIS, num_devices=1),
+    lambda: jc.qsgd(bits=1, axis_name=None),
+    lambda: jc.qsgd(norm="inf", axis_name=None),
+    lambda: jc.qsgd(bucket_size=0, axis_name=None),
+    lambda: jc.compress(jc.codecs.Identity(), collective="ring", axis_name=None),
+    lambda: jc.wire_report(
+      jc.qsgd(axis_name=AXIS, collective="allgather"), PARAMS, axis_name=AXIS, num_devices=1
+    ),
   ],
 )
 def test_bad_arguments_raise_value_error(make):
@@ -574,12 +588,77 @@ def test_bad_arguments_raise_value_error(make):
     make()
 
 
+#: Every transform that exchanges, built with its other arguments given.
+EXCHANGING = {
+  "compress": lambda **kw: jc.compress(jc.codecs.QSGD(7), **kw),
+  "qsgd": jc.qsgd,
+  "onebit_sgd": jc.onebit_sgd,
+  "ef_signsgd": jc.ef_signsgd,
+  "sparsify": lambda **kw: jc.sparsify(density=0.1, **kw),
+  "dgc": jc.dgc,
+  "mipd": jc.mipd,
+  "powersgd": jc.powersgd,
+  "onebit_adam": lambda **kw: jc.onebit_adam(1e-3, freeze_step=1, **kw),
+  "scale_by_onebit_adam": lambda **kw: jc.scale_by_onebit_adam(freeze_step=1, **kw),
+  "qsvrg": lambda **kw: jc.qsvrg(lambda w, batch: jnp.sum(w), 0.1, **kw),
+  "diloco": lambda **kw: jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2, **kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXCHANGING))
+def test_exchanging_transforms_require_axis_name(name):
+  """Built without axis_name a transform would compress locally and exchange nothing
+  (under pmap the replicas drift apart silently): the error says what to pass, and
+  axis_name=None, the one-device simulation, is an explicit choice. (Under pmap with
+  the axis given, the replicas get the same mean: test_harness_pmapped.)"""
+  make = EXCHANGING[name]
+  with pytest.raises(
+    TypeError,
+    match=rf"jc\.{name} needs axis_name: .*axis_name='batch'.*"
+    r"axis_name=None to simulate the compression on one device",
+  ):
+    make()
+  make(axis_name=None)
+  make(axis_name=AXIS)
+
+
+#: A user's flattened shards: 1-D leaves, which the default filter leaves out.
+FLAT = {"w": jnp.zeros((4096,)), "b": jnp.zeros((10,))}
+_FILTERED = [n for n in sorted(EXCHANGING) if n != "qsvrg"]  # QSVRG compresses every leaf
+
+
+@pytest.mark.parametrize("name", _FILTERED)
+def test_a_filter_that_leaves_nothing_to_compress_warns(name):
+  """Every leaf left out by the filter: the run would average everything dense and say
+  nothing; init warns, naming the filter and how to change it. A model with a leaf to
+  compress does not warn."""
+  tx = EXCHANGING[name](axis_name=None)
+  with pytest.warns(UserWarning, match=r"compresses nothing: the default filter \(jc\.default_"):
+    tx.init(FLAT)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.init(PARAMS)
+
+
+def test_the_warning_names_the_filter_passed():
+  tx = jc.qsgd(axis_name=None, filter=lambda path, leaf: leaf.size > 10**6)
+  with pytest.warns(
+    UserWarning,
+    match=r"filter=<lambda> leaves out all 2 gradient leaves.*"
+    r"filter=lambda path, leaf: True",
+  ):
+    tx.init(FLAT)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jc.qsgd(axis_name=None, filter=lambda path, leaf: True).init(FLAT)
+
+
 def test_bad_types_raise_type_error():
   with pytest.raises(TypeError, match="codec"):
-    jc.compress("qsgd")
+    jc.compress("qsgd", axis_name=None)
   with pytest.raises(TypeError, match="floating"):
     jc.codecs.Cast(jnp.int8)
-  tx = jc.qsgd()
+  tx = jc.qsgd(axis_name=None)
   with pytest.raises(TypeError, match="floating-point"):
     tx.init({"steps": jnp.zeros((64, 64), jnp.int32)})
   state = tx.init({"w": jnp.zeros((64, 64))})
@@ -590,7 +669,9 @@ def test_bad_types_raise_type_error():
 
 
 def test_filter_selects_leaves():
-  tx = jc.qsgd(bits=2, filter=lambda path, leaf: "w16" in jax.tree_util.keystr(path))
+  tx = jc.qsgd(
+    bits=2, filter=lambda path, leaf: "w16" in jax.tree_util.keystr(path), axis_name=None
+  )
   grads = _random_grads(jax.random.key(2))
   updates, _ = tx.update(grads, tx.init(PARAMS))
   chex.assert_trees_all_equal(updates["w32"], grads["w32"])  # not compressed
@@ -695,7 +776,7 @@ def _least_squares(minibatch: bool, steps: int):
 # harness below (mean 3.5) with its tolerance. QSGD: 4-bit noise on a constant; PowerSGD:
 # a rank-1 mean, exact at rank 2; 1-bit Adam: Adam's first step (dense warm-up), -lr.
 _REPLICATED_CASES = {
-  "qsgd": (lambda: jc.per_device_state(jc.qsgd(axis_name=AXIS)), 3.5, 0.05),
+  "qsgd": (lambda: jc.per_device_state(jc.qsgd(axis_name=AXIS, collective="allgather")), 3.5, 0.05),
   "powersgd": (lambda: jc.per_device_state(jc.powersgd(2, axis_name=AXIS)), 3.5, 1e-5),
   "onebit_adam": (lambda: jc.onebit_adam(1e-3, freeze_step=1, axis_name=AXIS), -1e-3, 1e-5),
 }

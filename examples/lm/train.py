@@ -163,7 +163,11 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
     return jc.powersgd(config.powersgd_rank, axis_name=AXIS)
   if method == "dgc":
     warmup_steps = min(config.warmup_steps, config.num_steps // 2) if warmup else 0
-    return jc.dgc(config.dgc_density, 0.0, warmup_steps=warmup_steps, axis_name=AXIS)
+    # The paper's all-gather, as docs/guides/lm.md measured it ("auto" chunks the
+    # large leaves at K = 8: CSC's selection, another method).
+    return jc.dgc(
+      config.dgc_density, 0.0, warmup_steps=warmup_steps, axis_name=AXIS, collective="allgather"
+    )
   if method == "onebit_adam":
     return make_onebit_adam(config, warmup=warmup)
   raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")

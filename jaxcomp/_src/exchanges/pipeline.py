@@ -31,6 +31,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+import warnings
 
 import jax
 from jax import lax
@@ -39,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
+from jaxcomp._src.codecs import sparse
 from jaxcomp._src.exchanges import collectives
 from jaxcomp._src.plumbing import phases
 from jaxcomp._src.plumbing import treeutil
@@ -97,6 +99,38 @@ class Split(NamedTuple):
     for i, v in zip(self.dense, dense_values, strict=True):
       out[i] = v
     return out
+
+
+def warn_if_nothing_compressed(who: str, chosen: Sequence[bool], rule: str) -> None:
+  """Warns once when a transform's selection leaves none of the gradient's leaves to
+  compress: every leaf is then averaged dense, the run moves as many bytes as a plain
+  ``pmean`` and nothing in it says so (``jc.wire_report`` would). ``chosen`` is the
+  selection per leaf, ``rule`` names what decided it (the default filter, the user's).
+
+  Called from each method's ``init``, which decides the selection once; Python's
+  warning registry shows the same message once.
+  """
+  if not chosen or any(chosen):
+    return
+  warnings.warn(
+    f"{who} compresses nothing: {rule} leaves out all {len(chosen)} gradient leaves, so "
+    f"every leaf is averaged dense in full precision (as many bytes as a plain pmean). "
+    f"Pass filter=lambda path, leaf: True to compress every leaf, or a filter that "
+    f"selects the leaves to compress",
+    UserWarning,
+    stacklevel=2,
+  )
+
+
+def filter_rule(filter_fn, default_fn, extra: str = "") -> str:
+  """How :func:`warn_if_nothing_compressed` names a selection: the default filter (with
+  its thresholds) or the one the user passed; ``extra`` adds another rule (PowerSGD's
+  ``min_compression``)."""
+  if filter_fn is default_fn:
+    rule = "the default filter (jc.default_filter: at least 1024 values and 2 dimensions)"
+  else:
+    rule = f"filter={getattr(filter_fn, '__name__', filter_fn)!s}"
+  return rule + extra
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -271,17 +305,37 @@ def refuse_reduce_scatter(collective: str, who: str, why: str) -> None:
     )
 
 
+def has_two_phase_route(codec) -> bool:
+  """Whether the two-phase exchange computes ``codec``'s method: false for sparse codecs
+  (:class:`~jaxcomp.codecs.TopK`, :class:`~jaxcomp.codecs.RandomK`, the Wangni
+  sparsifier), whose chunk owner would sparsify the average of K sparse chunks again,
+  keeping about 1/K of what the devices sent (top-k drops the rest, the unbiased
+  sparsifiers multiply the variance), and for codecs with a fallback, which need the
+  all-gather."""
+  return codec.fallback is None and not isinstance(codec, sparse.SparseCodec)
+
+
 def resolve(collective: str, codec, k: int) -> str:
   """The exchange ``collective`` stands for on ``k`` devices (``"auto"`` resolved).
 
-  ``"auto"`` is ``"allgather"`` for K <= 2, where it moves the same bytes as the
-  two-phase exchange (``(K-1)·B = 2(K-1)/K·B = B``) with one encode and decode, one
-  collective and no second quantization, and for codecs with a fallback (which need
-  it); else ``"two_phase"``, whose traffic stays flat in K.
+  ``"auto"`` takes the route that moves the fewest bytes among those that compute the
+  codec's method:
+
+  * ``"psum"`` for summable payloads (``RandomK(shared=True)``): ``2(K-1)/K`` times the
+    values' bytes, fewer than the all-gather's ``K-1`` times values and indices at
+    every K;
+  * ``"allgather"`` for K <= 2, where it moves the same bytes as the two-phase exchange
+    (``(K-1)·B = 2(K-1)/K·B = B``) with one encode and decode, one collective and no
+    second quantization, and for codecs without a two-phase route
+    (:func:`has_two_phase_route`) at every K;
+  * else ``"two_phase"``, whose traffic stays flat in K (:func:`leaf_mode` keeps a leaf
+    on the all-gather where its chunks would cost as much).
   """
   if collective != "auto":
     return collective
-  return "allgather" if k <= 2 or codec.fallback is not None else "two_phase"
+  if codec.summable_fields is not None:
+    return "psum"
+  return "two_phase" if k > 2 and has_two_phase_route(codec) else "allgather"
 
 
 def leaf_mode(codec, collective: str, axis_name, shape, dtype) -> str:

@@ -29,7 +29,7 @@ from jaxcomp._src.plumbing import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
-COLLECTIVES = ("allgather", "chunked")
+COLLECTIVES = ("auto", "allgather", "chunked")
 CLIP_MODES = ("global", "per_tensor")
 
 
@@ -146,6 +146,44 @@ class _Options:
   seed: int
 
 
+# ----------------------------------------------------------------------------- routes
+
+
+def chunked_bytes(n: int, density: float, chunk: int, k: int) -> float:
+  """Bytes per device of the chunked exchange (:func:`collectives.chunked_mean`) of a
+  leaf of ``n`` values on ``k`` devices: two all-reduces of float32, the ``ceil(n/c)``
+  chunk norms and the chosen ``m`` chunks, each counted ``2(K-1)/K`` times its operand
+  (as :func:`jaxcomp.wire_report` counts an all-reduce)."""
+  nc = -(-n // chunk)
+  m = min(nc, max(1, math.ceil(density * n / chunk - 1e-9)))  # as chunked_mean's
+  return 2 * (k - 1) / k * 4 * (nc + m * chunk)
+
+
+def gathered_bytes(codec: sparse.TopK, shape: tuple[int, ...], k: int) -> float:
+  """Bytes per device of the all-gather exchange of a leaf of ``shape``: the ``K-1``
+  other devices' (value, index) payloads."""
+  return (k - 1) * codec.wire_bits(tuple(shape), _F32) / 8
+
+
+def leaf_route(opts: _Options, shape: tuple[int, ...]) -> str:
+  """The exchange a compressed leaf of ``shape`` takes: ``collective`` as given, and for
+  ``"auto"`` whichever of the all-gather and the chunked exchange moves fewer bytes at
+  this device count and the target density (the last warm-up stage's). The all-gather
+  grows with K and the chunked exchange does not, so ``"auto"`` all-gathers on few
+  devices and small leaves, and chunks large leaves on many devices. One route per leaf
+  for the whole run, warm-up included: the two select differently (each device's top-k
+  entries, or chunks chosen together), and the run keeps one selection per leaf.
+  Without an axis: ``"allgather"`` (nothing is exchanged)."""
+  if opts.axis_name is None:
+    return "allgather"
+  if opts.collective != "auto":
+    return opts.collective
+  k = collectives.axis_size(opts.axis_name)
+  codec = opts.codecs[-1]
+  chunked = chunked_bytes(math.prod(shape), codec.density, opts.chunk_size, k)
+  return "chunked" if chunked < gathered_bytes(codec, shape, k) else "allgather"
+
+
 # ----------------------------------------------------------------------------- steps
 
 
@@ -158,6 +196,11 @@ def _init(opts: _Options, params) -> DGCState:
     mom.append(jnp.zeros(leaf.shape, _F32))
     on = treeutil.selected(opts.filter_fn, path, leaf)
     vel.append(jnp.zeros(leaf.shape, _F32) if on else optax.MaskedNode())
+  pipeline.warn_if_nothing_compressed(
+    "jc.dgc",
+    [not isinstance(v, optax.MaskedNode) for v in vel],
+    pipeline.filter_rule(opts.filter_fn, transforms.default_filter),
+  )
   return DGCState(
     count=jnp.zeros((), jnp.int32),
     key=jax.random.key(opts.seed),
@@ -192,7 +235,7 @@ def _select(opts: _Options, codec, g, u, v, key):
   devices; the all-gather's payloads go to the pipeline already encoded
   (:func:`pipeline.encoded_leaf`)."""
   u, v = _accumulate(opts, g, u, v)
-  if opts.collective == "chunked" and opts.axis_name is not None:
+  if leaf_route(opts, v.shape) == "chunked":
     mean, sent_mask = collectives.chunked_mean(v, codec.density, opts.chunk_size, opts.axis_name)
     leaf = mean.reshape(v.shape)
   else:
@@ -319,8 +362,8 @@ def dgc(
   warmup_steps: int = 0,
   momentum_masking: bool = True,
   method: str = "sampled",
-  axis_name: Any = None,
-  collective: str = "allgather",
+  axis_name: Any = transforms.AXIS_REQUIRED,
+  collective: str = "auto",
   chunk_size: int = 512,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
   seed: int = 0,
@@ -374,6 +417,13 @@ def dgc(
     ``chunk_size``; the chunks' L1 norms are all-reduced, every device picks the same
     top ``ceil(density·n/chunk_size)`` chunks and only those are all-reduced. Traffic
     ``2(K-1)/K · 4 · (n/chunk_size + density·n)`` bytes, flat in K; no indices.
+    Its chunks are chosen over the devices' summed norms, so it sends whole chunks,
+    not each device's own top-k entries.
+  * ``"auto"`` (the default): per compressed leaf, whichever of the two moves fewer
+    bytes at the device count it runs on and the target density (:func:`leaf_route`;
+    one route per leaf for the whole run, warm-up included): the all-gather on two
+    devices and for small leaves, the chunked exchange for large leaves on many
+    devices. Pass ``collective="allgather"`` for the paper's exchange at any K.
 
   Returns the averaged sparse update (identical on every device). With
   ``axis_name=None`` nothing is exchanged (one-device simulation).
@@ -392,8 +442,10 @@ def dgc(
     method: :class:`jaxcomp.codecs.TopK` selection: ``"sampled"`` (the reference code's
       sampled threshold, which here only speeds up an exact selection), ``"exact"``
       (``lax.top_k``) or ``"blocked"``; all three send the same entries.
-    axis_name: the mapped axis to average over, or None.
-    collective: ``"allgather"`` or ``"chunked"``.
+    axis_name: the mapped axis to average over (required), or ``None``: the explicit
+      one-device simulation, which exchanges nothing.
+    collective: ``"auto"`` (default: per leaf, whichever of the two moves fewer bytes
+      at this device count and density), ``"allgather"`` or ``"chunked"``.
     chunk_size: chunk length of ``"chunked"``.
     filter: which leaves are compressed (default :func:`jaxcomp.default_filter`).
     seed: seed of the state's PRNG key.
@@ -409,6 +461,7 @@ def dgc(
     Bandwidth for Distributed Training*. ICLR 2018. https://arxiv.org/abs/1712.01887
     (``docs/methods/dgc.md``: what is exactly the paper and what departs).
   """
+  transforms.require_axis_name(axis_name, "jc.dgc")
   stages = _check_options(density, warmup_steps, momentum, clip_norm, clip, collective, chunk_size)
   opts = _Options(
     codecs=tuple(sparse.TopK(d, method) for _, d in stages),  # validates method

@@ -137,7 +137,7 @@ def diloco(
   outer: optax.GradientTransformation,
   *,
   sync_every: int,
-  axis_name: Any,
+  axis_name: Any = transforms.AXIS_REQUIRED,
   exchange: optax.GradientTransformation | None = None,
   fragments: int | None = None,
 ) -> optax.GradientTransformation:
@@ -289,6 +289,7 @@ class _Options(NamedTuple):
 
 def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Options:
   """The factory's argument checks, in one place: an :class:`_Options` or a ValueError."""
+  transforms.require_axis_name(axis_name, "jc.diloco")
   _check_transform(inner, "inner")
   _check_transform(outer, "outer")
   _check_transform(exchange, "exchange", optional=True)

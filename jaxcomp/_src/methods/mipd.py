@@ -344,6 +344,8 @@ def _init(opts: _Options, params) -> MIPDState:
   for path, leaf in leaves:
     treeutil.check_leaf(path, leaf)
   on = _selected(opts, leaves)
+  rule = pipeline.filter_rule(opts.filter_fn, transforms.default_filter)
+  pipeline.warn_if_nothing_compressed("jc.mipd", on, rule)
   pred = [jnp.zeros(x.shape, _F32) if o else optax.MaskedNode() for (_, x), o in zip(leaves, on)]
   return MIPDState(
     count=jnp.zeros((), jnp.int32),
@@ -537,7 +539,7 @@ def mipd(
   min_keep: float = 0.1,
   predict_from: str = "received",
   collective: str = "auto",
-  axis_name: Any = None,
+  axis_name: Any = transforms.AXIS_REQUIRED,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""MIPD: layer-wise adaptive drop rates, compensation, half updates, normal quantization.
@@ -636,7 +638,8 @@ def mipd(
       ``[0, 1 - drop_rate]`` (0: the paper's rule, which may drop whole layers).
     predict_from: ``"received"`` or ``"compensated"``: what the prediction smooths.
     collective: ``"auto"``, ``"allgather"`` or ``"two_phase"`` (above).
-    axis_name: the mapped axis to average over, or None (one device).
+    axis_name: the mapped axis to average over (required), or ``None``: the explicit
+      one-device simulation, which exchanges nothing.
     filter: which leaves are compressed (default :func:`jaxcomp.default_filter`).
 
   Returns:
@@ -653,6 +656,7 @@ def mipd(
     MIPD: an adaptive gradient sparsification framework for distributed DNNs training.
     IEEE TPDS 33(11), 2022. doi:10.1109/TPDS.2022.3154387
   """
+  transforms.require_axis_name(axis_name, "jc.mipd")
   _check_options(drop_rate, min_keep, beta, alpha, predict_from, collective, quantize_pull)
   normal_q = normal.NormalQuantizer(intervals, sigmas, outlier_fraction)
   opts = _Options(

@@ -345,6 +345,11 @@ def _init(opts: _Options, params) -> OneBitAdamState:
     else:
       worker.append(optax.MaskedNode())
       server.append(optax.MaskedNode())
+  pipeline.warn_if_nothing_compressed(
+    "jc.onebit_adam",
+    [not isinstance(w, optax.MaskedNode) for w in worker],
+    pipeline.filter_rule(opts.filter_fn, transforms.default_filter),
+  )
   return OneBitAdamState(
     count=jnp.zeros((), jnp.int32),
     m=treedef.unflatten(moments),
@@ -537,7 +542,7 @@ def scale_by_onebit_adam(
   bucket_size: int | None = None,
   compress: str = "momentum",
   bound_momentum: bool = True,
-  axis_name: Any = None,
+  axis_name: Any = transforms.AXIS_REQUIRED,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""Rescales local gradients by 1-bit Adam's step direction, exchange included.
@@ -572,7 +577,7 @@ def scale_by_onebit_adam(
 
   Example:
     >>> import jax.numpy as jnp, jaxcomp as jc
-    >>> tx = jc.scale_by_onebit_adam(freeze_step=100)
+    >>> tx = jc.scale_by_onebit_adam(freeze_step=100, axis_name=None)  # one device
     >>> state = tx.init({"w": jnp.ones((64, 32))})
     >>> updates, state = tx.update({"w": jnp.ones((64, 32))}, state)
     >>> round(float(updates["w"][0, 0]), 4)  # Adam's first direction: sign(g)
@@ -582,6 +587,7 @@ def scale_by_onebit_adam(
     Tang et al. *1-bit Adam: Communication Efficient Large-Scale Training with Adam's
     Convergence Speed*. ICML 2021, Algorithm 1. https://arxiv.org/abs/2102.02888
   """
+  transforms.require_axis_name(axis_name, "jc.scale_by_onebit_adam")
   _check_options(None, freeze_step, b1, b2, eps, None, bucket_size, compress, bound_momentum)
   opts = _Options(
     freeze_step=int(freeze_step),
@@ -618,7 +624,7 @@ def onebit_adam(
   bucket_size: int | None = None,
   compress: str = "momentum",
   bound_momentum: bool = True,
-  axis_name: Any = None,
+  axis_name: Any = transforms.AXIS_REQUIRED,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
 ) -> optax.GradientTransformation:
   r"""1-bit Adam: Adam whose momentum is exchanged 1-bit with two-stage error feedback.
@@ -757,7 +763,8 @@ def onebit_adam(
     bound_momentum: hold the compression stage's momentum to Adam's own bound
       ``|m| <= B sqrt(v)`` (see above; ``True``). ``False``: the paper's and
       DeepSpeed's unbounded update. Needs ``b1**2 < b2`` when ``True``.
-    axis_name: the mapped axis to average over, or ``None`` (local simulation).
+    axis_name: the mapped axis to average over (required), or ``None``: the explicit
+      one-device simulation, which exchanges nothing.
     filter: ``filter(path, leaf) -> bool`` choosing the compressed leaves; defaults to
       :func:`jaxcomp.default_filter`.
 
@@ -766,7 +773,7 @@ def onebit_adam(
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxcomp as jc
-    >>> tx = jc.onebit_adam(1e-3, freeze_step=100)
+    >>> tx = jc.onebit_adam(1e-3, freeze_step=100, axis_name=None)  # one device
     >>> params = {"w": jnp.ones((64, 32))}
     >>> state = tx.init(params)
     >>> updates, state = tx.update({"w": jnp.ones((64, 32))}, state, params)
@@ -778,6 +785,7 @@ def onebit_adam(
     Efficient Large-Scale Training with Adam's Convergence Speed*. ICML 2021, Algorithm 1
     and Section 4. https://arxiv.org/abs/2102.02888
   """
+  transforms.require_axis_name(axis_name, "jc.onebit_adam")
   _check_options(
     learning_rate, freeze_step, b1, b2, eps, weight_decay, bucket_size, compress, bound_momentum
   )

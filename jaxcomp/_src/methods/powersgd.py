@@ -141,10 +141,11 @@ def _init(opts: _Options, params) -> PowerSGDState:
   """The shared key, the warm-start Q (the same draw on every device), zero residuals."""
   leaves, treedef = treeutil.flat(params)
   key, q_key = jax.random.split(jax.random.key(opts.seed))
-  qs, residual = [], []
+  qs, residual, chosen = [], [], []
   for i, (path, leaf) in enumerate(leaves):
     treeutil.check_leaf(path, leaf)
     p = opts.plan(path, leaf)
+    chosen.append(p is not None)
     # The same draw on every device (no device index folded in): shared randomness.
     qs.append(
       jax.random.normal(jax.random.fold_in(q_key, i), (p.cols, p.rank), _F32)
@@ -154,6 +155,13 @@ def _init(opts: _Options, params) -> PowerSGDState:
     residual.append(
       jnp.zeros(leaf.shape, _F32) if p and opts.error_feedback else optax.MaskedNode()
     )
+  rule = pipeline.filter_rule(
+    opts.filter_fn,
+    transforms.default_filter,
+    f" with min_compression={opts.min_compression} (a matrix whose rank-{opts.rank} "
+    f"factors would not be that many times smaller is sent dense)",
+  )
+  pipeline.warn_if_nothing_compressed("jc.powersgd", chosen, rule)
   return PowerSGDState(
     key=key,
     q=treedef.unflatten(qs),
@@ -283,7 +291,7 @@ def _update(opts: _Options, updates, state: PowerSGDState):
 def powersgd(
   rank: int = 1,
   *,
-  axis_name: Any,
+  axis_name: Any = transforms.AXIS_REQUIRED,
   error_feedback: bool = True,
   warm_start: bool = True,
   min_compression: float = 2.0,
@@ -342,7 +350,8 @@ def powersgd(
   Args:
     rank: ``r``, the approximation rank (PyTorch's default 1; the paper uses 1–4, up to
       32 for its language model).
-    axis_name: the mapped axis to average over, or ``None`` (local simulation).
+    axis_name: the mapped axis to average over (required), or ``None``: the explicit
+      one-device simulation, which exchanges nothing.
     error_feedback: keep and re-inject the approximation error (PowerSGD is biased;
       the paper always uses it).
     warm_start: reuse the previous step's ``Q`` instead of a fresh random one.
@@ -376,6 +385,7 @@ def powersgd(
     Distributed Optimization*. NeurIPS 2019, Algorithms 1-2 and sections 3-4.
     https://arxiv.org/abs/1905.13727
   """
+  transforms.require_axis_name(axis_name, "jc.powersgd")
   _check_options(rank, min_compression, matrix_view)
   opts = _Options(
     rank=rank,

@@ -28,12 +28,13 @@ import optax
 from jaxcomp._src.codecs import base as codecs_lib
 from jaxcomp._src.exchanges import collectives
 from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.methods import transforms
 from jaxcomp._src.plumbing import collective_trace
 from jaxcomp._src.plumbing import treeutil
 
 Array = jax.Array
 _F32 = jnp.float32
-COLLECTIVES = ("allgather", "two_phase")
+COLLECTIVES = ("auto", "allgather", "two_phase")
 
 
 class QSVRGState(NamedTuple):
@@ -290,11 +291,11 @@ def qsvrg(
   loss_fn: Callable[[Any, Any], Array],
   learning_rate: float | Callable[[Array], Array],
   *,
-  axis_name: Any = None,
+  axis_name: Any = transforms.AXIS_REQUIRED,
   levels: int | None = None,
   bucket_size: int | None = None,
   codec: codecs_lib.Codec | Callable[[Array], codecs_lib.Codec] | None = None,
-  collective: str = "allgather",
+  collective: str = "auto",
   filter: Callable[[tuple, Array], bool] | None = None,  # pylint: disable=redefined-builtin
   seed: int = 0,
 ) -> QSVRG:
@@ -325,7 +326,10 @@ def qsvrg(
   Each inner step the quantized vectors go through the compressed collective of
   :func:`jaxcomp.compress` (``"allgather"``: every device decodes the K payloads, the
   paper's broadcast; or ``"two_phase"``, which quantizes the chunk averages a second
-  time with the same codec: not the paper's algorithm). Every device then applies the
+  time with the same codec: not the paper's algorithm, but per-device traffic flat in
+  K). The default, ``"auto"``, is the all-gather on two devices and the two-phase
+  exchange on more (per leaf, where its chunks cost fewer bytes); pass
+  ``collective="allgather"`` for the paper's exchange at any K. Every device then applies the
   same mean, so parameters and state stay identical on all devices. One collective
   carries every leaf: the payloads of all quantized leaves share one ``all_gather``
   (each decoded by its own codec) and the leaves ``filter`` leaves out share one
@@ -367,8 +371,8 @@ def qsvrg(
     loss_fn: ``loss_fn(params, batch) -> scalar``, this device's mean loss on ``batch``
       (the minibatch ``f_{j,t}``, or the whole local shard ``f_j`` in ``snapshot``).
     learning_rate: ``η``, a float or a schedule of the total inner step count.
-    axis_name: the mapped axis of the devices, or ``None`` (one device; quantization
-      is then simulated locally).
+    axis_name: the mapped axis of the devices (required), or ``None``: the explicit
+      one-device run (quantization simulated locally, nothing exchanged).
     levels: QSGD levels ``s`` for every leaf; ``None`` (default) uses
       ``round(sqrt(n))`` per leaf, ``n`` its size or its bucket size (the paper's ``Q̃``).
     bucket_size: values per QSGD bucket (``None``: one bucket per tensor, the paper's).
@@ -378,7 +382,9 @@ def qsvrg(
       Elias-coded payloads:
       ``lambda leaf: jc.codecs.EliasQSGD(max(1, round(math.sqrt(leaf.size))))``. Excludes
       ``levels`` and ``bucket_size``.
-    collective: ``"allgather"`` or ``"two_phase"`` (see above).
+    collective: ``"auto"`` (default: the all-gather on two devices, the two-phase
+      exchange on more, per leaf as in :func:`jaxcomp.compress`), ``"allgather"`` or
+      ``"two_phase"`` (see above).
     filter: ``filter(path, leaf) -> bool``: leaves it rejects are exchanged with a
       dense ``pmean`` every step. Default: every leaf is quantized, as in the paper.
     seed: seed of the state's PRNG key.
@@ -393,7 +399,7 @@ def qsvrg(
     >>> a = jax.random.normal(jax.random.key(0), (256, 16))
     >>> data = (a, a @ jnp.ones(16))  # consistent least squares: f* = 0
     >>> loss = lambda w, batch: 0.5 * jnp.mean((batch[0] @ w - batch[1]) ** 2)
-    >>> opt = jc.qsvrg(loss, 0.1)     # Q(v, s=4) on the 16 values: 4 bits each
+    >>> opt = jc.qsvrg(loss, 0.1, axis_name=None)  # Q(v, s=4) on the 16 values: 4 bits each
     >>> w = jnp.zeros(16)
     >>> state = opt.init(w)
     >>> batches = jax.tree.map(lambda v: v.reshape(32, 8, *v.shape[1:]), data)  # T=32
@@ -411,6 +417,7 @@ def qsvrg(
     Johnson, Zhang. *Accelerating Stochastic Gradient Descent using Predictive Variance
     Reduction*. NeurIPS 2013.
   """
+  transforms.require_axis_name(axis_name, "jc.qsvrg")
   _check_options(loss_fn, learning_rate, collective, codec, levels, bucket_size)
   opts = _Options(
     loss_fn=loss_fn,

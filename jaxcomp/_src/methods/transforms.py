@@ -27,6 +27,31 @@ _F32 = jnp.float32
 FilterFn = Callable[[tuple, Array], bool]
 
 
+class _Required:
+  """The type of :data:`AXIS_REQUIRED`."""
+
+  def __repr__(self) -> str:
+    return "<required>"
+
+
+#: The default of ``axis_name`` in every exchanging transform: there is none. A
+#: transform built without an axis would compress locally and exchange nothing, and
+#: under ``jax.pmap`` the replicas would drift apart without an error; a sentinel
+#: rather than a bare required keyword so that the error can say what to pass
+#: (:func:`require_axis_name`).
+AXIS_REQUIRED: Any = _Required()
+
+
+def require_axis_name(axis_name: Any, who: str) -> None:
+  """A ``TypeError`` saying what to pass when ``who`` was built without ``axis_name``."""
+  if axis_name is AXIS_REQUIRED:
+    raise TypeError(
+      f"{who} needs axis_name: the name of the mapped axis of jax.shard_map or jax.pmap "
+      f"to average over (e.g. axis_name='batch'), or axis_name=None to simulate the "
+      f"compression on one device without exchanging anything"
+    )
+
+
 class CompressState(NamedTuple):
   """State of :func:`compress`.
 
@@ -130,7 +155,7 @@ def _init_state(o: _Options, params) -> CompressState:
   k = None
   if o.axis_name is not None and o.collective in ("two_phase", "auto", "reduce_scatter"):
     k = collectives.axis_size(o.axis_name)
-  grads, residual, scales, chunk_residual = [], [], [], []
+  grads, residual, scales, chunk_residual, chosen = [], [], [], [], []
   for (path, leaf), sh in zip(leaves, sharded):
     treeutil.check_leaf(path, leaf)
     if sh and not jnp.ndim(leaf):
@@ -140,7 +165,8 @@ def _init_state(o: _Options, params) -> CompressState:
       )
     like = jax.ShapeDtypeStruct(pipeline.full_shape(jnp.shape(leaf), sh, k), leaf.dtype)
     grads.append(like)  # what update receives: the full-size local gradient
-    on = o.error_feedback and treeutil.selected(o.filter_fn, path, like)
+    chosen.append(treeutil.selected(o.filter_fn, path, like))
+    on = o.error_feedback and chosen[-1]
     e, es = pipeline.residual_zeros(like.shape, o.residual_dtype) if on else (None, None)
     residual.append(optax.MaskedNode() if e is None else e)
     scales.append(optax.MaskedNode() if es is None else es)
@@ -156,6 +182,11 @@ def _init_state(o: _Options, params) -> CompressState:
       chunk_residual.append(jnp.zeros(shape, _F32))
     else:
       chunk_residual.append(optax.MaskedNode())
+  pipeline.warn_if_nothing_compressed(
+    f"jc.compress ({type(o.codec).__name__})",
+    chosen,
+    pipeline.filter_rule(o.filter_fn, default_filter),
+  )
   return CompressState(
     key=jax.random.key(o.seed),
     residual=treedef.unflatten(residual),
@@ -258,8 +289,8 @@ def _update(o: _Options, updates, state: CompressState):
 def compress(
   codec: codecs_lib.Codec,
   *,
-  axis_name: Any = None,
-  collective: str = "allgather",
+  axis_name: Any = AXIS_REQUIRED,
+  collective: str = "auto",
   error_feedback: bool = False,
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
@@ -285,10 +316,17 @@ def compress(
     is cut into K chunks; chunk j's payloads go to device j (``all_to_all``), which
     averages them, re-encodes the average and all-gathers it. Traffic per device about
     ``2(K-1)/K·B``, flat in K; the average is quantized a second time.
-  * ``"auto"``: ``"allgather"`` on K <= 2 devices, ``"two_phase"`` on more (and
-    ``"allgather"`` for codecs with a fallback). On two devices both move ``B`` per
-    device, but the all-gather encodes and decodes once, takes one collective instead of
-    two, and does not quantize the average a second time.
+  * ``"auto"`` (the default): the route with the fewest bytes at the device count it
+    runs on, per leaf (:func:`jaxcomp._src.exchanges.pipeline.resolve`): ``"allgather"``
+    on K <= 2 devices, ``"two_phase"`` on more, except for a leaf whose two-phase chunks
+    would cost as many bytes as the whole leaf (mostly padding or per-chunk scales, as
+    in a short vector), and ``"psum"`` for summable payloads. Codecs with no two-phase
+    route take the all-gather at every K: sparse codecs (``TopK``, ``RandomK``, the
+    Wangni sparsifier), whose chunk owner would sparsify the average of K sparse chunks
+    again and keep about 1/K of it, and codecs with a fallback. On two devices the
+    all-gather and the two-phase exchange both move ``B`` per device, but the all-gather
+    encodes and decodes once, takes one collective instead of two, and does not quantize
+    the average a second time.
   * ``"psum"``: for linear payloads (``codec.summable_fields``, e.g.
     ``RandomK(density, shared=True)``, whose indices are the same on every device): the
     values are all-reduced with ``lax.psum``; traffic ``2(K-1)/K`` times the values'
@@ -352,8 +390,11 @@ def compress(
 
   Args:
     codec: a :mod:`jaxcomp.codecs` codec.
-    axis_name: the mapped axis to average over, or ``None`` (local simulation).
-    collective: ``"allgather"``, ``"two_phase"``, ``"auto"``, ``"psum"`` or
+    axis_name: the mapped axis to average over (required, like the axis of the
+      ``jax.shard_map`` or ``jax.pmap`` it runs in), or ``None``: the explicit
+      one-device simulation, which encodes and decodes locally and exchanges nothing.
+    collective: ``"auto"`` (default: the route with the fewest bytes at this device
+      count, see above), ``"allgather"``, ``"two_phase"``, ``"psum"`` or
       ``"reduce_scatter"``.
     error_feedback: keep and re-inject the compression error.
     seed: seed of the state's PRNG key.
@@ -372,13 +413,15 @@ def compress(
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxcomp as jc
-    >>> tx = optax.chain(jc.compress(jc.codecs.QSGD(7, 512, "max")), optax.sgd(0.1))
+    >>> codec = jc.codecs.QSGD(7, 512, "max")
+    >>> tx = optax.chain(jc.compress(codec, axis_name=None), optax.sgd(0.1))  # one device
     >>> params = {"w": jnp.ones((64, 32))}
     >>> state = tx.init(params)
     >>> updates, state = tx.update({"w": jnp.ones((64, 32))}, state, params)
     >>> updates["w"].shape
     (64, 32)
   """
+  require_axis_name(axis_name, "jc.compress")
   name = _check_options(codec, axis_name, collective, error_feedback, residual_dtype, param_specs)
   o = _Options(
     codec,
@@ -407,8 +450,8 @@ def qsgd(
   norm: str = "max",
   *,
   levels: int | None = None,
-  axis_name: Any = None,
-  collective: str = "allgather",
+  axis_name: Any = AXIS_REQUIRED,
+  collective: str = "auto",
   error_feedback: bool = False,
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
@@ -453,8 +496,9 @@ def qsgd(
     norm: ``"max"`` or ``"l2"``.
     levels: ``s``, levels per sign (``1 <= s < 2**24``), instead of ``bits``.
     axis_name, collective, error_feedback, seed, filter, param_specs, residual_dtype: as
-      in :func:`compress`. ``collective="two_phase"`` keeps per-device traffic flat in
-      the device count; ``"reduce_scatter"`` returns this device's shard of the mean for
+      in :func:`compress`. The default ``collective="auto"`` all-gathers on two devices
+      and runs the two-phase exchange on more, whose per-device traffic is flat in the
+      device count; ``"reduce_scatter"`` returns this device's shard of the mean for
       sharded parameters (ZeRO++'s qgZ: unbiased, no feedback needed).
     implementation: the codec's (``None``: Pallas kernels on a CUDA GPU, the native
       kernels on a CPU backend, else XLA; ``"xla"``, ``"pallas"`` or ``"native"``).
@@ -464,13 +508,14 @@ def qsgd(
 
   Example:
     >>> import jaxcomp as jc
-    >>> tx = jc.qsgd(levels=16, bucket_size=512)  # the paper's s = 2^4: 6 bits a value
-    >>> tx = jc.qsgd(bits=4)                      # 4 bits a value: s = 7
+    >>> tx = jc.qsgd(levels=16, axis_name="batch")  # the paper's s = 2^4: 6 bits a value
+    >>> tx = jc.qsgd(bits=4, axis_name="batch")     # 4 bits a value: s = 7
 
   References:
     Alistarh et al. *QSGD: Communication-Efficient SGD via Gradient Quantization and
     Encoding*. NeurIPS 2017. https://arxiv.org/abs/1610.02132
   """
+  require_axis_name(axis_name, "jc.qsgd")
   if isinstance(bits, bool) or not isinstance(bits, int) or bits < 2:
     raise ValueError(f"bits must be an integer >= 2 (sign included), got {bits!r}")
   if levels is None:
@@ -503,7 +548,7 @@ def onebit_sgd(
   *,
   bucket_size: int | None = _ONEBIT_BUCKET,
   per_column: bool = False,
-  axis_name: Any = None,
+  axis_name: Any = AXIS_REQUIRED,
   collective: str = "auto",
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
@@ -557,6 +602,7 @@ def onebit_sgd(
     Seide, Fu, Droppo, Li, Yu. *1-Bit Stochastic Gradient Descent and its Application
     to Data-Parallel Distributed Training of Speech DNNs*. Interspeech 2014.
   """
+  require_axis_name(axis_name, "jc.onebit_sgd")
   if per_column:
     if bucket_size is not _ONEBIT_BUCKET and bucket_size is not None:
       raise ValueError(
@@ -582,7 +628,7 @@ def onebit_sgd(
 def ef_signsgd(
   *,
   bucket_size: int | None = None,
-  axis_name: Any = None,
+  axis_name: Any = AXIS_REQUIRED,
   collective: str = "auto",
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
@@ -619,7 +665,7 @@ def ef_signsgd(
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp as jc
-    >>> tx = optax.chain(jc.ef_signsgd(), optax.sgd(0.1))
+    >>> tx = optax.chain(jc.ef_signsgd(axis_name=None), optax.sgd(0.1))  # one device
     >>> params = {"w": jnp.ones((64, 32))}
     >>> updates, _ = tx.update({"w": jnp.ones((64, 32))}, tx.init(params), params)
 
@@ -627,6 +673,7 @@ def ef_signsgd(
     Karimireddy, Rebjock, Stich, Jaggi. *Error Feedback Fixes SignSGD and other Gradient
     Compression Schemes*. ICML 2019. https://arxiv.org/abs/1901.09847
   """
+  require_axis_name(axis_name, "jc.ef_signsgd")
   if collective not in ("allgather", "two_phase", "auto", "reduce_scatter"):
     raise ValueError(
       f"ef_signsgd's collective must be 'allgather', 'two_phase', 'auto' or "
@@ -705,12 +752,12 @@ def sparsify(
   density: float | None = None,
   method: str = "greedy",
   *,
-  axis_name: Any = None,
+  axis_name: Any = AXIS_REQUIRED,
   error_feedback: bool = False,
   capacity: float | None = None,
   seed: int = 0,
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
-  collective: str = "allgather",
+  collective: str = "auto",
   param_specs: Any = None,
   residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
@@ -737,7 +784,9 @@ def sparsify(
     method: ``"greedy"`` or ``"exact"``.
     axis_name, error_feedback, seed, filter: as in :func:`compress`.
     capacity: override of the payload capacity (see the codec).
-    collective: ``"allgather"`` (default) or ``"reduce_scatter"`` (for parameters
+    collective: ``"auto"`` (default), which is the all-gather at every device count
+      (the sparsifier has no two-phase route: a chunk owner would sparsify the average
+      of K sparse chunks again), ``"allgather"``, or ``"reduce_scatter"`` (for parameters
       sharded over ``axis_name``; each device's row of each leaf is sparsified on its own).
     param_specs, residual_dtype: as in :func:`compress`.
 
@@ -745,9 +794,10 @@ def sparsify(
     Wangni, Wang, Liu, Zhang. *Gradient Sparsification for Communication-Efficient
     Distributed Optimization*. NeurIPS 2018. https://arxiv.org/abs/1710.09854
   """
-  if collective not in ("allgather", "reduce_scatter"):
+  require_axis_name(axis_name, "jc.sparsify")
+  if collective not in ("auto", "allgather", "reduce_scatter"):
     raise ValueError(
-      f"sparsify's collective must be 'allgather' or 'reduce_scatter', got {collective!r}"
+      f"sparsify's collective must be 'auto', 'allgather' or 'reduce_scatter', got {collective!r}"
     )
   codec = wangni.UnbiasedSparsifier(
     epsilon=epsilon, density=density, method=method, capacity=capacity
