@@ -1,5 +1,5 @@
-"""The MNIST-1D example: the real train_and_evaluate on the quick config, a run that
-diverges, and the demo's full-length quality check."""
+"""The MNIST-1D example: the demo's full-length run (the README's command) and its
+quality bar, a run that diverges, and the quick config's DiLoCo."""
 
 import dataclasses
 import json
@@ -16,19 +16,39 @@ pytest.importorskip("tqdm")
 from examples import common  # noqa: E402
 from examples.mnist1d import main  # noqa: E402
 from examples.mnist1d import train  # noqa: E402
+from examples.mnist1d.configs import default  # noqa: E402
 from examples.mnist1d.configs import quick  # noqa: E402
 
+# The demo's quality bar: every method ends within this many points of dense's test
+# accuracy. A seed or a change of float rounding moves one run by up to about a point
+# (docs/guides/demo.md), so 2 points separate a method that trains from noise.
+QUALITY_POINTS = 2.0
 
+
+@pytest.mark.slow
 @pytest.mark.once
-def test_quick_run_writes_results(tmp_path):
-  config = quick.get_config()
+def test_demo_full_length(tmp_path):
+  """What the README's command runs (default config, every default method, 600 steps):
+  every method ends finite and within QUALITY_POINTS of dense, and the results are
+  written. (It replaces a run of the quick config, which stopped before a method could
+  diverge.)"""
+  config = main.get_config(main.parse_args([]))
+  assert config == default.get_config()
   workdir = str(tmp_path)
   results = train.train_and_evaluate(config, workdir)
 
   assert list(results) == list(train.METHODS)
+  dense = 100 * results["dense"]["test_accuracy"]
+  failed = {
+    method: f"diverged at step {r['nonfinite_step']}"
+    if r["diverged"]
+    else f"{100 * r['test_accuracy']:.1f}% vs dense {dense:.1f}%"
+    for method, r in results.items()
+    if r["diverged"] or 100 * r["test_accuracy"] < dense - QUALITY_POINTS
+  }
+  assert not failed, failed
   for method, r in results.items():
-    assert 0.0 <= r["test_accuracy"] <= 1.0, method
-    assert math.isfinite(r["test_accuracy"]), method
+    assert r["exchanged"], method
     assert len(r["history"]["step"]) == len(r["history"]["test_accuracy"])
     assert r["history"]["step"][-1] == config.num_steps
     assert r["train_time_s"] > 0 and r["compile_time_s"] > 0
@@ -40,17 +60,15 @@ def test_quick_run_writes_results(tmp_path):
     assert all(math.isnan(v) for p, v in change.items() if p.endswith("['bias']")), method
 
   # Bytes per device per step: the dense pmean is its own baseline; each codec sends
-  # fewer bytes than the one before. Quick model: 16,384 of its 17,274 parameters are
-  # compressed, the rest (890, 32 bits each) go dense, so the ratios are
-  # 17274*32 / (16384*b + 890*32) with b = 4 + 32/512 bits (qsgd4: 5.8x),
-  # 2 + 32/128 (qsgd2: 8.5x) and 1 + 64/1024 (onebit: 12.0x).
+  # fewer bytes than the one before. 97,536 of the model's 98,186 parameters are in the
+  # five compressed kernels; the first convolution's (160 values) and the biases go dense.
   ratio = {m: r["ratio"] for m, r in results.items()}
   assert ratio["dense"] == pytest.approx(1.0)
   assert all(r["dense_bytes"] == results["dense"]["bytes_received"] for r in results.values())
   assert 5 < ratio["qsgd4"] < ratio["qsgd2"] < ratio["onebit"]
   assert ratio["onebit"] > 10
-  # All-gathered sparse payloads: DGC sends 9 (value, uint16 index) pairs per kernel per
-  # step; Wangni (5%) a capacity of 538 indices + signs and 103 values per kernel.
+  # DGC sends 0.1% of each kernel as (value, index) pairs; Wangni (5%) a capacity of
+  # indices and signs per kernel, above the 5% of its values.
   assert ratio["dgc"] > ratio["onebit"]
   assert 3 < ratio["wangni"] < ratio["qsgd4"]
 
@@ -58,11 +76,12 @@ def test_quick_run_writes_results(tmp_path):
     assert os.path.getsize(os.path.join(workdir, name)) > 0
   with open(os.path.join(workdir, "results.md")) as f:
     table = f.read()
-  assert all(f"| {m} |" in table for m in train.METHODS)
+  assert all(f"| {m} | {100 * r['test_accuracy']:.1f} |" in table for m, r in results.items())
   with open(os.path.join(workdir, "results.json")) as f:
     saved = json.load(f)
   assert saved["num_devices"] == 8
   assert saved["results"]["onebit"]["ratio"] == pytest.approx(ratio["onebit"])
+  assert all(saved["results"][m]["nonfinite_step"] is None for m in train.METHODS)
 
 
 def test_config_by_name_or_path(tmp_path):

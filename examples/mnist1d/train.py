@@ -665,7 +665,7 @@ def wire_report(tx, params, num_devices: int) -> jc.WireReport | None:
 def results_table(results: dict[str, dict[str, Any]], num_devices: int) -> str:
   """A Markdown table of the results, one row per method; a diverged method's accuracy
   reads ``diverged at step N`` (that of a non-finite model means nothing), and the
-  bytes of one that never reached its exchange ``none sent`` (:func:`bytes_cells`)."""
+  bytes of one that never reached its exchange ``none sent`` (:func:`common.bytes_cells`)."""
   lines = [
     f"MNIST-1D, {num_devices} devices. Bytes: jc.wire_report, received per device per"
     " step. Train time: wall time of the training steps only (compiled ahead of time,"
