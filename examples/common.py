@@ -341,7 +341,7 @@ def all_finite(tree) -> bool:
   leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   if not leaves:
     return True
-  sharding = leaves[0].sharding
+  sharding = getattr(leaves[0], "sharding", None)
   if not isinstance(sharding, jax.NamedSharding):  # host arrays or one device
     return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in leaves)
   return bool(_all_finite_fn(sharding.mesh)(leaves).addressable_data(0))
