@@ -15,10 +15,12 @@ example's ``examples/mnist1d/configs``: ``default``, ``quick``) or a config file
 The launcher picks a free port for the coordinator, starts N copies of this module in
 worker mode (``--worker --process-id i --num-processes N --coordinator HOST:PORT``),
 streams their output, kills all of them when one fails, on a timeout or on Ctrl-C,
-checks that every process ends with bit-identical parameters and prints a summary. It
-holds ``WORKDIR/launch.lock`` (one launch per workdir: :func:`workdir_lock`). When a
-worker fails it prints one line: which worker, how (killed, lost peer, timeout), the
-last complete checkpoints and the command that resumes (:func:`failure_line`).
+checks that every process ends with bit-identical parameters and prints a summary; it
+exits with code 1 when a method diverged (went non-finite: its row says where) unless
+``--allow-diverged``. It holds ``WORKDIR/launch.lock`` (one launch per workdir:
+:func:`workdir_lock`). When a worker fails it prints one line: which worker, how
+(killed, lost peer, timeout), the last complete checkpoints and the command that
+resumes (:func:`failure_line`).
 ``--fault-timeout`` (:data:`DEFAULT_FAULT_TIMEOUT` s) bounds how long a lost peer goes
 unnoticed (:func:`init_distributed`); ``--checkpoint-every N`` checkpoints with Orbax,
 and the same command resumes (``train.train_method``).
@@ -677,7 +679,9 @@ def check_identical(results: Sequence[dict[str, Any]]) -> None:
 
 
 def summary(results: Sequence[dict[str, Any]]) -> str:
-  """A Markdown table: one row per method, with the step times of every process."""
+  """A Markdown table: one row per method, with the step times of every process; a
+  diverged method's final loss reads ``diverged at step N``, the bytes of one that never
+  reached its exchange ``none sent`` (``common.bytes_cells``)."""
   r0 = results[0]
   lines = [
     f"{len(results)} processes x {r0['local_devices']} {r0['platform']} devices, "
@@ -690,6 +694,9 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
   ]
   for method, m in r0["methods"].items():
     runs = [r["methods"][method] for r in results]
+    loss = f"{m['final_loss']:.4f}"
+    if m.get("diverged"):  # the same in every process: global losses and parameters
+      loss = common.diverged_note(m["nonfinite_step"])
     times = " / ".join(
       "n/a" if run["median_step_time_s"] is None else f"{1e3 * run['median_step_time_s']:.1f}"
       for run in runs
@@ -698,10 +705,9 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
       run["local_copies_identical"] for run in runs
     )
     acc = "n/a" if m["test_accuracy"] is None else f"{100 * m['test_accuracy']:.1f}"
-    recv = "n/a" if m["bytes_received"] is None else f"{m['bytes_received']:,.0f}"
-    ratio = "n/a" if m["ratio"] is None else f"{m['ratio']:.1f}x"
+    recv, ratio = common.bytes_cells(m)
     lines.append(
-      f"| {method} | {m['final_loss']:.4f} | {acc} | {times} | {recv} | {ratio} |"
+      f"| {method} | {loss} | {acc} | {times} | {recv} | {ratio} |"
       f" {m['params_sha256'][:16]} | {'yes' if same else 'NO'} |"
     )
   return "\n".join(lines) + phase_table(results)
@@ -808,6 +814,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="a worker that sends no heartbeat for SECONDS (dead, or cut off) or a collective"
     " that waits SECONDS for its peers fails the run (0: JAX's and XLA's defaults,"
     f" 100 s and 30 min; default {DEFAULT_FAULT_TIMEOUT})",
+  )
+  parser.add_argument(
+    common.ALLOW_DIVERGED_FLAG,
+    action="store_true",
+    help="exit 0 even when a method diverged (went non-finite; exit code 1 otherwise)",
   )
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
@@ -1030,7 +1041,8 @@ def raise_keyboard_interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
-  """Runs the worker or the launcher; returns the exit code."""
+  """Runs the worker or the launcher; returns the exit code (the launcher's: 1 when a
+  worker failed or a method diverged, unless ``--allow-diverged`` for the latter)."""
   args = parse_args(argv)
   if args.worker:
     run_worker(args)
@@ -1040,14 +1052,14 @@ def main(argv=None) -> int:
   signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
   command = shlex.join(["python", "-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
   try:
-    run_launcher(args, command)
+    results = run_launcher(args, command)
   except (LaunchError, ParamsMismatchError, WorkdirLockedError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   except KeyboardInterrupt:
     print("interrupted: workers killed", file=sys.stderr)
     return 130
-  return 0
+  return common.diverged_exit_code(results[0]["methods"], allow=args.allow_diverged)
 
 
 if __name__ == "__main__":

@@ -14,20 +14,26 @@ and the multi-process launcher (``benchmarks/launch.py``).
   as JSON; :func:`run_fingerprint` and :func:`check_fingerprint` refuse a checkpoint of
   other settings.
 * :func:`params_digest`: a sha256 of the parameters' bytes, to compare runs.
+* :class:`Divergence`, :func:`all_finite` and :func:`diverged_exit_code`: a run that goes
+  non-finite says so, in the tables, the JSON, the plots and the exit code;
+  :func:`bytes_cells`: a row whose exchange never ran says so instead of its bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
+import math
 import os
 import sys
 import traceback
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
@@ -309,3 +315,129 @@ def params_digest(params) -> str:
     h.update(f"{leaf.shape}{leaf.dtype}".encode())
     h.update(leaf.tobytes())
   return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- divergence
+
+#: The flag that lets a trainer exit 0 although a method diverged.
+ALLOW_DIVERGED_FLAG = "--allow-diverged"
+
+
+@functools.cache
+def _all_finite_fn(mesh):
+  def fn(leaves):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+  return jax.jit(fn, out_shardings=jax.NamedSharding(mesh, P()))
+
+
+def all_finite(tree) -> bool:
+  """Whether every floating-point leaf of ``tree`` is finite everywhere.
+
+  The leaves are global arrays on one mesh (replicated, per device or sharded, over
+  every process's devices): the check is one jitted reduction whose answer every
+  process gets, so every process must call it at the same point of the run.
+  """
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not leaves:
+    return True
+  sharding = getattr(leaves[0], "sharding", None)
+  if not isinstance(sharding, jax.NamedSharding):  # host arrays or one device
+    return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in leaves)
+  return bool(_all_finite_fn(sharding.mesh)(leaves).addressable_data(0))
+
+
+@dataclasses.dataclass
+class Divergence:
+  """Watches a run for non-finite values; ``step`` is where it went non-finite, or None.
+
+  Training losses are cheap to watch (the host has them for every step); parameters
+  and evaluation metrics are checked at the evaluation points and at the end
+  (:meth:`check`). A non-finite training loss alone is not a divergence, as a step the
+  NaN guard (``jc.skip_nonfinite``) skipped leaves the parameters finite and training
+  goes on; a check that finds the parameters or the metric non-finite is one, and
+  dates it to the first non-finite training loss since the last sound check (else to
+  the check itself). Once diverged the run stays diverged (``step`` is kept).
+  """
+
+  step: int | None = None  # the first non-finite step of a diverged run
+  first_nonfinite_loss: int | None = None  # since the last sound check
+
+  def loss(self, step: int, value: float) -> None:
+    """Records the training loss of ``step`` (the mean over the devices)."""
+    if self.first_nonfinite_loss is None and not math.isfinite(value):
+      self.first_nonfinite_loss = step
+
+  def check(self, step: int, *finite: bool) -> bool:
+    """At ``step``, whether the parameters, the metric... were finite (``finite``);
+    returns whether the run has diverged by now.
+
+    Every process must call it at the same steps with the same ``finite`` (from global
+    checks: :func:`all_finite`, a metric reduced over the mesh). A process watching only
+    its own devices' losses may not have seen the first non-finite one: the date is the
+    earliest over the processes (one host all-gather, when diverging).
+    """
+    if self.step is None:
+      if all(finite):
+        self.first_nonfinite_loss = None
+      else:
+        self.step = earliest_over_processes(self.first_nonfinite_loss) or step
+    return self.step is not None
+
+  @property
+  def diverged(self) -> bool:
+    return self.step is not None
+
+  def state(self) -> dict[str, int | None]:
+    """A JSON record (checkpoints keep it): ``Divergence(**d.state())`` resumes it."""
+    return dataclasses.asdict(self)
+
+
+def earliest_over_processes(step: int | None) -> int | None:
+  """The smallest ``step`` any process holds (None: none); a collective when
+  multi-process, which every process must call."""
+  if jax.process_count() == 1:
+    return step
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  held = multihost_utils.process_allgather(np.int32(-1 if step is None else step))
+  held = [int(s) for s in np.ravel(held) if s >= 0]
+  return min(held) if held else None
+
+
+def diverged_note(step: int | None) -> str:
+  """The table cell of a diverged method's metric: ``diverged at step N``."""
+  return f"diverged at step {step}"
+
+
+def bytes_cells(r: dict[str, Any], unit: str = "step") -> tuple[str, str]:
+  """The bytes and ratio cells of a method's row in a results table: ``n/a`` without a
+  byte count, and ``none sent (first exchange at step N)`` when the run stopped before
+  the exchange whose bytes they report ever ran (``r["exchanged"]`` false; the trainers'
+  ``first_exchange_step``)."""
+  if r["bytes_received"] is None:
+    return "n/a", "n/a"
+  if not r.get("exchanged", True):
+    return f"none sent (first exchange at {unit} {r['first_exchange_step']})", "n/a"
+  return f"{r['bytes_received']:,.0f}", f"{r['ratio']:.1f}x"
+
+
+def diverged_exit_code(
+  results: dict[str, dict[str, Any]], *, allow: bool, unit: str = "step"
+) -> int:
+  """The trainer's exit code: 1 when a method of ``results`` diverged (each record's
+  ``nonfinite_step`` not None), with a line on stderr naming them, unless ``allow``
+  (``--allow-diverged``); else 0."""
+  diverged = {m: r["nonfinite_step"] for m, r in results.items() if r.get("nonfinite_step")}
+  if not diverged:
+    return 0
+  names = ", ".join(f"{m} at {unit} {step}" for m, step in diverged.items())
+  if allow:
+    print(f"warning: diverged (non-finite loss or parameters): {names}", file=sys.stderr)
+    return 0
+  print(
+    f"error: diverged (non-finite loss or parameters): {names}; their rows say so in the"
+    f" table and in results.json. {ALLOW_DIVERGED_FLAG} exits 0 anyway.",
+    file=sys.stderr,
+  )
+  return 1

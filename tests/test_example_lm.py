@@ -38,16 +38,15 @@ def small_config(**overrides):
   methods' compile time), and no warm-up (``warmup_steps=0``): DGC's density warm-up
   compiles one branch per density stage (tests/test_dgc.py tests the warm-up), and
   AdamW starts at its peak rate."""
-  return dataclasses.replace(
-    tiny.get_config(),
+  settings = dict(
     depth=1,
     num_steps=STEPS,
     eval_every=STEPS,
     diloco_sync_every=2,
     sign_warmup=0.0,
     warmup_steps=0,
-    **overrides,
   )
+  return dataclasses.replace(tiny.get_config(), **{**settings, **overrides})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,6 +120,7 @@ def test_every_method_trains_and_reports(every_method):
     assert h["val_loss"][-1] < h["val_loss"][0] - 0.3, (method, h["val_loss"])
     assert r["bits_per_byte"] == pytest.approx(r["val_loss"] / math.log(2))
     assert r["skipped_steps"] == 0, method
+    assert not r["diverged"] and r["exchanged"], method
     assert f"| {method} |" in table
   ratio = {m: r["ratio"] for m, r in results.items()}
   assert ratio["dense"] == pytest.approx(1.0)
@@ -206,3 +206,50 @@ def test_flags_and_help(capsys):
     main.get_config(main.build_parser().parse_args(["--methods", "dense,nope"]))
   with pytest.raises(ValueError, match="--steps"):
     main.get_config(main.build_parser().parse_args(["--steps", "0"]))
+
+
+def test_the_tiny_config_reaches_every_methods_first_exchange():
+  # The README's command (--config tiny): no row may report bytes its method never sent.
+  config = tiny.get_config()
+  first = {m: train.first_exchange_step(m, config) for m in train.METHODS}
+  assert all(step <= config.num_steps for step in first.values()), first
+  assert first["diloco"] == config.diloco_sync_every > 1  # DiLoCo's first sync
+
+
+def test_a_run_that_stops_before_diloco_syncs_reports_no_bytes(tmp_path):
+  config = small_config(methods=("diloco",), diloco_sync_every=STEPS + 1)
+  r = train.train_and_evaluate(config, str(tmp_path))["diloco"]
+  assert not r["exchanged"] and r["first_exchange_step"] == STEPS + 1
+  assert r["val_loss"] == r["history"]["val_loss"][0]  # the anchor never moved
+  row = next(line for line in open(tmp_path / "results.md") if line.startswith("| diloco |"))
+  assert f"| none sent (first exchange at update {STEPS + 1}) | n/a |" in row
+  saved = json.load(open(tmp_path / "results.json"))["results"]["diloco"]
+  assert saved["exchanged"] is False and saved["bytes_received"] == r["bytes_received"]
+
+
+# AdamW's warm-up starts at 0 (update 1 moves nothing); update 2 steps each parameter by
+# about the rate, 5e29 (half the peak), so update 3's forward pass overflows (attention
+# logits past bfloat16's 3e38): a non-finite loss, whose update the NaN guard skips. The
+# parameters stay finite; the validation loss at update 4 is not, which dates the
+# divergence at update 3.
+DIVERGING = ["--config", "tiny", "--methods", "dense", "--learning-rate", "1e30", "--steps", "4"]
+DIVERGED_AT = 3
+
+
+def test_diverged_run_is_marked_everywhere_and_fails_the_exit_code(tmp_path, capsys):
+  workdir = str(tmp_path)
+  assert main.main([*DIVERGING, "--eval-every", "4", "--workdir", workdir]) == 1
+  err = capsys.readouterr().err
+  assert f"dense at update {DIVERGED_AT}" in err and "--allow-diverged" in err
+  saved = json.load(open(os.path.join(workdir, "results.json")))["results"]["dense"]
+  assert saved["diverged"] is True and saved["nonfinite_step"] == DIVERGED_AT
+  assert saved["skipped_steps"] >= 1  # the guard skipped the non-finite updates
+  assert not math.isfinite(saved["val_loss"])
+  row = next(line for line in open(tmp_path / "results.md") if line.startswith("| dense |"))
+  assert f"| dense | diverged at update {DIVERGED_AT} | n/a | n/a |" in row
+  fig = train.plot_losses({"dense": saved}, str(tmp_path / "plot.png"))
+  legend = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+  assert legend == [f"dense (diverged at update {DIVERGED_AT})"]
+  flags = [*DIVERGING, "--eval-every", "4", "--workdir", workdir, "--allow-diverged"]
+  assert main.main(flags) == 0
+  assert "warning: diverged" in capsys.readouterr().err

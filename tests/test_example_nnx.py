@@ -105,3 +105,21 @@ def test_dense_matches_one_device_training(tmp_path):
   assert moved > 1e-3  # every parameter moved far beyond the tolerance below
   # Only the float32 summation order differs (per-device means, then their mean).
   chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_diverged_run_is_marked_and_fails_the_exit_code(tmp_path, capsys):
+  # The linen test's config (tests/test_example_mnist1d.py says why step 3): the same
+  # schedule, so the same step, from nnx's own initial values.
+  from tests import test_example_mnist1d as linen  # pylint: disable=import-outside-toplevel
+
+  path = tmp_path / "diverging.py"
+  path.write_text(linen.DIVERGING_CONFIG)
+  workdir = str(tmp_path / "run")
+  assert main.main(["--config", str(path), "--workdir", workdir]) == 1
+  assert f"dense at step {linen.DIVERGED_AT}" in capsys.readouterr().err
+  with open(os.path.join(workdir, "results.json")) as f:
+    r = json.load(f)["results"]["dense"]
+  assert r["diverged"] is True and r["nonfinite_step"] == linen.DIVERGED_AT
+  with open(os.path.join(workdir, "results.md")) as f:
+    assert f"| dense | diverged at step {linen.DIVERGED_AT} |" in f.read()
+  assert main.main(["--config", str(path), "--workdir", workdir, "--allow-diverged"]) == 0

@@ -54,6 +54,7 @@ def test_two_processes_end_with_identical_params(tmp_path):
     assert m["params_change_l2"] > 0, method
     assert len(m["losses"]) == len(m["step_times_s"]) == STEPS
     assert all(math.isfinite(loss) for loss in m["losses"]), method
+    assert not m["diverged"] and m["exchanged"], method
     assert all(t > 0 for t in m["step_times_s"]) and m["median_step_time_s"] > 0
   # --profile: each process split two more steps by phase (jc.profile_phases). The CPU
   # profiler loses events: jax 0.12's under jax.distributed those of collectives and the
@@ -252,3 +253,48 @@ def test_xla_combines_all_reduces_not_all_gathers():
   counts = collective_probe.combined_counts()
   assert counts["all-reduce"] == 1
   assert counts["all-gather"] == 6 and counts["all-to-all"] == 6
+
+
+def _worker_result(pid, **methods):
+  base = {
+    "final_loss": 0.5,
+    "test_accuracy": None,
+    "median_step_time_s": 0.01,
+    "bytes_received": 1000.0,
+    "ratio": 2.0,
+    "params_sha256": "ab" * 32,
+    "local_copies_identical": True,
+    "nonfinite_step": None,
+    "diverged": False,
+    "first_exchange_step": 1,
+    "exchanged": True,
+  }
+  return {
+    "process_id": pid,
+    "local_devices": 2,
+    "platform": "cpu",
+    "num_params": 10,
+    "global_batch": 4,
+    "methods": {m: {**base, **r} for m, r in methods.items()},
+  }
+
+
+def test_launcher_marks_diverged_and_unexchanged_rows_and_fails_the_exit_code(monkeypatch, capsys):
+  nan = float("nan")
+  diverged = {"final_loss": nan, "nonfinite_step": 7, "diverged": True}
+  unsynced = {"exchanged": False, "first_exchange_step": 10}
+  results = [_worker_result(i, dense={}, onebit=diverged, diloco=unsynced) for i in (0, 1)]
+  table = launch.summary(results)
+  row = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ")}
+  assert "| dense | 0.5000 | n/a |" in row["dense"]
+  assert "| onebit | diverged at step 7 | n/a |" in row["onebit"]
+  assert "| none sent (first exchange at step 10) | n/a |" in row["diloco"]
+
+  # The exit code: 1 when a method diverged, unless --allow-diverged; 0 otherwise.
+  monkeypatch.setattr(launch, "run_launcher", lambda args, command: results)
+  assert launch.main(["--method", "dense,onebit,diloco"]) == 1
+  assert "onebit at step 7" in capsys.readouterr().err
+  assert launch.main(["--method", "dense,onebit,diloco", "--allow-diverged"]) == 0
+  sound = [_worker_result(i, dense={}) for i in (0, 1)]
+  monkeypatch.setattr(launch, "run_launcher", lambda args, command: sound)
+  assert launch.main(["--method", "dense"]) == 0

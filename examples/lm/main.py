@@ -20,11 +20,14 @@ cut off fails the others within ``--fault-timeout`` seconds (30); a process that
 an error exits at once with its traceback.
 
 Alone on a CPU-only machine JAX is given 8 CPU devices, so the data-parallel exchange
-runs for real between 8 devices. Results (table, JSON, plot) go to ``--workdir``.
+runs for real between 8 devices. Results (table, JSON, plot) go to ``--workdir``. The
+process exits with code 1 when a method diverged (its loss or parameters went
+non-finite: its row says ``diverged at update N``), unless ``--allow-diverged``.
 """
 
 import argparse
 import dataclasses
+import sys
 
 import jax
 
@@ -77,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     default=None,
     metavar="N",
     help="stop every method after update N of the --steps schedule",
+  )
+  p.add_argument(
+    common.ALLOW_DIVERGED_FLAG,
+    action="store_true",
+    help="exit 0 even when a method diverged (went non-finite; exit code 1 otherwise)",
   )
   group = p.add_argument_group("multi-process (jax.distributed)")
   group.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's service")
@@ -158,8 +166,9 @@ def init_devices(args: argparse.Namespace) -> None:
       pass
 
 
-def main(argv=None) -> dict:
-  """Parses the flags, sets up the devices and runs :func:`train.train_and_evaluate`."""
+def main(argv=None) -> int:
+  """Parses the flags, sets up the devices and runs :func:`train.train_and_evaluate`;
+  returns the exit code: 1 when a method diverged (without ``--allow-diverged``)."""
   args = build_parser().parse_args(argv)
   config = get_config(args)
   if args.stop_at is not None and args.stop_at < 1:
@@ -168,7 +177,8 @@ def main(argv=None) -> dict:
     init_devices(args)
     from examples.lm import train  # pylint: disable=import-outside-toplevel
 
-    return train.train_and_evaluate(config, args.workdir, stop_at=args.stop_at)
+    results = train.train_and_evaluate(config, args.workdir, stop_at=args.stop_at)
+    return common.diverged_exit_code(results, allow=args.allow_diverged, unit="update")
   # One of several processes: on an error, leave at once (the others learn it from the
   # exit, or within --fault-timeout), not after jax.distributed's shutdown barrier.
   with common.exit_at_once_on_error():
@@ -177,8 +187,9 @@ def main(argv=None) -> dict:
 
     results = train.train_and_evaluate(config, args.workdir, stop_at=args.stop_at)
   jax.distributed.shutdown()  # a barrier: no process leaves while others still run
-  return results
+  # Every process saw the same divergence (global checks): each exits alike.
+  return common.diverged_exit_code(results, allow=args.allow_diverged, unit="update")
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

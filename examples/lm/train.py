@@ -157,7 +157,7 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
     return jc.qsgd(bits=2, bucket_size=128, axis_name=AXIS, collective="auto")
   if method in SIGN_METHODS:
     codes = jc.onebit_sgd if method == "onebit" else jc.ef_signsgd
-    steps = round(config.sign_warmup * config.num_steps) if warmup else 0
+    steps = sign_warmup_steps(config) if warmup else 0
     return dense_warmup(jc.per_device_state(codes(axis_name=AXIS)), steps)
   if method == "powersgd":
     return jc.powersgd(config.powersgd_rank, axis_name=AXIS)
@@ -171,6 +171,36 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
   if method == "onebit_adam":
     return make_onebit_adam(config, warmup=warmup)
   raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+
+
+def sign_warmup_steps(config) -> int:
+  """The updates whose exchange is the dense mean before the sign codes start
+  (``config.sign_warmup`` of them, :func:`dense_warmup`)."""
+  return round(config.sign_warmup * config.num_steps)
+
+
+def onebit_adam_freeze_step(config) -> int:
+  """1-bit Adam's full-precision warm-up, ``config.onebit_adam_freeze`` of the updates
+  (at least one)."""
+  return max(1, round(config.onebit_adam_freeze * config.num_steps))
+
+
+def first_exchange_step(method: str, config) -> int:
+  """The first update at which ``method`` runs the exchange whose bytes its row reports
+  (the steady state's, :func:`make_exchange` with ``warmup=False``).
+
+  DiLoCo's replicas send nothing before their first sync (update
+  ``diloco_sync_every``); the sign codes and 1-bit Adam exchange the dense mean during
+  their warm-ups; every other exchange runs from update 1 (DGC's warm-up too, at a
+  higher density). A run that stops before this update never sent the reported bytes.
+  """
+  if method in LOCAL_PARAMS:
+    return config.diloco_sync_every
+  if method in SIGN_METHODS:
+    return sign_warmup_steps(config) + 1
+  if method in OPTIMIZER_IN_EXCHANGE:
+    return onebit_adam_freeze_step(config) + 1
+  return 1
 
 
 class DenseWarmupState(NamedTuple):
@@ -223,7 +253,7 @@ def make_onebit_adam(config, *, warmup: bool = True) -> optax.GradientTransforma
   local. ``warmup=False``: the compression stage from the first update (for byte
   counts).
   """
-  freeze = max(1, round(config.onebit_adam_freeze * config.num_steps)) if warmup else 0
+  freeze = onebit_adam_freeze_step(config) if warmup else 0
   return jc.onebit_adam(
     schedule(config),
     freeze_step=freeze,
@@ -475,7 +505,8 @@ def train_method(
   Returns:
     ``{"val_loss", "bits_per_byte", "bytes_received", "dense_bytes", "ratio",
     "bytes_by_collective", "peak_bytes", "train_time_s", "compile_time_s", "history",
-    "target_step", "target_time_s", "skipped_steps", "start_step"}``. ``bytes_received``
+    "target_step", "target_time_s", "skipped_steps", "start_step", "nonfinite_step",
+    "diverged", "first_exchange_step", "exchanged"}``. ``bytes_received``
     is per device per update: the exchange's (``jc.wire_report``), or for a sharded
     method the whole step's, weight gathers included (``sharded.step_traffic``, split
     by collective in ``bytes_by_collective``); ``ratio`` is the dense data-parallel
@@ -483,6 +514,12 @@ def train_method(
     peak memory per device (:func:`peak_memory`). ``history`` has ``step``, ``val_loss``,
     ``train_loss`` (this process's devices, mean since the last evaluation) and
     ``time_s`` (training time so far, evaluation and compilation excluded).
+    ``nonfinite_step``: the update where the run went non-finite, None while finite
+    (:class:`common.Divergence`: the training losses every update, the parameters and
+    the validation loss at each evaluation and at the end; an update the NaN guard
+    skipped, after which the parameters stay finite, is no divergence but counts in
+    ``skipped_steps``). ``exchanged``: whether the run reached
+    ``first_exchange_step`` (:func:`first_exchange_step`), so sent the bytes reported.
   """
   k = mesh.size
   acc = config.accumulation_steps
@@ -505,6 +542,7 @@ def train_method(
   checkpoints = checkpoint_manager(config, workdir, method)
   fingerprint = common.run_fingerprint(method, config, k)
   start_step, history, losses, train_time = 0, None, [], 0.0
+  divergence = common.Divergence()
   if checkpoints is not None and checkpoints.latest_step() is not None:
     # Every process restores its own devices' rows of the per-device state; the
     # progress (JSON) is process 0's, its train losses included.
@@ -518,6 +556,7 @@ def train_method(
         f"the checkpoint in {where} is inconsistent: it records step {progress['step']}"
       )
     history, losses, train_time = progress["history"], progress["losses"], progress["train_time"]
+    divergence = common.Divergence(**progress.get("divergence", {}))
     if jax.process_index() == 0:
       print(f"{method}: resuming from step {start_step} ({where})", flush=True)
   elif not is_sharded:
@@ -582,6 +621,7 @@ def train_method(
       "target_time_s": None,
     }
   last = config.num_steps if stop_at is None else min(stop_at, config.num_steps)
+  done = start_step  # the last update taken
   show = jax.process_index() == 0
   with tqdm(
     total=config.num_steps,
@@ -600,10 +640,13 @@ def train_method(
         # One step in flight at a time (queued multi-device steps on few cores can
         # deadlock XLA's CPU collectives); this also makes the step times honest.
         losses.append(local_mean(loss))
+        divergence.loss(i, losses[-1])  # this process's devices: check() dates it over all
       train_time += time.perf_counter() - start
+      done = i
       bar.update()
       if i % config.eval_every == 0 or i == config.num_steps:
         loss = scalar(evaluate(shared(params, opt_state), val_tokens))
+        divergence.check(i, common.all_finite(params), math.isfinite(loss))
         history["step"].append(i)
         history["val_loss"].append(loss)
         history["train_loss"].append(float(np.mean(losses)))
@@ -620,9 +663,11 @@ def train_method(
           "history": history,
           "losses": losses,
           "train_time": train_time,
+          "divergence": divergence.state(),
           "run": fingerprint,
         }
         save_checkpoint(checkpoints, i, params, opt_state, progress)
+  divergence.check(done, common.all_finite(params))  # every process: the same steps
   if checkpoints is not None:
     checkpoints.wait_until_finished()  # the last save is written before we return
     checkpoints.close()
@@ -660,11 +705,18 @@ def train_method(
     "target_step": history["target_step"],
     "target_time_s": history["target_time_s"],
     "skipped_steps": count_in_state(opt_state, "notfinite_count"),
+    "nonfinite_step": divergence.step,
+    "diverged": divergence.diverged,
+    "first_exchange_step": first_exchange_step(method, config),
+    "exchanged": done >= first_exchange_step(method, config),
   }
 
 
 def results_table(results: dict[str, dict[str, Any]], config, num_devices: int) -> str:
-  """A Markdown table of the results, one row per method."""
+  """A Markdown table of the results, one row per method. A diverged method's
+  validation loss reads ``diverged at update N``; the bytes of one that stopped before
+  its exchange first ran (DiLoCo before its first sync) ``none sent``
+  (``common.bytes_cells``)."""
   lines = [
     f"Byte-level LM on the Python standard library, {num_devices} devices,"
     f" {config.num_steps} updates of {num_devices * config.per_device_batch_size}"
@@ -677,21 +729,25 @@ def results_table(results: dict[str, dict[str, Any]], config, num_devices: int) 
     " ratio vs dense | peak memory (MiB) | train time (s) | compile (s) |",
     "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
-  dense = results.get("dense", {}).get("val_loss")
+  dense = results.get("dense", {})
+  dense = None if dense.get("diverged") else dense.get("val_loss")
   for method, r in results.items():
-    recv = "n/a" if r["bytes_received"] is None else f"{r['bytes_received']:,.0f}"
-    ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+    recv, ratio = common.bytes_cells(r, unit="update")
+    loss, bits = f"{r['val_loss']:.3f}", f"{r['bits_per_byte']:.3f}"
     rel = "" if dense is None else f"{100 * (r['val_loss'] / dense - 1):+.1f}%"
+    if r.get("diverged"):
+      loss, bits, rel = f"diverged at update {r['nonfinite_step']}", "n/a", "n/a"
     peak = "n/a" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.2f}"
     lines.append(
-      f"| {method} | {r['val_loss']:.3f} | {r['bits_per_byte']:.3f} | {rel} | {recv} | {ratio}"
+      f"| {method} | {loss} | {bits} | {rel} | {recv} | {ratio}"
       f" | {peak} | {r['train_time_s']:.1f} | {r['compile_time_s']:.1f} |"
     )
   return "\n".join(lines)
 
 
-def plot_losses(results: dict[str, dict[str, Any]], path: str) -> None:
-  """Saves validation loss vs step and vs training time, one line per method."""
+def plot_losses(results: dict[str, dict[str, Any]], path: str):
+  """Saves validation loss vs step and vs training time, one line per method; a diverged
+  method's legend entry says where. Returns the figure."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
@@ -700,8 +756,11 @@ def plot_losses(results: dict[str, dict[str, Any]], path: str) -> None:
   by_step, by_time = fig.subplots(1, 2)
   for method, r in results.items():
     h = r["history"]
-    by_step.plot(h["step"], h["val_loss"], marker=".", label=method)
-    by_time.plot(h["time_s"], h["val_loss"], marker=".", label=method)
+    label = method
+    if r.get("diverged"):
+      label = f"{method} (diverged at update {r['nonfinite_step']})"
+    by_step.plot(h["step"], h["val_loss"], marker=".", label=label)
+    by_time.plot(h["time_s"], h["val_loss"], marker=".", label=label)
   for ax, xlabel in ((by_step, "update"), (by_time, "training time (s)")):
     ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss (nats/byte)")
@@ -710,6 +769,7 @@ def plot_losses(results: dict[str, dict[str, Any]], path: str) -> None:
   by_time.legend()
   fig.tight_layout()
   fig.savefig(path)
+  return fig
 
 
 def setup(config):
@@ -736,7 +796,8 @@ def train_and_evaluate(config, workdir: str, *, stop_at: int | None = None) -> d
   """Trains every method in ``config.methods``; process 0 writes the results.
 
   Writes ``results.md`` (the table), ``results.json`` (histories included) and
-  ``val_loss.png`` (validation loss vs update and vs training time) to ``workdir``.
+  ``val_loss.png`` (validation loss vs update and vs training time) to ``workdir``; a
+  method that went non-finite is marked in all three (``diverged``, ``nonfinite_step``).
 
   Args:
     config: an :class:`examples.lm.configs.default.Config`.

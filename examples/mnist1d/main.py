@@ -8,6 +8,9 @@ From the repository root::
   python -m examples.mnist1d.main --checkpoint-every 100  # resumes if interrupted
   python -m examples.mnist1d.main --config path/to/my_config.py  # any get_config() file
 
+The process exits with code 1 when a method diverged (its loss or parameters went
+non-finite: its row says ``diverged at step N``), unless ``--allow-diverged``.
+
 On a CPU-only machine JAX is given 8 CPU devices, so the data-parallel exchange runs
 for real between 8 devices.
 """
@@ -28,7 +31,9 @@ if os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu"):
 # pylint: disable=wrong-import-position
 import argparse
 import dataclasses
+import sys
 
+from examples import common
 from examples.mnist1d import configs
 from examples.mnist1d import train
 
@@ -63,6 +68,11 @@ def build_parser(
   )
   parser.add_argument(
     "--methods", default=None, help=f"comma-separated subset of {','.join(train.ALL_METHODS)}"
+  )
+  parser.add_argument(
+    common.ALLOW_DIVERGED_FLAG,
+    action="store_true",
+    help="exit 0 even when a method diverged (went non-finite; exit code 1 otherwise)",
   )
   if checkpoints:
     parser.add_argument(
@@ -111,11 +121,13 @@ def get_config(args: argparse.Namespace):
   return dataclasses.replace(config, **overrides)
 
 
-def main(argv=None) -> None:
-  """Parses the flags and runs :func:`train.train_and_evaluate`."""
+def main(argv=None) -> int:
+  """Parses the flags and runs :func:`train.train_and_evaluate`; returns the exit code,
+  1 when a method diverged (without ``--allow-diverged``)."""
   args = parse_args(argv)
-  train.train_and_evaluate(get_config(args), args.workdir)
+  results = train.train_and_evaluate(get_config(args), args.workdir)
+  return common.diverged_exit_code(results, allow=args.allow_diverged)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

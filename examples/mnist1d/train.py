@@ -240,6 +240,21 @@ def make_tx(
   return optax.chain(exchange, make_optimizer(config, momentum=method not in MOMENTUM_IN_EXCHANGE))
 
 
+def first_exchange_step(method: str, config) -> int:
+  """The first step at which ``method`` runs the exchange whose bytes its row reports.
+
+  DiLoCo's replicas send nothing before their first sync (step ``diloco_sync_every``);
+  1-bit Adam's warm-up is a dense all-reduce, its 1-bit stage starts after
+  ``freeze_step`` steps; every other exchange runs from step 1 (DGC's warm-up too, at
+  a higher density). A run that stops before this step never sent the reported bytes.
+  """
+  if method in LOCAL_PARAMS:
+    return config.diloco_sync_every
+  if method in OPTIMIZER_IN_EXCHANGE:  # make_onebit_adam's freeze_step, then one more
+    return max(1, round(ONEBIT_ADAM_FREEZE * config.num_steps)) + 1
+  return 1
+
+
 def cross_entropy(model, params, x: jax.Array, y: jax.Array) -> jax.Array:
   """Mean softmax cross-entropy of ``model`` on a batch."""
   logits = model.apply({"params": params}, x)
@@ -408,7 +423,11 @@ def train_method(
     one step in flight), ``train_time_s``, ``compile_time_s``, ``params_sha256`` and
     ``params_checksum`` of the final parameters, ``local_copies_identical``,
     ``params_change_l2`` and ``layer_change`` (from init), ``overflow_steps``, the wire
-    report's bytes and ``phases`` (None without ``profile``).
+    report's bytes and ``phases`` (None without ``profile``); ``nonfinite_step``, the
+    step where the run went non-finite (:class:`common.Divergence`: the training loss
+    is watched every step, the parameters at each evaluation and at the end; None while
+    finite) and ``diverged``; ``first_exchange_step`` (:func:`first_exchange_step`) and
+    ``exchanged``, whether the run reached it.
   """
   k = mesh.size
   tx = make_tx(method, config, exchange)
@@ -421,6 +440,7 @@ def train_method(
   checkpoints = checkpoint_manager(config, workdir, method)
   fingerprint = run_fingerprint(method, config, k, evaluate)
   start_step, history, losses = 0, None, []
+  divergence = common.Divergence()
   if checkpoints is not None and checkpoints.latest_step() is not None:
     start_step, params, opt_state, progress = restore_checkpoint(
       checkpoints, tx, init_params, mesh=mesh, state_specs=state_specs, local_params=local
@@ -432,6 +452,7 @@ def train_method(
         f"the checkpoint in {where} is inconsistent: it records step {progress['step']}"
       )
     history, losses = progress["history"], progress["losses"]
+    divergence = common.Divergence(**progress.get("divergence", {}))
     print(f"{method}: resuming from step {start_step} ({where})", flush=True)
   else:
     params = to_global(init_params, replicated)
@@ -471,8 +492,14 @@ def train_method(
   pending = []  # this process's loss of each step not yet averaged over the processes
 
   def flush():  # the same steps in every process: a collective when multi-process
-    losses.extend(global_means(pending))
+    for loss in global_means(pending):
+      losses.append(loss)
+      divergence.loss(len(losses), loss)  # losses[j] is step j + 1's
     pending.clear()
+
+  # Every process checks at the same steps: the check is a reduction over the mesh.
+  def params_finite(params, opt_state) -> bool:
+    return common.all_finite((params, opt_state.anchor) if local else params)
 
   step_times = []
   with tqdm(
@@ -499,15 +526,23 @@ def train_method(
       if evaluating or saving:
         flush()
       if evaluating:
+        divergence.check(i, params_finite(params, opt_state))
         acc = accuracy(shared(params, opt_state))
         history["train_loss"].append(float(np.mean(losses[history["step"][-1] :])))
         history["step"].append(i)
         history["test_accuracy"].append(acc)
         bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", test_acc=f"{acc:.1%}")
       if saving:
-        progress = {"step": i, "losses": losses, "history": history, "run": fingerprint}
+        progress = {
+          "step": i,
+          "losses": losses,
+          "history": history,
+          "divergence": divergence.state(),
+          "run": fingerprint,
+        }
         save_checkpoint(checkpoints, i, params, opt_state, progress)
   flush()
+  divergence.check(config.num_steps, params_finite(params, opt_state))
   if checkpoints is not None:
     checkpoints.wait_until_finished()  # the last save is written before we return
     checkpoints.close()
@@ -534,6 +569,10 @@ def train_method(
     "params_change_l2": float(change),
     "layer_change": layer_change(init_params, final),
     "phases": None,
+    "nonfinite_step": divergence.step,
+    "diverged": divergence.diverged,
+    "first_exchange_step": first_exchange_step(method, config),
+    "exchanged": config.num_steps >= first_exchange_step(method, config),
   }
   if profile:
     record["phases"] = profile_steps(
@@ -626,7 +665,9 @@ def wire_report(tx, params, num_devices: int) -> jc.WireReport | None:
 
 
 def results_table(results: dict[str, dict[str, Any]], num_devices: int) -> str:
-  """A Markdown table of the results, one row per method."""
+  """A Markdown table of the results, one row per method; a diverged method's accuracy
+  reads ``diverged at step N`` (that of a non-finite model means nothing), and the
+  bytes of one that never reached its exchange ``none sent`` (:func:`common.bytes_cells`)."""
   lines = [
     f"MNIST-1D, {num_devices} devices. Bytes: jc.wire_report, received per device per"
     " step. Train time: wall time of the training steps only (compiled ahead of time,"
@@ -637,17 +678,28 @@ def results_table(results: dict[str, dict[str, Any]], num_devices: int) -> str:
     "|---|---:|---:|---:|---:|---:|",
   ]
   for method, r in results.items():
-    recv = "n/a" if r["bytes_received"] is None else f"{r['bytes_received']:,.0f}"
-    ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+    recv, ratio = common.bytes_cells(r)
+    acc = f"{100 * r['test_accuracy']:.1f}"
+    if r.get("diverged"):
+      acc = common.diverged_note(r["nonfinite_step"])
     lines.append(
-      f"| {method} | {100 * r['test_accuracy']:.1f} | {recv} | {ratio} |"
+      f"| {method} | {acc} | {recv} | {ratio} |"
       f" {r['train_time_s']:.1f} | {r['compile_time_s']:.1f} |"
     )
   return "\n".join(lines)
 
 
-def plot_accuracy(results: dict[str, dict[str, Any]], path: str) -> None:
-  """Saves test accuracy vs step, one line per method (Agg canvas, no pyplot state)."""
+def plot_label(method: str, r: dict[str, Any]) -> str:
+  """A method's legend entry: its name, and ``(diverged at step N)`` if it did."""
+  if r.get("diverged"):
+    return f"{method} ({common.diverged_note(r['nonfinite_step'])})"
+  return method
+
+
+def plot_accuracy(results: dict[str, dict[str, Any]], path: str):
+  """Saves test accuracy vs step, one line per method (Agg canvas, no pyplot state);
+  a diverged method's line is dashed, its legend entry says where (:func:`plot_label`).
+  Returns the figure."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
@@ -656,7 +708,13 @@ def plot_accuracy(results: dict[str, dict[str, Any]], path: str) -> None:
   ax = fig.add_subplot()
   for method, r in results.items():
     h = r["history"]
-    ax.plot(h["step"], [100 * a for a in h["test_accuracy"]], marker=".", label=method)
+    ax.plot(
+      h["step"],
+      [100 * a for a in h["test_accuracy"]],
+      marker=".",
+      linestyle="--" if r.get("diverged") else "-",
+      label=plot_label(method, r),
+    )
   ax.set_xlabel("step")
   ax.set_ylabel("test accuracy (%)")
   ax.set_title("MNIST-1D: dense vs compressed gradient exchange")
@@ -664,6 +722,7 @@ def plot_accuracy(results: dict[str, dict[str, Any]], path: str) -> None:
   ax.legend()
   fig.tight_layout()
   fig.savefig(path)
+  return fig
 
 
 def setup(config, workdir: str):
@@ -690,7 +749,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
   """Trains every method in ``config.methods`` and writes the results to ``workdir``.
 
   Writes ``results.md`` (the table), ``results.json`` (everything, histories included)
-  and ``accuracy.png`` (test accuracy vs step).
+  and ``accuracy.png`` (test accuracy vs step). A method that went non-finite is marked
+  in all three (``diverged``, ``nonfinite_step``); ``main`` then exits non-zero.
 
   Args:
     config: a :class:`examples.mnist1d.configs.default.Config`.

@@ -7,7 +7,8 @@ results table. From the repository root::
   python -m examples.mnist1d_nnx.main --methods dense,onebit,qsgd4 --steps 500
 
 On a CPU-only machine JAX is given 8 CPU devices, so the data-parallel exchange runs
-for real between 8 devices.
+for real between 8 devices. The process exits with code 1 when a method diverged (went
+non-finite), unless ``--allow-diverged``.
 """
 
 import os
@@ -22,19 +23,24 @@ if os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu"):
     pass
 
 # pylint: disable=wrong-import-position
+import sys
+
+from examples import common
 from examples.mnist1d import main as linen_main
 from examples.mnist1d_nnx import train
 
 
-def main(argv=None) -> None:
-  """Parses the linen demo's flags (no checkpoints here) and runs
-  :func:`train.train_and_evaluate`."""
+def main(argv=None) -> int:
+  """Parses the linen demo's flags (no checkpoints here), runs
+  :func:`train.train_and_evaluate` and returns the exit code (1 when a method diverged,
+  without ``--allow-diverged``)."""
   parser = linen_main.build_parser(
     description=__doc__.splitlines()[0], workdir="runs/mnist1d_nnx", checkpoints=False
   )
   args = parser.parse_args(argv)
-  train.train_and_evaluate(linen_main.get_config(args), args.workdir)
+  results = train.train_and_evaluate(linen_main.get_config(args), args.workdir)
+  return common.diverged_exit_code(results, allow=args.allow_diverged)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -50,6 +50,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from examples import common
 from examples.mnist1d import input_pipeline
 from examples.mnist1d import train as linen_train
 from examples.mnist1d_nnx import models
@@ -139,7 +140,8 @@ def train_method(
   """Trains one method from the model ``nnx.merge(graphdef, init_state)``.
 
   Returns the trained model and the method's results, with the keys of
-  ``examples.mnist1d.train.train_method``'s (accuracy, bytes, timings, histories).
+  ``examples.mnist1d.train.train_method``'s (accuracy, bytes, timings, histories, where
+  it went non-finite).
   """
   k = mesh.size
   replicated = jax.NamedSharding(mesh, P())
@@ -192,6 +194,7 @@ def train_method(
     "train_loss": [float("nan")],
   }
   train_time, losses = 0.0, []
+  divergence = common.Divergence()  # losses every step, model and optimizer at evaluations
   with tqdm(total=config.num_steps, desc=f"{method:>6}", unit="step") as bar:
     for i in range(1, config.num_steps + 1):
       start = time.perf_counter()
@@ -200,9 +203,11 @@ def train_method(
       # One step in flight at a time, as in the linen trainer (queued multi-device
       # steps on few cores can deadlock XLA's CPU collectives).
       losses.append(float(np.mean(np.asarray(loss))))
+      divergence.loss(i, losses[-1])
       train_time += time.perf_counter() - start
       bar.update()
       if i % config.eval_every == 0 or i == config.num_steps:
+        divergence.check(i, common.all_finite(state))
         acc = float(evaluate(state, *test))
         history["step"].append(i)
         history["test_accuracy"].append(acc)
@@ -231,6 +236,10 @@ def train_method(
     "layer_change": linen_train.layer_change(
       init_params.to_pure_dict(), nnx.state(model, nnx.Param).to_pure_dict()
     ),
+    "nonfinite_step": divergence.step,
+    "diverged": divergence.diverged,
+    "first_exchange_step": linen_train.first_exchange_step(method, config),
+    "exchanged": config.num_steps >= linen_train.first_exchange_step(method, config),
   }
 
 
@@ -256,7 +265,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
   """Trains every method in ``config.methods`` and writes the results to ``workdir``.
 
   Writes ``results.md`` (the linen trainer's table), ``results.json`` and
-  ``accuracy.png``, as ``examples.mnist1d.train.train_and_evaluate`` does.
+  ``accuracy.png``, as ``examples.mnist1d.train.train_and_evaluate`` does, a method
+  that went non-finite marked in all three.
 
   Args:
     config: a :class:`examples.mnist1d.configs.default.Config`.

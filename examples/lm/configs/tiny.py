@@ -20,4 +20,5 @@ def get_config() -> default.Config:
     warmup_steps=2,
     eval_every=4,
     eval_batches=1,
+    diloco_sync_every=4,  # two syncs in the 8 updates: DiLoCo's rows report sent bytes
   )
