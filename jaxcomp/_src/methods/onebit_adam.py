@@ -609,7 +609,12 @@ def scale_by_onebit_adam(
     del params
     return _update(opts, updates, state)
 
-  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
+  tx = transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
+  why = (
+    "its moments, frozen variance and two-stage error feedback would be held per "
+    "shard, which is not implemented yet"
+  )
+  return transforms.register_exchange(tx, "jc.scale_by_onebit_adam", axis_name, shardable=why)
 
 
 def onebit_adam(
@@ -805,4 +810,9 @@ def onebit_adam(
   # weight decay takes none (both steps' states are empty, so the layout is the same).
   decay = optax.add_decayed_weights(float(weight_decay)) if weight_decay else optax.identity()
   tx = optax.chain(core, decay, optax.scale_by_learning_rate(learning_rate))
-  return transforms.places_own_state(tx)
+  why = (
+    "it is the optimizer: its moments, frozen variance and two-stage error feedback "
+    "would be held per shard, which is not implemented yet"
+  )
+  tx = transforms.places_own_state(tx)
+  return transforms.register_exchange(tx, "jc.onebit_adam", axis_name, shardable=why)
