@@ -39,6 +39,7 @@ from jaxcomp._src.methods.transforms import onebit_sgd
 from jaxcomp._src.methods.transforms import per_device_state
 from jaxcomp._src.methods.transforms import qsgd
 from jaxcomp._src.methods.transforms import sparsify
+from jaxcomp._src.methods.two_level import NodeShardState
 from jaxcomp._src.methods.two_level import TwoLevelState
 from jaxcomp._src.methods.two_level import two_level
 from jaxcomp._src.methods.wrappers import SkipNonfiniteState
@@ -63,6 +64,7 @@ __all__ = [
   "DGCState",
   "DiLoCoState",
   "MIPDState",
+  "NodeShardState",
   "OneBitAdamState",
   "PerDeviceState",
   "PhaseProfile",

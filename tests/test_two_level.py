@@ -106,6 +106,7 @@ def test_every_device_draws_its_own_bits(mesh):
   specs = jc.state_specs(tx, PARAMS, axis_name=AXES, num_devices=N * L, mesh=mesh)
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(PARAMS)
   data = np.asarray(jax.random.key_data(state.inner.inner.key)).reshape(N, L, -1)
+  assert isinstance(state, jc.TwoLevelState) and isinstance(state.inner, jc.PerDeviceState)
   for node in data:
     assert len({row.tobytes() for row in node}) == L
 
@@ -113,8 +114,8 @@ def test_every_device_draws_its_own_bits(mesh):
 def _residual_sizes(tx, mesh, params=PARAMS):
   specs = jc.state_specs(tx, params, axis_name=AXES, num_devices=N * L, mesh=mesh)
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-  inner = state.inner
-  inner = inner.inner if isinstance(inner, jc.TwoLevelState) else inner
+  inner = state.inner  # per_device_state hands two_level back: it places its state
+  inner = inner.inner if isinstance(inner, jc.PerDeviceState) else inner  # the flat one's
   return {
     k: None if isinstance(v, optax.MaskedNode) else v.shape for k, v in inner.residual.items()
   }
@@ -202,12 +203,42 @@ def test_state_specs_need_the_mesh_sizes(mesh):
     (lambda: jc.dgc(0.01, axis_name=SLOW), "jc.dgc"),
     (lambda: jc.powersgd(axis_name=SLOW), "jc.powersgd"),
     (lambda: jc.mipd(axis_name=SLOW), "jc.mipd"),
-    (lambda: jc.onebit_adam(1e-3, freeze_step=10, axis_name=SLOW), "jc.onebit_adam"),
   ],
 )
 def test_methods_not_supported_yet_say_so(make, match):
   with pytest.raises(NotImplementedError, match=match):
     jc.two_level(make(), fast_axis=FAST)
+
+
+def test_onebit_adam_holds_its_state_per_shard(mesh):
+  """1-bit Adam inside two_level: its moments are 1/L of each leaf, held once per shard
+  of a node (P(fast), replicated over the slow axis), its error buffers per device.
+  During the warm-up (dense exchange, plain Adam) its updates equal optax.adam's on the
+  mean over both axes to float32 rounding; after it, the frozen-variance steps with the
+  1-bit momentum exchange stay finite and the moments keep their shapes."""
+  freeze, steps = 3, 6
+  grads = _grads(jax.random.key(4))
+  tx = jc.two_level(jc.onebit_adam(1e-2, freeze_step=freeze, axis_name=SLOW), fast_axis=FAST)
+  assert jc.per_device_state(tx) is tx
+  specs = jc.state_specs(tx, PARAMS, axis_name=AXES, num_devices=N * L, mesh=mesh)
+  core = specs.inner[0]
+  assert isinstance(core.m["w"], jc.NodeShardState) and core.m["w"].inner == P(FAST)
+  assert core.worker_error.inner["w"] == P(AXES)
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam: float ** int32 count
+    out, state = _run(tx, mesh, grads, steps=steps)
+    ref, mean = optax.adam(1e-2), jax.tree.map(lambda g: g.mean(0), grads)
+    ref_state = ref.init(PARAMS)
+    for i in range(freeze):
+      want, ref_state = ref.update(mean, ref_state)
+      for name in PARAMS:
+        np.testing.assert_allclose(out[name][i], want[name], rtol=2e-5, atol=1e-6)
+    want, _ = ref.update(mean, ref_state)  # Adam's step where 1-bit Adam's freezes
+  m = state.inner[0].m
+  assert m["w"].inner.shape == (L, 64 // L, 64) and m["odd"].inner.shape == (L, 289)
+  assert state.inner[0].worker_error.inner["w"].shape == (N * L, 64 // L, 64)
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(out))
+  # The frozen-variance steps compress: they are not Adam's dense steps any more.
+  assert not np.allclose(out["w"][freeze], want["w"], rtol=1e-3)
 
 
 def test_refuses_what_it_cannot_wrap():
@@ -264,3 +295,19 @@ def test_guide_snippet_runs_as_written():
   loss = float(re.search(r"loss (\S+)", text).group(1))
   assert np.isfinite(loss) and loss < math.log(10), text
   assert "over node:" in text and "over gpu:" in text, text
+
+
+def test_link_model_prices_each_collective_at_its_axis(mesh):
+  """jc.network.exchange_time prices a two-level report's collectives at their own
+  axes' devices: the slow all-gather at N = 2 (one round), the fast ones at L = 4."""
+  params = {"w": jnp.zeros((1024, 1024))}
+  report = jc.wire_report(
+    _two_level(jc.qsgd(bits=4, axis_name=SLOW)), params, axis_name=AXES, num_devices=8, mesh=mesh
+  )
+  assert {op.axes: op.devices for op in report.ops} == {(SLOW,): N, (FAST,): L}
+  link = jc.network.Link(latency_s=1e-3, bandwidth=1e9)
+  want = sum(
+    link.collective_time(op.primitive, op.operand_bytes, N if op.axes == (SLOW,) else L)
+    for op in report.ops
+  )
+  assert jc.network.exchange_time(report, link) == pytest.approx(want, rel=1e-12)

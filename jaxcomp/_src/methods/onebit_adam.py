@@ -610,11 +610,7 @@ def scale_by_onebit_adam(
     return _update(opts, updates, state)
 
   tx = transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
-  why = (
-    "its moments, frozen variance and two-stage error feedback would be held per "
-    "shard, which is not implemented yet"
-  )
-  return transforms.register_exchange(tx, "jc.scale_by_onebit_adam", axis_name, shardable=why)
+  return transforms.register_exchange(tx, "jc.scale_by_onebit_adam", axis_name)
 
 
 def onebit_adam(
@@ -810,9 +806,6 @@ def onebit_adam(
   # weight decay takes none (both steps' states are empty, so the layout is the same).
   decay = optax.add_decayed_weights(float(weight_decay)) if weight_decay else optax.identity()
   tx = optax.chain(core, decay, optax.scale_by_learning_rate(learning_rate))
-  why = (
-    "it is the optimizer: its moments, frozen variance and two-stage error feedback "
-    "would be held per shard, which is not implemented yet"
-  )
+  # Under jc.two_level its moments and buffers are held per shard (elementwise Adam).
   tx = transforms.places_own_state(tx)
-  return transforms.register_exchange(tx, "jc.onebit_adam", axis_name, shardable=why)
+  return transforms.register_exchange(tx, "jc.onebit_adam", axis_name)

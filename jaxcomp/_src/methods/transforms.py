@@ -743,6 +743,11 @@ def places_own_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
   return tx
 
 
+def places_own(tx: optax.GradientTransformation) -> bool:
+  """Whether ``tx`` places its own state (:func:`places_own_state`)."""
+  return tx.init in _PLACES_OWN_STATE
+
+
 def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:
   """Marks ``tx``'s state as per device, with a leading axis of size 1 on each device.
 

@@ -17,9 +17,39 @@ from jaxcomp._src.plumbing import treeutil
 
 
 class TwoLevelState(NamedTuple):
-  """State of :func:`two_level`."""
+  """State of :func:`two_level`: the wrapped exchange's state for this device's shards
+  (1/L of each leaf), placed by the wrapper.
 
-  inner: Any  # the wrapped exchange's state for this device's shards (1/L of each leaf)
+  What differs between all devices (error-feedback residuals, keys) sits in
+  :class:`jaxcomp.PerDeviceState` wrappers (``P((slow, fast))`` under
+  :func:`jaxcomp.state_specs`); what the devices of every node hold alike for their
+  shard (1-bit Adam's moments, the same on every node after the slow exchange) in
+  :class:`NodeShardState` (``P(fast)``).
+  """
+
+  inner: Any  # the wrapped exchange's state, its parts wrapped by where they live
+
+
+@jax.tree_util.register_pytree_node_class
+class NodeShardState:
+  """State held once per shard of a node: every leaf with a leading axis of 1, placed
+  ``P(axis)`` (one row per device of the fast axis, replicated over the slow one)."""
+
+  __slots__ = ("inner", "axis")
+
+  def __init__(self, inner, axis):
+    self.inner = inner  # every leaf shape=(1, *shard state shape)
+    self.axis = axis  # the fast mesh axis (static)
+
+  def tree_flatten(self):
+    return (self.inner,), self.axis
+
+  @classmethod
+  def tree_unflatten(cls, axis, children):
+    return cls(children[0], axis)
+
+  def __repr__(self):
+    return f"NodeShardState({self.inner!r}, axis={self.axis!r})"
 
 
 def _check_inner(tx, fast_axis) -> transforms.ExchangeInfo:
@@ -30,7 +60,8 @@ def _check_inner(tx, fast_axis) -> transforms.ExchangeInfo:
   if info is None:
     raise TypeError(
       "jc.two_level wraps one jaxcomp exchange built with axis_name=<the slow axis> "
-      "(jc.compress, jc.qsgd, jc.onebit_sgd, jc.ef_signsgd, jc.sparsify), not a chain or "
+      "(jc.compress, jc.qsgd, jc.onebit_sgd, jc.ef_signsgd, jc.sparsify, jc.onebit_adam), "
+      "not a chain or "
       "another optax transform: it must know that the transform averages over the slow "
       "axis. Chain the optimizer after jc.two_level(...)"
     )
@@ -74,6 +105,37 @@ def _fold_fast_index(state, fast_axis):
   return jax.tree.map(fold, state)
 
 
+def _is_per_device(x) -> bool:
+  return isinstance(x, transforms.PerDeviceState)
+
+
+def _place(state, places_own: bool, fast_axis):
+  """The inner state wrapped by where it lives (:class:`TwoLevelState`): all of it per
+  device for an exchange that does not place its own state (the ``jc.compress``
+  family); else its :class:`~jaxcomp.PerDeviceState` parts as they are and the rest
+  (replicated over the slow axis) in :class:`NodeShardState`."""
+  if not places_own:
+    return transforms.PerDeviceState(jax.tree.map(lambda x: x[None], state))
+
+  def one(x):
+    return x if _is_per_device(x) else NodeShardState(x[None], fast_axis)
+
+  return jax.tree.map(one, state, is_leaf=_is_per_device)
+
+
+def _unplace(state, places_own: bool):
+  """:func:`_place`'s inverse."""
+  if not places_own:
+    return jax.tree.map(lambda x: x[0], state.inner)
+
+  def one(x):
+    return x if _is_per_device(x) else jax.tree.map(lambda y: y[0], x.inner)
+
+  return jax.tree.map(
+    one, state, is_leaf=lambda x: _is_per_device(x) or isinstance(x, NodeShardState)
+  )
+
+
 def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.GradientTransformation:
   r"""Dense inside a node, compressed between nodes: ``tx`` runs on 1/L of the gradient.
 
@@ -94,7 +156,9 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
   the gradient, so a node moves about one compressed gradient; a flat exchange over all
   N·L devices moves about L per node (``docs/guides/two_level.md``). ``tx``'s state
   (error-feedback residuals included) is that of the shards, 1/L of the flat
-  exchange's.
+  exchange's, and the wrapper places it (:class:`TwoLevelState`): per device, except
+  what the devices of every node hold alike for a shard (1-bit Adam's moments), which
+  is held once per shard (:class:`NodeShardState`, ``P(fast_axis)``).
 
   Which leaves ``tx`` compresses is decided from the whole leaves, as without the
   wrapper: ``tx``'s filter is asked about each original leaf's shape and dtype, not its
@@ -102,8 +166,9 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
   send dense). The codec's buckets and ``collective="auto"``'s route are the shard's.
 
   Under ``jax.shard_map`` over the ``(slow, fast)`` mesh, with ``check_vma`` on,
-  differentiate with respect to ``jc.vary(params, (slow, fast))`` and hold the state
-  per device::
+  differentiate with respect to ``jc.vary(params, (slow, fast))``; the state places
+  itself, so :func:`jaxcomp.per_device_state` hands the wrapper back unchanged (wrap it
+  as every other method) and :func:`jaxcomp.state_specs` takes both axes::
 
     tx = optax.chain(
         jc.per_device_state(jc.two_level(jc.qsgd(bits=4, axis_name="node"),
@@ -113,11 +178,12 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
                            num_devices=mesh.size, mesh=mesh)
 
   Supported: the :func:`jaxcomp.compress` family (``jc.qsgd``, ``jc.onebit_sgd``,
-  ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``.
-  :func:`jaxcomp.dgc`, :func:`jaxcomp.powersgd`, :func:`jaxcomp.mipd` and
-  :func:`jaxcomp.onebit_adam` raise ``NotImplementedError`` saying why; other transforms
-  (a chain, an optax transform) a ``TypeError``. ``init`` and ``update`` need both axes
-  bound.
+  ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``, and
+  :func:`jaxcomp.onebit_adam` (the optimizer, elementwise, on the shards: chain nothing
+  after it). :func:`jaxcomp.dgc`, :func:`jaxcomp.powersgd` and :func:`jaxcomp.mipd`
+  raise ``NotImplementedError`` saying why; other transforms (a chain, an optax
+  transform) a ``TypeError``. ``init`` and ``update`` need both axes bound (a 2-D mesh
+  under ``jax.shard_map``; ``jax.pmap`` maps one axis).
 
   Args:
     tx: a jaxcomp exchange built with ``axis_name`` the slow (between-node) axis.
@@ -134,12 +200,13 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
     Learning*. Middleware 2022. https://arxiv.org/abs/2111.08617
   """
   _check_inner(tx, fast_axis)
+  places_own = transforms.places_own(tx)
 
   def init_fn(params):
     shards = hierarchy.local_shards(params, fast_axis)
     with treeutil.leaf_views(_views(params)):
       inner = tx.init(shards)
-    return TwoLevelState(_fold_fast_index(inner, fast_axis))
+    return TwoLevelState(_place(_fold_fast_index(inner, fast_axis), places_own, fast_axis))
 
   def update_fn(updates, state, params=None):
     collectives.axis_size(fast_axis)  # a clear error where the axis is not bound
@@ -149,7 +216,10 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
     shards = hierarchy.node_shards(updates, fast_axis)
     local = None if params is None else hierarchy.local_shards(params, fast_axis)
     with treeutil.leaf_views(_views(updates)):
-      out, inner = tx.update(shards, state.inner, local)
-    return hierarchy.gather_shards(out, updates, fast_axis), TwoLevelState(inner)
+      out, inner = tx.update(shards, _unplace(state.inner, places_own), local)
+    new_state = TwoLevelState(_place(inner, places_own, fast_axis))
+    return hierarchy.gather_shards(out, updates, fast_axis), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  # The state is placed above (per device, or per shard of a node): jc.per_device_state
+  # hands the wrapper back unchanged.
+  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))

@@ -76,7 +76,8 @@ class CollectiveOp:
   bytes_received: float  # per device per step, by the convention above
   fallback: bool = False  # only on a rare fallback path (not in bytes_received)
   every: int = 1  # runs once every this many steps (bytes_received is per step: / every)
-  axes: tuple = ()  # the mesh axes it communicates over, sorted (K is their devices)
+  axes: tuple = ()  # the mesh axes it communicates over, sorted
+  devices: int = 0  # K it was priced at: its axes' devices (0: not recorded)
 
 
 def _nbytes(aval) -> int:
@@ -120,7 +121,7 @@ def _walk(jaxpr, k: int, mult: int, out: list, sizes: dict | None = None) -> Non
       axes = tuple(sorted(_collective_axes(eqn), key=str))
       devices = _axis_devices(axes, k, sizes)
       traffic = mult * TRAFFIC[canonical(name)](b, devices) / every
-      out.append(CollectiveOp(name, b, mult, traffic, fallback, every, axes))
+      out.append(CollectiveOp(name, b, mult, traffic, fallback, every, axes, devices))
     if name == "cond":
       # One branch runs per step: count the branch that moves the most bytes (an upper
       # bound; e.g. the first warm-up stage of jc.dgc). Collectives under the
@@ -171,16 +172,16 @@ def collective_ops(
 
 def merge_ops(ops) -> tuple[CollectiveOp, ...]:
   """Merges the ops of :func:`collective_ops` by (primitive, operand bytes, fallback,
-  every, axes)."""
+  every, axes, devices)."""
   merged: dict[tuple, list] = {}
   for op in ops:
-    key = (op.primitive, op.operand_bytes, op.fallback, op.every, op.axes)
+    key = (op.primitive, op.operand_bytes, op.fallback, op.every, op.axes, op.devices)
     entry = merged.setdefault(key, [0, 0.0])
     entry[0] += op.count
     entry[1] += op.bytes_received
   return tuple(
-    CollectiveOp(n, b, c, r, rare, every, axes)
-    for (n, b, rare, every, axes), (c, r) in merged.items()
+    CollectiveOp(n, b, c, r, rare, every, axes, k)
+    for (n, b, rare, every, axes, k), (c, r) in merged.items()
   )
 
 

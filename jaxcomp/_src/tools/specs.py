@@ -14,6 +14,7 @@ import optax
 from jaxcomp._src.exchanges import pipeline
 from jaxcomp._src.methods import transforms
 from jaxcomp._src.methods.transforms import PerDeviceState
+from jaxcomp._src.methods.two_level import NodeShardState
 from jaxcomp._src.plumbing import treeutil
 
 
@@ -337,6 +338,8 @@ def state_specs(
     (a ``collective="reduce_scatter"`` exchange's shards), a leaf shaped like its
     full-size local gradient (an error-feedback residual) is ``P(axis_name, None,
     *rest)``;
+  * inside a :class:`jaxcomp.NodeShardState` (a :func:`jaxcomp.two_level` exchange's
+    state held once per shard of a node, e.g. 1-bit Adam's moments): ``P(fast_axis)``;
   * the accumulated gradients of ``optax.MultiSteps`` and :func:`multi_steps` (local
     sums of local gradients, so per device, held without a leading axis): the
     parameter's spec with ``axis_name`` in front of its first dimension's axes;
@@ -384,7 +387,8 @@ def state_specs(
 
   def param_items(node):
     """``node``'s items per parameter when it has the parameters' structure, else None."""
-    if single or isinstance(node, (jax.ShapeDtypeStruct, PerDeviceState, optax.MultiStepsState)):
+    kinds = (jax.ShapeDtypeStruct, PerDeviceState, NodeShardState, optax.MultiStepsState)
+    if single or isinstance(node, kinds):
       return None
     try:
       items = treedef.flatten_up_to(node)
@@ -413,12 +417,15 @@ def state_specs(
 
   def walk(node, where: str, per_device: bool, local: bool):
     def special(x):
-      return isinstance(x, (PerDeviceState, optax.MultiStepsState)) or (param_items(x) is not None)
+      kinds = (PerDeviceState, NodeShardState, optax.MultiStepsState)
+      return isinstance(x, kinds) or (param_items(x) is not None)
 
     def one(path, x):
       here = where + jax.tree_util.keystr(path)
       if isinstance(x, PerDeviceState):
         return PerDeviceState(walk(x.inner, here + ".inner", True, local))
+      if isinstance(x, NodeShardState):  # a two-level exchange's state per node shard
+        return NodeShardState(jax.tree.map(lambda _: P(x.axis), x.inner), x.axis)
       if isinstance(x, optax.MultiStepsState):
         return x._replace(
           mini_step=walk(x.mini_step, here, per_device, local),
