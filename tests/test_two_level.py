@@ -311,3 +311,18 @@ def test_link_model_prices_each_collective_at_its_axis(mesh):
     for op in report.ops
   )
   assert jc.network.exchange_time(report, link) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_nonfinite_gradient_is_visible_on_every_device(mesh):
+  """One device's NaN reaches the mean on every device (through its node's
+  reduce-scatter, then the slow exchange and the gather). It is counted where the input
+  was non-finite, as a flat exchange counts it on the device whose gradient was: here
+  the exchange's input is the node's mean, so on every device of that node."""
+  grads = _grads(jax.random.key(5))
+  grads["w"] = grads["w"].at[5, 3, 7].set(jnp.nan)  # device 5: node 1, its device 1
+  tx = _two_level(jc.onebit_sgd(axis_name=SLOW))
+  out, state = _run(tx, mesh, grads)
+  assert not np.all(np.isfinite(out["w"][0]))
+  np.testing.assert_allclose(out["b"][0], grads["b"].mean(0), rtol=1e-6, atol=1e-6)
+  counts = np.asarray(state.inner.inner.nonfinite_count).reshape(N, L)
+  np.testing.assert_array_equal(counts, [[0] * L, [1] * L])
