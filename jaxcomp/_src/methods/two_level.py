@@ -61,9 +61,8 @@ def _check_inner(tx, fast_axis) -> transforms.ExchangeInfo:
     raise TypeError(
       "jc.two_level wraps one jaxcomp exchange built with axis_name=<the slow axis> "
       "(jc.compress, jc.qsgd, jc.onebit_sgd, jc.ef_signsgd, jc.sparsify, jc.onebit_adam), "
-      "not a chain or "
-      "another optax transform: it must know that the transform averages over the slow "
-      "axis. Chain the optimizer after jc.two_level(...)"
+      "not a chain or another optax transform: it must know that the transform averages "
+      "over the slow axis. Chain the optimizer after jc.two_level(...)"
     )
   if info.shardable is not None:
     raise NotImplementedError(f"jc.two_level does not support {info.who} yet: {info.shardable}")
