@@ -348,3 +348,17 @@ def test_every_compress_method_runs_on_shards(mesh, make):
     assert np.all(np.isfinite(out[name])), name
   for name in ("b", "s"):
     np.testing.assert_allclose(out[name][1], grads[name].mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_leaves_keep_their_dtype(mesh):
+  """A bfloat16 model: the node's reduce-scatter sums in bfloat16 (as lax.pmean would),
+  the result has the leaves' dtype and the mean to bfloat16 rounding (8 bits: a few
+  units of 2^-8 relative to the largest summand)."""
+  params = {"w": jnp.zeros((64, 64), jnp.bfloat16), "b": jnp.zeros((10,), jnp.bfloat16)}
+  grads = _grads(jax.random.key(7), params)
+  out, _ = _run(_two_level(jc.compress(jc.codecs.Identity(), axis_name=SLOW)), mesh, grads, params)
+  for name, g in grads.items():
+    assert out[name].dtype == jnp.bfloat16
+    exact = np.asarray(g, np.float32).mean(0)
+    scale = np.abs(np.asarray(g, np.float32)).max()
+    np.testing.assert_allclose(np.asarray(out[name][0], np.float32), exact, atol=8 * 2**-8 * scale)
