@@ -39,6 +39,9 @@ from jaxcomp._src.methods.transforms import onebit_sgd
 from jaxcomp._src.methods.transforms import per_device_state
 from jaxcomp._src.methods.transforms import qsgd
 from jaxcomp._src.methods.transforms import sparsify
+from jaxcomp._src.methods.two_level import NodeShardState
+from jaxcomp._src.methods.two_level import TwoLevelState
+from jaxcomp._src.methods.two_level import two_level
 from jaxcomp._src.methods.wrappers import SkipNonfiniteState
 from jaxcomp._src.methods.wrappers import multi_steps
 from jaxcomp._src.methods.wrappers import skip_nonfinite
@@ -61,6 +64,7 @@ __all__ = [
   "DGCState",
   "DiLoCoState",
   "MIPDState",
+  "NodeShardState",
   "OneBitAdamState",
   "PerDeviceState",
   "PhaseProfile",
@@ -69,6 +73,7 @@ __all__ = [
   "QSVRGState",
   "QSVRGWireReport",
   "SkipNonfiniteState",
+  "TwoLevelState",
   "WireReport",
   "codecs",
   "compress",
@@ -100,6 +105,7 @@ __all__ = [
   "sparsify",
   "state_specs",
   "step_wire_report",
+  "two_level",
   "unwrap_keys",
   "vary",
   "wire_report",

@@ -99,16 +99,19 @@ def vary(tree, axis_name):
     grads = jax.grad(loss)(jc.vary(params, "batch"), batch)
     updates, opt_state = tx.update(grads, opt_state, params)
 
-  A no-op under ``jax.pmap`` and ``shard_map(check_vma=False)``, and for arrays already
-  varying.
+  ``axis_name`` may be a tuple of mesh axes (a two-level exchange's ``(slow, fast)``):
+  the arrays are marked varying over each. A no-op under ``jax.pmap`` and
+  ``shard_map(check_vma=False)``, and for arrays already varying.
   """
-  if not tracks_varying(axis_name):
+  names = _axis_names(axis_name)
+  if not all(tracks_varying(a) for a in names):
     return tree
 
   def one(x):
-    if axis_name in varying_axes(x):
+    missing = tuple(a for a in names if a not in varying_axes(x))
+    if not missing:
       return x
-    return lax.pcast(x, axis_name, to="varying")
+    return lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
 
   return jax.tree.map(one, tree)
 

@@ -485,4 +485,10 @@ def dgc(
     del params
     return _update(opts, updates, state)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  tx = optax.GradientTransformation(init_fn, update_fn)
+  why = (
+    "its top-k selection, momentum correction and local accumulation run on each "
+    "device's whole gradient (a shard's top-k is not the leaf's), and its state would "
+    "have to be cut with the shards; not implemented yet"
+  )
+  return transforms.register_exchange(tx, "jc.dgc", axis_name, collective=None, shardable=why)

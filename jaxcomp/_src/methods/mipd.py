@@ -684,4 +684,9 @@ def mipd(
   def update_fn(updates, state, params=None):
     return _update(opts, updates, state, params)
 
-  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
+  tx = transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
+  why = (
+    "its per-layer drop rates, predictions and kept entries are chosen over each "
+    "whole layer from state that is the same on every device; not implemented yet"
+  )
+  return transforms.register_exchange(tx, "jc.mipd", axis_name, collective=None, shardable=why)

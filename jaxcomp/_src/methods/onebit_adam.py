@@ -609,7 +609,8 @@ def scale_by_onebit_adam(
     del params
     return _update(opts, updates, state)
 
-  return transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
+  tx = transforms.places_own_state(optax.GradientTransformation(init_fn, update_fn))
+  return transforms.register_exchange(tx, "jc.scale_by_onebit_adam", axis_name)
 
 
 def onebit_adam(
@@ -805,4 +806,6 @@ def onebit_adam(
   # weight decay takes none (both steps' states are empty, so the layout is the same).
   decay = optax.add_decayed_weights(float(weight_decay)) if weight_decay else optax.identity()
   tx = optax.chain(core, decay, optax.scale_by_learning_rate(learning_rate))
-  return transforms.places_own_state(tx)
+  # Under jc.two_level its moments and buffers are held per shard (elementwise Adam).
+  tx = transforms.places_own_state(tx)
+  return transforms.register_exchange(tx, "jc.onebit_adam", axis_name)

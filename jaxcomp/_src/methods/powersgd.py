@@ -405,4 +405,10 @@ def powersgd(
     del params
     return _update(opts, updates, state)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  tx = optax.GradientTransformation(init_fn, update_fn)
+  why = (
+    "its low-rank factors are computed from each matrix kept as a matrix, and a "
+    "shard of 1/L of the rows has factors of its own, with their own rank and warm "
+    "start; not implemented yet"
+  )
+  return transforms.register_exchange(tx, "jc.powersgd", axis_name, collective=None, shardable=why)

@@ -441,7 +441,8 @@ def compress(
     del params
     return _update(o, updates, state)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  tx = optax.GradientTransformation(init_fn, update_fn)
+  return register_exchange(tx, f"jc.compress ({type(codec).__name__})", axis_name, collective)
 
 
 def qsgd(
@@ -691,6 +692,39 @@ def ef_signsgd(
   )
 
 
+class ExchangeInfo(NamedTuple):
+  """What a wrapper needs to know of a jaxcomp exchange it is given (static)."""
+
+  who: str  # the factory's name, for errors
+  axis_name: Any  # the axis it averages over
+  collective: str | None  # its collective argument (None: a method without one)
+  shardable: str | None  # None: it runs on any shards of the leaves; else why not
+
+
+#: The jaxcomp exchanges built so far, by their ``init`` function: what
+#: :func:`jaxcomp.two_level` checks before running one on shards of the gradient (an
+#: optax transform cannot be asked which axis it averages over, or whether it may be
+#: cut into shards).
+_EXCHANGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_exchange(
+  tx: optax.GradientTransformation,
+  who: str,
+  axis_name: Any,
+  collective: str | None = None,
+  shardable: str | None = None,
+) -> optax.GradientTransformation:
+  """Records ``tx`` as a jaxcomp exchange (:class:`ExchangeInfo`); returns ``tx``."""
+  _EXCHANGES[tx.init] = ExchangeInfo(who, axis_name, collective, shardable)
+  return tx
+
+
+def exchange_info(tx: optax.GradientTransformation) -> ExchangeInfo | None:
+  """The :class:`ExchangeInfo` of a jaxcomp exchange, or None for any other transform."""
+  return _EXCHANGES.get(tx.init)
+
+
 class PerDeviceState(NamedTuple):
   """State of :func:`per_device_state`: the inner state with a leading device axis."""
 
@@ -707,6 +741,11 @@ def places_own_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
   """Registers ``tx`` as placing its own state (:func:`per_device_state` returns it)."""
   _PLACES_OWN_STATE.add(tx.init)
   return tx
+
+
+def places_own(tx: optax.GradientTransformation) -> bool:
+  """Whether ``tx`` places its own state (:func:`places_own_state`)."""
+  return tx.init in _PLACES_OWN_STATE
 
 
 def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransformation:

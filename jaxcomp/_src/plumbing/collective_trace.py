@@ -76,6 +76,8 @@ class CollectiveOp:
   bytes_received: float  # per device per step, by the convention above
   fallback: bool = False  # only on a rare fallback path (not in bytes_received)
   every: int = 1  # runs once every this many steps (bytes_received is per step: / every)
+  axes: tuple = ()  # the mesh axes it communicates over, sorted
+  devices: int = 0  # K it was priced at: its axes' devices (0: not recorded)
 
 
 def _nbytes(aval) -> int:
@@ -100,7 +102,15 @@ def regular_bytes(ops) -> float:
   return sum(op.bytes_received for op in ops if not op.fallback)
 
 
-def _walk(jaxpr, k: int, mult: int, out: list) -> None:
+def _axis_devices(axes: tuple, k: int, sizes: dict | None) -> int:
+  """The devices a collective over ``axes`` spans: the product of their sizes in
+  ``sizes`` (the mesh's), or ``k`` where the mesh does not say."""
+  if not sizes or not axes or any(a not in sizes for a in axes):
+    return k
+  return int(np.prod([sizes[a] for a in axes], dtype=np.int64))
+
+
+def _walk(jaxpr, k: int, mult: int, out: list, sizes: dict | None = None) -> None:
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if canonical(name) in TRAFFIC:
@@ -108,8 +118,10 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
       stack = str(eqn.source_info.name_stack)
       fallback = phases.FALLBACK_SCOPE in stack
       every = _every(stack)
-      traffic = mult * TRAFFIC[canonical(name)](b, k) / every
-      out.append(CollectiveOp(name, b, mult, traffic, fallback, every))
+      axes = tuple(sorted(_collective_axes(eqn), key=str))
+      devices = _axis_devices(axes, k, sizes)
+      traffic = mult * TRAFFIC[canonical(name)](b, devices) / every
+      out.append(CollectiveOp(name, b, mult, traffic, fallback, every, axes, devices))
     if name == "cond":
       # One branch runs per step: count the branch that moves the most bytes (an upper
       # bound; e.g. the first warm-up stage of jc.dgc). Collectives under the
@@ -119,7 +131,7 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
       for branch in eqn.params["branches"]:
         ops: list = []
         for sub in _sub_jaxprs(branch):
-          _walk(sub, k, mult, ops)
+          _walk(sub, k, mult, ops, sizes)
         per_branch.append(ops)
       regular = max(per_branch, key=regular_bytes)
       rare = max(per_branch, key=lambda ops: sum(op.bytes_received for op in ops if op.fallback))
@@ -129,7 +141,7 @@ def _walk(jaxpr, k: int, mult: int, out: list) -> None:
     inner = mult * int(eqn.params.get("length", 1)) if name == "scan" else mult
     for value in eqn.params.values():
       for sub in _sub_jaxprs(value):
-        _walk(sub, k, inner, out)
+        _walk(sub, k, inner, out, sizes)
 
 
 def collective_ops(
@@ -142,7 +154,10 @@ def collective_ops(
 
   ``fn(*args)`` is traced inside ``jax.shard_map`` over an abstract mesh of
   ``num_devices`` devices, every argument replicated (so each device sees ``args``);
-  or over ``mesh`` with ``in_specs`` (the arguments then carry their shardings).
+  or over ``mesh`` with ``in_specs`` (the arguments then carry their shardings). Each
+  collective is priced at the devices of the mesh axes it runs over (on a ``(slow,
+  fast)`` mesh, an all-gather over ``fast`` at the fast axis's size), and records them
+  in ``axes``.
   """
   if mesh is None:
     mesh = jax.sharding.AbstractMesh((num_devices,), (axis_name,))
@@ -151,20 +166,22 @@ def collective_ops(
   )
   closed = jax.make_jaxpr(mapped)(*args)
   out: list = []
-  _walk(closed.jaxpr, num_devices, 1, out)
+  _walk(closed.jaxpr, num_devices, 1, out, dict(mesh.shape))
   return out
 
 
 def merge_ops(ops) -> tuple[CollectiveOp, ...]:
   """Merges the ops of :func:`collective_ops` by (primitive, operand bytes, fallback,
-  every)."""
-  merged: dict[tuple[str, int, bool, int], list] = {}
+  every, axes, devices)."""
+  merged: dict[tuple, list] = {}
   for op in ops:
-    entry = merged.setdefault((op.primitive, op.operand_bytes, op.fallback, op.every), [0, 0.0])
+    key = (op.primitive, op.operand_bytes, op.fallback, op.every, op.axes, op.devices)
+    entry = merged.setdefault(key, [0, 0.0])
     entry[0] += op.count
     entry[1] += op.bytes_received
   return tuple(
-    CollectiveOp(n, b, c, r, rare, every) for (n, b, rare, every), (c, r) in merged.items()
+    CollectiveOp(n, b, c, r, rare, every, axes, k)
+    for (n, b, rare, every, axes, k), (c, r) in merged.items()
   )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import jax
@@ -55,12 +57,43 @@ def default_filter(path: tuple, leaf) -> bool:
   return leaf.ndim >= 2 and leaf.size >= 1024
 
 
+#: While :func:`leaf_views` runs: ``{keystr(path): stand-in}``, the leaves a filter is
+#: asked about in place of the arrays a transform holds. A context variable, not a module
+#: global: traces on other threads do not see it.
+_LEAF_VIEWS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+  "jaxcomp_leaf_views", default=None
+)
+
+
+@contextlib.contextmanager
+def leaf_views(tree):
+  """Inside the block, :func:`selected` asks a filter about the leaf of ``tree`` at the
+  same path (e.g. a ``jax.ShapeDtypeStruct`` of the whole parameter) instead of the
+  array the transform holds.
+
+  :func:`jaxcomp.two_level` runs a transform on 1/L shards of each leaf, flat vectors
+  when L does not divide the first axis: asked about a shard, the default filter would
+  send every such leaf dense (fewer than 2 dimensions), silently. The filter must decide
+  from the original leaf's shape, as it would without the wrapper.
+  """
+  views = {jax.tree_util.keystr(path): leaf for path, leaf in flat(tree)[0]}
+  token = _LEAF_VIEWS.set(views)
+  try:
+    yield
+  finally:
+    _LEAF_VIEWS.reset(token)
+
+
 def selected(filter_fn, path, leaf) -> bool:
   """``filter_fn(path, leaf)`` as a Python bool.
 
   The choice decides the state's structure and which collectives are traced, so it
-  must be static: a traced answer is a ``TypeError`` rather than a tracer leak.
+  must be static: a traced answer is a ``TypeError`` rather than a tracer leak. Inside
+  :func:`leaf_views` the filter is asked about the stand-in at ``path``.
   """
+  views = _LEAF_VIEWS.get()
+  if views is not None:
+    leaf = views.get(jax.tree_util.keystr(path), leaf)
   chosen = filter_fn(path, leaf)
   if isinstance(chosen, jax.core.Tracer):
     raise TypeError(

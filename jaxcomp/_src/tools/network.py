@@ -130,7 +130,9 @@ def exchange_time(
   :func:`jaxcomp.diloco`) counts ``1/n`` of its time: the average over steps.
 
   Args:
-    report: the wire report of a transform at ``report.num_devices`` devices.
+    report: the wire report of a transform at ``report.num_devices`` devices; each
+      collective is priced at the devices of its own mesh axes (``op.devices``), all on
+      ``link`` (a link per mesh axis is not modelled yet).
     link: the link's α and β.
     fallback: also count the rare overflow path's collectives (a step that takes it).
     links: links fitted for particular collectives, by primitive name (e.g.
@@ -141,13 +143,16 @@ def exchange_time(
       fitted bandwidth.
   """
   by_primitive = _per_primitive(links)
-  k = report.num_devices
   return float(
     sum(
       op.count
       / op.every
       * by_primitive.get(wire.canonical(op.primitive), link).collective_time(
-        op.primitive, op.operand_bytes, k
+        # Each collective at its own axes' devices (a two-level exchange's fast and
+        # slow axes), the report's K where the trace did not record them.
+        op.primitive,
+        op.operand_bytes,
+        op.devices or report.num_devices,
       )
       for op in report.ops
       if fallback or not op.fallback

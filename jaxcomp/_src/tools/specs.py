@@ -14,6 +14,7 @@ import optax
 from jaxcomp._src.exchanges import pipeline
 from jaxcomp._src.methods import transforms
 from jaxcomp._src.methods.transforms import PerDeviceState
+from jaxcomp._src.methods.two_level import NodeShardState
 from jaxcomp._src.plumbing import treeutil
 
 
@@ -172,27 +173,17 @@ def mesh_layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
   """The parameters' specs, validated, and the abstract mesh to trace over."""
   specs = _param_specs(params, param_specs, axis_name)
   data = _names(axis_name)
-  if len(data) != 1:
-    raise ValueError(f"axis_name must name one mesh axis, got {axis_name!r}")
+  if not data or len(set(data)) != len(data):
+    raise ValueError(f"axis_name must name one mesh axis or a tuple of them, got {axis_name!r}")
   if (
     isinstance(num_devices, bool)
     or not isinstance(num_devices, (int, np.integer))
     or (num_devices < 1)
   ):
     raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
-  other = tuple(dict.fromkeys(a for s in specs for a in _spec_axes(s) if a != data[0]))
-  sizes = {}
-  if other or mesh is not None:
-    sizes = _axis_sizes(params, other, mesh) if other else dict(mesh.shape)
-  if data[0] in sizes and sizes[data[0]] != num_devices:
-    raise ValueError(
-      f"num_devices={num_devices} but the mesh's axis {data[0]!r} has "
-      f"{sizes[data[0]]} devices: pass num_devices=mesh.shape[{data[0]!r}]"
-    )
-  sizes = {**sizes, data[0]: int(num_devices)}
-  amesh = jax.sharding.AbstractMesh(
-    (int(num_devices),) + tuple(sizes[a] for a in other), data + other
-  )
+  other = tuple(dict.fromkeys(a for s in specs for a in _spec_axes(s) if a not in data))
+  sizes = _data_sizes(params, data, other, num_devices, mesh)
+  amesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in data + other), data + other)
   local, full = [], []
   for (path, leaf), spec in zip(treeutil.flat(params)[0], specs):
     for dim, entry in enumerate(spec):
@@ -203,15 +194,43 @@ def mesh_layout(params, param_specs, axis_name, num_devices, mesh) -> _Layout:
           f"{np.shape(leaf)} does not divide over {entry} ({parts} shards)"
         )
     local.append(_local_shape(np.shape(leaf), spec, sizes))
-    full.append(_local_shape(np.shape(leaf), without(spec, data[0]), sizes))
+    full.append(_local_shape(np.shape(leaf), without(spec, axis_name), sizes))
   return _Layout(specs, amesh, local, full)
 
 
+def _data_sizes(params, data: tuple, other: tuple, num_devices: int, mesh) -> dict:
+  """Sizes of the data axes ``data`` and the other axes ``other``; a ``ValueError``
+  where ``num_devices`` is not the data axes' device count on the mesh.
+
+  With one data axis its size is ``num_devices``; with several (a two-level exchange
+  over ``(slow, fast)``) their sizes come from the mesh, and their product must be
+  ``num_devices``.
+  """
+  sizes = {}
+  if other or mesh is not None or len(data) > 1:
+    need = other + (data if len(data) > 1 else ())
+    sizes = _axis_sizes(params, need, mesh) if need else dict(mesh.shape)
+  if len(data) == 1:
+    if data[0] in sizes and sizes[data[0]] != num_devices:
+      raise ValueError(
+        f"num_devices={num_devices} but the mesh's axis {data[0]!r} has "
+        f"{sizes[data[0]]} devices: pass num_devices=mesh.shape[{data[0]!r}]"
+      )
+    return {**sizes, data[0]: int(num_devices)}
+  total = int(np.prod([sizes[a] for a in data]))
+  if total != num_devices:
+    raise ValueError(
+      f"num_devices={num_devices} but the mesh's axes {data} have {total} devices "
+      f"together: pass num_devices={total}"
+    )
+  return sizes
+
+
 def without(spec: P, axis) -> P:
-  """``spec`` with ``axis`` left out of every entry."""
+  """``spec`` with ``axis`` (a mesh axis or a tuple of them) left out of every entry."""
   entries = []
   for entry in spec:
-    names = tuple(a for a in _names(entry) if a != axis)
+    names = tuple(a for a in _names(entry) if a not in _names(axis))
     entries.append(None if not names else names[0] if len(names) == 1 else names)
   return P(*entries)
 
@@ -319,6 +338,8 @@ def state_specs(
     (a ``collective="reduce_scatter"`` exchange's shards), a leaf shaped like its
     full-size local gradient (an error-feedback residual) is ``P(axis_name, None,
     *rest)``;
+  * inside a :class:`jaxcomp.NodeShardState` (a :func:`jaxcomp.two_level` exchange's
+    state held once per shard of a node, e.g. 1-bit Adam's moments): ``P(fast_axis)``;
   * the accumulated gradients of ``optax.MultiSteps`` and :func:`multi_steps` (local
     sums of local gradients, so per device, held without a leading axis): the
     parameter's spec with ``axis_name`` in front of its first dimension's axes;
@@ -366,7 +387,8 @@ def state_specs(
 
   def param_items(node):
     """``node``'s items per parameter when it has the parameters' structure, else None."""
-    if single or isinstance(node, (jax.ShapeDtypeStruct, PerDeviceState, optax.MultiStepsState)):
+    kinds = (jax.ShapeDtypeStruct, PerDeviceState, NodeShardState, optax.MultiStepsState)
+    if single or isinstance(node, kinds):
       return None
     try:
       items = treedef.flatten_up_to(node)
@@ -395,12 +417,15 @@ def state_specs(
 
   def walk(node, where: str, per_device: bool, local: bool):
     def special(x):
-      return isinstance(x, (PerDeviceState, optax.MultiStepsState)) or (param_items(x) is not None)
+      kinds = (PerDeviceState, NodeShardState, optax.MultiStepsState)
+      return isinstance(x, kinds) or (param_items(x) is not None)
 
     def one(path, x):
       here = where + jax.tree_util.keystr(path)
       if isinstance(x, PerDeviceState):
         return PerDeviceState(walk(x.inner, here + ".inner", True, local))
+      if isinstance(x, NodeShardState):  # a two-level exchange's state per node shard
+        return NodeShardState(jax.tree.map(lambda _: P(x.axis), x.inner), x.axis)
       if isinstance(x, optax.MultiStepsState):
         return x._replace(
           mini_step=walk(x.mini_step, here, per_device, local),

@@ -64,6 +64,18 @@ class WireReport:
   baseline: str | None = None
 
   @property
+  def by_axis(self) -> dict[tuple, float]:
+    """Bytes received per device per step (fallback paths left out), by the mesh axes
+    of the collectives that moved them: on a ``(slow, fast)`` mesh,
+    ``report.by_axis[("slow",)]`` is what crosses the slow link (a two-level exchange's
+    compressed shards) and ``report.by_axis[("fast",)]`` what stays inside a node."""
+    out: dict[tuple, float] = {}
+    for op in self.ops:
+      if not op.fallback:
+        out[op.axes] = out.get(op.axes, 0.0) + op.bytes_received
+    return out
+
+  @property
   def ratio(self) -> float:
     """The compression ratio, dense bytes received over the transform's bytes received."""
     return self.dense_bytes / self.bytes_received if self.bytes_received else float("inf")
@@ -79,10 +91,15 @@ class WireReport:
       f"wire report, K={self.num_devices} devices, per device per step:",
       f"  received {self.bytes_received:,.0f} B{against}",
     ]
+    split = len({op.axes for op in self.ops}) > 1
+    if split:
+      for axes, b in self.by_axis.items():
+        lines.append(f"  over {'x'.join(map(str, axes)) or '-'}: {b:,.0f} B")
     for op in self.ops:
       lines.append(
         f"  {op.primitive:<22} operand {op.operand_bytes:>12,} B x{op.count:<3}"
         f" -> {op.bytes_received:,.0f} B"
+        + (f"  over {'x'.join(map(str, op.axes))}" if split else "")
         + (f"  (once every {op.every} steps)" if op.every > 1 else "")
         + ("  (fallback only)" if op.fallback else "")
       )
@@ -121,8 +138,12 @@ def wire_report(
     params: the parameters (arrays or ``jax.ShapeDtypeStruct``), global shapes;
       gradients are taken to have the same dtypes and each device's full-size local
       shapes (not cut over ``axis_name``).
-    axis_name: the axis name ``tx`` averages over.
-    num_devices: K, the number of devices on that axis (>= 2).
+    axis_name: the axis name ``tx`` averages over, or a tuple of them (a
+      :func:`jaxcomp.two_level` exchange over ``(slow, fast)``: each collective is
+      priced at its own axes' devices, and :attr:`WireReport.by_axis` splits the bytes
+      by axis).
+    num_devices: K, the number of devices on that axis (>= 2); for a tuple of axes,
+      their devices together (``mesh.size`` on a 2-D mesh, whose sizes ``mesh`` gives).
     param_specs: the parameters' ``PartitionSpec``\\ s, as for :func:`jaxcomp.state_specs`
       (``None``: replicated); ``update`` is traced with each device's shards.
     mesh: the mesh, when ``param_specs`` name other axes (see :func:`jaxcomp.state_specs`).

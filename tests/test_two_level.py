@@ -1,0 +1,364 @@
+"""jc.two_level: dense inside a node, compressed between nodes, on a (2, 4) mesh of the
+8 CPU devices (2 nodes of L = 4 devices), under jax.shard_map with check_vma on."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import jaxcomp as jc
+
+SLOW, FAST = "node", "gpu"
+AXES = (SLOW, FAST)
+N, L = 2, 4
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((N, L), AXES)
+
+
+# A matrix L divides (cut by rows), a matrix it does not (cut from the flattened leaf,
+# padded), a bias and a scalar.
+PARAMS = {
+  "w": jnp.zeros((64, 64)),
+  "odd": jnp.zeros((33, 35)),
+  "b": jnp.zeros((10,)),
+  "s": jnp.zeros(()),
+}
+
+
+def _grads(key, params=PARAMS):
+  """One gradient per device: each leaf with a leading axis of N·L, device-major."""
+  keys = jax.random.split(key, len(params))
+  return {
+    name: jax.random.normal(k, (N * L,) + p.shape, p.dtype)
+    for k, (name, p) in zip(keys, sorted(params.items()))
+  }
+
+
+def _run(tx, mesh, grads, params=PARAMS, steps=1):
+  """``steps`` updates of ``tx`` (held per device) on the same per-device gradients,
+  inside shard_map over ``mesh`` (check_vma on): the updates of each step, stacked."""
+  specs = jc.state_specs(tx, params, axis_name=AXES, num_devices=N * L, mesh=mesh)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  grads = jax.device_put(grads, NamedSharding(mesh, P(AXES)))
+
+  def run(g, state):
+    g = jax.tree.map(lambda x: x[0], g)
+
+    def step(state, _):
+      u, state = tx.update(g, state, params)
+      return state, u
+
+    state, us = jax.lax.scan(step, state, None, length=steps)
+    return us, state
+
+  fn = jax.shard_map(run, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))
+  return jax.jit(fn)(grads, state)
+
+
+def _two_level(inner):
+  return jc.per_device_state(jc.two_level(inner, fast_axis=FAST))
+
+
+def test_identity_codec_equals_the_mean_over_both_axes(mesh):
+  grads = _grads(jax.random.key(0))
+  tx = _two_level(jc.compress(jc.codecs.Identity(), axis_name=SLOW))
+  out, _ = _run(tx, mesh, grads)
+  for name, g in grads.items():
+    got = out[name][0]
+    assert got.shape == PARAMS[name].shape and got.dtype == g.dtype
+    np.testing.assert_allclose(got, g.mean(0), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_qsgd_mean_is_unbiased(mesh):
+  """2-bit QSGD (ternary, the noisiest) averaged over T steps of fresh keys: every
+  coordinate's mean within 5.5 standard errors of the exact mean over both axes (for
+  ~5.3K coordinates a false alarm has probability about 2e-4)."""
+  t = 400
+  grads = _grads(jax.random.key(1))
+  tx = _two_level(jc.qsgd(bits=2, bucket_size=128, axis_name=SLOW))
+  out, _ = _run(tx, mesh, grads, steps=t)
+  zs = []
+  for name in ("w", "odd"):
+    draws = np.asarray(out[name], np.float64).reshape(t, -1)
+    exact = np.asarray(grads[name], np.float64).mean(0).reshape(-1)
+    se = draws.std(0, ddof=1) / math.sqrt(t)
+    assert np.all(se > 0), f"{name}: no randomness between steps"
+    zs.append((draws.mean(0) - exact) / se)
+  z = np.abs(np.concatenate(zs))
+  assert z.max() < 5.5, z.max()
+  # The bias is sent dense (the filter says so from its shape): exact at every step.
+  np.testing.assert_allclose(out["b"][-1], grads["b"].mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_every_device_draws_its_own_bits(mesh):
+  """The inner exchange folds the slow-axis index into its key at each step; two_level
+  folds the fast one in at init, so the L devices of a node do not code their shards
+  with the same random bits: the state's keys differ between a node's devices."""
+  tx = _two_level(jc.qsgd(bits=2, axis_name=SLOW))
+  specs = jc.state_specs(tx, PARAMS, axis_name=AXES, num_devices=N * L, mesh=mesh)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(PARAMS)
+  data = np.asarray(jax.random.key_data(state.inner.inner.key)).reshape(N, L, -1)
+  assert isinstance(state, jc.TwoLevelState) and isinstance(state.inner, jc.PerDeviceState)
+  for node in data:
+    assert len({row.tobytes() for row in node}) == L
+
+
+def _residual_sizes(tx, mesh, params=PARAMS):
+  specs = jc.state_specs(tx, params, axis_name=AXES, num_devices=N * L, mesh=mesh)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  inner = state.inner  # per_device_state hands two_level back: it places its state
+  inner = inner.inner if isinstance(inner, jc.PerDeviceState) else inner  # the flat one's
+  return {
+    k: None if isinstance(v, optax.MaskedNode) else v.shape for k, v in inner.residual.items()
+  }
+
+
+def test_residuals_are_a_shard_of_each_leaf(mesh):
+  """1-bit SGD's error feedback: 1/L of each compressed leaf per device (global arrays
+  of N·L rows), against the whole leaf per device for the flat exchange."""
+  two = _residual_sizes(_two_level(jc.onebit_sgd(axis_name=SLOW)), mesh)
+  flat = _residual_sizes(jc.per_device_state(jc.onebit_sgd(axis_name=AXES)), mesh)
+  assert flat["w"] == (N * L, 64, 64) and flat["odd"] == (N * L, 33, 35)
+  assert two["w"] == (N * L, 64 // L, 64)  # rows: L divides the first axis
+  assert two["odd"] == (N * L, -(-33 * 35 // L))  # flattened and padded
+  assert two["b"] is None and two["s"] is None  # dense: no residual
+
+
+def test_compressed_leaves_are_chosen_from_the_whole_leaf(mesh):
+  """A (32, 40) matrix has 1280 values and 2 dimensions: the default filter compresses
+  it. Its shard (8, 40) has 320, and the flat shard of (33, 35) is 1-D: asked about the
+  shards, the filter would send both dense, silently."""
+  params = {"m": jnp.zeros((32, 40)), "odd": jnp.zeros((33, 35)), "b": jnp.zeros((64,))}
+  res = _residual_sizes(_two_level(jc.onebit_sgd(axis_name=SLOW)), mesh, params)
+  assert res["m"] == (N * L, 8, 40) and res["odd"] == (N * L, 289)
+  assert res["b"] is None
+  seen = []
+
+  def filt(path, leaf):
+    seen.append((jax.tree_util.keystr(path), tuple(leaf.shape)))
+    return leaf.ndim >= 2
+
+  tx = _two_level(jc.onebit_sgd(axis_name=SLOW, filter=filt))
+  jc.state_specs(tx, params, axis_name=AXES, num_devices=N * L, mesh=mesh)
+  assert set(seen) == {("['b']", (64,)), ("['m']", (32, 40)), ("['odd']", (33, 35))}
+
+
+def test_onebit_sgd_trains_to_the_mean_with_error_feedback(mesh):
+  """Error feedback over the slow axis on shards: the average of T one-bit updates
+  approaches the exact mean (the residual carries what each step dropped), at the
+  O(1/T) rate of a bounded residual."""
+  t = 64
+  grads = _grads(jax.random.key(2), {"w": PARAMS["w"]})
+  out, _ = _run(_two_level(jc.onebit_sgd(axis_name=SLOW)), mesh, grads, {"w": PARAMS["w"]}, t)
+  exact = np.asarray(grads["w"]).mean(0)
+  one = np.abs(np.asarray(out["w"][0]) - exact).mean()
+  avg = np.abs(np.asarray(out["w"]).mean(0) - exact).mean()
+  assert avg < one / 10, (avg, one)
+
+
+def test_wire_bytes_split_by_axis(mesh):
+  """Over the slow axis each device moves one compressed shard per other node (4-bit
+  QSGD on a shard of 1/L of the leaf, all-gathered at N = 2); over the fast axis a dense
+  reduce-scatter and all-gather of the float32 leaf. The flat exchange over all N·L
+  devices moves L times more per device than the slow axis carries here, or more."""
+  params = {"w": jnp.zeros((1024, 1024))}
+  n = 1024 * 1024
+  two = jc.wire_report(
+    _two_level(jc.qsgd(bits=4, axis_name=SLOW)), params, axis_name=AXES, num_devices=8, mesh=mesh
+  )
+  shard_payload = jc.codecs.QSGD(7, 512, "max").wire_bits((1024 // L, 1024)) / 8
+  assert two.by_axis[(SLOW,)] == (N - 1) * shard_payload
+  assert two.by_axis[(FAST,)] == 2 * (L - 1) / L * 4 * n
+  flat = jc.wire_report(
+    jc.per_device_state(jc.qsgd(bits=4, axis_name=AXES)),
+    params,
+    axis_name=AXES,
+    num_devices=8,
+    mesh=mesh,
+  )
+  assert set(flat.by_axis) == {tuple(sorted(AXES))}
+  assert L * two.by_axis[(SLOW,)] <= flat.bytes_received
+  assert f"over {SLOW}" in str(two) and f"over {FAST}" in str(two)
+
+
+def test_state_specs_need_the_mesh_sizes(mesh):
+  tx = _two_level(jc.qsgd(axis_name=SLOW))
+  with pytest.raises(ValueError, match="num_devices=4 but the mesh's axes"):
+    jc.state_specs(tx, PARAMS, axis_name=AXES, num_devices=4, mesh=mesh)
+  with pytest.raises(ValueError, match="mesh="):
+    jc.state_specs(tx, PARAMS, axis_name=AXES, num_devices=8)
+
+
+@pytest.mark.parametrize(
+  "make, match",
+  [
+    (lambda: jc.dgc(0.01, axis_name=SLOW), "jc.dgc"),
+    (lambda: jc.powersgd(axis_name=SLOW), "jc.powersgd"),
+    (lambda: jc.mipd(axis_name=SLOW), "jc.mipd"),
+  ],
+)
+def test_methods_not_supported_yet_say_so(make, match):
+  with pytest.raises(NotImplementedError, match=match):
+    jc.two_level(make(), fast_axis=FAST)
+
+
+def test_onebit_adam_holds_its_state_per_shard(mesh):
+  """1-bit Adam inside two_level: its moments are 1/L of each leaf, held once per shard
+  of a node (P(fast), replicated over the slow axis), its error buffers per device.
+  During the warm-up (dense exchange, plain Adam) its updates equal optax.adam's on the
+  mean over both axes to float32 rounding; after it, the frozen-variance steps with the
+  1-bit momentum exchange stay finite and the moments keep their shapes."""
+  freeze, steps = 3, 6
+  grads = _grads(jax.random.key(4))
+  tx = jc.two_level(jc.onebit_adam(1e-2, freeze_step=freeze, axis_name=SLOW), fast_axis=FAST)
+  assert jc.per_device_state(tx) is tx
+  specs = jc.state_specs(tx, PARAMS, axis_name=AXES, num_devices=N * L, mesh=mesh)
+  core = specs.inner[0]
+  assert isinstance(core.m["w"], jc.NodeShardState) and core.m["w"].inner == P(FAST)
+  assert core.worker_error.inner["w"] == P(AXES)
+  with jax.numpy_dtype_promotion("standard"):  # optax.adam: float ** int32 count
+    out, state = _run(tx, mesh, grads, steps=steps)
+    ref, mean = optax.adam(1e-2), jax.tree.map(lambda g: g.mean(0), grads)
+    ref_state = ref.init(PARAMS)
+    for i in range(freeze):
+      want, ref_state = ref.update(mean, ref_state)
+      for name in PARAMS:
+        np.testing.assert_allclose(out[name][i], want[name], rtol=2e-5, atol=1e-6)
+    want, _ = ref.update(mean, ref_state)  # Adam's step where 1-bit Adam's freezes
+  m = state.inner[0].m
+  assert m["w"].inner.shape == (L, 64 // L, 64) and m["odd"].inner.shape == (L, 289)
+  assert state.inner[0].worker_error.inner["w"].shape == (N * L, 64 // L, 64)
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(out))
+  # The frozen-variance steps compress: they are not Adam's dense steps any more.
+  assert not np.allclose(out["w"][freeze], want["w"], rtol=1e-3)
+
+
+def test_refuses_what_it_cannot_wrap():
+  with pytest.raises(TypeError, match="not a chain"):
+    jc.two_level(optax.chain(jc.qsgd(axis_name=SLOW), optax.sgd(0.1)), fast_axis=FAST)
+  with pytest.raises(TypeError, match="not a chain"):
+    jc.two_level(optax.sgd(0.1), fast_axis=FAST)
+  with pytest.raises(ValueError, match="reduce_scatter"):
+    jc.two_level(jc.qsgd(axis_name=SLOW, collective="reduce_scatter"), fast_axis=FAST)
+  for axis in (FAST, None, AXES):
+    with pytest.raises(ValueError, match="the slow axis"):
+      jc.two_level(jc.qsgd(axis_name=axis), fast_axis=FAST)
+
+
+def test_replicated_gradient_is_refused(mesh):
+  """A gradient already summed over the fast axis (jax.grad w.r.t. parameters not
+  marked varying over it) is refused, as every exchange refuses one."""
+  tx = _two_level(jc.qsgd(axis_name=SLOW))
+  specs = jc.state_specs(tx, PARAMS, axis_name=AXES, num_devices=N * L, mesh=mesh)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(PARAMS)
+
+  def step(state):
+    g = jc.vary(PARAMS, SLOW)  # varying over the slow axis only
+    return tx.update(g, state)[0]
+
+  with pytest.raises(ValueError, match="already replicated over axis 'gpu'"):
+    jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs,), out_specs=P()))(state)
+
+
+def test_needs_the_fast_axis_bound():
+  """jax.pmap maps one axis (and does not nest in this jax): a two-level exchange needs
+  jax.shard_map over a 2-D mesh, and says which axis is missing."""
+  tx = jc.two_level(jc.qsgd(axis_name=SLOW), fast_axis=FAST)
+  params = jax.tree.map(lambda p: jnp.broadcast_to(p, (N * L,) + p.shape), PARAMS)
+  with pytest.raises(ValueError, match="axis_name='gpu' is not bound"):
+    jax.pmap(tx.init, axis_name=SLOW)(params)
+
+
+def test_guide_snippet_runs_as_written():
+  """docs/guides/two_level.md's example, as written: it trains, and its wire report
+  splits the bytes over the two axes."""
+  import contextlib
+  import io
+  import pathlib
+  import re
+
+  guide = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/two_level.md"
+  (code,) = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+  out = io.StringIO()
+  # optax.adam raises a float to its int32 count: standard promotion, as users run it.
+  with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
+    exec(compile(code, str(guide), "exec"), {"__name__": "two_level_guide"})
+  text = out.getvalue()
+  loss = float(re.search(r"loss (\S+)", text).group(1))
+  assert np.isfinite(loss) and loss < math.log(10), text
+  assert "over node:" in text and "over gpu:" in text, text
+
+
+def test_link_model_prices_each_collective_at_its_axis(mesh):
+  """jc.network.exchange_time prices a two-level report's collectives at their own
+  axes' devices: the slow all-gather at N = 2 (one round), the fast ones at L = 4."""
+  params = {"w": jnp.zeros((1024, 1024))}
+  report = jc.wire_report(
+    _two_level(jc.qsgd(bits=4, axis_name=SLOW)), params, axis_name=AXES, num_devices=8, mesh=mesh
+  )
+  assert {op.axes: op.devices for op in report.ops} == {(SLOW,): N, (FAST,): L}
+  link = jc.network.Link(latency_s=1e-3, bandwidth=1e9)
+  want = sum(
+    link.collective_time(op.primitive, op.operand_bytes, N if op.axes == (SLOW,) else L)
+    for op in report.ops
+  )
+  assert jc.network.exchange_time(report, link) == pytest.approx(want, rel=1e-12)
+
+
+def test_a_nonfinite_gradient_is_visible_on_every_device(mesh):
+  """One device's NaN reaches the mean on every device (through its node's
+  reduce-scatter, then the slow exchange and the gather). It is counted where the input
+  was non-finite, as a flat exchange counts it on the device whose gradient was: here
+  the exchange's input is the node's mean, so on every device of that node."""
+  grads = _grads(jax.random.key(5))
+  grads["w"] = grads["w"].at[5, 3, 7].set(jnp.nan)  # device 5: node 1, its device 1
+  tx = _two_level(jc.onebit_sgd(axis_name=SLOW))
+  out, state = _run(tx, mesh, grads)
+  assert not np.all(np.isfinite(out["w"][0]))
+  np.testing.assert_allclose(out["b"][0], grads["b"].mean(0), rtol=1e-6, atol=1e-6)
+  counts = np.asarray(state.inner.inner.nonfinite_count).reshape(N, L)
+  np.testing.assert_array_equal(counts, [[0] * L, [1] * L])
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: jc.ef_signsgd(axis_name=SLOW),
+    lambda: jc.sparsify(density=0.1, axis_name=SLOW),
+    lambda: jc.qsgd(bits=4, axis_name=SLOW, collective="two_phase", error_feedback=True),
+    lambda: jc.compress(jc.codecs.RandomK(0.1, shared=True), axis_name=SLOW),
+  ],
+  ids=["ef_signsgd", "sparsify", "qsgd_two_phase_ef", "randomk_shared_psum"],
+)
+def test_every_compress_method_runs_on_shards(mesh, make):
+  """The jc.compress family under two_level: whole, finite means of the original
+  shapes, the dense leaves exact; two steps, so the state round-trips."""
+  grads = _grads(jax.random.key(6))
+  out, _ = _run(_two_level(make()), mesh, grads, steps=2)
+  for name, g in grads.items():
+    assert out[name].shape == (2,) + g.shape[1:]
+    assert np.all(np.isfinite(out[name])), name
+  for name in ("b", "s"):
+    np.testing.assert_allclose(out[name][1], grads[name].mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_leaves_keep_their_dtype(mesh):
+  """A bfloat16 model: the node's reduce-scatter sums in bfloat16 (as lax.pmean would),
+  the result has the leaves' dtype and the mean to bfloat16 rounding (8 bits: a few
+  units of 2^-8 relative to the largest summand)."""
+  params = {"w": jnp.zeros((64, 64), jnp.bfloat16), "b": jnp.zeros((10,), jnp.bfloat16)}
+  grads = _grads(jax.random.key(7), params)
+  out, _ = _run(_two_level(jc.compress(jc.codecs.Identity(), axis_name=SLOW)), mesh, grads, params)
+  for name, g in grads.items():
+    assert out[name].dtype == jnp.bfloat16
+    exact = np.asarray(g, np.float32).mean(0)
+    scale = np.abs(np.asarray(g, np.float32)).max()
+    np.testing.assert_allclose(np.asarray(out[name][0], np.float32), exact, atol=8 * 2**-8 * scale)
