@@ -21,6 +21,7 @@ from jaxcomp._src.methods import dgc
 from jaxcomp._src.methods import diloco
 from jaxcomp._src.methods import qsvrg
 from jaxcomp._src.methods import transforms
+from jaxcomp._src.tools import network
 from jaxcomp.kernels import quantize as quantize_kernel
 
 
@@ -39,6 +40,7 @@ from jaxcomp.kernels import quantize as quantize_kernel
     qweights,
     normal,
     quantize_kernel,
+    network,
   ],
   ids=lambda m: m.__name__,
 )

@@ -146,3 +146,93 @@ def test_links_per_primitive_price_only_their_collectives():
     net.exchange_time(report, link, links={"allgather": slow})
   with pytest.raises(TypeError, match="Link"):
     net.exchange_time(report, link, links={"all_gather": (1e-5, 1e9)})
+
+
+# ----------------------------------------------------------------------------- a link per axis
+
+FAST = net.Link(latency_s=1e-6, bandwidth=1e11)
+SLOW = net.Link(latency_s=1e-4, bandwidth=1e8)
+BY_AXIS = {"gpu": FAST, "node": SLOW}
+
+
+def _report(*ops):
+  ops = tuple(ops)
+  received = sum(op.bytes_received for op in ops)
+  return jc.WireReport(
+    num_devices=8, bytes_sent=received, bytes_received=received, dense_bytes=0.0, ops=ops
+  )
+
+
+def _op(primitive, operand_bytes, axes, devices, count=1):
+  # bytes_received is not what the model prices; any number does.
+  return jc.CollectiveOp(primitive, operand_bytes, count, 0.0, axes=axes, devices=devices)
+
+
+def test_each_collective_on_the_link_of_its_axis():
+  # A two-level exchange by hand, N = 2 nodes of L = 4: reduce-scatter and all-gather
+  # over gpu (K = 4) on the fast link, the shards' all-gather over node (K = 2) on the
+  # slow one, twice a step.
+  report = _report(
+    _op("psum_scatter", 4_000_000, ("gpu",), 4),
+    _op("all_gather", 125_000, ("node",), 2, count=2),
+    _op("all_gather", 1_000_000, ("gpu",), 4),
+  )
+  want = (
+    (3 * 1e-6 + 0.75 * 4e6 / 1e11)  # psum_scatter: 3 rounds, 3/4·B
+    + 2 * (1 * 1e-4 + 1 * 125e3 / 1e8)  # all_gather over 2 nodes: 1 round, B
+    + (3 * 1e-6 + 3 * 1e6 / 1e11)  # all_gather over 4 devices: 3 rounds, 3·B
+  )
+  assert net.exchange_time(report, BY_AXIS) == pytest.approx(want, rel=1e-12)
+  assert net.predict_step_time(0.5, report, BY_AXIS) == pytest.approx(0.5 + want, rel=1e-12)
+  assert net.compute_time(0.5 + want, report, BY_AXIS) == pytest.approx(0.5, rel=1e-9)
+  # One link for all: the slow one prices the fast collectives too.
+  assert net.exchange_time(report, SLOW) > 10 * want
+
+
+def test_a_collective_over_both_axes_is_priced_on_the_slowest_link():
+  # A flat psum over (gpu, node), K = 8: 14 rounds and 2·7/8·B on the slow link.
+  report = _report(_op("psum", 8_000_000, ("gpu", "node"), 8))
+  want = 14 * 1e-4 + 1.75 * 8e6 / 1e8
+  assert net.exchange_time(report, BY_AXIS) == pytest.approx(want, rel=1e-12)
+  assert net.exchange_time(report, BY_AXIS) == pytest.approx(net.exchange_time(report, SLOW))
+  # The slowest per collective: a link slow in latency only wins for tiny operands.
+  laggy = {"gpu": net.Link(latency_s=1.0, bandwidth=1e11), "node": SLOW}
+  tiny = _report(_op("psum", 8, ("gpu", "node"), 8))
+  assert net.exchange_time(tiny, laggy) == pytest.approx(14 * 1.0 + 1.75 * 8 / 1e11)
+
+
+def test_links_by_axis_errors():
+  report = _report(_op("psum", 1000, ("gpu", "node"), 8))
+  with pytest.raises(ValueError, match="no link for mesh axes"):
+    net.exchange_time(report, {"gpu": FAST})
+  with pytest.raises(TypeError, match="must be a jc.network.Link"):
+    net.exchange_time(report, {"gpu": FAST, "node": 1e8})
+  with pytest.raises(ValueError, match="empty"):
+    net.exchange_time(report, {})
+  with pytest.raises(ValueError, match="per primitive"):
+    net.exchange_time(report, BY_AXIS, links={"psum": SLOW})
+  # Axes not recorded: the slowest link of the mapping.
+  bare = _report(_op("psum", 1000, (), 0))
+  assert net.exchange_time(bare, BY_AXIS) == pytest.approx(net.exchange_time(bare, SLOW))
+
+
+def test_two_level_report_on_a_fast_and_a_slow_link():
+  # The reports of jc.wire_report on an abstract (node, gpu) mesh: two-level sends its
+  # compressed shards over the slow link and so beats the flat exchange there, and its
+  # time is its ops' times, each at its axis's devices on its axis's link.
+  n, l = 4, 8
+  mesh = jax.sharding.AbstractMesh((n, l), ("node", "gpu"))
+  params = {"w": jnp.zeros((512, 256))}
+  kw = dict(axis_name=("node", "gpu"), num_devices=n * l, mesh=mesh)
+  two = jc.wire_report(
+    jc.two_level(jc.qsgd(bits=4, axis_name="node"), fast_axis="gpu"), params, **kw
+  )
+  flat = jc.wire_report(jc.qsgd(bits=4, axis_name=("node", "gpu")), params, **kw)
+  by_hand = 0.0
+  for op in two.ops:
+    link = BY_AXIS[op.axes[0]]
+    assert len(op.axes) == 1 and op.devices == (n if op.axes == ("node",) else l)
+    by_hand += op.count * link.collective_time(op.primitive, op.operand_bytes, op.devices)
+  assert net.exchange_time(two, BY_AXIS) == pytest.approx(by_hand, rel=1e-12)
+  assert net.exchange_time(two, BY_AXIS) < net.exchange_time(flat, BY_AXIS)
+  assert net.exchange_time(flat, BY_AXIS) == pytest.approx(net.exchange_time(flat, SLOW))

@@ -27,6 +27,31 @@ collective of a transform's ``update`` at any K); :func:`predict_step_time` adds
 compute time measured on a fast link. ``benchmarks/network.py`` fits the model on a
 throttled veth link and checks its predictions against measured training steps.
 
+**A link per mesh axis.** On a ``(node, gpu)`` mesh the devices of a node talk over a
+fast link (NVLink, ICI) and the nodes over a slow one (InfiniBand, Ethernet, DCN). Give
+:func:`exchange_time` a mapping ``{axis name: Link}`` in place of the one link and each
+collective of the report is priced on the link of its mesh axes (``op.axes``) at its
+own devices (``op.devices``): a :func:`jaxcomp.two_level` exchange's reduce-scatter and
+all-gather over ``gpu`` on the fast link at K = L, its compressed exchange over
+``node`` on the slow link at K = N. A collective over several axes (a flat exchange
+over ``("node", "gpu")``, K = N·L) is priced on the *slowest* of their links, at all
+its K devices:
+
+.. math::
+  T_\mathrm{op} = \max_{a \in \mathrm{axes}}
+    \left(\mathrm{steps}(K)\,\alpha_a + \mathrm{traffic}(B, K)\,\beta_a\right).
+
+This is the ring's cost: with the L devices of a node adjacent on the ring, each of its
+rounds moves ``B/K`` over every hop at once, N of the hops cross between nodes, and a
+round ends when its slowest hop does; so every round costs the slow link's α and
+``B/K``·β. It is an upper bound of that ring (the fast hops' rounds are not quite
+idle: a pipelined ring overlaps them) and ignores the tree and hierarchical algorithms
+a collective library may pick instead at large K (NCCL's trees pay ``log K`` latencies,
+not ``K``). A link's bandwidth is per device: where the L devices of a node share one
+network interface and all use it at once (the slow exchange of a two-level exchange
+runs L shards' exchanges together), give the slow link ``bandwidth / L``; a flat ring
+has one hop per node across it in each round and gets the whole interface.
+
 References:
   Hockney. *The communication challenge for MPP: Intel Paragon and Meiko CS-2*.
   Parallel Computing 1994 (the α-β model). Thakur, Rabenseifner, Gropp. *Optimization
@@ -38,6 +63,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Mapping
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -117,9 +143,49 @@ def _per_primitive(links: Mapping[str, Link] | None) -> dict[str, Link]:
   return out
 
 
+LinkSpec = Link | Mapping[Any, Link]  # one link, or a link per mesh axis name
+
+
+def _check_links_by_axis(link: LinkSpec) -> dict | None:
+  """``link`` as a dict by axis name when it is a mapping (checked), else ``None``."""
+  if isinstance(link, Link):
+    return None
+  if not isinstance(link, Mapping):
+    raise TypeError(
+      f"link must be a jc.network.Link or a mapping of mesh axis names to Links, "
+      f"got {type(link).__name__}"
+    )
+  if not link:
+    raise ValueError("the mapping of links by mesh axis is empty")
+  for axis, l in link.items():
+    if not isinstance(l, Link):
+      raise TypeError(f"link[{axis!r}] must be a jc.network.Link, got {type(l).__name__}")
+  return dict(link)
+
+
+def _op_time(op: wire.CollectiveOp, link: LinkSpec, k: int) -> float:
+  """Seconds of one run of ``op`` at ``k`` devices on ``link``, or, for a mapping of
+  links by mesh axis, on the slowest link of its axes (this module's docstring).
+
+  An op whose axes the trace did not record is priced on the slowest link of the
+  mapping (the conservative reading).
+  """
+  by_axis = _check_links_by_axis(link)
+  if by_axis is None:
+    return link.collective_time(op.primitive, op.operand_bytes, k)
+  axes = tuple(op.axes) or tuple(by_axis)
+  missing = [a for a in axes if a not in by_axis]
+  if missing:
+    raise ValueError(
+      f"no link for mesh axes {missing} (a {op.primitive} over {tuple(op.axes)}); "
+      f"links are given for {sorted(map(str, by_axis))}"
+    )
+  return max(by_axis[a].collective_time(op.primitive, op.operand_bytes, k) for a in axes)
+
+
 def exchange_time(
   report: wire.WireReport,
-  link: Link,
+  link: LinkSpec,
   *,
   fallback: bool = False,
   links: Mapping[str, Link] | None = None,
@@ -131,27 +197,44 @@ def exchange_time(
 
   Args:
     report: the wire report of a transform at ``report.num_devices`` devices; each
-      collective is priced at the devices of its own mesh axes (``op.devices``), all on
-      ``link`` (a link per mesh axis is not modelled yet).
-    link: the link's α and β.
+      collective is priced at the devices of its own mesh axes (``op.devices``).
+    link: the link's α and β; or a link per mesh axis, ``{"node": Link(...), "gpu":
+      Link(...)}``: each collective on the link of its axes, one over several axes on
+      the slowest of them (this module's docstring: the ring's cost).
     fallback: also count the rare overflow path's collectives (a step that takes it).
     links: links fitted for particular collectives, by primitive name (e.g.
       ``{"all_gather": fit_link(timed_all_gathers)}``; ``"all_gather"`` also prices
       ``all_gather_invariant``, ``"psum"`` ``psum_invariant``), used for those instead of
       ``link``: a runtime whose all-gather moves more than its ideal traffic (gloo's,
       ``docs/benchmarks.md#collectives-across-the-throttled-link``) shows it as a lower
-      fitted bandwidth.
+      fitted bandwidth. Only with one ``link`` (a link per primitive *and* axis is not
+      modelled).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxcomp as jc
+    >>> mesh = jax.sharding.AbstractMesh((4, 8), ("node", "gpu"))
+    >>> tx = jc.two_level(jc.qsgd(bits=4, axis_name="node"), fast_axis="gpu")
+    >>> report = jc.wire_report(tx, {"w": jnp.zeros((1024, 1024))},
+    ...                         axis_name=("node", "gpu"), num_devices=32, mesh=mesh)
+    >>> links = {"gpu": jc.network.Link(5e-6, 150e9), "node": jc.network.Link(20e-6, 1.25e9)}
+    >>> round(jc.network.exchange_time(report, links), 5)
+    0.00032
   """
   by_primitive = _per_primitive(links)
+  if by_primitive and _check_links_by_axis(link) is not None:
+    raise ValueError(
+      "links by primitive go with one link, not with a link per mesh axis: a link per "
+      "primitive and axis is not modelled"
+    )
   return float(
     sum(
       op.count
       / op.every
-      * by_primitive.get(wire.canonical(op.primitive), link).collective_time(
+      * _op_time(
+        op,
+        by_primitive.get(wire.canonical(op.primitive), link),
         # Each collective at its own axes' devices (a two-level exchange's fast and
         # slow axes), the report's K where the trace did not record them.
-        op.primitive,
-        op.operand_bytes,
         op.devices or report.num_devices,
       )
       for op in report.ops
@@ -161,21 +244,25 @@ def exchange_time(
 
 
 def predict_step_time(
-  compute_s: float, report: wire.WireReport, link: Link, *, links: Mapping[str, Link] | None = None
+  compute_s: float,
+  report: wire.WireReport,
+  link: LinkSpec,
+  *,
+  links: Mapping[str, Link] | None = None,
 ) -> float:
   """``compute_s`` plus the exchange time of ``report`` on ``link`` (no overlap);
-  ``links`` as in :func:`exchange_time`."""
+  ``link`` (one, or one per mesh axis) and ``links`` as in :func:`exchange_time`."""
   return float(compute_s) + exchange_time(report, link, links=links)
 
 
 def compute_time(
-  step_s: float, report: wire.WireReport, link: Link, *, links: Mapping[str, Link] | None = None
+  step_s: float, report: wire.WireReport, link: LinkSpec, *, links: Mapping[str, Link] | None = None
 ) -> float:
   """The compute part of a step timed on ``link``: ``step_s`` minus its exchange time.
 
   Time a method on a fast link, where the exchange is a small part of the step, and
-  this gives its compute time for :func:`predict_step_time` on slower links. ``links``
-  as in :func:`exchange_time`.
+  this gives its compute time for :func:`predict_step_time` on slower links. ``link``
+  and ``links`` as in :func:`exchange_time`.
   """
   return max(float(step_s) - exchange_time(report, link, links=links), 0.0)
 
