@@ -1,0 +1,642 @@
+r"""Two-level vs flat compression over a real, throttled link: N processes of L devices.
+
+Each of ``--processes`` N processes (default 2) is one node with ``--devices-per-process``
+L CPU devices (default 4); the processes run in the two network namespaces of
+:mod:`benchmarks.network` (imported: its veth pair, ``tc tbf`` throttle and teardown),
+so everything between nodes crosses the throttled veth and nothing inside a node does.
+The mesh is ``("node", "gpu")`` of shape ``(N, L)``, node = process. Every method trains
+the same model from the same initial parameters on the same batches:
+
+- ``dense``: ``lax.pmean`` of the gradient over both axes;
+- ``flat_X``: the compressor X over ``("node", "gpu")``, all N·L devices at once;
+- ``two_level_X``: ``jc.two_level(X(axis_name="node"), fast_axis="gpu")``: dense
+  reduce-scatter inside the node, X on the 1/L shards between nodes, all-gather inside;
+
+for X in ``qsgd4`` (``jc.qsgd(bits=4)``), ``onebit`` (``jc.onebit_sgd``, the demo's
+1-bit method) and ``powersgd`` (``jc.powersgd``). A combination jaxcomp does not support
+yet (``NotImplementedError``) is a row marked "not supported", not a crash.
+
+Per row: the median step time over the timed steps (after ``--warmup`` steps that include
+compilation), the training loss at equal steps (mean of the last 5 steps' global-batch
+losses), the bytes that crossed the link per node per step, read from the veth's
+interface counters (``/sys/class/net/<veth>/statistics/{tx,rx}_bytes``, inside the
+namespace, around the timed steps: TCP/IP headers and the coordination service's
+heartbeats included) next to ``jc.wire_report``'s bytes over the slow axis (per device
+times L), and ratios against dense and against the flat method of the same compressor,
+measured in the same run. A row whose loss is not finite or ended above where it
+started is marked "diverged"; one whose exchange moved under 1% of its modelled bytes
+"sent nothing".
+
+Then the α-β projection (:mod:`jaxcomp.network` with a link per mesh axis): each
+method's exchange time per step at 8 devices per node on an NVLink-class fast link and
+16-1024 nodes on 100 Gbit/s and 10 Gbit/s slow links (``PROJECTION_LINKS``; a link's
+bandwidth is per device).
+
+  sudo python -m benchmarks.two_level --rates 100mbit,1gbit --models mlp --steps 30
+  sudo python -m benchmarks.two_level --models lm --methods dense,flat_qsgd4,two_level_qsgd4
+  python -m benchmarks.two_level --project-only       # the projection alone, no root
+
+Needs root (``ip netns``, ``tc``) and ``taskset`` except ``--project-only``; without them
+it says so and exits 2. Writes ``--out`` (default ``runs/two_level``): ``results.json``
+and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from collections.abc import Sequence
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+from typing import Any
+
+from benchmarks import network
+
+AXES = ("node", "gpu")  # (slow, fast); node = process
+COMPRESSORS = ("qsgd4", "onebit", "powersgd")
+METHODS = ("dense",) + tuple(f"{kind}_{c}" for c in COMPRESSORS for kind in ("flat", "two_level"))
+MODELS = ("mlp", "lm")
+MLP_SIZES = (40, 1024, 2048, 10)  # 2,163,674 parameters; the 1024x2048 kernel is 2.1M
+POWERSGD_RANK = 4
+RESULT_MARKER = "JAXCOMP_TWO_LEVEL_RESULT "
+LOSS_WINDOW = 5  # the loss at equal steps: mean of the last this many steps
+NOTHING_SENT = 0.01  # under this share of the modelled bytes: the exchange sent nothing
+PROJECTION_NODES = (16, 64, 256, 1024)
+PROJECTION_GPUS = 8
+# (name, fast link, slow link): latency_s, bytes/s per device.
+PROJECTION_LINKS = {
+  "100 Gbit/s": {"gpu": (3e-6, 150e9), "node": (10e-6, 12.5e9)},
+  "10 Gbit/s": {"gpu": (3e-6, 150e9), "node": (30e-6, 1.25e9)},
+}
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+def make_exchange(method: str):
+  """The gradient exchange of ``method`` (see the module docstring); its mean over
+  both axes. Raises ``NotImplementedError`` for a combination jaxcomp lacks."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+
+  if method == "dense":
+
+    def update(g, state, params=None):
+      del params
+      return jax.tree.map(lambda x: lax.pmean(x, AXES), g), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+  kind, _, compressor = method.partition("_")
+  if kind == "two":  # two_level_X
+    compressor = compressor.removeprefix("level_")
+  axis = "node" if kind == "two" else AXES
+  if compressor == "qsgd4":
+    inner = jc.qsgd(bits=4, axis_name=axis)
+  elif compressor == "onebit":
+    inner = jc.onebit_sgd(axis_name=axis)
+  elif compressor == "powersgd":
+    inner = jc.powersgd(POWERSGD_RANK, axis_name=axis)
+  else:
+    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+  if kind == "two":
+    inner = jc.two_level(inner, fast_axis="gpu")
+  return jc.per_device_state(inner)
+
+
+def flat_of(method: str) -> str | None:
+  """The flat method of a two-level one (``two_level_qsgd4`` -> ``flat_qsgd4``)."""
+  return "flat_" + method.removeprefix("two_level_") if method.startswith("two_level_") else None
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def model_parts(model: str, *, workdir: str = "runs/two_level/data", lm_config: str = "bench"):
+  """``(params, loss_fn, batch_fn, optimizer, description)`` of ``model``.
+
+  ``params``: host arrays, the same in every process; ``loss_fn(params, batch)`` one
+  device's mean loss; ``batch_fn(step, num_devices, rows)``: the global batch's rows
+  ``rows`` (a slice of devices), leading axis one per device.
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  if model == "mlp":
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+    from examples.mnist1d import input_pipeline  # pylint: disable=import-outside-toplevel
+    from examples.mnist1d.configs import default  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(0)
+    params = {}
+    for i, (a, b) in enumerate(zip(MLP_SIZES[:-1], MLP_SIZES[1:])):
+      params[f"layer{i}"] = {
+        "kernel": (rng.standard_normal((a, b)) / math.sqrt(a)).astype(np.float32),
+        "bias": np.zeros((b,), np.float32),
+      }
+
+    def loss_fn(p, batch):
+      x, y = batch
+      h = x
+      for i in range(len(MLP_SIZES) - 1):
+        h = h @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"]
+        if i < len(MLP_SIZES) - 2:
+          h = jax.nn.relu(h)
+      return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h, y))
+
+    data = input_pipeline.load_dataset(default.get_config(), workdir)
+    per_device = 16
+
+    def batch_fn(step, num_devices, rows):
+      r = np.random.default_rng([1, step])
+      idx = r.integers(0, len(data["x"]), (num_devices, per_device))[rows]
+      return data["x"][idx], data["y"][idx]
+
+    description = f"MLP {'-'.join(map(str, MLP_SIZES))}, MNIST-1D, {per_device} examples/device"
+    return params, loss_fn, batch_fn, optax.sgd(0.05, momentum=0.9), description
+  if model == "lm":
+    import importlib  # pylint: disable=import-outside-toplevel
+
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+
+    from examples.lm import input_pipeline  # pylint: disable=import-outside-toplevel
+    from examples.lm import models  # pylint: disable=import-outside-toplevel
+    from examples.lm import train  # pylint: disable=import-outside-toplevel
+
+    config = importlib.import_module(f"examples.lm.configs.{lm_config}").get_config()
+    graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
+    params = jax.device_get(state.to_pure_dict())
+    tokens = input_pipeline.load_corpus(config.validation_percent)["train"]
+
+    def loss_fn(p, batch):
+      total, count = train.cross_entropy(graphdef, p, batch)
+      return total / count
+
+    def batch_fn(step, num_devices, rows):
+      return input_pipeline.train_batch(
+        tokens,
+        step,
+        seed=config.seed,
+        num_devices=num_devices,
+        per_device_batch_size=config.per_device_batch_size,
+        seq_len=config.seq_len,
+        devices=rows,
+      )
+
+    description = (
+      f"examples/lm {lm_config} (width {config.width}, depth {config.depth}, seq_len "
+      f"{config.seq_len}, {config.per_device_batch_size} windows/device)"
+    )
+    return params, loss_fn, batch_fn, optax.adam(1e-3), description
+  raise ValueError(f"unknown model {model!r}; expected one of {MODELS}")
+
+
+# ----------------------------------------------------------------------------- counters
+
+
+def read_counters(interface: str, root: str = "/sys/class/net") -> dict[str, int]:
+  """``{"tx_bytes", "rx_bytes"}`` of ``interface`` from its statistics under ``root``
+  (the namespace's own ``/sys`` under ``ip netns exec``)."""
+  out = {}
+  for name in ("tx_bytes", "rx_bytes"):
+    with open(os.path.join(root, interface, "statistics", name)) as f:
+      out[name] = int(f.read().strip())
+  return out
+
+
+def counter_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+  return {k: after[k] - before[k] for k in before}
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def slow_axis_bytes(report, devices_per_node: int) -> float:
+  """Bytes per node per step over the slow link by ``report``: the per-device bytes of
+  its collectives over ``node`` (alone or with ``gpu``) times the node's devices."""
+  return devices_per_node * sum(b for axes, b in report.by_axis.items() if "node" in axes)
+
+
+def train_one(method, mesh, parts, steps, warmup, interface) -> dict[str, Any]:
+  """``warmup + steps`` steps of ``method``; timings, losses and counters."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+
+  params_host, loss_fn, batch_fn, optimizer, _ = parts
+  n, l = mesh.shape["node"], mesh.shape["gpu"]
+  k = n * l
+  exchange = make_exchange(method)  # NotImplementedError: the caller marks the row
+  tx = optax.chain(exchange, optimizer)
+  specs = jc.state_specs(tx, params_host, axis_name=AXES, num_devices=k, mesh=mesh)
+  replicated = NamedSharding(mesh, P())
+  params = jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(replicated, x, x.shape), params_host
+  )
+  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  report = jc.wire_report(tx, params_host, axis_name=AXES, num_devices=k, mesh=mesh)
+
+  def step(params, opt_state, batch):
+    batch = jax.tree.map(lambda x: x[0], batch)
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXES)
+
+  batch_sharding = NamedSharding(mesh, P(AXES))
+  step = jax.jit(
+    jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXES)), out_specs=(P(), specs, P())),
+    donate_argnums=(0, 1),
+  )
+  me = jax.process_index()
+  rows = slice(me * l, (me + 1) * l)
+
+  def batch(i):
+    local = batch_fn(i, k, rows)
+    return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(batch_sharding, x, (k,) + x.shape[1:]),
+      local,
+    )
+
+  losses, times = [], []
+  before = None
+  start_all = time.perf_counter()
+  for i in range(warmup + steps):
+    b = batch(i)  # built before the clock and the counters start
+    if i == warmup:
+      before = read_counters(interface)
+    start = time.perf_counter()
+    params, opt_state, loss = step(params, opt_state, b)
+    loss = float(np.asarray(loss.addressable_data(0)))
+    times.append(time.perf_counter() - start)
+    losses.append(loss)
+  counted = counter_delta(before, read_counters(interface))
+  return {
+    "step_times_s": times[warmup:],
+    "warmup_s": sum(times[:warmup]),
+    "wall_s": time.perf_counter() - start_all,
+    "losses": losses,
+    "link_bytes": counted,
+    "timed_steps": steps,
+    "wire_slow_bytes_per_node": slow_axis_bytes(report, l),
+    "wire_by_axis": {"x".join(a): b for a, b in report.by_axis.items()},
+    "wire_bytes_per_device": report.bytes_received,
+  }
+
+
+def worker(args: argparse.Namespace) -> None:
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
+
+  launch.init_distributed(
+    args.coordinator,
+    args.processes,
+    args.process_id,
+    devices_per_process=args.devices_per_process,
+  )
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  mesh = jax.sharding.Mesh(
+    np.array(devices).reshape(args.processes, args.devices_per_process), AXES
+  )
+  parts = model_parts(args.models, workdir=os.path.join(args.out, "data"), lm_config=args.lm_config)
+  result: dict[str, Any] = {
+    "process_id": args.process_id,
+    "model": parts[4],
+    "num_params": int(sum(np.size(x) for x in jax.tree.leaves(parts[0]))),
+    "methods": {},
+  }
+  for method in args.methods.split(","):
+    try:
+      r = train_one(method, mesh, parts, args.steps, args.warmup, args.interface)
+    except NotImplementedError as e:
+      r = {"status": f"not supported: {e}"}
+    print(f"   [p{args.process_id}] {method}: {r.get('status', 'ok')}", file=sys.stderr, flush=True)
+    result["methods"][method] = r
+  print(RESULT_MARKER + json.dumps(result), flush=True)
+  jax.distributed.shutdown()
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def pinning(processes: int, cores: int) -> tuple[list[list[str]], str]:
+  """``taskset`` prefixes, one per process, and a sentence saying how they were pinned."""
+  per = cores // processes
+  if per >= 1:
+    sets = [f"{i * per}-{(i + 1) * per - 1}" for i in range(processes)]
+    note = f"{cores} cores: process i pinned to cores " + ", ".join(sets)
+  else:
+    sets = [str(i % cores) for i in range(processes)]
+    note = f"only {cores} cores for {processes} processes: they share cores"
+  return [["taskset", "-c", s] for s in sets], note
+
+
+def run_rate(args, link, rate: str, model: str) -> dict[str, Any]:
+  """One launch of all methods of ``model`` on the link at ``rate``; both processes'
+  results."""
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
+
+  tasksets, _ = pinning(args.processes, os.cpu_count() or 1)
+  coordinator = f"{network.ADDRESSES[0]}:{network.free_port()}"
+  commands = [
+    [
+      *link.worker_prefix(i),
+      *tasksets[i],
+      sys.executable,
+      "-m",
+      "benchmarks.two_level",
+      "--worker",
+      "--process-id",
+      str(i),
+      "--processes",
+      str(args.processes),
+      "--devices-per-process",
+      str(args.devices_per_process),
+      "--coordinator",
+      coordinator,
+      "--models",
+      model,
+      "--lm-config",
+      args.lm_config,
+      "--methods",
+      args.methods,
+      "--steps",
+      str(args.steps),
+      "--warmup",
+      str(args.warmup),
+      "--interface",
+      network.VETHS[i],
+      "--out",
+      args.out,
+    ]
+    for i in range(args.processes)
+  ]
+  outputs = launch.run_processes(commands, timeout=args.timeout, stream=args.verbose)
+  results = []
+  for out in outputs:
+    for line in out.stdout:
+      if line.startswith(RESULT_MARKER):
+        results.append(json.loads(line[len(RESULT_MARKER) :]))
+        break
+    else:
+      raise RuntimeError(f"worker {out.process_id} gave no result:\n" + out.tail())
+  return {"processes": results}
+
+
+def row_of(method: str, per_process: Sequence[dict]) -> dict[str, Any]:
+  """One table row from the processes' records of ``method``."""
+  r0 = per_process[0]
+  if "status" in r0:
+    return {"method": method, "status": r0["status"]}
+  losses = r0["losses"]
+  final = statistics.fmean(losses[-LOSS_WINDOW:])
+  # Bytes per node per step: what each node's end of the veth sent, averaged over nodes.
+  sent = statistics.fmean(p["link_bytes"]["tx_bytes"] for p in per_process) / r0["timed_steps"]
+  received = statistics.fmean(p["link_bytes"]["rx_bytes"] for p in per_process) / r0["timed_steps"]
+  modelled = r0["wire_slow_bytes_per_node"]
+  status = "ok"
+  if not all(math.isfinite(x) for x in losses) or final > losses[0]:
+    status = "diverged"
+  elif sent < NOTHING_SENT * modelled:
+    status = "sent nothing"
+  return {
+    "method": method,
+    "status": status,
+    "step_s": statistics.median(r0["step_times_s"]),
+    "loss": final,
+    "first_loss": losses[0],
+    "link_sent_per_node": sent,
+    "link_received_per_node": received,
+    "wire_slow_per_node": modelled,
+  }
+
+
+def rows_with_ratios(rows: Sequence[dict]) -> list[dict]:
+  """``rows`` with speed-ups and byte ratios vs dense and vs the flat method."""
+  by = {r["method"]: r for r in rows if r.get("status") in ("ok", "diverged", "sent nothing")}
+  out = []
+  for r in rows:
+    r = dict(r)
+    if r["method"] in by:
+      for ref_name, ref in (
+        ("dense", by.get("dense")),
+        ("flat", by.get(flat_of(r["method"]) or "")),
+      ):
+        if ref is None or ref is by[r["method"]]:
+          continue
+        r[f"speedup_vs_{ref_name}"] = ref["step_s"] / r["step_s"]
+        r[f"bytes_vs_{ref_name}"] = (
+          ref["link_sent_per_node"] / r["link_sent_per_node"]
+          if r["link_sent_per_node"]
+          else math.inf
+        )
+    out.append(r)
+  return out
+
+
+def _x(v) -> str:
+  return "" if v is None else f"{v:.2f}x"
+
+
+def table(rows: Sequence[dict]) -> str:
+  """Markdown: one row per method."""
+  lines = [
+    "| method | status | median step (ms) | loss | link MB/node/step (tx) | wire_report slow "
+    "MB/node/step | link/wire | speed-up vs dense | vs flat | fewer bytes vs dense | vs flat |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    if "step_s" not in r:
+      lines.append(f"| {r['method']} | {r['status']} |" + " |" * 9)
+      continue
+    wire = r["wire_slow_per_node"]
+    lines.append(
+      f"| {r['method']} | {r['status']} | {1e3 * r['step_s']:.1f} | {r['loss']:.4f} |"
+      f" {r['link_sent_per_node'] / 1e6:.3f} | {wire / 1e6:.3f} |"
+      f" {r['link_sent_per_node'] / wire if wire else math.inf:.2f} |"
+      f" {_x(r.get('speedup_vs_dense'))} | {_x(r.get('speedup_vs_flat'))} |"
+      f" {_x(r.get('bytes_vs_dense'))} | {_x(r.get('bytes_vs_flat'))} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- projection
+
+
+def projection(
+  params,
+  methods: Sequence[str],
+  nodes: Sequence[int] = PROJECTION_NODES,
+  gpus: int = PROJECTION_GPUS,
+  links: Mapping[str, Mapping[str, tuple[float, float]]] = PROJECTION_LINKS,
+) -> dict[str, dict[str, dict[int, float | None]]]:
+  """``{link name: {method: {nodes: exchange seconds per step}}}`` by ``jc.network``
+  with a link per mesh axis, from ``jc.wire_report`` on an abstract ``(nodes, gpus)``
+  mesh; ``None`` where jaxcomp does not support the method."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+
+  reports: dict[str, dict[int, Any]] = {}
+  for method in methods:
+    reports[method] = {}
+    for n in nodes:
+      mesh = jax.sharding.AbstractMesh((n, gpus), AXES)
+      try:
+        tx = optax.chain(make_exchange(method))
+        reports[method][n] = jc.wire_report(
+          tx, params, axis_name=AXES, num_devices=n * gpus, mesh=mesh
+        )
+      except NotImplementedError:
+        reports[method][n] = None
+  out: dict[str, dict[str, dict[int, float | None]]] = {}
+  for name, by_axis in links.items():
+    link = {axis: jc.network.Link(*v) for axis, v in by_axis.items()}
+    out[name] = {
+      method: {
+        n: None if rep is None else jc.network.exchange_time(rep, link) for n, rep in by_n.items()
+      }
+      for method, by_n in reports.items()
+    }
+  return out
+
+
+def projection_table(proj: Mapping, gpus: int = PROJECTION_GPUS) -> str:
+  lines = []
+  for name, by_method in proj.items():
+    link = PROJECTION_LINKS.get(name)
+    where = (
+      f" (fast: α {link['gpu'][0] * 1e6:g} µs, {link['gpu'][1] / 1e9:g} GB/s; slow: α"
+      f" {link['node'][0] * 1e6:g} µs, {link['node'][1] / 1e9:g} GB/s, per device)"
+      if link
+      else ""
+    )
+    nodes = list(next(iter(by_method.values())))
+    lines += [
+      f"Projected exchange time per step (ms), {gpus} devices per node, nodes on {name}{where}:",
+      "",
+      "| method | " + " | ".join(f"{n} nodes" for n in nodes) + " |",
+      "|---|" + "---:|" * len(nodes),
+    ]
+    for method, by_n in by_method.items():
+      cells = ["not supported" if t is None else f"{1e3 * t:.2f}" for t in by_n.values()]
+      lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rates", default="100mbit,1gbit", help="tc tbf rates")
+  parser.add_argument("--models", default="mlp", help=f"comma-separated, of {MODELS}")
+  parser.add_argument("--lm-config", default="bench", help="examples/lm config for --models lm")
+  parser.add_argument("--methods", default=",".join(METHODS))
+  parser.add_argument("--processes", type=int, default=2, help="N nodes (the link joins 2)")
+  parser.add_argument("--devices-per-process", type=int, default=4, help="L CPU devices")
+  parser.add_argument("--steps", type=int, default=30, help="timed steps per method")
+  parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")
+  parser.add_argument("--out", default="runs/two_level")
+  parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
+  parser.add_argument("--burst-ms", type=float, default=network.BURST_MS)
+  parser.add_argument("--verbose", action="store_true", help="echo the workers' output")
+  parser.add_argument("--project-only", action="store_true", help="the projection alone")
+  # worker mode (internal)
+  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+  parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--interface", default=None, help=argparse.SUPPRESS)
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  if args.worker:
+    worker(args)
+    return 0
+  methods = args.methods.split(",")
+  for m in methods:
+    if m not in METHODS:
+      raise SystemExit(f"unknown method {m!r}; expected some of {','.join(METHODS)}")
+  models = args.models.split(",")
+  os.makedirs(args.out, exist_ok=True)
+  results: dict[str, Any] = {"command": " ".join(sys.argv), "runs": {}, "projection": {}}
+  text = []
+  if not args.project_only:
+    if network.cannot_run("benchmarks/two_level.py"):
+      return 2
+    if args.processes != 2:
+      print("the link is one veth pair: it joins exactly 2 processes", file=sys.stderr)
+      return 2
+    for r in args.rates.split(","):
+      network.rate_bytes_per_s(r)
+    _, note = pinning(args.processes, os.cpu_count() or 1)
+    header = (
+      f"{args.processes} processes x {args.devices_per_process} CPU devices, mesh "
+      f"{AXES} = ({args.processes}, {args.devices_per_process}); {note}; "
+      f"{args.warmup} warm-up + {args.steps} timed steps per method"
+    )
+    print(header, flush=True)
+    text.append(header + "\n")
+    results["setup"] = header
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    with network.Link() as link:
+      for rate in args.rates.split(","):
+        results.setdefault("bursts", {})[rate] = link.set_rate(rate, args.burst_ms)
+        for model in models:
+          print(f"== {model} at {rate}", flush=True)
+          start = time.perf_counter()
+          run = run_rate(args, link, rate, model)
+          procs = run["processes"]
+          rows = rows_with_ratios([row_of(m, [p["methods"][m] for p in procs]) for m in methods])
+          results["runs"].setdefault(model, {})[rate] = {"rows": rows, "raw": procs}
+          section = (
+            f"### {model} at {rate}: {procs[0]['model']}, {procs[0]['num_params']:,} "
+            f"parameters ({time.perf_counter() - start:.0f} s)\n\n" + table(rows)
+          )
+          print(section, flush=True)
+          text.append(section)
+          _write(args.out, results, text)
+  for model in models:
+    params = model_parts(model, workdir=os.path.join(args.out, "data"), lm_config=args.lm_config)[0]
+    proj = projection(params, methods)
+    results["projection"][model] = proj
+    section = f"### α-β projection, {model}\n\n" + projection_table(proj)
+    print(section, flush=True)
+    text.append(section)
+  _write(args.out, results, text)
+  return 0
+
+
+def _write(out: str, results: dict, text: Sequence[str]) -> None:
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f, indent=2, default=str)
+  with open(os.path.join(out, "results.md"), "w") as f:
+    f.write("\n".join(text))
+
+
+def _raise_interrupt(signum, frame):
+  del signum, frame
+  raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+  sys.exit(main())
