@@ -22,7 +22,7 @@ losses), the bytes that crossed the link per node per step, read from the veth's
 interface counters (``/sys/class/net/<veth>/statistics/{tx,rx}_bytes``, inside the
 namespace, around the timed steps: TCP/IP headers and the coordination service's
 heartbeats included) next to ``jc.wire_report``'s bytes over the slow axis (per device
-times L), and ratios against dense and against the flat method of the same compressor,
+times L for a collective over ``node``, as one ring hop for one over both axes), and ratios against dense and against the flat method of the same compressor,
 measured in the same run. A row whose loss is not finite or ended above where it
 started is marked "diverged"; one whose exchange moved under 1% of its modelled bytes
 "sent nothing".
@@ -222,9 +222,19 @@ def counter_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[s
 
 
 def slow_axis_bytes(report, devices_per_node: int) -> float:
-  """Bytes per node per step over the slow link by ``report``: the per-device bytes of
-  its collectives over ``node`` (alone or with ``gpu``) times the node's devices."""
-  return devices_per_node * sum(b for axes, b in report.by_axis.items() if "node" in axes)
+  """Bytes per node per step over the slow link by ``report``'s ring convention.
+
+  A collective over ``node`` alone runs between the devices f of all nodes, L of them
+  at once per node: its per-device bytes times L. One over ``("node", "gpu")`` is a ring
+  over all N·L devices that crosses between nodes once per node: its per-device bytes
+  (``jc.network``'s model; gloo runs all-to-all and all-gather otherwise, and the
+  measured counters show by how much).
+  """
+  total = 0.0
+  for axes, b in report.by_axis.items():
+    if "node" in axes:
+      total += b * (devices_per_node if len(axes) == 1 else 1)
+  return total
 
 
 def train_one(method, mesh, parts, steps, warmup, interface) -> dict[str, Any]:
@@ -252,7 +262,8 @@ def train_one(method, mesh, parts, steps, warmup, interface) -> dict[str, Any]:
 
   def step(params, opt_state, batch):
     batch = jax.tree.map(lambda x: x[0], batch)
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    # The local gradient: a gradient w.r.t. replicated parameters would be psum'ed.
+    loss, grads = jax.value_and_grad(loss_fn)(jc.vary(params, AXES), batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXES)
 
