@@ -22,8 +22,9 @@ losses), the bytes that crossed the link per node per step, read from the veth's
 interface counters (``/sys/class/net/<veth>/statistics/{tx,rx}_bytes``, inside the
 namespace, around the timed steps: TCP/IP headers and the coordination service's
 heartbeats included) next to ``jc.wire_report``'s bytes over the slow axis (per device
-times L for a collective over ``node``, as one ring hop for one over both axes), and ratios against dense and against the flat method of the same compressor,
-measured in the same run. A row whose loss is not finite or ended above where it
+times L for a collective over ``node``, one ring hop's for one over both axes), and
+ratios against dense and against the flat method of the same compressor, measured in
+the same run. A row whose loss is not finite or ended above where it
 started is marked "diverged"; one whose exchange moved under 1% of its modelled bytes
 "sent nothing".
 

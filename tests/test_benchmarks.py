@@ -135,6 +135,7 @@ COMMANDS = (
   "benchmarks.studies.tbf_probe",
   "benchmarks.studies.topk",
   "benchmarks.studies.xla_cpu_pitfalls",
+  "benchmarks.two_level",
   "examples.mnist1d.main",
   "examples.lm.main",
 )
@@ -282,3 +283,82 @@ def test_sharded_lm_flags():
   ]
   with pytest.raises(SystemExit):  # an MLP method is not an LM method
     sharded.parse_args(["--model", "lm", "--methods", "dense,fsdp_qsgd4"])
+
+
+def test_two_level_reads_the_interface_counters(tmp_path):
+  from benchmarks import two_level
+
+  stats = tmp_path / "jcveth0" / "statistics"
+  stats.mkdir(parents=True)
+  (stats / "tx_bytes").write_text("1000\n")
+  (stats / "rx_bytes").write_text("250\n")
+  before = two_level.read_counters("jcveth0", root=str(tmp_path))
+  assert before == {"tx_bytes": 1000, "rx_bytes": 250}
+  (stats / "tx_bytes").write_text("4000\n")
+  after = two_level.read_counters("jcveth0", root=str(tmp_path))
+  assert two_level.counter_delta(before, after) == {"tx_bytes": 3000, "rx_bytes": 0}
+
+
+def _two_level_record(step_s, losses, sent, wire):
+  return {
+    "step_times_s": [step_s] * 3,
+    "losses": losses,
+    "link_bytes": {"tx_bytes": 10 * sent, "rx_bytes": 10 * sent},
+    "timed_steps": 10,
+    "wire_slow_bytes_per_node": wire,
+  }
+
+
+def test_two_level_rows_ratios_and_marks():
+  from benchmarks import two_level
+
+  records = {
+    "dense": _two_level_record(1.0, [2.3, 2.0], 8e6, 8e6),
+    "flat_qsgd4": _two_level_record(0.5, [2.3, 2.1], 3e6, 2e6),
+    "two_level_qsgd4": _two_level_record(0.25, [2.3, 2.1], 1e6, 1e6),
+    "flat_onebit": _two_level_record(0.5, [2.3, float("nan")], 1e6, 1e6),
+    "two_level_onebit": _two_level_record(0.5, [2.3, 2.2], 100, 1e6),
+    "two_level_powersgd": {"status": "not supported: not yet"},
+  }
+  rows = two_level.rows_with_ratios(
+    # both processes alike: the per-node bytes are their mean
+    [two_level.row_of(m, [r, r]) for m, r in records.items()]
+  )
+  by = {r["method"]: r for r in rows}
+  assert by["two_level_qsgd4"]["status"] == "ok"
+  assert by["two_level_qsgd4"]["link_sent_per_node"] == 1e6
+  assert by["two_level_qsgd4"]["speedup_vs_dense"] == 4.0
+  assert by["two_level_qsgd4"]["speedup_vs_flat"] == 2.0
+  assert by["two_level_qsgd4"]["bytes_vs_dense"] == 8.0
+  assert by["two_level_qsgd4"]["bytes_vs_flat"] == 3.0
+  assert "speedup_vs_flat" not in by["flat_qsgd4"] and "speedup_vs_dense" not in by["dense"]
+  assert by["flat_onebit"]["status"] == "diverged"
+  assert by["two_level_onebit"]["status"] == "sent nothing"
+  assert by["two_level_powersgd"]["status"].startswith("not supported")
+  text = two_level.table(rows)
+  assert "| two_level_qsgd4 | ok | 250.0 | 2.2000 | 1.000 | 1.000 | 1.00 | 4.00x | 2.00x |" in text
+  assert "| two_level_powersgd | not supported: not yet |" in text
+  assert len({line.count("|") for line in text.splitlines()}) == 1  # every row complete
+
+
+def test_two_level_projection_prices_each_axis_on_its_link():
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks import two_level
+  import jaxcomp as jc
+
+  params = {"w": jnp.zeros((256, 128))}
+  methods = ("dense", "flat_qsgd4", "two_level_qsgd4")
+  proj = two_level.projection(params, methods, nodes=(4, 16), gpus=4)
+  for name, by_method in proj.items():
+    for n in (4, 16):
+      t = {m: by_method[m][n] for m in methods}
+      assert 0 < t["two_level_qsgd4"] < t["flat_qsgd4"] < t["dense"], (name, n, t)
+  # dense is one psum over all 4·n devices, on the slow link
+  slow = jc.network.Link(*two_level.PROJECTION_LINKS["10 Gbit/s"]["node"])
+  want = slow.collective_time("psum", 256 * 128 * 4, 16 * 4)
+  assert proj["10 Gbit/s"]["dense"][16] == pytest.approx(want, rel=1e-9)
+  text = two_level.projection_table(proj, gpus=4)
+  assert "| two_level_qsgd4 |" in text and "16 nodes" in text
+  assert jax.device_count() >= 1  # no real mesh was needed
