@@ -24,9 +24,10 @@ namespace, around the timed steps: TCP/IP headers and the coordination service's
 heartbeats included) next to ``jc.wire_report``'s bytes over the slow axis (per device
 times L for a collective over ``node``, one ring hop's for one over both axes), and
 ratios against dense and against the flat method of the same compressor, measured in
-the same run. A row whose loss is not finite or ended above where it
-started is marked "diverged"; one whose exchange moved under 1% of its modelled bytes
-"sent nothing".
+the same run; and the link's bytes over those of one gradient as the compressor sends
+it (``jc.wire_report`` at 2 devices: what a node must at least receive). A row whose
+loss is not finite or ended above where it started is marked "diverged"; one whose
+exchange moved under 1% of its modelled bytes "sent nothing".
 
 Then the α-β projection (:mod:`jaxcomp.network` with a link per mesh axis): each
 method's exchange time per step at 8 devices per node on an NVLink-class fast link and
@@ -79,37 +80,60 @@ PROJECTION_LINKS = {
 # ----------------------------------------------------------------------------- methods
 
 
-def make_exchange(method: str):
-  """The gradient exchange of ``method`` (see the module docstring); its mean over
-  both axes. Raises ``NotImplementedError`` for a combination jaxcomp lacks."""
+def _compressor(method: str) -> str:
+  """``"dense"``, or the compressor X of ``flat_X`` / ``two_level_X``."""
+  for prefix in ("flat_", "two_level_"):
+    if method.startswith(prefix):
+      return method.removeprefix(prefix)
+  if method != "dense":
+    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+  return method
+
+
+def _exchange(compressor: str, axis):
+  """``compressor``'s exchange over ``axis`` (dense: a pmean of every leaf)."""
   import jax  # pylint: disable=import-outside-toplevel
   from jax import lax  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
 
   import jaxcomp as jc  # pylint: disable=import-outside-toplevel
 
-  if method == "dense":
+  if compressor == "dense":
 
     def update(g, state, params=None):
       del params
-      return jax.tree.map(lambda x: lax.pmean(x, AXES), g), state
+      return jax.tree.map(lambda x: lax.pmean(x, axis), g), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-  kind, _, compressor = method.partition("_")
-  if kind == "two":  # two_level_X
-    compressor = compressor.removeprefix("level_")
-  axis = "node" if kind == "two" else AXES
   if compressor == "qsgd4":
-    inner = jc.qsgd(bits=4, axis_name=axis)
-  elif compressor == "onebit":
-    inner = jc.onebit_sgd(axis_name=axis)
-  elif compressor == "powersgd":
-    inner = jc.powersgd(POWERSGD_RANK, axis_name=axis)
-  else:
-    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-  if kind == "two":
-    inner = jc.two_level(inner, fast_axis="gpu")
-  return jc.per_device_state(inner)
+    return jc.qsgd(bits=4, axis_name=axis)
+  if compressor == "onebit":
+    return jc.onebit_sgd(axis_name=axis)
+  if compressor == "powersgd":
+    return jc.powersgd(POWERSGD_RANK, axis_name=axis)
+  raise ValueError(f"unknown compressor {compressor!r}; expected one of {COMPRESSORS}")
+
+
+def make_exchange(method: str):
+  """The gradient exchange of ``method`` (see the module docstring); its mean over
+  both axes. Raises ``NotImplementedError`` for a combination jaxcomp lacks."""
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+
+  compressor = _compressor(method)
+  if compressor == "dense":
+    return _exchange("dense", AXES)
+  if method.startswith("two_level_"):
+    return jc.per_device_state(jc.two_level(_exchange(compressor, "node"), fast_axis="gpu"))
+  return jc.per_device_state(_exchange(compressor, AXES))
+
+
+def one_gradient_bytes(method: str, params) -> float:
+  """Bytes of one gradient as ``method``'s compressor sends it (dense: in float32):
+  what one of 2 devices receives from the other, by ``jc.wire_report``."""
+  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+
+  tx = jc.per_device_state(_exchange(_compressor(method), "node"))
+  return jc.wire_report(tx, params, axis_name="node", num_devices=2).bytes_received
 
 
 def flat_of(method: str) -> str | None:
@@ -304,6 +328,7 @@ def train_one(method, mesh, parts, steps, warmup, interface) -> dict[str, Any]:
     "link_bytes": counted,
     "timed_steps": steps,
     "wire_slow_bytes_per_node": slow_axis_bytes(report, l),
+    "one_gradient_bytes": one_gradient_bytes(method, params_host),
     "wire_by_axis": {"x".join(a): b for a, b in report.by_axis.items()},
     "wire_bytes_per_device": report.bytes_received,
   }
@@ -435,6 +460,7 @@ def row_of(method: str, per_process: Sequence[dict]) -> dict[str, Any]:
     "link_sent_per_node": sent,
     "link_received_per_node": received,
     "wire_slow_per_node": modelled,
+    "one_gradient": r0.get("one_gradient_bytes"),
   }
 
 
@@ -469,18 +495,20 @@ def table(rows: Sequence[dict]) -> str:
   """Markdown: one row per method."""
   lines = [
     "| method | status | median step (ms) | loss | link MB/node/step (tx) | wire_report slow "
-    "MB/node/step | link/wire | speed-up vs dense | vs flat | fewer bytes vs dense | vs flat |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "MB/node/step | link/wire | link / one gradient | speed-up vs dense | vs flat |"
+    " fewer bytes vs dense | vs flat |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     if "step_s" not in r:
-      lines.append(f"| {r['method']} | {r['status']} |" + " |" * 9)
+      lines.append(f"| {r['method']} | {r['status']} |" + " |" * 10)
       continue
-    wire = r["wire_slow_per_node"]
+    wire, one = r["wire_slow_per_node"], r.get("one_gradient")
     lines.append(
       f"| {r['method']} | {r['status']} | {1e3 * r['step_s']:.1f} | {r['loss']:.4f} |"
       f" {r['link_sent_per_node'] / 1e6:.3f} | {wire / 1e6:.3f} |"
       f" {r['link_sent_per_node'] / wire if wire else math.inf:.2f} |"
+      f" {_x(r['link_sent_per_node'] / one if one else None)} |"
       f" {_x(r.get('speedup_vs_dense'))} | {_x(r.get('speedup_vs_flat'))} |"
       f" {_x(r.get('bytes_vs_dense'))} | {_x(r.get('bytes_vs_flat'))} |"
     )

@@ -306,6 +306,7 @@ def _two_level_record(step_s, losses, sent, wire):
     "link_bytes": {"tx_bytes": 10 * sent, "rx_bytes": 10 * sent},
     "timed_steps": 10,
     "wire_slow_bytes_per_node": wire,
+    "one_gradient_bytes": 8e5,
   }
 
 
@@ -336,7 +337,10 @@ def test_two_level_rows_ratios_and_marks():
   assert by["two_level_onebit"]["status"] == "sent nothing"
   assert by["two_level_powersgd"]["status"].startswith("not supported")
   text = two_level.table(rows)
-  assert "| two_level_qsgd4 | ok | 250.0 | 2.2000 | 1.000 | 1.000 | 1.00 | 4.00x | 2.00x |" in text
+  assert (
+    "| two_level_qsgd4 | ok | 250.0 | 2.2000 | 1.000 | 1.000 | 1.00 | 1.25x | 4.00x | 2.00x |"
+    in text
+  )
   assert "| two_level_powersgd | not supported: not yet |" in text
   assert len({line.count("|") for line in text.splitlines()}) == 1  # every row complete
 
@@ -359,6 +363,9 @@ def test_two_level_projection_prices_each_axis_on_its_link():
   slow = jc.network.Link(*two_level.PROJECTION_LINKS["10 Gbit/s"]["node"])
   want = slow.collective_time("psum", 256 * 128 * 4, 16 * 4)
   assert proj["10 Gbit/s"]["dense"][16] == pytest.approx(want, rel=1e-9)
+  # one gradient as a compressor sends it: dense float32, 4-bit QSGD about 1/8 of that
+  assert two_level.one_gradient_bytes("dense", params) == 256 * 128 * 4
+  assert 7 < 256 * 128 * 4 / two_level.one_gradient_bytes("two_level_qsgd4", params) < 8
   text = two_level.projection_table(proj, gpus=4)
   assert "| two_level_qsgd4 |" in text and "16 nodes" in text
   assert jax.device_count() >= 1  # no real mesh was needed
