@@ -7,7 +7,7 @@ so everything between nodes crosses the throttled veth and nothing inside a node
 The mesh is ``("node", "gpu")`` of shape ``(N, L)``, node = process. Every method trains
 the same model from the same initial parameters on the same batches:
 
-- ``dense``: ``lax.pmean`` of the gradient over both axes;
+- ``dense``: one ``lax.pmean`` of the whole gradient (raveled) over both axes;
 - ``flat_X``: the compressor X over ``("node", "gpu")``, all N·L devices at once;
 - ``two_level_X``: ``jc.two_level(X(axis_name="node"), fast_axis="gpu")``: dense
   reduce-scatter inside the node, X on the 1/L shards between nodes, all-gather inside;
@@ -94,15 +94,19 @@ def _exchange(compressor: str, axis):
   """``compressor``'s exchange over ``axis`` (dense: a pmean of every leaf)."""
   import jax  # pylint: disable=import-outside-toplevel
   from jax import lax  # pylint: disable=import-outside-toplevel
+  import jax.flatten_util  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
 
   import jaxcomp as jc  # pylint: disable=import-outside-toplevel
 
   if compressor == "dense":
+    # One pmean of all leaves raveled together, as XLA's all-reduce combiner or a
+    # bucketing framework would send them: per-leaf pmeans pay a ring's latency per leaf.
 
     def update(g, state, params=None):
       del params
-      return jax.tree.map(lambda x: lax.pmean(x, axis), g), state
+      flat, unravel = jax.flatten_util.ravel_pytree(g)
+      return unravel(lax.pmean(flat, axis)), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
   if compressor == "qsgd4":
