@@ -375,12 +375,16 @@ def worker(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- orchestration
 
 
-def pinning(processes: int, cores: int) -> tuple[list[list[str]], str]:
-  """``taskset`` prefixes, one per process, and a sentence saying how they were pinned."""
+def pinning(processes: int, cores: int, devices: int) -> tuple[list[list[str]], str]:
+  """``taskset`` prefixes, one per process, and a sentence saying how they were pinned
+  (and whether the ``devices`` of a process share its cores: on fewer cores than
+  devices the step times hold every device's compute one after another)."""
   per = cores // processes
   if per >= 1:
     sets = [f"{i * per}-{(i + 1) * per - 1}" for i in range(processes)]
     note = f"{cores} cores: process i pinned to cores " + ", ".join(sets)
+    if per < devices:
+      note += f" (only {per} core(s) for the {devices} devices of each process)"
   else:
     sets = [str(i % cores) for i in range(processes)]
     note = f"only {cores} cores for {processes} processes: they share cores"
@@ -392,7 +396,7 @@ def run_rate(args, link, rate: str, model: str) -> dict[str, Any]:
   results."""
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
 
-  tasksets, _ = pinning(args.processes, os.cpu_count() or 1)
+  tasksets, _ = pinning(args.processes, os.cpu_count() or 1, args.devices_per_process)
   coordinator = f"{network.ADDRESSES[0]}:{network.free_port()}"
   commands = [
     [
@@ -632,7 +636,7 @@ def main(argv=None) -> int:
       return 2
     for r in args.rates.split(","):
       network.rate_bytes_per_s(r)
-    _, note = pinning(args.processes, os.cpu_count() or 1)
+    _, note = pinning(args.processes, os.cpu_count() or 1, args.devices_per_process)
     header = (
       f"{args.processes} processes x {args.devices_per_process} CPU devices, mesh "
       f"{AXES} = ({args.processes}, {args.devices_per_process}); {note}; "

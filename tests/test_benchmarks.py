@@ -369,3 +369,14 @@ def test_two_level_projection_prices_each_axis_on_its_link():
   text = two_level.projection_table(proj, gpus=4)
   assert "| two_level_qsgd4 |" in text and "16 nodes" in text
   assert jax.device_count() >= 1  # no real mesh was needed
+
+
+def test_two_level_pinning_says_when_cores_are_short():
+  from benchmarks import two_level
+
+  sets, note = two_level.pinning(2, 2, 4)
+  assert sets == [["taskset", "-c", "0-0"], ["taskset", "-c", "1-1"]]
+  assert "only 1 core(s) for the 4 devices" in note
+  sets, note = two_level.pinning(2, 16, 4)
+  assert sets[1] == ["taskset", "-c", "8-15"] and "only" not in note
+  assert "share cores" in two_level.pinning(4, 2, 4)[1]
