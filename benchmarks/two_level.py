@@ -509,7 +509,8 @@ def table(rows: Sequence[dict]) -> str:
   ]
   for r in rows:
     if "step_s" not in r:
-      lines.append(f"| {r['method']} | {r['status']} |" + " |" * 10)
+      # "not supported" alone: jaxcomp's reason is in results.json.
+      lines.append(f"| {r['method']} | {r['status'].split(':')[0]} |" + " |" * 10)
       continue
     wire, one = r["wire_slow_per_node"], r.get("one_gradient")
     lines.append(

@@ -341,7 +341,7 @@ def test_two_level_rows_ratios_and_marks():
     "| two_level_qsgd4 | ok | 250.0 | 2.2000 | 1.000 | 1.000 | 1.00 | 1.25x | 4.00x | 2.00x |"
     in text
   )
-  assert "| two_level_powersgd | not supported: not yet |" in text
+  assert "| two_level_powersgd | not supported |" in text
   assert len({line.count("|") for line in text.splitlines()}) == 1  # every row complete
 
 
