@@ -22,7 +22,9 @@ import numpy as np
 import optax
 
 from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import hierarchy
 from jaxcomp._src.methods import transforms
+from jaxcomp._src.methods import two_level as two_level_lib
 from jaxcomp._src.methods import wrappers
 from jaxcomp._src.plumbing import collective_trace
 from jaxcomp._src.plumbing import treeutil
@@ -140,6 +142,7 @@ def diloco(
   axis_name: Any = transforms.AXIS_REQUIRED,
   exchange: optax.GradientTransformation | None = None,
   fragments: int | None = None,
+  fast_axis: Any = None,
 ) -> optax.GradientTransformation:
   r"""DiLoCo: ``sync_every`` local steps per replica, then an outer step on the mean drift.
 
@@ -266,7 +269,7 @@ def diloco(
     overlapping communication: Towards a Distributed Free Lunch*. 2025.
     https://arxiv.org/abs/2501.18512
   """
-  o = _options(inner, outer, exchange, sync_every, axis_name, fragments)
+  o = _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis)
   return transforms.places_own_state(
     optax.GradientTransformation(
       lambda params: _init(o, params),
@@ -285,9 +288,10 @@ class _Options(NamedTuple):
   num_fragments: int
   offsets: tuple[int, ...]  # the step offset of each fragment's sync in the period
   axis_name: Any
+  fast_axis: Any  # None: every device a replica; else the axis of a node's devices
 
 
-def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Options:
+def _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis) -> _Options:
   """The factory's argument checks, in one place: an :class:`_Options` or a ValueError."""
   transforms.require_axis_name(axis_name, "jc.diloco")
   _check_transform(inner, "inner")
@@ -309,6 +313,8 @@ def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Optio
       f"fragment syncs on its own step of the period) or None, got {fragments!r}"
     )
   num_fragments = int(num_fragments)
+  if fast_axis is not None:
+    exchange = _node_exchange(exchange, axis_name, fast_axis)
   return _Options(
     inner=transforms.per_device_state(inner),
     outer=outer,
@@ -317,7 +323,49 @@ def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Optio
     num_fragments=num_fragments,
     offsets=tuple(fragment_offsets(sync_every, num_fragments)),
     axis_name=axis_name,
+    fast_axis=fast_axis,
   )
+
+
+def _node_exchange(exchange, axis_name, fast_axis):
+  """Replicas that are nodes: the checks of ``fast_axis`` against ``axis_name``, and the
+  exchange run two-level on each device's shard of the node's pseudo-gradient
+  (:func:`jaxcomp.two_level` with ``same_in_node=True``), or ``None`` for the dense mean."""
+  if axis_name is None:
+    raise ValueError(
+      f"jc.diloco: fast_axis={fast_axis!r} makes the replicas nodes, which need "
+      f"axis_name=<the axis over the nodes> (the slow axis), got axis_name=None"
+    )
+  if isinstance(fast_axis, (tuple, list)) or fast_axis in _axis_names(axis_name):
+    raise ValueError(
+      f"jc.diloco: fast_axis must be one mesh axis (the devices inside a node) other "
+      f"than axis_name (the axis over the nodes); got fast_axis={fast_axis!r}, "
+      f"axis_name={axis_name!r}"
+    )
+  if exchange is None:
+    return None
+  info = transforms.exchange_info(exchange)
+  if info is None:
+    raise TypeError(
+      f"jc.diloco(fast_axis={fast_axis!r}): the exchange runs on each device's 1/L shard "
+      f"of the node's pseudo-gradient (jc.two_level), so it must be one jaxcomp exchange "
+      f"built with axis_name={axis_name!r} (e.g. jc.qsgd(bits=4, axis_name="
+      f"{axis_name!r})), not a chain, an optax transform or a jc.two_level; got {exchange!r}"
+    )
+  if info.axis_name is None or _axis_names(info.axis_name) != _axis_names(axis_name):
+    raise ValueError(
+      f"jc.diloco(fast_axis={fast_axis!r}): the exchange must average over the nodes, "
+      f"axis_name={axis_name!r}, but {info.who} was built with "
+      f"axis_name={info.axis_name!r}; build it with axis_name={axis_name!r} (the fast "
+      f"axis is averaged densely inside the node)"
+    )
+  try:
+    return two_level_lib.two_level(exchange, fast_axis=fast_axis, same_in_node=True)
+  except NotImplementedError as e:
+    raise NotImplementedError(
+      f"jc.diloco(fast_axis={fast_axis!r}) runs the exchange on each device's shard of "
+      f"the node's pseudo-gradient (jc.two_level), which {info.who} cannot do yet: {e}"
+    ) from e
 
 
 class _Partition(NamedTuple):
@@ -407,6 +455,8 @@ def _check_update(o: _Options, grads, params) -> None:
       )
   for path, g in treeutil.flat(grads)[0]:
     collectives.check_local(path, g, o.axis_name)
+    if o.fast_axis is not None:
+      collectives.check_local(path, g, o.fast_axis)
 
 
 def _axis_names(axis_name) -> frozenset:
@@ -445,6 +495,10 @@ def _mean_of(o: _Options, delta, ex_state, anchor):
   if o.exchange is None:
     if o.axis_name is None:
       return delta, ex_state
+    if o.fast_axis is not None:  # two-level: 1/L of Δ per device over the slow axis
+      leaves, treedef = jax.tree.flatten(hierarchy.local_shards(delta, o.fast_axis))
+      means, _ = collectives.dense_means(leaves, o.axis_name)
+      return hierarchy.gather_shards(treedef.unflatten(means), delta, o.fast_axis), ex_state
     leaves, treedef = jax.tree.flatten(delta)
     means, _ = collectives.dense_means(leaves, o.axis_name)
     return treedef.unflatten(means), ex_state
@@ -465,6 +519,11 @@ def _mean_of(o: _Options, delta, ex_state, anchor):
           f"differs between devices on axis {o.axis_name!r}: the exchange does not "
           f"average over it (built with another axis_name, or None?); build it with "
           f"axis_name={o.axis_name!r}."
+        )
+      if o.fast_axis is not None and o.fast_axis in collectives.varying_axes(m):
+        raise ValueError(  # two_level all-gathers over the fast axis: a bug if reached
+          f"jc.diloco: the exchange's result at {jax.tree_util.keystr(path)} differs "
+          f"between the devices of a node (axis {o.fast_axis!r})"
         )
   return mean, ex_state
 
@@ -517,8 +576,12 @@ def _update(o: _Options, grads, state: DiLoCoState, params):
       f"jc.diloco: params have tree {part.treedef}, but init saw {jax.tree.structure(state.anchor)}"
     )
   _check_update(o, grads, params)
+  if o.fast_axis is not None:  # the node is the replica: its devices' mean gradient
+    grads = collectives.pmean_tree(grads, o.fast_axis)
   inner_u, inner_state = o.inner.update(grads, state.inner_state, params)
   u_leaves = part.treedef.flatten_up_to(inner_u)
+  if o.fast_axis is not None:  # typed like the parameters (per device, or per node)
+    u_leaves = [wrappers._match_varying(u, p) for u, p in zip(u_leaves, part.leaves)]  # pylint: disable=protected-access
   a_leaves = part.treedef.flatten_up_to(state.anchor)
   t = state.count + 1
   out = [[] for _ in u_leaves]  # per leaf, its pieces' updates in row order
