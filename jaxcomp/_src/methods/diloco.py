@@ -5,7 +5,9 @@ Each replica trains alone with an inner optimizer for ``sync_every`` steps; then
 over the devices (densely, or through any jaxcomp exchange) and an outer optimizer
 steps the shared parameters with it. Optionally the parameters are cut into fragments
 synced in turn (Streaming DiLoCo, Douillard et al. 2025), which spreads the bytes over
-the period instead of sending them all on one step.
+the period instead of sending them all on one step. With ``fast_axis`` the replicas
+are nodes of several devices, data-parallel inside (dense), and only the nodes'
+pseudo-gradients cross the slow link, each device sending 1/L of its node's.
 """
 
 from __future__ import annotations
@@ -206,6 +208,24 @@ def diloco(
   the fragments within 1.5x of the mean (a leaf with fewer rows than fragments), a
   warning says so and how to fix it.
 
+  **Replicas that are nodes** (``fast_axis``). The DiLoCo paper's replica, and
+  torchft's, is a worker of several accelerators. On a 2-D mesh ``(slow, fast)`` of N
+  nodes of L devices, ``axis_name=slow`` and ``fast_axis=fast`` make each node one
+  replica: every step the devices of a node average their gradients densely over
+  ``fast_axis`` (:func:`jaxcomp.pmean_tree`, one all-reduce per dtype on the fast link)
+  and apply ``inner`` to that mean, so they hold the same replica and inner state; a
+  sync averages over the nodes only. Δ being the same on the devices of a node, it is
+  exchanged two-level without a reduce-scatter (:func:`jaxcomp.two_level` with
+  ``same_in_node=True``): each device takes its 1/L shard of Δ, ``exchange`` (built
+  with ``axis_name=slow``) averages the shards over the nodes, and an all-gather over
+  ``fast_axis`` reassembles the mean; ``None`` does the same with a dense mean. The slow
+  link so carries one Δ per node, not L copies of it, and the exchange's state
+  (residuals) is 1/L of Δ's size per device. Hold the parameters one row per device
+  (globally ``(N·L, *shape)``, ``P((slow, fast))``, the rows of a node equal) or one per
+  node (``(N, *shape)``, ``P(slow)``, the gradient taken with respect to
+  ``jc.vary(p, fast)``), and place the state with ``jc.state_specs(tx, params,
+  axis_name=(slow, fast), num_devices=N·L, mesh=mesh)`` (``docs/guides/two_level.md``).
+
   Bytes per device per step: the exchange's bytes for the whole model divided by ``H``
   on average (:func:`jaxcomp.wire_report` reports that: the sync's collectives count
   ``1/H`` per step); a sync step itself sends all of them (``fragments=None``) or one
@@ -236,6 +256,10 @@ def diloco(
       ``jax.shard_map`` alike: each replica would step the anchor alone.
     fragments: ``F``, the number of fragments, ``1 <= F <= sync_every``; ``None``: all
       leaves sync together.
+    fast_axis: the mesh axis of the devices inside a node, which then is one replica
+      (``axis_name`` the axis over the nodes); ``exchange`` must be one jaxcomp exchange
+      over ``axis_name`` that :func:`jaxcomp.two_level` can run on shards. ``None``:
+      every device is a replica.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update(grads, state, params)`` needs
@@ -244,7 +268,13 @@ def diloco(
   Raises:
     ValueError: ``sync_every < 1``; ``fragments`` outside ``[1, sync_every]``;
       ``update`` without ``params``; under ``jax.shard_map``,
-      replicated parameters; an exchange that does not average over ``axis_name``.
+      replicated parameters; an exchange that does not average over ``axis_name``;
+      ``fast_axis`` equal to (or in) ``axis_name``, or without ``axis_name``; with
+      ``fast_axis``, an exchange over another axis than ``axis_name``, and, under
+      ``jax.shard_map``, a gradient already summed over ``fast_axis``.
+    TypeError: with ``fast_axis``, an exchange that is not one jaxcomp exchange.
+    NotImplementedError: with ``fast_axis``, an exchange :func:`jaxcomp.two_level`
+      cannot run on shards yet.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp as jc
