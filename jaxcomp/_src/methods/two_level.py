@@ -179,10 +179,11 @@ def two_level(
                            num_devices=mesh.size, mesh=mesh)
 
   Supported: the :func:`jaxcomp.compress` family (``jc.qsgd``, ``jc.onebit_sgd``,
-  ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``, and
+  ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``,
   :func:`jaxcomp.onebit_adam` (the optimizer, elementwise, on the shards: chain nothing
-  after it). :func:`jaxcomp.dgc`, :func:`jaxcomp.powersgd` and :func:`jaxcomp.mipd`
-  raise ``NotImplementedError`` saying why; other transforms (a chain, an optax
+  after it) and :func:`jaxcomp.dgc` without ``clip_norm`` (top-k per shard: the node is
+  DGC's worker). :func:`jaxcomp.powersgd` and :func:`jaxcomp.mipd` raise
+  ``NotImplementedError`` saying why; other transforms (a chain, an optax
   transform) a ``TypeError``. ``init`` and ``update`` need both axes bound (a 2-D mesh
   under ``jax.shard_map``; ``jax.pmap`` maps one axis).
 
