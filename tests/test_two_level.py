@@ -300,25 +300,30 @@ def test_dgc_runs_on_each_shard_with_the_node_as_worker(mesh):
       np.testing.assert_allclose(out[name][t], want[name][t], rtol=0, atol=1e-5, err_msg=name)
 
 
-def test_dgc_sends_density_of_each_leaf_per_node(mesh):
-  """Each device sends the top ``density`` of its shard: the entries it zeroed in its
-  velocity after one step (momentum 0: v is the shard of the node's mean gradient, no
-  zeros) add up over a node's L devices to density × the leaf's size; over the slow
-  axis each device receives the other node's payload of its shard. The state is 1/L of
-  each leaf per device."""
+@pytest.mark.parametrize("warmup", [0, 8])
+def test_dgc_sends_density_of_each_leaf_per_node(mesh, warmup):
+  """Each device sends the top ``density`` of its shard (during the warm-up, its first
+  stage's 25%): the entries it zeroed in its velocity after one step (momentum 0: v is
+  the shard of the node's mean gradient, no zeros) add up over a node's L devices to
+  the density × the leaf's size. Over the slow axis each device receives the other
+  node's payload of its shard (after the warm-up). The state is 1/L of each leaf per
+  device, its step count advanced on every device."""
   density = 1 / 64
   params = {"w": PARAMS["w"]}
   grads = _grads(jax.random.key(10), params)
-  tx = _two_level(jc.dgc(density, 0.0, axis_name=SLOW, collective="allgather"))
+  tx = _two_level(jc.dgc(density, 0.0, axis_name=SLOW, collective="allgather", warmup_steps=warmup))
   _, state = _run(tx, mesh, grads, params)
   dgc_state = state.inner.inner
   assert dgc_state.velocity["w"].shape == (N * L, 64 // L, 64)
   assert dgc_state.momentum["w"].shape == (N * L, 64 // L, 64)
+  np.testing.assert_array_equal(dgc_state.count, [1] * (N * L))
+  sent = density if warmup == 0 else 0.25
   zeros = (np.asarray(dgc_state.velocity["w"]) == 0).reshape(N, L, -1).sum(-1)
-  np.testing.assert_array_equal(zeros.sum(1), [density * 64 * 64] * N)
-  report = jc.wire_report(tx, params, axis_name=AXES, num_devices=N * L, mesh=mesh)
-  shard_payload = jc.codecs.TopK(density).wire_bits((64 // L, 64)) / 8
-  assert report.by_axis[(SLOW,)] == (N - 1) * shard_payload
+  np.testing.assert_array_equal(zeros.sum(1), [sent * 64 * 64] * N)
+  if warmup == 0:
+    report = jc.wire_report(tx, params, axis_name=AXES, num_devices=N * L, mesh=mesh)
+    shard_payload = jc.codecs.TopK(density).wire_bits((64 // L, 64)) / 8
+    assert report.by_axis[(SLOW,)] == (N - 1) * shard_payload
 
 
 def test_dgc_accumulates_what_it_did_not_send(mesh):
@@ -433,12 +438,22 @@ def test_a_nonfinite_gradient_is_visible_on_every_device(mesh):
     lambda: jc.sparsify(density=0.1, axis_name=SLOW),
     lambda: jc.qsgd(bits=4, axis_name=SLOW, collective="two_phase", error_feedback=True),
     lambda: jc.compress(jc.codecs.RandomK(0.1, shared=True), axis_name=SLOW),
+    lambda: jc.dgc(1 / 16, 0.0, axis_name=SLOW, collective="chunked", chunk_size=64),
+    lambda: jc.dgc(1 / 16, 0.0, axis_name=SLOW, warmup_steps=1, nesterov=True),
   ],
-  ids=["ef_signsgd", "sparsify", "qsgd_two_phase_ef", "randomk_shared_psum"],
+  ids=[
+    "ef_signsgd",
+    "sparsify",
+    "qsgd_two_phase_ef",
+    "randomk_shared_psum",
+    "dgc_chunked",
+    "dgc_warmup_nesterov",
+  ],
 )
 def test_every_compress_method_runs_on_shards(mesh, make):
-  """The jc.compress family under two_level: whole, finite means of the original
-  shapes, the dense leaves exact; two steps, so the state round-trips."""
+  """The jc.compress family and DGC (momentum 0) under two_level: whole, finite means
+  of the original shapes, the dense leaves exact; two steps, so the state round-trips
+  (DGC's warm-up crosses from one stage's branch to the next)."""
   grads = _grads(jax.random.key(6))
   out, _ = _run(_two_level(make()), mesh, grads, steps=2)
   for name, g in grads.items():
