@@ -322,7 +322,8 @@ class _Options(NamedTuple):
 
 
 def _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis) -> _Options:
-  """The factory's argument checks, in one place: an :class:`_Options` or a ValueError."""
+  """The factory's argument checks, in one place: an :class:`_Options`, or the error
+  (``ValueError``; with ``fast_axis`` also :func:`_node_exchange`'s)."""
   transforms.require_axis_name(axis_name, "jc.diloco")
   _check_transform(inner, "inner")
   _check_transform(outer, "outer")
@@ -380,7 +381,8 @@ def _node_exchange(exchange, axis_name, fast_axis):
       f"jc.diloco(fast_axis={fast_axis!r}): the exchange runs on each device's 1/L shard "
       f"of the node's pseudo-gradient (jc.two_level), so it must be one jaxcomp exchange "
       f"built with axis_name={axis_name!r} (e.g. jc.qsgd(bits=4, axis_name="
-      f"{axis_name!r})), not a chain, an optax transform or a jc.two_level; got {exchange!r}"
+      f"{axis_name!r})), not a chain, an optax transform or a jc.two_level (diloco wraps "
+      f"the exchange itself)"
     )
   if info.axis_name is None or _axis_names(info.axis_name) != _axis_names(axis_name):
     raise ValueError(
