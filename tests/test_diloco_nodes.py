@@ -84,12 +84,14 @@ def _nodes(x):
   return x.reshape((N, L) + x.shape[1:])
 
 
-def _reference(lr, h, steps, centres, offsets=None):
+def _reference(lr, h, steps, centres, pieces=None):
   """The layout by hand, in float64: node n steps ``θ_n -= lr (θ_n - c̄_n)`` with its
   devices' mean gradient (c̄_n the mean of its devices' centres); at a sync of a leaf
   (``t ≡ offset mod H``) the anchor of that leaf becomes the nodes' mean (outer
-  sgd(1.0)) and every node restarts from it. Returns every step's (nodes, anchor)."""
-  offsets = offsets or {}
+  sgd(1.0)) and every node restarts from it; ``pieces[name]``: ``(start, stop, offset)``
+  per run of rows synced together (default: the whole leaf at offset 0). Returns every
+  step's (nodes, anchor)."""
+  pieces = pieces or {}
   c = {n: _nodes(v).astype(np.float64).mean(1) for n, v in centres.items()}  # (N, ...)
   theta = {n: np.zeros_like(v) for n, v in c.items()}
   anchor = {n: np.zeros(v.shape[1:]) for n, v in c.items()}
@@ -97,9 +99,10 @@ def _reference(lr, h, steps, centres, offsets=None):
   for t in range(1, steps + 1):
     for n in c:
       theta[n] = theta[n] - lr * (theta[n] - c[n])
-      if (t - offsets.get(n, 0)) % h == 0:
-        anchor[n] = theta[n].mean(0)
-        theta[n] = np.broadcast_to(anchor[n], theta[n].shape).copy()
+      for start, stop, offset in pieces.get(n, [(0, len(anchor[n]), 0)]):
+        if (t - offset) % h == 0:
+          anchor[n][start:stop] = theta[n][:, start:stop].mean(0)
+          theta[n][:, start:stop] = anchor[n][start:stop]
     out.append(({n: v.copy() for n, v in theta.items()}, {n: v.copy() for n, v in anchor.items()}))
   return out
 
@@ -274,7 +277,31 @@ def test_fragments_sync_on_their_own_steps(mesh):
   ]
   centres = _centres(shapes=shapes)
   history = Run(tx, mesh, params).run(steps, lambda t: centres)
-  _check_against(history, _reference(lr, h, steps, centres, offsets={"c": 2}))
+  _check_against(history, _reference(lr, h, steps, centres, pieces={"c": [(0, 64, 2)]}))
+
+
+def test_a_leaf_split_between_fragments_syncs_its_rows_in_turn(mesh):
+  """One (64, 32) leaf, two fragments (H = 4): rows 0-31 sync at t ≡ 0, rows 32-63 at
+  t ≡ 2 (mod 4), each piece cut into its L shards for the slow exchange; the float64
+  reference per run of rows."""
+  shapes = {"a": (64, 32)}
+  params = {"a": jnp.zeros((64, 32))}
+  lr, h, steps = 0.25, 4, 8
+  tx = jc.diloco(
+    optax.sgd(lr),
+    optax.sgd(1.0),
+    sync_every=h,
+    axis_name=SLOW,
+    exchange=jc.compress(jc.codecs.Identity(), axis_name=SLOW, collective="allgather"),
+    fragments=2,
+    fast_axis=FAST,
+  )
+  pieces = diloco_lib.fragment_pieces([(64, 32)], 2)
+  assert [[(p.start, p.stop) for p in f] for f in pieces] == [[(0, 32)], [(32, 64)]]
+  centres = _centres(shapes=shapes)
+  history = Run(tx, mesh, params).run(steps, lambda t: centres)
+  want = _reference(lr, h, steps, centres, pieces={"a": [(0, 32, 0), (32, 64, 2)]})
+  _check_against(history, want)
 
 
 def test_parameters_held_once_per_node(mesh):
