@@ -200,7 +200,7 @@ def test_state_specs_need_the_mesh_sizes(mesh):
 @pytest.mark.parametrize(
   "make, match",
   [
-    (lambda: jc.dgc(0.01, axis_name=SLOW), "jc.dgc"),
+    (lambda: jc.dgc(0.01, axis_name=SLOW, clip_norm=1.0), "jc.dgc.*clip_norm"),
     (lambda: jc.powersgd(axis_name=SLOW), "jc.powersgd"),
     (lambda: jc.mipd(axis_name=SLOW), "jc.mipd"),
   ],
@@ -239,6 +239,109 @@ def test_onebit_adam_holds_its_state_per_shard(mesh):
   assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(out))
   # The frozen-variance steps compress: they are not Adam's dense steps any more.
   assert not np.allclose(out["w"][freeze], want["w"], rtol=1e-3)
+
+
+def test_dgc_at_full_density_is_the_mean(mesh):
+  """DGC at density 1 without momentum sends all of every shard's accumulated
+  gradient: the mean over both axes, at every step (nothing accumulates)."""
+  grads = _grads(jax.random.key(8))
+  out, _ = _run(_two_level(jc.dgc(1.0, 0.0, axis_name=SLOW)), mesh, grads, steps=2)
+  for name, g in grads.items():
+    for step in range(2):
+      np.testing.assert_allclose(out[name][step], g.mean(0), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def _dgc_reference(grads, density, m, steps):
+  """DGC with the node as its worker, in float64: each node's mean gradient, cut into L
+  shards as two_level cuts them; per shard momentum correction ``u = m u + g``,
+  ``v += u``, the top ``ceil(density · shard size)`` of ``|v|`` sent and zeroed in ``v``
+  and ``u``; the result the mean over nodes of what was sent, reassembled. Dense leaves:
+  momentum SGD on the node means, averaged. Every step's updates."""
+  out = {name: [] for name in grads}
+  for name, g in grads.items():
+    g = np.asarray(g, np.float64).reshape((N, L) + g.shape[1:]).mean(1)  # node means
+    n = math.prod(g.shape[1:])
+    rows = g.shape[1] % L == 0 if g.ndim > 1 else False
+    size = n // L if rows else -(-n // L)
+    flat = np.zeros((N, L * size))
+    flat[:, :n] = g.reshape(N, -1)
+    shards = flat.reshape(N, L, size)
+    compressed = g.ndim >= 2 and n >= 1024  # the default filter, on the whole leaf
+    u, v = np.zeros_like(shards), np.zeros_like(shards)
+    for _ in range(steps):
+      u = m * u + shards
+      if not compressed:
+        out[name].append(u.reshape(N, -1)[:, :n].mean(0).reshape(g.shape[1:]))
+        continue
+      v = v + u
+      k = math.ceil(density * size)
+      sent = np.zeros_like(v)
+      for i in range(N):
+        for j in range(L):
+          idx = np.argsort(-np.abs(v[i, j]))[:k]
+          sent[i, j, idx] = v[i, j, idx]
+          v[i, j, idx] = 0.0
+          u[i, j, idx] = 0.0
+      out[name].append(sent.reshape(N, -1)[:, :n].mean(0).reshape(g.shape[1:]))
+  return out
+
+
+def test_dgc_runs_on_each_shard_with_the_node_as_worker(mesh):
+  """DGC inside two_level follows the float64 reference of DGC run by each node on its
+  mean gradient, shard by shard (top-k per shard at the same density: blockwise), with
+  momentum correction and masking, over 4 steps; the dense leaves get momentum SGD."""
+  density, m, steps = 1 / 64, 0.9, 4
+  grads = _grads(jax.random.key(9))
+  tx = _two_level(jc.dgc(density, m, axis_name=SLOW, collective="allgather"))
+  out, _ = _run(tx, mesh, grads, steps=steps)
+  want = _dgc_reference(grads, density, m, steps)
+  for name in grads:
+    for t in range(steps):
+      np.testing.assert_allclose(out[name][t], want[name][t], rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("warmup", [0, 8])
+def test_dgc_sends_density_of_each_leaf_per_node(mesh, warmup):
+  """Each device sends the top ``density`` of its shard (during the warm-up, its first
+  stage's 25%): the entries it zeroed in its velocity after one step (momentum 0: v is
+  the shard of the node's mean gradient, no zeros) add up over a node's L devices to
+  the density × the leaf's size. Over the slow axis each device receives the other
+  node's payload of its shard (after the warm-up). The state is 1/L of each leaf per
+  device, its step count advanced on every device."""
+  density = 1 / 64
+  params = {"w": PARAMS["w"]}
+  grads = _grads(jax.random.key(10), params)
+  tx = _two_level(jc.dgc(density, 0.0, axis_name=SLOW, collective="allgather", warmup_steps=warmup))
+  _, state = _run(tx, mesh, grads, params)
+  dgc_state = state.inner.inner
+  assert dgc_state.velocity["w"].shape == (N * L, 64 // L, 64)
+  assert dgc_state.momentum["w"].shape == (N * L, 64 // L, 64)
+  np.testing.assert_array_equal(dgc_state.count, [1] * (N * L))
+  sent = density if warmup == 0 else 0.25
+  zeros = (np.asarray(dgc_state.velocity["w"]) == 0).reshape(N, L, -1).sum(-1)
+  np.testing.assert_array_equal(zeros.sum(1), [sent * 64 * 64] * N)
+  if warmup == 0:
+    report = jc.wire_report(tx, params, axis_name=AXES, num_devices=N * L, mesh=mesh)
+    shard_payload = jc.codecs.TopK(density).wire_bits((64 // L, 64)) / 8
+    assert report.by_axis[(SLOW,)] == (N - 1) * shard_payload
+
+
+def test_dgc_accumulates_what_it_did_not_send(mesh):
+  """Local accumulation on shards: nothing is lost, only delayed. Without momentum the
+  sum of T updates is T times the mean minus the nodes' mean unsent velocity, so their
+  average approaches the exact mean as the velocity stays bounded."""
+  t = 128
+  grads = _grads(jax.random.key(11), {"w": PARAMS["w"]})
+  tx = _two_level(jc.dgc(1 / 16, 0.0, axis_name=SLOW, collective="allgather"))
+  out, state = _run(tx, mesh, grads, {"w": PARAMS["w"]}, t)
+  exact = np.asarray(grads["w"]).mean(0)
+  v = np.asarray(state.inner.inner.velocity["w"]).reshape(N, L, -1).mean(0).reshape(64, 64)
+  np.testing.assert_allclose(
+    np.asarray(out["w"], np.float64).sum(0), t * exact - v, rtol=0, atol=1e-3
+  )
+  one = np.abs(np.asarray(out["w"][0]) - exact).mean()
+  avg = np.abs(np.asarray(out["w"]).mean(0) - exact).mean()
+  assert avg < one / 10, (avg, one)
 
 
 def test_refuses_what_it_cannot_wrap():
@@ -286,7 +389,7 @@ def test_guide_snippet_runs_as_written():
   import re
 
   guide = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/two_level.md"
-  (code,) = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+  code = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)[0]  # "Use"
   out = io.StringIO()
   # optax.adam raises a float to its int32 count: standard promotion, as users run it.
   with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
@@ -335,12 +438,22 @@ def test_a_nonfinite_gradient_is_visible_on_every_device(mesh):
     lambda: jc.sparsify(density=0.1, axis_name=SLOW),
     lambda: jc.qsgd(bits=4, axis_name=SLOW, collective="two_phase", error_feedback=True),
     lambda: jc.compress(jc.codecs.RandomK(0.1, shared=True), axis_name=SLOW),
+    lambda: jc.dgc(1 / 16, 0.0, axis_name=SLOW, collective="chunked", chunk_size=64),
+    lambda: jc.dgc(1 / 16, 0.0, axis_name=SLOW, warmup_steps=1, nesterov=True),
   ],
-  ids=["ef_signsgd", "sparsify", "qsgd_two_phase_ef", "randomk_shared_psum"],
+  ids=[
+    "ef_signsgd",
+    "sparsify",
+    "qsgd_two_phase_ef",
+    "randomk_shared_psum",
+    "dgc_chunked",
+    "dgc_warmup_nesterov",
+  ],
 )
 def test_every_compress_method_runs_on_shards(mesh, make):
-  """The jc.compress family under two_level: whole, finite means of the original
-  shapes, the dense leaves exact; two steps, so the state round-trips."""
+  """The jc.compress family and DGC (momentum 0) under two_level: whole, finite means
+  of the original shapes, the dense leaves exact; two steps, so the state round-trips
+  (DGC's warm-up crosses from one stage's branch to the next)."""
   grads = _grads(jax.random.key(6))
   out, _ = _run(_two_level(make()), mesh, grads, steps=2)
   for name, g in grads.items():

@@ -428,6 +428,16 @@ def dgc(
   Returns the averaged sparse update (identical on every device). With
   ``axis_name=None`` nothing is exchanged (one-device simulation).
 
+  Inside :func:`jaxcomp.two_level` (built with ``axis_name=<the slow axis>``) the node is
+  DGC's worker: each device runs DGC on its 1/L shard of the node's mean gradient, with
+  its own momentum, velocity, warm-up count and key for that shard (state 1/L of each
+  leaf), and sends the top ``ceil(density · shard size)`` of its shard. The node so
+  sends ``density`` of each leaf, chosen per shard rather than over the whole leaf: a
+  blockwise top-k, with the L shards as blocks, the same relaxation as the chunked
+  exchange's choice of whole chunks. The filter still judges the whole leaves.
+  ``clip_norm`` is not supported there yet (the norm would be the node's whole
+  gradient's, a sum over its devices): ``NotImplementedError``.
+
   Args:
     density: fraction of each compressed leaf sent per step after warm-up (0.1% = 99.9%
       sparsity, the paper's setting).
@@ -486,9 +496,11 @@ def dgc(
     return _update(opts, updates, state)
 
   tx = optax.GradientTransformation(init_fn, update_fn)
-  why = (
-    "its top-k selection, momentum correction and local accumulation run on each "
-    "device's whole gradient (a shard's top-k is not the leaf's), and its state would "
-    "have to be cut with the shards; not implemented yet"
-  )
+  why = None  # on shards (jc.two_level): top-k per shard, the node as DGC's worker
+  if clip_norm is not None:
+    why = (
+      "its local gradient clipping (clip_norm) scales by the norm of the node's whole "
+      "gradient, which on shards would need a sum over the node's devices; not "
+      "implemented yet (pass clip_norm=None, or clip the gradient before the exchange)"
+    )
   return transforms.register_exchange(tx, "jc.dgc", axis_name, collective=None, shardable=why)

@@ -5,7 +5,9 @@ Each replica trains alone with an inner optimizer for ``sync_every`` steps; then
 over the devices (densely, or through any jaxcomp exchange) and an outer optimizer
 steps the shared parameters with it. Optionally the parameters are cut into fragments
 synced in turn (Streaming DiLoCo, Douillard et al. 2025), which spreads the bytes over
-the period instead of sending them all on one step.
+the period instead of sending them all on one step. With ``fast_axis`` the replicas
+are nodes of several devices, data-parallel inside (dense), and only the nodes'
+pseudo-gradients cross the slow link, each device sending 1/L of its node's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import numpy as np
 import optax
 
 from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import hierarchy
 from jaxcomp._src.methods import transforms
+from jaxcomp._src.methods import two_level as two_level_lib
 from jaxcomp._src.methods import wrappers
 from jaxcomp._src.plumbing import collective_trace
 from jaxcomp._src.plumbing import treeutil
@@ -140,6 +144,7 @@ def diloco(
   axis_name: Any = transforms.AXIS_REQUIRED,
   exchange: optax.GradientTransformation | None = None,
   fragments: int | None = None,
+  fast_axis: Any = None,
 ) -> optax.GradientTransformation:
   r"""DiLoCo: ``sync_every`` local steps per replica, then an outer step on the mean drift.
 
@@ -203,6 +208,24 @@ def diloco(
   the fragments within 1.5x of the mean (a leaf with fewer rows than fragments), a
   warning says so and how to fix it.
 
+  **Replicas that are nodes** (``fast_axis``). The DiLoCo paper's replica, and
+  torchft's, is a worker of several accelerators. On a 2-D mesh ``(slow, fast)`` of N
+  nodes of L devices, ``axis_name=slow`` and ``fast_axis=fast`` make each node one
+  replica: every step the devices of a node average their gradients densely over
+  ``fast_axis`` (:func:`jaxcomp.pmean_tree`, one all-reduce per dtype on the fast link)
+  and apply ``inner`` to that mean, so they hold the same replica and inner state; a
+  sync averages over the nodes only. Δ being the same on the devices of a node, it is
+  exchanged two-level without a reduce-scatter (:func:`jaxcomp.two_level` with
+  ``same_in_node=True``): each device takes its 1/L shard of Δ, ``exchange`` (built
+  with ``axis_name=slow``) averages the shards over the nodes, and an all-gather over
+  ``fast_axis`` reassembles the mean; ``None`` does the same with a dense mean. The slow
+  link so carries one Δ per node, not L copies of it, and the exchange's state
+  (residuals) is 1/L of Δ's size per device. Hold the parameters one row per device
+  (globally ``(N·L, *shape)``, ``P((slow, fast))``, the rows of a node equal) or one per
+  node (``(N, *shape)``, ``P(slow)``, the gradient taken with respect to
+  ``jc.vary(p, fast)``), and place the state with ``jc.state_specs(tx, params,
+  axis_name=(slow, fast), num_devices=N·L, mesh=mesh)`` (``docs/guides/two_level.md``).
+
   Bytes per device per step: the exchange's bytes for the whole model divided by ``H``
   on average (:func:`jaxcomp.wire_report` reports that: the sync's collectives count
   ``1/H`` per step); a sync step itself sends all of them (``fragments=None``) or one
@@ -233,6 +256,10 @@ def diloco(
       ``jax.shard_map`` alike: each replica would step the anchor alone.
     fragments: ``F``, the number of fragments, ``1 <= F <= sync_every``; ``None``: all
       leaves sync together.
+    fast_axis: the mesh axis of the devices inside a node, which then is one replica
+      (``axis_name`` the axis over the nodes); ``exchange`` must be one jaxcomp exchange
+      over ``axis_name`` that :func:`jaxcomp.two_level` can run on shards. ``None``:
+      every device is a replica.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update(grads, state, params)`` needs
@@ -241,7 +268,13 @@ def diloco(
   Raises:
     ValueError: ``sync_every < 1``; ``fragments`` outside ``[1, sync_every]``;
       ``update`` without ``params``; under ``jax.shard_map``,
-      replicated parameters; an exchange that does not average over ``axis_name``.
+      replicated parameters; an exchange that does not average over ``axis_name``;
+      ``fast_axis`` equal to (or in) ``axis_name``, or without ``axis_name``; with
+      ``fast_axis``, an exchange over another axis than ``axis_name``, and, under
+      ``jax.shard_map``, a gradient already summed over ``fast_axis``.
+    TypeError: with ``fast_axis``, an exchange that is not one jaxcomp exchange.
+    NotImplementedError: with ``fast_axis``, an exchange :func:`jaxcomp.two_level`
+      cannot run on shards yet.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp as jc
@@ -266,7 +299,7 @@ def diloco(
     overlapping communication: Towards a Distributed Free Lunch*. 2025.
     https://arxiv.org/abs/2501.18512
   """
-  o = _options(inner, outer, exchange, sync_every, axis_name, fragments)
+  o = _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis)
   return transforms.places_own_state(
     optax.GradientTransformation(
       lambda params: _init(o, params),
@@ -285,10 +318,12 @@ class _Options(NamedTuple):
   num_fragments: int
   offsets: tuple[int, ...]  # the step offset of each fragment's sync in the period
   axis_name: Any
+  fast_axis: Any  # None: every device a replica; else the axis of a node's devices
 
 
-def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Options:
-  """The factory's argument checks, in one place: an :class:`_Options` or a ValueError."""
+def _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis) -> _Options:
+  """The factory's argument checks, in one place: an :class:`_Options`, or the error
+  (``ValueError``; with ``fast_axis`` also :func:`_node_exchange`'s)."""
   transforms.require_axis_name(axis_name, "jc.diloco")
   _check_transform(inner, "inner")
   _check_transform(outer, "outer")
@@ -309,6 +344,8 @@ def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Optio
       f"fragment syncs on its own step of the period) or None, got {fragments!r}"
     )
   num_fragments = int(num_fragments)
+  if fast_axis is not None:
+    exchange = _node_exchange(exchange, axis_name, fast_axis)
   return _Options(
     inner=transforms.per_device_state(inner),
     outer=outer,
@@ -317,7 +354,50 @@ def _options(inner, outer, exchange, sync_every, axis_name, fragments) -> _Optio
     num_fragments=num_fragments,
     offsets=tuple(fragment_offsets(sync_every, num_fragments)),
     axis_name=axis_name,
+    fast_axis=fast_axis,
   )
+
+
+def _node_exchange(exchange, axis_name, fast_axis):
+  """Replicas that are nodes: the checks of ``fast_axis`` against ``axis_name``, and the
+  exchange run two-level on each device's shard of the node's pseudo-gradient
+  (:func:`jaxcomp.two_level` with ``same_in_node=True``), or ``None`` for the dense mean."""
+  if axis_name is None:
+    raise ValueError(
+      f"jc.diloco: fast_axis={fast_axis!r} makes the replicas nodes, which need "
+      f"axis_name=<the axis over the nodes> (the slow axis), got axis_name=None"
+    )
+  if isinstance(fast_axis, (tuple, list)) or fast_axis in _axis_names(axis_name):
+    raise ValueError(
+      f"jc.diloco: fast_axis must be one mesh axis (the devices inside a node) other "
+      f"than axis_name (the axis over the nodes); got fast_axis={fast_axis!r}, "
+      f"axis_name={axis_name!r}"
+    )
+  if exchange is None:
+    return None
+  info = transforms.exchange_info(exchange)
+  if info is None:
+    raise TypeError(
+      f"jc.diloco(fast_axis={fast_axis!r}): the exchange runs on each device's 1/L shard "
+      f"of the node's pseudo-gradient (jc.two_level), so it must be one jaxcomp exchange "
+      f"built with axis_name={axis_name!r} (e.g. jc.qsgd(bits=4, axis_name="
+      f"{axis_name!r})), not a chain, an optax transform or a jc.two_level (diloco wraps "
+      f"the exchange itself)"
+    )
+  if info.axis_name is None or _axis_names(info.axis_name) != _axis_names(axis_name):
+    raise ValueError(
+      f"jc.diloco(fast_axis={fast_axis!r}): the exchange must average over the nodes, "
+      f"axis_name={axis_name!r}, but {info.who} was built with "
+      f"axis_name={info.axis_name!r}; build it with axis_name={axis_name!r} (the fast "
+      f"axis is averaged densely inside the node)"
+    )
+  try:
+    return two_level_lib.two_level(exchange, fast_axis=fast_axis, same_in_node=True)
+  except NotImplementedError as e:
+    raise NotImplementedError(
+      f"jc.diloco(fast_axis={fast_axis!r}) runs the exchange on each device's shard of "
+      f"the node's pseudo-gradient (jc.two_level), which {info.who} cannot do yet: {e}"
+    ) from e
 
 
 class _Partition(NamedTuple):
@@ -407,6 +487,8 @@ def _check_update(o: _Options, grads, params) -> None:
       )
   for path, g in treeutil.flat(grads)[0]:
     collectives.check_local(path, g, o.axis_name)
+    if o.fast_axis is not None:
+      collectives.check_local(path, g, o.fast_axis)
 
 
 def _axis_names(axis_name) -> frozenset:
@@ -445,6 +527,10 @@ def _mean_of(o: _Options, delta, ex_state, anchor):
   if o.exchange is None:
     if o.axis_name is None:
       return delta, ex_state
+    if o.fast_axis is not None:  # two-level: 1/L of Δ per device over the slow axis
+      leaves, treedef = jax.tree.flatten(hierarchy.local_shards(delta, o.fast_axis))
+      means, _ = collectives.dense_means(leaves, o.axis_name)
+      return hierarchy.gather_shards(treedef.unflatten(means), delta, o.fast_axis), ex_state
     leaves, treedef = jax.tree.flatten(delta)
     means, _ = collectives.dense_means(leaves, o.axis_name)
     return treedef.unflatten(means), ex_state
@@ -465,6 +551,11 @@ def _mean_of(o: _Options, delta, ex_state, anchor):
           f"differs between devices on axis {o.axis_name!r}: the exchange does not "
           f"average over it (built with another axis_name, or None?); build it with "
           f"axis_name={o.axis_name!r}."
+        )
+      if o.fast_axis is not None and o.fast_axis in collectives.varying_axes(m):
+        raise ValueError(  # two_level all-gathers over the fast axis: a bug if reached
+          f"jc.diloco: the exchange's result at {jax.tree_util.keystr(path)} differs "
+          f"between the devices of a node (axis {o.fast_axis!r})"
         )
   return mean, ex_state
 
@@ -517,8 +608,12 @@ def _update(o: _Options, grads, state: DiLoCoState, params):
       f"jc.diloco: params have tree {part.treedef}, but init saw {jax.tree.structure(state.anchor)}"
     )
   _check_update(o, grads, params)
+  if o.fast_axis is not None:  # the node is the replica: its devices' mean gradient
+    grads = collectives.pmean_tree(grads, o.fast_axis)
   inner_u, inner_state = o.inner.update(grads, state.inner_state, params)
   u_leaves = part.treedef.flatten_up_to(inner_u)
+  if o.fast_axis is not None:  # typed like the parameters (per device, or per node)
+    u_leaves = [wrappers._match_varying(u, p) for u, p in zip(u_leaves, part.leaves)]  # pylint: disable=protected-access
   a_leaves = part.treedef.flatten_up_to(state.anchor)
   t = state.count + 1
   out = [[] for _ in u_leaves]  # per leaf, its pieces' updates in row order

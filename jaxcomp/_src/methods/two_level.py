@@ -135,7 +135,9 @@ def _unplace(state, places_own: bool):
   )
 
 
-def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.GradientTransformation:
+def two_level(
+  tx: optax.GradientTransformation, *, fast_axis: Any, same_in_node: bool = False
+) -> optax.GradientTransformation:
   r"""Dense inside a node, compressed between nodes: ``tx`` runs on 1/L of the gradient.
 
   A cluster of N nodes with L devices each runs on a 2-D mesh ``(slow, fast)``: ``fast``
@@ -177,16 +179,24 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
                            num_devices=mesh.size, mesh=mesh)
 
   Supported: the :func:`jaxcomp.compress` family (``jc.qsgd``, ``jc.onebit_sgd``,
-  ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``, and
+  ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``,
   :func:`jaxcomp.onebit_adam` (the optimizer, elementwise, on the shards: chain nothing
-  after it). :func:`jaxcomp.dgc`, :func:`jaxcomp.powersgd` and :func:`jaxcomp.mipd`
-  raise ``NotImplementedError`` saying why; other transforms (a chain, an optax
+  after it) and :func:`jaxcomp.dgc` without ``clip_norm`` (top-k per shard: the node is
+  DGC's worker). :func:`jaxcomp.powersgd` and :func:`jaxcomp.mipd` raise
+  ``NotImplementedError`` saying why; other transforms (a chain, an optax
   transform) a ``TypeError``. ``init`` and ``update`` need both axes bound (a 2-D mesh
   under ``jax.shard_map``; ``jax.pmap`` maps one axis).
+
+  ``same_in_node=True`` is for updates that are the same on every device of a node
+  already (:func:`jaxcomp.diloco`'s pseudo-gradient with ``fast_axis``): step 1 is
+  skipped, each device takes its shard of its own copy (no fast-axis collective before
+  the slow exchange, and no rounding: the node's mean of L equal values is the value).
 
   Args:
     tx: a jaxcomp exchange built with ``axis_name`` the slow (between-node) axis.
     fast_axis: the mesh axis of the devices inside a node.
+    same_in_node: the updates are equal on the devices of a node (not checked): take
+      this device's shard instead of reduce-scattering over ``fast_axis``.
 
   Returns:
     An ``optax.GradientTransformation`` with state :class:`TwoLevelState`.
@@ -211,8 +221,12 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
     collectives.axis_size(fast_axis)  # a clear error where the axis is not bound
     for path, g in treeutil.flat(updates)[0]:
       treeutil.check_leaf(path, g)
-      collectives.check_local(path, g, fast_axis)
-    shards = hierarchy.node_shards(updates, fast_axis)
+      if not same_in_node:
+        collectives.check_local(path, g, fast_axis)
+    if same_in_node:
+      shards = hierarchy.local_shards(updates, fast_axis)
+    else:
+      shards = hierarchy.node_shards(updates, fast_axis)
     local = None if params is None else hierarchy.local_shards(params, fast_axis)
     with treeutil.leaf_views(_views(updates)):
       out, inner = tx.update(shards, _unplace(state.inner, places_own), local)
