@@ -159,17 +159,11 @@ def wire_report(
     raise ValueError("wire_report needs the axis_name the transform averages over")
   params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   layout = specs.mesh_layout(params, param_specs, axis_name, num_devices, mesh)
-  state = specs.abstract_state(
-    tx,
-    params,
-    axis_name=axis_name,
-    num_devices=num_devices,
-    param_specs=param_specs,
-    mesh=mesh,
-    takes_shards=takes_shards,
-  )
+  state, hsdp_grads = specs.trace_state(tx, params, layout, axis_name, takes_shards)
   leaves, treedef = jax.tree.flatten(params)
   grad_specs = [specs.without(spec, axis_name) for spec in layout.specs]
+  if hsdp_grads == "shards":  # jc.hsdp(grads="shards"): the gradients of the shards
+    grad_specs = list(layout.specs)
 
   def placed(spec_list):
     return treedef.unflatten(
