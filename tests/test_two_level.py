@@ -286,7 +286,7 @@ def test_guide_snippet_runs_as_written():
   import re
 
   guide = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/two_level.md"
-  (code,) = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)
+  code = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)[0]  # "## Use"
   out = io.StringIO()
   # optax.adam raises a float to its int32 count: standard promotion, as users run it.
   with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):

@@ -85,6 +85,14 @@ def data_sharded(spec: P, axis_name) -> bool:
   return len(spec) > 0 and _names(spec[0]) == _names(axis_name)
 
 
+def hsdp_axes(axis_name) -> tuple:
+  """``(slow, fast)`` of a :func:`jaxcomp.hsdp` exchange's ``axis_name=(slow, fast)``."""
+  names = _names(axis_name)
+  if len(names) != 2:
+    raise ValueError(f"a jc.hsdp exchange takes axis_name=(slow, fast), got {axis_name!r}")
+  return names
+
+
 def fast_sharded(spec: P, axis_name) -> bool:
   """Whether ``spec`` shards its leaf over the last (fast) of two or more data axes
   alone, along the first dimension: :func:`jaxcomp.hsdp`'s parameter shards."""
