@@ -109,16 +109,18 @@ def hsdp(tx: optax.GradientTransformation, *, fast_axis: Any, grads: str = "shar
   Either way the leaves are cut along their first axis, which L must divide (a
   ``ValueError`` otherwise: unlike :func:`jaxcomp.two_level`, whose flattened, padded
   shards stay internal, HSDP's shards are the parameters' own layout). ``tx``'s filter
-  is asked about each whole weight, ``(L·d0, *rest)``: a shard of a 4096 × 64 matrix on
-  L = 64 devices is 64 × 64, which the default filter would send dense. ``tx``'s
-  state is the shards' and placed as :func:`jaxcomp.two_level` places it
-  (:class:`jaxcomp.TwoLevelState`: per device, or once per shard of a node).
+  is asked about each whole weight, ``(L·d0, *rest)``: a 64 × 32 matrix (2048 values)
+  has shards of 16 × 32 on L = 4 devices, which the default filter (at least 1024
+  values) would send dense, silently. ``tx``'s state is the shards' and placed as
+  :func:`jaxcomp.two_level` places it (:class:`jaxcomp.TwoLevelState`: per device, or
+  once per shard of a node).
 
   ``init`` and ``update`` run inside ``jax.shard_map`` over the ``(slow, fast)`` mesh
-  and take the parameter shards (``in_specs`` ``P(fast)``); with ``check_vma`` on,
-  differentiate with respect to ``jc.vary(shards, slow)`` (they vary over ``fast``
-  already), so that JAX does not all-reduce the gradient densely over the nodes
-  itself. :func:`jaxcomp.state_specs` and :func:`jaxcomp.wire_report` take
+  and take the parameter shards (``in_specs`` ``P(fast)``; ``init`` cannot tell a whole
+  replicated leaf from a shard, :func:`jaxcomp.state_specs` refuses the mix-up). With
+  ``check_vma`` on, differentiate with respect to ``jc.vary(shards, slow)`` (they vary
+  over ``fast`` already), so that JAX does not all-reduce the gradient densely over the
+  nodes itself. :func:`jaxcomp.state_specs` and :func:`jaxcomp.wire_report` take
   ``axis_name=(slow, fast)`` and ``param_specs=P(fast)``::
 
     tx = optax.chain(jc.hsdp(jc.qsgd(bits=4, axis_name="node"), fast_axis="gpu"),

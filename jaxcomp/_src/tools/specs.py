@@ -411,7 +411,10 @@ def state_specs(
       passed to ``shard_map``'s ``in_specs``: over the *other* mesh axes (tensor
       parallelism), and over ``axis_name`` along the first dimension where a
       ``collective="reduce_scatter"`` exchange takes the parameters' shards (ZeRO);
-      ``None``: the parameters are replicated.
+      with ``axis_name=(slow, fast)``, ``P(fast)`` for every leaf where a
+      :func:`jaxcomp.hsdp` exchange takes them (HSDP: per-device state is then
+      ``P((slow, fast))``, an optimizer's moments after it ``P(fast)``); ``None``: the
+      parameters are replicated.
     mesh: the mesh, when ``param_specs`` name other axes and neither the params'
       shardings nor ``jax.set_mesh`` say their sizes.
     takes_shards: ``None``: whether ``tx`` takes the parameters' shards is detected (a
@@ -427,8 +430,10 @@ def state_specs(
     ValueError: ``num_devices`` differs from the mesh's ``axis_name`` size; a spec
       shards over ``axis_name`` other than along the first dimension, or does not divide
       its dimension; ``param_specs`` shard over ``axis_name`` but no transform of ``tx``
-      takes shards, or the reverse; a state leaf would vary over a mesh axis it cannot
-      be sharded along (a 0-d per-device leaf).
+      takes shards, or the reverse; ``param_specs`` shard over the fast axis alone but
+      no :func:`jaxcomp.hsdp` takes the shards, or one does and not every leaf is so; a
+      state leaf would vary over a mesh axis it cannot be sharded along (a 0-d
+      per-device leaf).
   """
   layout = mesh_layout(params, param_specs, axis_name, num_devices, mesh)
   state = _check_takes_shards(tx, params, layout, axis_name, takes_shards)
