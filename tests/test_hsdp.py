@@ -186,7 +186,9 @@ def test_the_filter_judges_the_whole_weight(mesh):
 def test_state_specs_place_the_shards_state(mesh):
   """Per-device state of a shard over both axes, an optimizer's moments after it as
   the parameters, P(fast)."""
-  tx = optax.chain(_hsdp(jc.onebit_sgd(axis_name=SLOW), "shards"), optax.adam(1e-3))
+  inner = _hsdp(jc.onebit_sgd(axis_name=SLOW), "shards")
+  assert jc.per_device_state(inner) is inner  # it places its own state
+  tx = optax.chain(inner, optax.adam(1e-3))
   specs = _specs(tx, mesh)
   assert specs[0].inner.inner.residual["w"] == P(AXES)
   assert specs[1][0].mu["w"] == P(FAST) and specs[1][0].nu["b"] == P(FAST)
