@@ -18,6 +18,7 @@ from jaxcomp._src.methods.dgc import dgc
 from jaxcomp._src.methods.dgc import dgc_density_schedule
 from jaxcomp._src.methods.diloco import DiLoCoState
 from jaxcomp._src.methods.diloco import diloco
+from jaxcomp._src.methods.hsdp import hsdp
 from jaxcomp._src.methods.mipd import MIPDState
 from jaxcomp._src.methods.mipd import mipd
 from jaxcomp._src.methods.onebit_adam import OneBitAdamState
@@ -86,6 +87,7 @@ __all__ = [
   "diloco",
   "fsdp_gather",
   "gather_weights",
+  "hsdp",
   "init_fsdp_feedback",
   "mipd",
   "multi_steps",

@@ -52,29 +52,31 @@ class NodeShardState:
     return f"NodeShardState({self.inner!r}, axis={self.axis!r})"
 
 
-def _check_inner(tx, fast_axis) -> transforms.ExchangeInfo:
-  """The wrapped exchange's record; a clear error for one that cannot run on shards."""
+def _check_inner(tx, fast_axis, wrapper: str = "jc.two_level") -> transforms.ExchangeInfo:
+  """The wrapped exchange's record; a clear error for one that cannot run on shards
+  (``wrapper``: the name the errors give, ``jc.two_level`` or ``jc.hsdp``)."""
   if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(f"jc.two_level wraps a jaxcomp exchange, got {tx!r}")
+    raise TypeError(f"{wrapper} wraps a jaxcomp exchange, got {tx!r}")
   info = transforms.exchange_info(tx)
   if info is None:
     raise TypeError(
-      "jc.two_level wraps one jaxcomp exchange built with axis_name=<the slow axis> "
+      f"{wrapper} wraps one jaxcomp exchange built with axis_name=<the slow axis> "
       "(jc.compress, jc.qsgd, jc.onebit_sgd, jc.ef_signsgd, jc.sparsify, jc.onebit_adam), "
       "not a chain or another optax transform: it must know that the transform averages "
-      "over the slow axis. Chain the optimizer after jc.two_level(...)"
+      f"over the slow axis. Chain the optimizer after {wrapper}(...)"
     )
   if info.shardable is not None:
-    raise NotImplementedError(f"jc.two_level does not support {info.who} yet: {info.shardable}")
+    raise NotImplementedError(f"{wrapper} does not support {info.who} yet: {info.shardable}")
   if info.collective == "reduce_scatter":
     raise ValueError(
-      f"jc.two_level: {info.who} was built with collective='reduce_scatter', which returns "
-      f"shards over the slow axis; two_level returns the whole mean (use 'auto')"
+      f"{wrapper}: {info.who} was built with collective='reduce_scatter', which returns "
+      f"shards over the slow axis; the exchange over the slow axis must return the whole "
+      f"mean of what it is given (use 'auto')"
     )
   axes = info.axis_name if isinstance(info.axis_name, (tuple, list)) else (info.axis_name,)
   if info.axis_name is None or fast_axis in axes:
     raise ValueError(
-      f"jc.two_level(..., fast_axis={fast_axis!r}) needs an exchange built with "
+      f"{wrapper}(..., fast_axis={fast_axis!r}) needs an exchange built with "
       f"axis_name=<the slow axis>, another mesh axis; {info.who} has "
       f"axis_name={info.axis_name!r}"
     )

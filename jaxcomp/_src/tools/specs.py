@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from jaxcomp._src.exchanges import pipeline
+from jaxcomp._src.methods import hsdp
 from jaxcomp._src.methods import transforms
 from jaxcomp._src.methods.transforms import PerDeviceState
 from jaxcomp._src.methods.two_level import NodeShardState
@@ -61,12 +62,19 @@ def _param_specs(params, param_specs, axis_name) -> list:
         f"entries than the leaf has dimensions ({np.shape(leaf)})"
       )
     clash = set(_spec_axes(spec)) & set(_names(axis_name))
-    if clash and (_names(spec[0]) != _names(axis_name) or clash & set(_spec_axes(P(*spec[1:])))):
+    # Along the first dimension: all the data axes (a reduce-scatter's shards), or the
+    # fast one of two (HSDP's shards, fast_sharded).
+    first = _names(spec[0]) if len(spec) else ()
+    if clash and (
+      (first != _names(axis_name) and not fast_sharded(spec, axis_name))
+      or clash & set(_spec_axes(P(*spec[1:])))
+    ):
       raise ValueError(
         f"param_specs at {jax.tree_util.keystr(path)} shards over {sorted(clash)}, the "
         f"data axis, other than along the first dimension alone: parameters sharded "
-        f"over the data axis are P({axis_name!r}, ...) (a reduce-scatter's shards); "
-        f"shard them over the other mesh axes otherwise"
+        f"over the data axis are P({axis_name!r}, ...) (a reduce-scatter's shards), or "
+        f"for axis_name=(slow, fast), P(fast, ...) (jc.hsdp's shards); shard them over "
+        f"the other mesh axes otherwise"
       )
     out.append(spec)
   return out
@@ -77,6 +85,21 @@ def data_sharded(spec: P, axis_name) -> bool:
   return len(spec) > 0 and _names(spec[0]) == _names(axis_name)
 
 
+def hsdp_axes(axis_name) -> tuple:
+  """``(slow, fast)`` of a :func:`jaxcomp.hsdp` exchange's ``axis_name=(slow, fast)``."""
+  names = _names(axis_name)
+  if len(names) != 2:
+    raise ValueError(f"a jc.hsdp exchange takes axis_name=(slow, fast), got {axis_name!r}")
+  return names
+
+
+def fast_sharded(spec: P, axis_name) -> bool:
+  """Whether ``spec`` shards its leaf over the last (fast) of two or more data axes
+  alone, along the first dimension: :func:`jaxcomp.hsdp`'s parameter shards."""
+  names = _names(axis_name)
+  return len(names) > 1 and len(spec) > 0 and _names(spec[0]) == names[-1:]
+
+
 def _check_takes_shards(tx, params, layout, axis_name, takes_shards: bool | None = None):
   """``tx.init`` traced; a ``ValueError`` when ``param_specs`` shard leaves over the data
   axis but no transform of ``tx`` takes shards (a ``collective="reduce_scatter"``
@@ -84,10 +107,17 @@ def _check_takes_shards(tx, params, layout, axis_name, takes_shards: bool | None
   the whole parameter; and when one does but ``param_specs`` shard nothing over it.
   ``takes_shards=True`` declares a chain that takes shards through an exchange of its
   own (``lax.psum_scatter``, or none in ``tx`` for FSDP), which cannot be detected."""
+  return trace_state(tx, params, layout, axis_name, takes_shards)[0]
+
+
+def trace_state(tx, params, layout, axis_name, takes_shards: bool | None = None):
+  """:func:`_check_takes_shards`'s checks, and ``(state, grads)``: ``grads`` the
+  ``grads=`` of the :func:`jaxcomp.hsdp` in ``tx`` (``None`` without one)."""
   if takes_shards not in (None, True, False):
     raise ValueError(f"takes_shards must be None, True or False, got {takes_shards!r}")
-  with transforms.recording_shard_inits() as log:
+  with transforms.recording_shard_inits() as log, hsdp.recording_inits() as hsdp_log:
     state = _trace_init(tx, params, layout)
+  _check_hsdp(params, layout, axis_name, hsdp_log)
   sharded = [
     jax.tree_util.keystr(path)
     for (path, _), spec in zip(treeutil.flat(params)[0], layout.specs)
@@ -113,7 +143,28 @@ def _check_takes_shards(tx, params, layout, axis_name, takes_shards: bool | None
       f"axis otherwise, or pass takes_shards=True for a chain whose own exchange does "
       f"(a lax.psum_scatter, or FSDP's inside the backward)"
     )
-  return state
+  return state, (hsdp_log[0] if hsdp_log else None)
+
+
+def _check_hsdp(params, layout, axis_name, log: list) -> None:
+  """A ``ValueError`` when ``param_specs`` shard leaves over the fast axis alone but no
+  :func:`jaxcomp.hsdp` takes them (another exchange would average each shard as if it
+  were the whole parameter), or the reverse, or when an hsdp's leaves are not all so."""
+  leaves = [jax.tree_util.keystr(path) for path, _ in treeutil.flat(params)[0]]
+  fast = [p for p, spec in zip(leaves, layout.specs) if fast_sharded(spec, axis_name)]
+  if fast and not log:
+    raise ValueError(
+      f"param_specs shard {', '.join(fast)} over {_names(axis_name)[-1]!r} alone, but no "
+      f"jc.hsdp in tx takes such shards: another exchange would average each shard as "
+      f"if it were the whole parameter (wrap the exchange in jc.hsdp)"
+    )
+  if log and len(fast) != len(leaves):
+    rest = [p for p in leaves if p not in fast]
+    raise ValueError(
+      f"tx holds its parameters as jc.hsdp shards, but param_specs do not shard "
+      f"{', '.join(rest)} as P({_names(axis_name)[-1]!r}, ...): pass param_specs as "
+      f"given to shard_map's in_specs (every leaf P(fast)), with axis_name=(slow, fast)"
+    )
 
 
 def _axis_sizes(params, other: tuple, mesh) -> dict:
@@ -286,7 +337,7 @@ def _leaf_spec(
     if on_data and shape == (1,) + layout.full[param]:
       return P(axis_name, *without(P(*spec), axis_name))  # a full-size local residual
     if spec is not None and not on_data and shape == (1,) + locals_[param]:
-      return P(axis_name, *spec)
+      return P(axis_name, *without(P(*spec), axis_name))  # an hsdp shard's: not P(fast)
     axes = () if spec is None else _spec_axes(without(P(*spec), axis_name))
     if axes:
       return P((axis_name,) + axes, *([None] * (len(shape) - 1)))
@@ -360,7 +411,10 @@ def state_specs(
       passed to ``shard_map``'s ``in_specs``: over the *other* mesh axes (tensor
       parallelism), and over ``axis_name`` along the first dimension where a
       ``collective="reduce_scatter"`` exchange takes the parameters' shards (ZeRO);
-      ``None``: the parameters are replicated.
+      with ``axis_name=(slow, fast)``, ``P(fast)`` for every leaf where a
+      :func:`jaxcomp.hsdp` exchange takes them (HSDP: per-device state is then
+      ``P((slow, fast))``, an optimizer's moments after it ``P(fast)``); ``None``: the
+      parameters are replicated.
     mesh: the mesh, when ``param_specs`` name other axes and neither the params'
       shardings nor ``jax.set_mesh`` say their sizes.
     takes_shards: ``None``: whether ``tx`` takes the parameters' shards is detected (a
@@ -376,8 +430,10 @@ def state_specs(
     ValueError: ``num_devices`` differs from the mesh's ``axis_name`` size; a spec
       shards over ``axis_name`` other than along the first dimension, or does not divide
       its dimension; ``param_specs`` shard over ``axis_name`` but no transform of ``tx``
-      takes shards, or the reverse; a state leaf would vary over a mesh axis it cannot
-      be sharded along (a 0-d per-device leaf).
+      takes shards, or the reverse; ``param_specs`` shard over the fast axis alone but
+      no :func:`jaxcomp.hsdp` takes the shards, or one does and not every leaf is so; a
+      state leaf would vary over a mesh axis it cannot be sharded along (a 0-d
+      per-device leaf).
   """
   layout = mesh_layout(params, param_specs, axis_name, num_devices, mesh)
   state = _check_takes_shards(tx, params, layout, axis_name, takes_shards)

@@ -131,7 +131,9 @@ def wire_report(
   of itemsize b (4 for float32, 2 for bfloat16): ``2(K-1)/K · b · N`` bytes; for the
   leaves ``param_specs`` shard over ``axis_name`` (a ``collective="reduce_scatter"``
   exchange, which returns this device's shard) it is a ``psum_scatter``:
-  ``(K-1)/K · b · N``.
+  ``(K-1)/K · b · N``. For a :func:`jaxcomp.hsdp` exchange it is dense HSDP's: the
+  ``lax.pmean`` of the shard over the S nodes, ``2(S-1)/S · b · N/L``, after (for
+  ``grads="full"``) a ``psum_scatter`` over the L devices of a node, ``(L-1)/L · b · N``.
 
   Args:
     tx: an ``optax.GradientTransformation`` (e.g. a chain starting with ``jc.qsgd``).
@@ -145,7 +147,9 @@ def wire_report(
     num_devices: K, the number of devices on that axis (>= 2); for a tuple of axes,
       their devices together (``mesh.size`` on a 2-D mesh, whose sizes ``mesh`` gives).
     param_specs: the parameters' ``PartitionSpec``\\ s, as for :func:`jaxcomp.state_specs`
-      (``None``: replicated); ``update`` is traced with each device's shards.
+      (``None``: replicated); ``update`` is traced with each device's shards. For a
+      :func:`jaxcomp.hsdp` exchange ``P(fast)``, with ``axis_name=(slow, fast)``: its
+      gradients are then the shards' (``grads="shards"``) or full-size (``"full"``).
     mesh: the mesh, when ``param_specs`` name other axes (see :func:`jaxcomp.state_specs`).
     takes_shards: as for :func:`jaxcomp.state_specs`: ``True`` for a chain that takes
       shards through an exchange of its own (a ``lax.psum_scatter``).
@@ -159,17 +163,11 @@ def wire_report(
     raise ValueError("wire_report needs the axis_name the transform averages over")
   params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   layout = specs.mesh_layout(params, param_specs, axis_name, num_devices, mesh)
-  state = specs.abstract_state(
-    tx,
-    params,
-    axis_name=axis_name,
-    num_devices=num_devices,
-    param_specs=param_specs,
-    mesh=mesh,
-    takes_shards=takes_shards,
-  )
+  state, hsdp_grads = specs.trace_state(tx, params, layout, axis_name, takes_shards)
   leaves, treedef = jax.tree.flatten(params)
   grad_specs = [specs.without(spec, axis_name) for spec in layout.specs]
+  if hsdp_grads == "shards":  # jc.hsdp(grads="shards"): the gradients of the shards
+    grad_specs = list(layout.specs)
 
   def placed(spec_list):
     return treedef.unflatten(
@@ -198,7 +196,14 @@ def wire_report(
     scattered = specs.data_sharded(spec, axis_name)
     # A bfloat16 model's gradients are exchanged in bfloat16 by plain JAX: pricing them
     # as float32 would double the baseline and every ratio against it.
-    dense += (1 if scattered else 2) * (k - 1) / k * jnp.dtype(p.dtype).itemsize * n
+    b = jnp.dtype(p.dtype).itemsize
+    if hsdp_grads is not None:  # dense HSDP: pmean of the shard over the slow axis
+      slow, fast = (layout.mesh.shape[a] for a in specs.hsdp_axes(axis_name))
+      dense += 2 * (slow - 1) / slow * b * n / fast
+      if hsdp_grads == "full":  # after a psum_scatter over the fast one
+        dense += (fast - 1) / fast * b * n
+      continue
+    dense += (1 if scattered else 2) * (k - 1) / k * b * n
   dtypes = sorted({jnp.dtype(p.dtype).name for p in leaves})
   return WireReport(
     num_devices=k,
