@@ -247,8 +247,9 @@ def test_onebit_adam_on_shards(mesh):
     lambda: jc.ef_signsgd(axis_name=SLOW),
     lambda: jc.sparsify(density=0.1, axis_name=SLOW),
     lambda: jc.qsgd(bits=4, axis_name=SLOW, collective="two_phase", error_feedback=True),
+    lambda: jc.dgc(0.1, momentum=0.0, warmup_steps=0, axis_name=SLOW),
   ],
-  ids=["onebit_sgd", "ef_signsgd", "sparsify", "qsgd_two_phase_ef"],
+  ids=["onebit_sgd", "ef_signsgd", "sparsify", "qsgd_two_phase_ef", "dgc"],
 )
 def test_every_compress_method_runs_on_shards(mesh, make):
   """Two steps (the state round-trips): finite shard updates, the dense bias exact."""
@@ -376,8 +377,8 @@ def test_bad_input_is_refused(mesh):
     jc.hsdp(jc.qsgd(axis_name=SLOW, collective="reduce_scatter"), fast_axis=FAST)
   with pytest.raises(TypeError, match="jc.hsdp wraps one jaxcomp exchange"):
     jc.hsdp(optax.sgd(0.1), fast_axis=FAST)
-  with pytest.raises(NotImplementedError, match="jc.hsdp does not support jc.dgc"):
-    jc.hsdp(jc.dgc(0.01, axis_name=SLOW), fast_axis=FAST)
+  with pytest.raises(NotImplementedError, match="jc.hsdp does not support jc.mipd"):
+    jc.hsdp(jc.mipd(axis_name=SLOW), fast_axis=FAST)
 
 
 def test_a_gradient_summed_over_the_nodes_is_refused(mesh):

@@ -134,7 +134,8 @@ def hsdp(tx: optax.GradientTransformation, *, fast_axis: Any, grads: str = "shar
 
   Supported, as inside :func:`jaxcomp.two_level`: the :func:`jaxcomp.compress` family
   (``jc.qsgd``, ``jc.onebit_sgd``, ``jc.ef_signsgd``, ``jc.sparsify``) with any
-  collective but ``"reduce_scatter"``, and :func:`jaxcomp.onebit_adam` (the optimizer,
+  collective but ``"reduce_scatter"``, :func:`jaxcomp.dgc` without ``clip_norm`` (top-k
+  per shard, the node its worker) and :func:`jaxcomp.onebit_adam` (the optimizer,
   elementwise, on the shards: chain nothing after it).
 
   Args:
