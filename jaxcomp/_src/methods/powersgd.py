@@ -100,6 +100,10 @@ def _all_finite(x: Array) -> Array:
   return jnp.all(jnp.isfinite(x))
 
 
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
 def _check_options(rank, min_compression, matrix_view) -> None:
   """Every argument check of :func:`powersgd`, in one place."""
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -137,8 +141,10 @@ class _Options:
 # ----------------------------------------------------------------------------- steps
 
 
-def _init(opts: _Options, params) -> PowerSGDState:
-  """The shared key, the warm-start Q (the same draw on every device), zero residuals."""
+def _init(opts: _Options, params, blocks: int = 1) -> PowerSGDState:
+  """The shared key, the warm-start Q (the same draw on every device), zero residuals:
+  the leaf's shape, or with ``blocks`` = L > 1 (:func:`_two_level`) one block of
+  ``ceil(m/L)`` rows of its ``(m, n)`` matrix view."""
   leaves, treedef = treeutil.flat(params)
   key, q_key = jax.random.split(jax.random.key(opts.seed))
   qs, residual, chosen = [], [], []
@@ -152,9 +158,11 @@ def _init(opts: _Options, params) -> PowerSGDState:
       if p and opts.warm_start
       else optax.MaskedNode()
     )
-    residual.append(
-      jnp.zeros(leaf.shape, _F32) if p and opts.error_feedback else optax.MaskedNode()
-    )
+    if p and opts.error_feedback:
+      shape = jnp.shape(leaf) if blocks == 1 else (_cdiv(p.rows, blocks), p.cols)
+      residual.append(jnp.zeros(shape, _F32))
+    else:
+      residual.append(optax.MaskedNode())
   rule = pipeline.filter_rule(
     opts.filter_fn,
     transforms.default_filter,
@@ -179,11 +187,8 @@ class _Local(NamedTuple):
   finite: Array  # shape=(), bool: M is finite on this device
 
 
-def _compute_p(opts: _Options, g, plan: _Plan, old_q, old_e, key) -> _Local:
-  """``M = g + e`` (error feedback), ``Q`` (warm start, or fresh), ``P = M Q``."""
-  m = g.astype(_F32).reshape(plan.rows, plan.cols)
-  if opts.error_feedback:
-    m = m + old_e.reshape(plan.rows, plan.cols)
+def _start_q(opts: _Options, plan: _Plan, old_q, key) -> Array:
+  """This step's ``Q`` (``n × r``), orthonormalized: the warm start, or fresh."""
   # Fresh each step, from the key every device holds alike (shared randomness).
   fresh = jax.random.normal(key, (plan.cols, plan.rank), _F32)
   if opts.warm_start:
@@ -192,7 +197,21 @@ def _compute_p(opts: _Options, g, plan: _Plan, old_q, old_e, key) -> _Local:
     q = jnp.where(jnp.all(old_q == 0, axis=0, keepdims=True), fresh, old_q)
   else:
     q = fresh
-  return _Local(m, m @ _orthonormal(q), _all_finite(m))
+  return _orthonormal(q)
+
+
+def _local(opts: _Options, g: Array, old_e, q: Array) -> _Local:
+  """``M = g + e`` (error feedback) and ``P = M Q`` for ``g`` a float32 matrix: the
+  whole matrix view, or under :func:`_two_level` a block of its rows (``P``'s rows are
+  ``M``'s rows times ``Q``, so a block of rows gives the same rows of ``P``)."""
+  m = g + old_e.reshape(g.shape) if opts.error_feedback else g
+  return _Local(m, m @ q, _all_finite(m))
+
+
+def _compute_p(opts: _Options, g, plan: _Plan, old_q, old_e, key) -> _Local:
+  """``M = g + e`` (error feedback), ``Q`` (warm start, or fresh), ``P = M Q``."""
+  m = g.astype(_F32).reshape(plan.rows, plan.cols)
+  return _local(opts, m, old_e, _start_q(opts, plan, old_q, key))
 
 
 def _all_reduce_p(opts: _Options, dense: list, ps: list) -> tuple[list, list]:
@@ -213,25 +232,36 @@ def _all_reduce_q(opts: _Options, qs: list) -> list:
   return collectives.factor_sums(qs, opts.axis_name)[0]
 
 
+def _shared_q(opts: _Options, p_hat, q_bar, old_q) -> tuple[Array, Any]:
+  """Whether the exchange was finite, and the next warm start ``Q̄`` (the previous one
+  after a non-finite exchange)."""
+  # The same on every device (computed from the sums): a non-finite input anywhere.
+  ok = _all_finite(p_hat) & _all_finite(q_bar)
+  new_q = old_q
+  if opts.warm_start:
+    new_q = _match_varying(jnp.where(ok, q_bar, old_q), old_q)
+  return ok, new_q
+
+
+def _feedback(opts: _Options, m: Array, approx: Array, ok, finite, old_e):
+  """The residual ``e = M − P̂ Q̄ᵀ`` (of ``M``'s rows, ``approx`` the same rows), in
+  ``old_e``'s shape."""
+  if not opts.error_feedback:
+    return old_e
+  # A failed exchange delivered nothing: a device whose input was finite keeps
+  # all of M for later; one whose input was not keeps its previous residual.
+  e = jnp.where(ok, m - approx, jnp.where(finite, m, old_e.reshape(m.shape)))
+  return e.reshape(old_e.shape)
+
+
 def _decompress(opts: _Options, g, local: _Local, p_hat, q_sum, k: int, old_q, old_e):
   """``update = P̂ Q̄ᵀ``, the next warm start ``Q̄`` and the residual ``e = M − P̂ Q̄ᵀ``
   (lines 6-7); a non-finite exchange keeps the shared Q and delivers nothing."""
   q_bar = q_sum / k
-  # The same on every device (computed from the sums): a non-finite input anywhere.
-  ok = _all_finite(p_hat) & _all_finite(q_bar)
+  ok, new_q = _shared_q(opts, p_hat, q_bar, old_q)
   approx = p_hat @ q_bar.T
   out = treeutil.mark_nonfinite(approx.reshape(g.shape).astype(g.dtype), ok)
-  new_q = old_q
-  if opts.warm_start:
-    new_q = _match_varying(jnp.where(ok, q_bar, old_q), old_q)
-  new_e = old_e
-  if opts.error_feedback:
-    # A failed exchange delivered nothing: a device whose input was finite keeps
-    # all of M for later; one whose input was not keeps its previous residual.
-    m = local.m
-    e = jnp.where(ok, m - approx, jnp.where(local.finite, m, old_e.reshape(m.shape)))
-    new_e = e.reshape(g.shape)
-  return out, new_q, new_e
+  return out, new_q, _feedback(opts, local.m, approx, ok, local.finite, old_e)
 
 
 def _update(opts: _Options, updates, state: PowerSGDState):

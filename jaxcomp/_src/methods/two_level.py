@@ -64,7 +64,7 @@ def _check_inner(tx, fast_axis) -> transforms.ExchangeInfo:
       "not a chain or another optax transform: it must know that the transform averages "
       "over the slow axis. Chain the optimizer after jc.two_level(...)"
     )
-  if info.shardable is not None:
+  if info.shardable is not None and info.two_level is None:
     raise NotImplementedError(f"jc.two_level does not support {info.who} yet: {info.shardable}")
   if info.collective == "reduce_scatter":
     raise ValueError(
@@ -198,7 +198,9 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
     Markov et al. *CGX: Adaptive System Support for Communication-Efficient Deep
     Learning*. Middleware 2022. https://arxiv.org/abs/2111.08617
   """
-  _check_inner(tx, fast_axis)
+  info = _check_inner(tx, fast_axis)
+  if info.two_level is not None:  # a schedule of its own (jc.powersgd's)
+    return transforms.places_own_state(info.two_level(fast_axis))
   places_own = transforms.places_own(tx)
 
   def init_fn(params):
