@@ -578,6 +578,12 @@ def powersgd(
   a gradient already replicated over ``axis_name`` is a ``ValueError``. Under
   ``jax.pmap`` the state is per device already.
 
+  Between nodes, ``jc.two_level(jc.powersgd(r, axis_name=slow), fast_axis=fast)`` runs
+  PowerSGD's own two-level schedule (:func:`_two_level`): the same method over the slow
+  axis of the node-mean matrices, to float rounding, each matrix kept as a matrix and
+  its rows split over the devices of a node, so a node sends one ``P`` and one ``Q``
+  over the slow link (not L), and each device holds 1/L of the residuals.
+
   Args:
     rank: ``r``, the approximation rank (PyTorch's default 1; the paper uses 1–4, up to
       32 for its language model).

@@ -60,7 +60,8 @@ def _check_inner(tx, fast_axis) -> transforms.ExchangeInfo:
   if info is None:
     raise TypeError(
       "jc.two_level wraps one jaxcomp exchange built with axis_name=<the slow axis> "
-      "(jc.compress, jc.qsgd, jc.onebit_sgd, jc.ef_signsgd, jc.sparsify, jc.onebit_adam), "
+      "(jc.compress, jc.qsgd, jc.onebit_sgd, jc.ef_signsgd, jc.sparsify, jc.onebit_adam, "
+      "jc.powersgd), "
       "not a chain or another optax transform: it must know that the transform averages "
       "over the slow axis. Chain the optimizer after jc.two_level(...)"
     )
@@ -179,8 +180,10 @@ def two_level(tx: optax.GradientTransformation, *, fast_axis: Any) -> optax.Grad
   Supported: the :func:`jaxcomp.compress` family (``jc.qsgd``, ``jc.onebit_sgd``,
   ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``, and
   :func:`jaxcomp.onebit_adam` (the optimizer, elementwise, on the shards: chain nothing
-  after it). :func:`jaxcomp.dgc`, :func:`jaxcomp.powersgd` and :func:`jaxcomp.mipd`
-  raise ``NotImplementedError`` saying why; other transforms (a chain, an optax
+  after it). :func:`jaxcomp.powersgd` runs a schedule of its own, flat PowerSGD over
+  the slow axis of the node means with each matrix's rows split over the node's devices
+  (``docs/guides/two_level.md``). :func:`jaxcomp.dgc` and :func:`jaxcomp.mipd` raise
+  ``NotImplementedError`` saying why; other transforms (a chain, an optax
   transform) a ``TypeError``. ``init`` and ``update`` need both axes bound (a 2-D mesh
   under ``jax.shard_map``; ``jax.pmap`` maps one axis).
 
