@@ -560,3 +560,15 @@ def test_powersgd_trains_in_the_guide_loop():
   loss = float(re.search(r"loss (\S+)", text).group(1))
   assert np.isfinite(loss) and loss < math.log(10), text
   assert "over node:" in text and "over gpu:" in text, text
+
+
+def test_powersgd_bfloat16_leaves_keep_their_dtype(mesh):
+  """A bfloat16 model: the updates have the leaves' dtype (the node's mean is taken in
+  bfloat16, as lax.pmean would; P, Q and the residuals are float32, as flat PowerSGD's)."""
+  params = {"w": jnp.zeros((64, 48), jnp.bfloat16), "b": jnp.zeros((10,), jnp.bfloat16)}
+  grads = _step_grads(jax.random.key(11), 2, params)
+  out, state = _steps(_two_level(_psgd(SLOW)), mesh, AXES, grads, params)
+  assert out["w"].dtype == jnp.bfloat16 and out["b"].dtype == jnp.bfloat16
+  assert np.all(np.isfinite(np.asarray(out["w"], np.float32)))
+  assert state.inner.residual.inner["w"].dtype == jnp.float32
+  assert state.inner.q["w"].dtype == jnp.float32

@@ -375,10 +375,11 @@ def _orthonormal_rows(p_sums: list, plans: list, fast) -> list:
   The blocks (``r`` values a row) are all-gathered over ``fast`` and every device runs
   :func:`_orthonormal`, the Householder QR flat PowerSGD runs, on the same ``ΣP``. A
   Cholesky QR from the ``r × r`` Gram matrix psum'ed over ``fast`` would move ``r²``
-  values instead of ``m·r`` over the fast link, but it is another ``P̂``: it squares
-  ``P``'s condition number in rounding (the two results drift apart over warm-started
-  steps) and breaks down on a rank-deficient ``P`` (a zero gradient), which Householder
-  completes to an orthonormal basis.
+  values instead of ``m·r`` over the fast link, but it is another computation of
+  ``P̂``: its rounding error grows with the square of ``P``'s condition number (so it
+  could not be compared with flat PowerSGD to float tolerance, and warm starts carry
+  the difference on), and it breaks down on a rank-deficient ``P`` (a zero gradient),
+  which Householder QR completes to an orthonormal basis.
   """
   return [_orthonormal(p) for p in _whole_rows(p_sums, [plan.rows for plan in plans], fast)]
 
