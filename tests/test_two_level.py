@@ -420,25 +420,29 @@ def _node_means(grads):
   return {k: g.reshape(g.shape[:1] + (N, L) + g.shape[2:]).mean(2) for k, g in grads.items()}
 
 
-@pytest.mark.parametrize("view", ["last", "first"])
-def test_powersgd_equals_flat_powersgd_of_the_node_means(mesh, view):
+@pytest.mark.parametrize(
+  "view, options",
+  [("last", {}), ("first", {}), ("last", {"error_feedback": False, "warm_start": False})],
+  ids=["last", "first", "no_feedback_fresh_q"],
+)
+def test_powersgd_equals_flat_powersgd_of_the_node_means(mesh, view, options):
   """two_level(powersgd) on (2, 4) computes flat PowerSGD on 2 devices fed the node
   means: the same updates at every step (warm start and error feedback carried over 4
   steps of different gradients), the same Q, and each node's residual the devices'
   row blocks stacked, to float32 rounding (the sums over rows and over devices are
-  taken in another order)."""
+  taken in another order); without them, the same fresh Q drawn from the shared key."""
   t = 4
   grads = _step_grads(jax.random.key(8), t, PSGD_PARAMS)
-  two_tx = _two_level(_psgd(SLOW, matrix_view=view))
+  two_tx = _two_level(_psgd(SLOW, matrix_view=view, **options))
   out, state = _steps(two_tx, mesh, AXES, grads, PSGD_PARAMS)
   flat_mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), (SLOW,))
-  flat_tx = jc.per_device_state(_psgd(SLOW, matrix_view=view))
+  flat_tx = jc.per_device_state(_psgd(SLOW, matrix_view=view, **options))
   want, flat_state = _steps(flat_tx, flat_mesh, SLOW, _node_means(grads), PSGD_PARAMS)
   for name in PSGD_PARAMS:
     assert out[name].shape == want[name].shape and out[name].dtype == want[name].dtype
     np.testing.assert_allclose(out[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
   inner, flat_inner = state.inner, flat_state.inner
-  for name in ("w", "odd", "k3"):
+  for name in ("w", "odd", "k3") if not options else ():
     np.testing.assert_allclose(inner.q[name], flat_inner.q[name][0], rtol=1e-4, atol=1e-5)
     e = np.asarray(flat_inner.residual[name])  # (N, *leaf shape): one per node
     rows = np.asarray(inner.residual.inner[name])  # (N·L, ceil(m/L), n): one per device
@@ -446,6 +450,7 @@ def test_powersgd_equals_flat_powersgd_of_the_node_means(mesh, view):
     np.testing.assert_allclose(whole.reshape(e.shape), e, rtol=1e-4, atol=1e-5, err_msg=name)
   for name in ("skip", "b", "s"):  # dense: the exact mean over both axes
     assert isinstance(inner.residual.inner[name], optax.MaskedNode)
+    assert isinstance(inner.q[name], optax.MaskedNode)
     np.testing.assert_allclose(out[name], grads[name].mean(1), rtol=1e-6, atol=1e-6)
   # Not the mean: rank 2 of a random 64 x 48 matrix drops most of it.
   assert not np.allclose(out["w"][0], grads["w"][0].mean(0), atol=1e-2)
