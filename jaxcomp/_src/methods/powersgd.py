@@ -3,7 +3,9 @@
 Written in the paper's steps (Algorithm 1), each a module-level function over a frozen
 :class:`_Options`: ``_compute_p`` (``M = g + e``, ``P = M Q``), ``_all_reduce_p``,
 ``_compute_q`` (``P̂ = orth(P)``, ``Q = Mᵀ P̂``), ``_all_reduce_q``, ``_decompress``
-(``P̂ Q̄ᵀ``, the warm start and the error feedback), wired by ``_update``.
+(``P̂ Q̄ᵀ``, the warm start and the error feedback), wired by ``_update``. The same
+steps, on blocks of each matrix's rows, make PowerSGD's own schedule under
+:func:`jaxcomp.two_level` (``_two_level``, wired by ``_two_level_update``).
 """
 
 from __future__ import annotations
@@ -580,10 +582,10 @@ def powersgd(
   ``jax.pmap`` the state is per device already.
 
   Between nodes, ``jc.two_level(jc.powersgd(r, axis_name=slow), fast_axis=fast)`` runs
-  PowerSGD's own two-level schedule (:func:`_two_level`): the same method over the slow
-  axis of the node-mean matrices, to float rounding, each matrix kept as a matrix and
-  its rows split over the devices of a node, so a node sends one ``P`` and one ``Q``
-  over the slow link (not L), and each device holds 1/L of the residuals.
+  PowerSGD's own two-level schedule (``docs/guides/two_level.md``): the same method
+  over the slow axis of the node-mean matrices, to float rounding, each matrix kept as
+  a matrix and its rows split over the devices of a node, so a node sends one ``P``
+  and one ``Q`` over the slow link (not L), and each device holds 1/L of the residuals.
 
   Args:
     rank: ``r``, the approximation rank (PyTorch's default 1; the paper uses 1–4, up to
