@@ -379,6 +379,8 @@ def test_bad_input_is_refused(mesh):
     jc.hsdp(optax.sgd(0.1), fast_axis=FAST)
   with pytest.raises(NotImplementedError, match="jc.hsdp does not support jc.mipd"):
     jc.hsdp(jc.mipd(axis_name=SLOW), fast_axis=FAST)
+  with pytest.raises(NotImplementedError, match="jc.hsdp does not support jc.powersgd"):
+    jc.hsdp(jc.powersgd(axis_name=SLOW), fast_axis=FAST)
 
 
 def test_a_gradient_summed_over_the_nodes_is_refused(mesh):

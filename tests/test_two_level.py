@@ -116,9 +116,9 @@ def _residual_sizes(tx, mesh, params=PARAMS):
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
   inner = state.inner  # per_device_state hands two_level back: it places its state
   inner = inner.inner if isinstance(inner, jc.PerDeviceState) else inner  # the flat one's
-  return {
-    k: None if isinstance(v, optax.MaskedNode) else v.shape for k, v in inner.residual.items()
-  }
+  residual = inner.residual  # two_level(powersgd) holds its residuals per device itself
+  residual = residual.inner if isinstance(residual, jc.PerDeviceState) else residual
+  return {k: None if isinstance(v, optax.MaskedNode) else v.shape for k, v in residual.items()}
 
 
 def test_residuals_are_a_shard_of_each_leaf(mesh):
@@ -201,7 +201,6 @@ def test_state_specs_need_the_mesh_sizes(mesh):
   "make, match",
   [
     (lambda: jc.dgc(0.01, axis_name=SLOW, clip_norm=1.0), "jc.dgc.*clip_norm"),
-    (lambda: jc.powersgd(axis_name=SLOW), "jc.powersgd"),
     (lambda: jc.mipd(axis_name=SLOW), "jc.mipd"),
   ],
 )
@@ -475,3 +474,219 @@ def test_bfloat16_leaves_keep_their_dtype(mesh):
     exact = np.asarray(g, np.float32).mean(0)
     scale = np.abs(np.asarray(g, np.float32)).max()
     np.testing.assert_allclose(np.asarray(out[name][0], np.float32), exact, atol=8 * 2**-8 * scale)
+
+
+# ----------------------------------------------------------------------------- PowerSGD
+# jc.powersgd under jc.two_level runs its own schedule: the rows of each matrix split
+# over the devices of a node, flat PowerSGD over the slow axis of the node means.
+
+# Rows L divides, rows it does not (33; 30 or 6 for the 3-D leaf, by matrix view), a
+# matrix the filter leaves out by its path, a bias and a scalar (dense).
+PSGD_PARAMS = {
+  "w": jnp.zeros((64, 48)),
+  "odd": jnp.zeros((33, 35)),
+  "k3": jnp.zeros((6, 5, 12)),
+  "skip": jnp.zeros((16, 16)),
+  "b": jnp.zeros((10,)),
+  "s": jnp.zeros(()),
+}
+
+
+def _psgd_filter(path, leaf):
+  return leaf.ndim >= 2 and "skip" not in jax.tree_util.keystr(path)
+
+
+def _psgd(axis_name, **kw):
+  return jc.powersgd(2, axis_name=axis_name, filter=_psgd_filter, **kw)
+
+
+def _steps(tx, mesh, axes, grads, params):
+  """``tx`` (held per device) over T steps inside shard_map over ``mesh`` (check_vma
+  on), step t on ``grads[t]`` (each leaf ``(T, devices, *shape)``, device-major): the
+  updates of each step, stacked, and the last state."""
+  specs = jc.state_specs(tx, params, axis_name=axes, num_devices=mesh.size, mesh=mesh)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  grads = jax.device_put(grads, NamedSharding(mesh, P(None, axes)))
+
+  def run(g, state):
+    def step(state, g_t):
+      u, state = tx.update(g_t, state, params)
+      return state, u
+
+    state, us = jax.lax.scan(step, state, jax.tree.map(lambda x: x[:, 0], g))
+    return us, state
+
+  fn = jax.shard_map(run, mesh=mesh, in_specs=(P(None, axes), specs), out_specs=(P(), specs))
+  return jax.jit(fn)(grads, state)
+
+
+def _step_grads(key, t, params):
+  """T steps of per-device gradients, each leaf ``(T, N·L, *shape)``."""
+  keys = jax.random.split(key, len(params))
+  return {
+    name: jax.random.normal(k, (t, N * L) + p.shape, p.dtype)
+    for k, (name, p) in zip(keys, sorted(params.items()))
+  }
+
+
+def _node_means(grads):
+  return {k: g.reshape(g.shape[:1] + (N, L) + g.shape[2:]).mean(2) for k, g in grads.items()}
+
+
+@pytest.mark.parametrize(
+  "view, options",
+  [("last", {}), ("first", {}), ("last", {"error_feedback": False, "warm_start": False})],
+  ids=["last", "first", "no_feedback_fresh_q"],
+)
+def test_powersgd_equals_flat_powersgd_of_the_node_means(mesh, view, options):
+  """two_level(powersgd) on (2, 4) computes flat PowerSGD on 2 devices fed the node
+  means: the same updates at every step (warm start and error feedback carried over 4
+  steps of different gradients), the same Q, and each node's residual the devices'
+  row blocks stacked, to float32 rounding (the sums over rows and over devices are
+  taken in another order); without them, the same fresh Q drawn from the shared key."""
+  t = 4
+  grads = _step_grads(jax.random.key(8), t, PSGD_PARAMS)
+  two_tx = _two_level(_psgd(SLOW, matrix_view=view, **options))
+  out, state = _steps(two_tx, mesh, AXES, grads, PSGD_PARAMS)
+  flat_mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), (SLOW,))
+  flat_tx = jc.per_device_state(_psgd(SLOW, matrix_view=view, **options))
+  want, flat_state = _steps(flat_tx, flat_mesh, SLOW, _node_means(grads), PSGD_PARAMS)
+  for name in PSGD_PARAMS:
+    assert out[name].shape == want[name].shape and out[name].dtype == want[name].dtype
+    np.testing.assert_allclose(out[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+  inner, flat_inner = state.inner, flat_state.inner
+  for name in ("w", "odd", "k3") if not options else ():
+    np.testing.assert_allclose(inner.q[name], flat_inner.q[name][0], rtol=1e-4, atol=1e-5)
+    e = np.asarray(flat_inner.residual[name])  # (N, *leaf shape): one per node
+    rows = np.asarray(inner.residual.inner[name])  # (N·L, ceil(m/L), n): one per device
+    whole = rows.reshape(N, -1, rows.shape[-1])[:, : e.size // (N * rows.shape[-1])]
+    np.testing.assert_allclose(whole.reshape(e.shape), e, rtol=1e-4, atol=1e-5, err_msg=name)
+  for name in ("skip", "b", "s"):  # dense: the exact mean over both axes
+    assert isinstance(inner.residual.inner[name], optax.MaskedNode)
+    assert isinstance(inner.q[name], optax.MaskedNode)
+    np.testing.assert_allclose(out[name], grads[name].mean(1), rtol=1e-6, atol=1e-6)
+  # Not the mean: rank 2 of a random 64 x 48 matrix drops most of it.
+  assert not np.allclose(out["w"][0], grads["w"][0].mean(0), atol=1e-2)
+
+
+def test_powersgd_nonfinite_step_as_flat_powersgd(mesh):
+  """A NaN on one device at step 1 of 3 (device 5: node 1) reaches the update on every
+  device, Q keeps its value, node 1's devices keep their residual rows and the other
+  node's carry their whole M forward, and the next steps go on from there: all as flat
+  PowerSGD does with node 1's mean non-finite. The step is counted on node 1's devices."""
+  grads = _step_grads(jax.random.key(10), 3, PSGD_PARAMS)
+  grads["w"] = grads["w"].at[1, 5, 3, 7].set(jnp.nan)
+  out, state = _steps(_two_level(_psgd(SLOW)), mesh, AXES, grads, PSGD_PARAMS)
+  flat_mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), (SLOW,))
+  flat_tx = jc.per_device_state(_psgd(SLOW))
+  want, flat_state = _steps(flat_tx, flat_mesh, SLOW, _node_means(grads), PSGD_PARAMS)
+  assert not np.any(np.isfinite(out["w"][1])) and np.all(np.isfinite(out["w"][2]))
+  for name in PSGD_PARAMS:
+    np.testing.assert_allclose(out[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+  counts = np.asarray(state.inner.nonfinite_count.inner).reshape(N, L)
+  np.testing.assert_array_equal(counts, [[0] * L, [1] * L])
+  np.testing.assert_array_equal(flat_state.inner.nonfinite_count, [0, 1])
+
+
+def test_powersgd_asks_the_filter_about_whole_leaves(mesh):
+  """The filter sees each matrix's whole shape, as without jc.two_level (no shard of
+  it is ever built to be asked about)."""
+  seen = []
+
+  def filt(path, leaf):
+    seen.append((jax.tree_util.keystr(path), tuple(leaf.shape)))
+    return _psgd_filter(path, leaf)
+
+  tx = _two_level(jc.powersgd(axis_name=SLOW, filter=filt))
+  grads = _step_grads(jax.random.key(9), 1, PSGD_PARAMS)
+  _steps(tx, mesh, AXES, grads, PSGD_PARAMS)
+  # PowerSGD asks about leaves of rank >= 2 only (it sends vectors dense), whole.
+  want = {(f"['{k}']", tuple(p.shape)) for k, p in PSGD_PARAMS.items() if p.ndim >= 2}
+  assert set(seen) == want
+
+
+def test_powersgd_residuals_are_row_blocks(mesh):
+  """Per device 1/L of flat PowerSGD's residuals (ceil(m/L) rows of each matrix view);
+  Q, the same on every device of every node, is held once (replicated, P())."""
+  tx = _two_level(_psgd(SLOW))
+  specs = jc.state_specs(tx, PSGD_PARAMS, axis_name=AXES, num_devices=N * L, mesh=mesh)
+  assert isinstance(specs, jc.TwoLevelState)
+  assert specs.inner.q["w"] == P() and specs.inner.residual.inner["w"] == P(AXES)
+  two = _residual_sizes(tx, mesh, PSGD_PARAMS)
+  flat = _residual_sizes(jc.per_device_state(_psgd(AXES)), mesh, PSGD_PARAMS)
+  assert flat["w"] == (N * L, 64, 48) and two["w"] == (N * L, 64 // L, 48)
+  assert flat["odd"] == (N * L, 33, 35) and two["odd"] == (N * L, -(-33 // L), 35)
+  assert two["k3"] == (N * L, -(-30 // L), 12)  # the (30, 12) matrix view, padded
+  assert two["skip"] is None and two["b"] is None and two["s"] is None
+  per_device = {k: math.prod(v[1:]) for k, v in two.items() if v}
+  flat_per_device = {k: math.prod(v[1:]) for k, v in flat.items() if v}
+  assert per_device["w"] * L == flat_per_device["w"]
+  assert sum(per_device.values()) * L <= sum(flat_per_device.values()) + L * 35 + L * 12
+
+
+def test_powersgd_wire_bytes_split_by_axis(mesh):
+  """Over the slow axis each device all-reduces its rows of P (m/L × r) and its slice
+  of Q (n/L × r), 1/L of flat PowerSGD's P and Q over the slow axis of the node means;
+  the flat exchange over all N·L devices sends more than L times that per device."""
+  m, n, r = 1024, 512, 4
+  params = {"w": jnp.zeros((m, n))}
+  two = jc.wire_report(
+    _two_level(jc.powersgd(r, axis_name=SLOW)), params, axis_name=AXES, num_devices=8, mesh=mesh
+  )
+  psum = 2 * (N - 1) / N  # an all-reduce's bytes per byte of operand
+  assert two.by_axis[(SLOW,)] == psum * 4 * r * (m + n) / L
+  flat_mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), (SLOW,))
+  node_flat = jc.wire_report(
+    jc.per_device_state(jc.powersgd(r, axis_name=SLOW)),
+    params,
+    axis_name=SLOW,
+    num_devices=N,
+    mesh=flat_mesh,
+  )
+  assert node_flat.bytes_received == L * two.by_axis[(SLOW,)]
+  flat = jc.wire_report(
+    jc.per_device_state(jc.powersgd(r, axis_name=AXES)),
+    params,
+    axis_name=AXES,
+    num_devices=8,
+    mesh=mesh,
+  )
+  assert L * two.by_axis[(SLOW,)] < flat.bytes_received
+  # Over the fast axis (each (L-1)/L of the whole operand): the dense reduce-scatter of
+  # the gradient, the P blocks gathered, Q reduce-scattered and gathered; and an
+  # all-reduce of two int32 flags (the matrix's and the dense leaves' finiteness).
+  fast = (L - 1) / L * 4 * (m * n + r * m + 2 * r * n) + 2 * (L - 1) / L * 4 * 2
+  assert two.by_axis[(FAST,)] == pytest.approx(fast, rel=1e-12)
+
+
+def test_powersgd_trains_in_the_guide_loop():
+  """docs/guides/two_level.md's training loop with jc.powersgd(2) in place of QSGD."""
+  import contextlib
+  import io
+  import pathlib
+  import re
+
+  guide = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/two_level.md"
+  code = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)[0]  # "Use"
+  old = "jc.qsgd(bits=4, axis_name=SLOW)"
+  assert old in code
+  code = code.replace(old, "jc.powersgd(2, axis_name=SLOW)")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
+    exec(compile(code, str(guide), "exec"), {"__name__": "two_level_guide"})
+  text = out.getvalue()
+  loss = float(re.search(r"loss (\S+)", text).group(1))
+  assert np.isfinite(loss) and loss < math.log(10), text
+  assert "over node:" in text and "over gpu:" in text, text
+
+
+def test_powersgd_bfloat16_leaves_keep_their_dtype(mesh):
+  """A bfloat16 model: the updates have the leaves' dtype (the node's mean is taken in
+  bfloat16, as lax.pmean would; P, Q and the residuals are float32, as flat PowerSGD's)."""
+  params = {"w": jnp.zeros((64, 48), jnp.bfloat16), "b": jnp.zeros((10,), jnp.bfloat16)}
+  grads = _step_grads(jax.random.key(11), 2, params)
+  out, state = _steps(_two_level(_psgd(SLOW)), mesh, AXES, grads, params)
+  assert out["w"].dtype == jnp.bfloat16 and out["b"].dtype == jnp.bfloat16
+  assert np.all(np.isfinite(np.asarray(out["w"], np.float32)))
+  assert state.inner.residual.inner["w"].dtype == jnp.float32
+  assert state.inner.q["w"].dtype == jnp.float32

@@ -312,9 +312,10 @@ def shard_rows(x: Array, k: int, what: str = "x") -> Array:
   return x.reshape((k, x.shape[0] // k) + tuple(x.shape[1:]))
 
 
-def psum_scatter_tree(tree, axis_name):
+def psum_scatter_tree(tree, axis_name, *, mean: bool = True):
   """``lax.psum_scatter(x, scatter_dimension=0, tiled=True) / K`` of every array of
-  ``tree`` (its first axis divisible by K), as one reduce-scatter per dtype.
+  ``tree`` (its first axis divisible by K), as one reduce-scatter per dtype; the sums,
+  not divided by K, with ``mean=False`` (PowerSGD's factors are sums).
 
   The dense counterpart of :func:`reduce_scatter_means`: device j gets the mean of
   row j (:func:`shard_rows`), shaped ``(d0/K, ...)``, in the arrays' dtype. The arrays
@@ -334,7 +335,8 @@ def psum_scatter_tree(tree, axis_name):
     offset = 0
     for i in idx:
       n = rows[i][0].size
-      out[i] = mine[offset : offset + n].reshape(rows[i].shape[1:]) / k
+      out[i] = mine[offset : offset + n].reshape(rows[i].shape[1:])
+      out[i] = out[i] / k if mean else out[i]
       offset += n
   return treedef.unflatten(out)
 

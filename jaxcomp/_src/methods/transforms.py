@@ -699,6 +699,10 @@ class ExchangeInfo(NamedTuple):
   axis_name: Any  # the axis it averages over
   collective: str | None  # its collective argument (None: a method without one)
   shardable: str | None  # None: it runs on any shards of the leaves; else why not
+  # Its own two-level schedule, ``two_level(fast_axis) -> GradientTransformation``, for
+  # an exchange that must not run on shards cut by the generic one (PowerSGD's matrices
+  # kept as matrices); None: the generic one (or none, where ``shardable`` says why).
+  two_level: Callable[[Any], optax.GradientTransformation] | None = None
 
 
 #: The jaxcomp exchanges built so far, by their ``init`` function: what
@@ -714,9 +718,15 @@ def register_exchange(
   axis_name: Any,
   collective: str | None = None,
   shardable: str | None = None,
+  two_level: Callable[[Any], optax.GradientTransformation] | None = None,
 ) -> optax.GradientTransformation:
-  """Records ``tx`` as a jaxcomp exchange (:class:`ExchangeInfo`); returns ``tx``."""
-  _EXCHANGES[tx.init] = ExchangeInfo(who, axis_name, collective, shardable)
+  """Records ``tx`` as a jaxcomp exchange (:class:`ExchangeInfo`); returns ``tx``.
+
+  ``two_level``, when given, is what :func:`jaxcomp.two_level` runs in place of its
+  generic schedule (the wrapped exchange on 1/L shards of each leaf): a factory taking
+  the fast axis and returning the whole two-level exchange, state placement included.
+  """
+  _EXCHANGES[tx.init] = ExchangeInfo(who, axis_name, collective, shardable, two_level)
   return tx
 
 

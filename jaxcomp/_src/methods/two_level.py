@@ -61,11 +61,15 @@ def _check_inner(tx, fast_axis, wrapper: str = "jc.two_level") -> transforms.Exc
   if info is None:
     raise TypeError(
       f"{wrapper} wraps one jaxcomp exchange built with axis_name=<the slow axis> "
-      "(jc.compress, jc.qsgd, jc.onebit_sgd, jc.ef_signsgd, jc.sparsify, jc.onebit_adam), "
+      "(jc.compress, jc.qsgd, jc.onebit_sgd, jc.ef_signsgd, jc.sparsify, jc.onebit_adam, "
+      "jc.dgc, jc.powersgd), "
       "not a chain or another optax transform: it must know that the transform averages "
       f"over the slow axis. Chain the optimizer after {wrapper}(...)"
     )
-  if info.shardable is not None:
+  # PowerSGD runs a schedule of its own under jc.two_level (whole matrices, rows split
+  # over the node); jc.hsdp hands tx shards and wants shards back, which that schedule
+  # does not do.
+  if info.shardable is not None and (info.two_level is None or wrapper != "jc.two_level"):
     raise NotImplementedError(f"{wrapper} does not support {info.who} yet: {info.shardable}")
   if info.collective == "reduce_scatter":
     raise ValueError(
@@ -183,8 +187,10 @@ def two_level(
   Supported: the :func:`jaxcomp.compress` family (``jc.qsgd``, ``jc.onebit_sgd``,
   ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``,
   :func:`jaxcomp.onebit_adam` (the optimizer, elementwise, on the shards: chain nothing
-  after it) and :func:`jaxcomp.dgc` without ``clip_norm`` (top-k per shard: the node is
-  DGC's worker). :func:`jaxcomp.powersgd` and :func:`jaxcomp.mipd` raise
+  after it), :func:`jaxcomp.dgc` without ``clip_norm`` (top-k per shard: the node is
+  DGC's worker) and :func:`jaxcomp.powersgd`, which runs a schedule of its own, flat
+  PowerSGD over the slow axis of the node means with each matrix's rows split over the
+  node's devices (``docs/guides/two_level.md``). :func:`jaxcomp.mipd` raises
   ``NotImplementedError`` saying why; other transforms (a chain, an optax
   transform) a ``TypeError``. ``init`` and ``update`` need both axes bound (a 2-D mesh
   under ``jax.shard_map``; ``jax.pmap`` maps one axis).
@@ -210,7 +216,9 @@ def two_level(
     Markov et al. *CGX: Adaptive System Support for Communication-Efficient Deep
     Learning*. Middleware 2022. https://arxiv.org/abs/2111.08617
   """
-  _check_inner(tx, fast_axis)
+  info = _check_inner(tx, fast_axis)
+  if info.two_level is not None:  # a schedule of its own (jc.powersgd's)
+    return transforms.places_own_state(info.two_level(fast_axis))
   places_own = transforms.places_own(tx)
 
   def init_fn(params):
