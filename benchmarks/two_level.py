@@ -31,8 +31,8 @@ exchange moved under 1% of its modelled bytes "sent nothing".
 
 Then the α-β projection (:mod:`jaxcomp.network` with a link per mesh axis): each
 method's exchange time per step at 8 devices per node on an NVLink-class fast link and
-16-1024 nodes on 100 Gbit/s and 10 Gbit/s slow links (``PROJECTION_LINKS``; a link's
-bandwidth is per device).
+16-1024 nodes on 100 Gbit/s and 10 Gbit/s slow links, and on 100 Gbit/s without the
+latency term (``PROJECTION_LINKS``; a link's bandwidth is per device).
 
   sudo python -m benchmarks.two_level --rates 100mbit,1gbit --models mlp --steps 30
   sudo python -m benchmarks.two_level --models lm --methods dense,flat_qsgd4,two_level_qsgd4
@@ -74,6 +74,9 @@ PROJECTION_GPUS = 8
 PROJECTION_LINKS = {
   "100 Gbit/s": {"gpu": (3e-6, 150e9), "node": (10e-6, 12.5e9)},
   "10 Gbit/s": {"gpu": (3e-6, 150e9), "node": (30e-6, 1.25e9)},
+  # The bandwidth term alone: from a few hundred devices a ring's latency term dominates
+  # every method's time (NCCL switches to trees there), hiding what the bytes cost.
+  "100 Gbit/s, α = 0": {"gpu": (0.0, 150e9), "node": (0.0, 12.5e9)},
 }
 
 
