@@ -356,8 +356,8 @@ def test_bad_input(mesh):
   for ex in (optax.scale(1.0), optax.chain(jc.qsgd(axis_name=SLOW))):
     with pytest.raises(TypeError, match="one jaxcomp exchange"):
       jc.diloco(sgd, sgd, **kw, exchange=ex, fast_axis=FAST)
-  with pytest.raises(NotImplementedError, match="jc.powersgd"):
-    jc.diloco(sgd, sgd, **kw, exchange=jc.powersgd(axis_name=SLOW), fast_axis=FAST)
+  with pytest.raises(NotImplementedError, match="jc.mipd"):
+    jc.diloco(sgd, sgd, **kw, exchange=jc.mipd(axis_name=SLOW), fast_axis=FAST)
 
   tx = jc.diloco(sgd, sgd, **kw, fast_axis=FAST)
   specs = jc.state_specs(tx, PARAMS, axis_name=AXES, num_devices=N * L, mesh=mesh)

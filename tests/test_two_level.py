@@ -200,7 +200,6 @@ def test_state_specs_need_the_mesh_sizes(mesh):
 @pytest.mark.parametrize(
   "make, match",
   [
-    (lambda: jc.dgc(0.01, axis_name=SLOW, clip_norm=1.0), "jc.dgc.*clip_norm"),
     (lambda: jc.mipd(axis_name=SLOW), "jc.mipd"),
   ],
 )
@@ -248,6 +247,41 @@ def test_dgc_at_full_density_is_the_mean(mesh):
   for name, g in grads.items():
     for step in range(2):
       np.testing.assert_allclose(out[name][step], g.mean(0), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("clip", ["global", "per_tensor"])
+def test_dgc_clips_the_node_gradient_by_its_whole_norm(mesh, clip):
+  """DGC's local clipping with the node as its worker: each node's mean gradient is
+  clipped at clip_norm / sqrt(N) by the norm of the whole gradient (global) or of each
+  whole leaf (per_tensor), the squares summed over the node's shards (the padding adds
+  nothing). At density 1 without momentum the result is the mean of the clipped node
+  means; the threshold sits between the node norms so that one node is clipped and the
+  other is not, and a per-shard norm would clip differently."""
+  grads = _grads(jax.random.key(11))
+  grads = {
+    k: g * jnp.repeat(jnp.asarray([1.0, 0.05]), L).reshape((-1,) + (1,) * (g.ndim - 1))
+    for k, g in grads.items()
+  }
+  nodes = {
+    k: np.asarray(g, np.float64).reshape((N, L) + g.shape[1:]).mean(1) for k, g in grads.items()
+  }
+  if clip == "global":
+    norms = np.sqrt(sum(np.sum(v.reshape(N, -1) ** 2, 1) for v in nodes.values()))
+    clip_norm = float(norms.mean()) * math.sqrt(N)
+    thr = clip_norm / math.sqrt(N)
+    assert norms.max() > thr > norms.min()
+    scale = {k: np.minimum(1.0, thr / norms) for k in nodes}
+  else:
+    leaf = {k: np.sqrt(np.sum(v.reshape(N, -1) ** 2, 1)) for k, v in nodes.items()}
+    clip_norm = float(leaf["w"].mean()) * math.sqrt(N)
+    thr = clip_norm / math.sqrt(N)
+    assert leaf["w"].max() > thr > leaf["w"].min()
+    scale = {k: np.minimum(1.0, thr / np.where(n > 0, n, 1.0)) for k, n in leaf.items()}
+  tx = _two_level(jc.dgc(1.0, 0.0, axis_name=SLOW, clip_norm=clip_norm, clip=clip))
+  out, _ = _run(tx, mesh, grads)
+  for name, v in nodes.items():
+    want = (v * scale[name].reshape((N,) + (1,) * (v.ndim - 1))).mean(0)
+    np.testing.assert_allclose(out[name][0], want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def _dgc_reference(grads, density, m, steps):

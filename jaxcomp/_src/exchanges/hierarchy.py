@@ -16,6 +16,9 @@ The padding is averaged as zeros and dropped after the gather.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -82,3 +85,30 @@ def gather_shards(shards, like, axis_name):
     return g.reshape(-1)[:n].reshape(np.shape(x)).astype(x.dtype)
 
   return jax.tree.map(whole, gathered, like)
+
+
+#: While :func:`shards_over` runs: the mesh axis over which the arrays a transform is
+#: given are the shards of whole leaves. A context variable: traces on other threads do
+#: not see it.
+_SHARD_AXIS: contextvars.ContextVar = contextvars.ContextVar("jaxcomp_shard_axis", default=None)
+
+
+@contextlib.contextmanager
+def shards_over(axis_name):
+  """Inside the block, :func:`sum_over_shards` sums over ``axis_name``: the wrapped
+  transform runs on shards of each leaf cut over that axis (:func:`jaxcomp.two_level`,
+  :func:`jaxcomp.hsdp`), and a quantity of the whole leaf, such as DGC's clipping norm,
+  is the sum of its shards' parts."""
+  token = _SHARD_AXIS.set(axis_name)
+  try:
+    yield
+  finally:
+    _SHARD_AXIS.reset(token)
+
+
+def sum_over_shards(x: Array) -> Array:
+  """``x``, a sum over this device's shards, summed over every shard of the leaves
+  (``lax.psum`` over :func:`shards_over`'s axis; ``x`` itself outside it). Zero padding
+  adds nothing to a sum of squares."""
+  axis = _SHARD_AXIS.get()
+  return x if axis is None else lax.psum(x, axis)

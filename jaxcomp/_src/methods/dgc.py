@@ -22,6 +22,7 @@ import optax
 from jaxcomp._src.codecs import base as codecs_lib
 from jaxcomp._src.codecs import sparse
 from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.exchanges import hierarchy
 from jaxcomp._src.exchanges import pipeline
 from jaxcomp._src.methods import transforms
 from jaxcomp._src.plumbing import phases
@@ -98,7 +99,10 @@ class DGCState(NamedTuple):
 
 
 def _clip(gs: list[Array], threshold: float, mode: str) -> list[Array]:
-  """Scales the leaves down to ``threshold``: by their joint norm, or each by its own."""
+  """Scales the leaves down to ``threshold``: by their joint norm, or each by its own.
+
+  On shards (inside :func:`jaxcomp.two_level`, where a node is DGC's worker) a norm is
+  the whole leaf's: the squares are summed over the node's devices."""
   thr = jnp.float32(threshold)
 
   def factor(sq):
@@ -107,9 +111,10 @@ def _clip(gs: list[Array], threshold: float, mode: str) -> list[Array]:
 
   squares = [jnp.sum(jnp.square(g)) for g in gs]
   if mode == "global":
-    scale = factor(sum(squares))
+    scale = factor(hierarchy.sum_over_shards(sum(squares)))
     return [g * scale for g in gs]
-  return [g * factor(sq) for g, sq in zip(gs, squares)]
+  squares = hierarchy.sum_over_shards(jnp.stack(squares))  # one psum for every leaf
+  return [g * factor(squares[i]) for i, g in enumerate(gs)]
 
 
 def _check_options(density, warmup_steps, momentum, clip_norm, clip, collective, chunk_size):
@@ -435,8 +440,8 @@ def dgc(
   sends ``density`` of each leaf, chosen per shard rather than over the whole leaf: a
   blockwise top-k, with the L shards as blocks, the same relaxation as the chunked
   exchange's choice of whole chunks. The filter still judges the whole leaves.
-  ``clip_norm`` is not supported there yet (the norm would be the node's whole
-  gradient's, a sum over its devices): ``NotImplementedError``.
+  ``clip_norm`` clips the node's gradient by its whole norm (the squares summed over
+  the node's devices) at ``clip_norm / sqrt(N)`` for N nodes.
 
   Args:
     density: fraction of each compressed leaf sent per step after warm-up (0.1% = 99.9%
@@ -496,11 +501,6 @@ def dgc(
     return _update(opts, updates, state)
 
   tx = optax.GradientTransformation(init_fn, update_fn)
-  why = None  # on shards (jc.two_level): top-k per shard, the node as DGC's worker
-  if clip_norm is not None:
-    why = (
-      "its local gradient clipping (clip_norm) scales by the norm of the node's whole "
-      "gradient, which on shards would need a sum over the node's devices; not "
-      "implemented yet (pass clip_norm=None, or clip the gradient before the exchange)"
-    )
-  return transforms.register_exchange(tx, "jc.dgc", axis_name, collective=None, shardable=why)
+  # On shards (jc.two_level): top-k per shard, the node as DGC's worker, clipped by the
+  # norm of the node's whole gradient.
+  return transforms.register_exchange(tx, "jc.dgc", axis_name, collective=None)

@@ -134,8 +134,8 @@ def hsdp(tx: optax.GradientTransformation, *, fast_axis: Any, grads: str = "shar
 
   Supported, as inside :func:`jaxcomp.two_level`: the :func:`jaxcomp.compress` family
   (``jc.qsgd``, ``jc.onebit_sgd``, ``jc.ef_signsgd``, ``jc.sparsify``) with any
-  collective but ``"reduce_scatter"``, :func:`jaxcomp.dgc` without ``clip_norm`` (top-k
-  per shard, the node its worker) and :func:`jaxcomp.onebit_adam` (the optimizer,
+  collective but ``"reduce_scatter"``, :func:`jaxcomp.dgc` (top-k per shard, the node
+  its worker) and :func:`jaxcomp.onebit_adam` (the optimizer,
   elementwise, on the shards: chain nothing after it).
 
   Args:
@@ -169,7 +169,7 @@ def hsdp(tx: optax.GradientTransformation, *, fast_axis: Any, grads: str = "shar
     log = _INITS.get()
     if log is not None:
       log.append(grads)
-    with treeutil.leaf_views(_whole(params, l)):
+    with treeutil.leaf_views(_whole(params, l)), hierarchy.shards_over(fast_axis):
       inner = tx.init(params)
     inner = _fold_fast_index(inner, fast_axis)
     return two_level.TwoLevelState(_place(inner, places_own, fast_axis))
@@ -186,7 +186,7 @@ def hsdp(tx: optax.GradientTransformation, *, fast_axis: Any, grads: str = "shar
       shards = updates
     _check_like(shards, params, "gradient shard" if grads == "shards" else "gradient's shard")
     inner = _unplace(state.inner, places_own)
-    with treeutil.leaf_views(_whole(shards, l)):
+    with treeutil.leaf_views(_whole(shards, l)), hierarchy.shards_over(fast_axis):
       out, inner = tx.update(shards, inner, params)
     return out, two_level.TwoLevelState(_place(inner, places_own, fast_axis))
 

@@ -187,13 +187,13 @@ def two_level(
   Supported: the :func:`jaxcomp.compress` family (``jc.qsgd``, ``jc.onebit_sgd``,
   ``jc.ef_signsgd``, ``jc.sparsify``) with any collective but ``"reduce_scatter"``,
   :func:`jaxcomp.onebit_adam` (the optimizer, elementwise, on the shards: chain nothing
-  after it), :func:`jaxcomp.dgc` without ``clip_norm`` (top-k per shard: the node is
-  DGC's worker) and :func:`jaxcomp.powersgd`, which runs a schedule of its own, flat
-  PowerSGD over the slow axis of the node means with each matrix's rows split over the
-  node's devices (``docs/guides/two_level.md``). :func:`jaxcomp.mipd` raises
-  ``NotImplementedError`` saying why; other transforms (a chain, an optax
-  transform) a ``TypeError``. ``init`` and ``update`` need both axes bound (a 2-D mesh
-  under ``jax.shard_map``; ``jax.pmap`` maps one axis).
+  after it), :func:`jaxcomp.dgc` (top-k per shard: the node is DGC's worker, clipped
+  by the norm of its whole gradient) and :func:`jaxcomp.powersgd`, which runs a
+  schedule of its own, flat PowerSGD over the slow axis of the node means with each
+  matrix's rows split over the node's devices (``docs/guides/two_level.md``).
+  :func:`jaxcomp.mipd` raises ``NotImplementedError`` saying why; other transforms (a
+  chain, an optax transform) a ``TypeError``. ``init`` and ``update`` need both axes
+  bound (a 2-D mesh under ``jax.shard_map``; ``jax.pmap`` maps one axis).
 
   ``same_in_node=True`` is for updates that are the same on every device of a node
   already (:func:`jaxcomp.diloco`'s pseudo-gradient with ``fast_axis``): step 1 is
@@ -223,7 +223,7 @@ def two_level(
 
   def init_fn(params):
     shards = hierarchy.local_shards(params, fast_axis)
-    with treeutil.leaf_views(_views(params)):
+    with treeutil.leaf_views(_views(params)), hierarchy.shards_over(fast_axis):
       inner = tx.init(shards)
     return TwoLevelState(_place(_fold_fast_index(inner, fast_axis), places_own, fast_axis))
 
@@ -238,7 +238,7 @@ def two_level(
     else:
       shards = hierarchy.node_shards(updates, fast_axis)
     local = None if params is None else hierarchy.local_shards(params, fast_axis)
-    with treeutil.leaf_views(_views(updates)):
+    with treeutil.leaf_views(_views(updates)), hierarchy.shards_over(fast_axis):
       out, inner = tx.update(shards, _unplace(state.inner, places_own), local)
     new_state = TwoLevelState(_place(inner, places_own, fast_axis))
     return hierarchy.gather_shards(out, updates, fast_axis), new_state
