@@ -13,6 +13,9 @@ from jaxcomp._src.exchanges.collectives import vary
 from jaxcomp._src.exchanges.fsdp import fsdp_gather
 from jaxcomp._src.exchanges.fsdp import init_fsdp_feedback
 from jaxcomp._src.exchanges.qweights import gather_weights
+from jaxcomp._src.methods.demo import DeMoState
+from jaxcomp._src.methods.demo import decoupled_momentum
+from jaxcomp._src.methods.demo import scale_by_decoupled_momentum
 from jaxcomp._src.methods.dgc import DGCState
 from jaxcomp._src.methods.dgc import dgc
 from jaxcomp._src.methods.dgc import dgc_density_schedule
@@ -63,6 +66,7 @@ __all__ = [
   "CollectiveOp",
   "CompressState",
   "DGCState",
+  "DeMoState",
   "DiLoCoState",
   "MIPDState",
   "NodeShardState",
@@ -78,6 +82,7 @@ __all__ = [
   "WireReport",
   "codecs",
   "compress",
+  "decoupled_momentum",
   "default_filter",
   "ef_signsgd",
   "elias",
@@ -102,6 +107,7 @@ __all__ = [
   "qsvrg",
   "qsvrg_wire_report",
   "restore_target",
+  "scale_by_decoupled_momentum",
   "scale_by_onebit_adam",
   "skip_nonfinite",
   "sparsify",
