@@ -1,6 +1,8 @@
 """jc.decoupled_momentum (DeMo): Algorithm 1 against NumPy, the DCT, the removal of what
 was sent, the bytes, the errors, NaN/Inf, pmap and training."""
 
+import doctest
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -395,3 +397,8 @@ def test_trains_a_linear_model_under_pmap():
   np.testing.assert_array_equal(w[0], w[K - 1])  # replicas stay identical
   end = float(loss({"w": rep["w"][0]}, jax.random.normal(jax.random.key(1), (1024, d_in))))
   assert end < start / 30, (start, end)
+
+
+def test_docstring_examples():
+  result = doctest.testmod(demo_lib, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
