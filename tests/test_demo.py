@@ -309,8 +309,54 @@ def test_replicated_gradient_is_refused_under_check_vma():
       lambda g, s: tx.update(g, s, None), mesh=m, in_specs=(P(), specs), out_specs=(P(), specs)
     )
   )
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match="already replicated"):
     step(PARAMS, state)
+
+
+def test_a_filter_that_leaves_nothing_to_compress_warns():
+  tx = jc.decoupled_momentum(1e-3, axis_name=None)
+  with pytest.warns(UserWarning, match=r"jc.decoupled_momentum compresses nothing"):
+    tx.init({"b": jnp.zeros((10,))})
+
+
+def test_zeros_dtypes_and_stable_state():
+  """Zero gradients step nothing (sign(0) = 0); the updates keep each gradient's dtype
+  (bfloat16 too, the momentum in float32); the state keeps its shapes and dtypes."""
+  params = {
+    "w32": jnp.zeros((64, 48), jnp.float32),
+    "w16": jnp.zeros((64, 48), jnp.bfloat16),
+    "b": jnp.zeros((48,), jnp.float32),
+  }
+  tx = jc.decoupled_momentum(0.01, axis_name=None)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  zeros, state1 = update(params, state, params)
+  chex.assert_trees_all_equal(zeros, params)
+  g = jax.tree.map(lambda p: jnp.ones_like(p), params)
+  u, state2 = update(g, state1, params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(u, params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(state, state1, state2)
+  assert state2[0].momentum.inner["w16"].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(u["w16"], np.float32), -0.01, rtol=1e-2)
+
+
+def test_skip_nonfinite_composes():
+  tx = jc.skip_nonfinite(jc.decoupled_momentum(0.01, axis_name=AXIS), axis_name=AXIS)
+  m = helpers.mesh()
+  state = helpers.shard_map_init(tx, PARAMS, m)
+  update = helpers.shard_map_update(tx, m, PARAMS)
+  _, state = update(helpers.shard(_grads(0), m), state)
+  g = _grads(1)
+  g["u"] = g["u"].at[0, 0, 0].set(jnp.inf)
+  u, state2 = update(helpers.shard(g, m), state)
+  assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(u))
+  chex.assert_trees_all_equal(state2.inner_state, state.inner_state)
+  assert int(state2.notfinite_count) == 1
+
+
+def test_two_level_refuses_it():
+  with pytest.raises(NotImplementedError, match="DCT blocks"):
+    jc.two_level(jc.decoupled_momentum(0.01, axis_name="slow"), fast_axis="fast")
 
 
 # ----------------------------------------------------------------------------- state
