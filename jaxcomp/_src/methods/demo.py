@@ -193,14 +193,19 @@ def _unpack(payload: dict, lay: _Layout) -> tuple[Array, Array]:
 def _mean_of_payloads(gathered: dict, lay: _Layout, k: int) -> Array:
   """The mean over the ``k`` devices of their decoded fast components (leaf shape).
 
-  The devices' coefficients are scattered and summed in device order, then decoded
-  once (the DCT is linear): the same arithmetic on every device, so the same result.
+  The devices' coefficients are scattered and summed in device order (a scan: one
+  device's payload at a time, a program whose size does not grow with K), then decoded
+  once (the DCT is linear). No scatter-add of all the payloads at once: where two
+  devices sent the same coefficient, its order of accumulation would be left to the
+  backend, and the replicas must compute the same sum bit for bit, or they drift apart.
   """
-  total = None
-  for d in range(k):
-    vals, idx = _unpack(jax.tree.map(lambda a, d=d: a[d], gathered), lay)
-    dense = _scatter(vals, idx, lay)
-    total = dense if total is None else total + dense
+
+  def add(total, payload):
+    vals, idx = _unpack(payload, lay)
+    return total + _scatter(vals, idx, lay), None
+
+  zeros = jnp.zeros((lay.blocks, lay.per_block), gathered["values"].dtype)
+  total, _ = lax.scan(add, zeros, gathered, length=k)
   return _decode(total / k, lay)
 
 
