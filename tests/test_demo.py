@@ -76,30 +76,50 @@ def _as_matrix(shape):
   return (1, int(np.prod(shape))) if len(shape) == 1 else (int(np.prod(shape[:-1])), shape[-1])
 
 
-def _ref_fast_components(x: np.ndarray, chunk: int, topk: int) -> np.ndarray:
-  """q = IDCT(TopK(DCT(x))) blockwise, float64, with scipy's orthonormal DCT-II."""
-  r, c = _as_matrix(x.shape)
+def _blocks(shape, chunk):
+  r, c = _as_matrix(shape)
   br, bc = min(chunk, r), min(chunk, c)
-  rp, cp = -(-r // br) * br, -(-c // bc) * bc
+  return r, c, br, bc, -(-r // br) * br, -(-c // bc) * bc
+
+
+def _ref_idct(coef: np.ndarray, shape, chunk: int) -> np.ndarray:
+  """The blockwise inverse of padded coefficients ``(rp, cp)``, cropped to ``shape``."""
+  r, c, br, bc, rp, cp = _blocks(shape, chunk)
+  out = np.zeros((rp, cp))
+  for i in range(0, rp, br):
+    for j in range(0, cp, bc):
+      out[i : i + br, j : j + bc] = scipy.fft.idctn(coef[i : i + br, j : j + bc], norm="ortho")
+  return out[:r, :c].reshape(shape)
+
+
+def _ref_fast_components(x: np.ndarray, chunk: int, topk: int):
+  """q = IDCT(TopK(DCT(x))) blockwise, float64, with scipy's orthonormal DCT-II; also
+  the kept coefficients and where they are (padded ``(rp, cp)``, block by block)."""
+  r, c, br, bc, rp, cp = _blocks(x.shape, chunk)
   mat = np.zeros((rp, cp))
   mat[:r, :c] = x.reshape(r, c)
-  q = np.zeros_like(mat)
+  kept, sent = np.zeros_like(mat), np.zeros(mat.shape, bool)
   k = min(topk, br * bc)
   for i in range(0, rp, br):
     for j in range(0, cp, bc):
       coef = scipy.fft.dctn(mat[i : i + br, j : j + bc], norm="ortho").reshape(-1)
-      keep = np.zeros_like(coef)
+      keep, mask = np.zeros_like(coef), np.zeros(coef.shape, bool)
       top = np.argsort(-np.abs(coef), kind="stable")[:k]
-      keep[top] = coef[top]
-      q[i : i + br, j : j + bc] = scipy.fft.idctn(keep.reshape(br, bc), norm="ortho")
-  return q[:r, :c].reshape(x.shape)
+      keep[top], mask[top] = coef[top], True
+      kept[i : i + br, j : j + bc] = keep.reshape(br, bc)
+      sent[i : i + br, j : j + bc] = mask.reshape(br, bc)
+  return _ref_idct(kept, x.shape, chunk), kept, sent
 
 
-def _reference(grads, params, *, lr, beta, wd, chunk, topk, compressed):
+def _reference(
+  grads, params, *, lr, beta, wd, chunk, topk, compressed, remove=True, mean="devices"
+):
   """Algorithm 1 (signum, decoupled weight decay) in float64 on K simulated devices.
 
   Returns the updates of every step and every device's momenta after each step; the
-  reference steps its own parameters."""
+  reference steps its own parameters. For the negative controls: ``remove=False`` keeps
+  what was sent in the momenta; ``mean="senders"`` averages each coefficient over the
+  devices that sent it (the reference code's scatter-mean) instead of over K."""
   params = {n: np.asarray(p, np.float64) for n, p in params.items()}
   mom = {n: np.zeros((K, *SHAPES[n])) for n in compressed}
   outs, moms, means = [], [], []
@@ -108,13 +128,19 @@ def _reference(grads, params, *, lr, beta, wd, chunk, topk, compressed):
     for name in SHAPES:
       gi = np.asarray(g[name], np.float64)
       if name in compressed:
-        qs = []
+        qs, total, count = [], 0.0, 0
         for i in range(K):
           mom[name][i] = beta * mom[name][i] + gi[i]
-          q = _ref_fast_components(mom[name][i], chunk, topk)
-          mom[name][i] -= q
+          q, kept, sent = _ref_fast_components(mom[name][i], chunk, topk)
+          if remove:
+            mom[name][i] -= q
           qs.append(q)
-        qmean[name] = np.mean(qs, axis=0)
+          total, count = total + kept, count + sent
+        if mean == "devices":
+          qmean[name] = np.mean(qs, axis=0)
+        else:
+          per_sender = np.where(count > 0, total / np.maximum(count, 1), 0.0)
+          qmean[name] = _ref_idct(per_sender, SHAPES[name], chunk)
       else:  # every component sent: the momentum empties, the step is sign(mean g)
         qmean[name] = gi.mean(axis=0)
       u[name] = -lr * (np.sign(qmean[name]) + wd * params[name])
@@ -151,6 +177,34 @@ def test_matches_a_numpy_reference_of_algorithm_1():
       np.testing.assert_allclose(u[name][clear], ru[name][clear], rtol=1e-5, atol=1e-8)
   # The momenta differ between devices (each keeps what it did not send).
   assert not np.allclose(states[-1].momentum.inner["w"][0], states[-1].momentum.inner["w"][1])
+  # Negative controls: the comparison tells apart a momentum that keeps what it sent,
+  # and the reference code's mean over the senders of each coefficient.
+  kept_outs, kept_moms, _ = _reference(
+    grads,
+    PARAMS,
+    lr=lr,
+    beta=beta,
+    wd=wd,
+    chunk=CHUNK,
+    topk=TOPK,
+    compressed=("w", "u", "c"),
+    remove=False,
+  )
+  assert not np.allclose(states[0].momentum.inner["w"], kept_moms[0]["w"], atol=1e-3)
+  senders_outs, _, _ = _reference(
+    grads,
+    PARAMS,
+    lr=lr,
+    beta=beta,
+    wd=wd,
+    chunk=CHUNK,
+    topk=TOPK,
+    compressed=("w", "u", "c"),
+    mean="senders",
+  )
+  for other in (kept_outs, senders_outs):
+    differ = np.mean([np.mean(np.sign(u["w"]) != np.sign(o["w"])) for u, o in zip(outs, other)])
+    assert differ > 0.01, differ
 
 
 # ----------------------------------------------------------------------------- DCT
