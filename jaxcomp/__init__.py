@@ -31,6 +31,7 @@ from jaxcomp._src.methods.qsvrg import QSVRGState
 from jaxcomp._src.methods.qsvrg import QSVRGWireReport
 from jaxcomp._src.methods.qsvrg import qsvrg
 from jaxcomp._src.methods.qsvrg import qsvrg_wire_report
+from jaxcomp._src.methods.sparseloco import sparseloco
 from jaxcomp._src.methods.transforms import CompressState
 from jaxcomp._src.methods.transforms import PerDeviceState
 from jaxcomp._src.methods.transforms import compress
@@ -104,6 +105,7 @@ __all__ = [
   "restore_target",
   "scale_by_onebit_adam",
   "skip_nonfinite",
+  "sparseloco",
   "sparsify",
   "state_specs",
   "step_wire_report",
