@@ -129,7 +129,9 @@ def _check_decay(error_decay, error_feedback: bool) -> float:
   ):
     raise ValueError(f"error_decay must be a number in [0, 1], got {error_decay!r}")
   if error_decay != 1 and not error_feedback:
-    raise ValueError(f"error_decay={error_decay!r} decays the residual: it needs error_feedback=True")
+    raise ValueError(
+      f"error_decay={error_decay!r} decays the residual: it needs error_feedback=True"
+    )
   return float(error_decay)
 
 
