@@ -143,10 +143,13 @@ def sparseloco(
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp as jc
-    >>> tx = jc.sparseloco(optax.adamw(1e-3), sync_every=4, axis_name=None, density=0.02)
+    >>> tx = jc.sparseloco(optax.sgd(0.1), sync_every=4, axis_name=None, density=0.02)
     >>> params = {"w": jnp.ones((64, 32))}
     >>> state = tx.init(params)
-    >>> updates, state = tx.update({"w": jnp.ones((64, 32))}, state, params)
+    >>> for _ in range(4):  # the 4th step syncs: the residual keeps what was not sent
+    ...   updates, state = tx.update({"w": jnp.ones((64, 32))}, state, params)
+    >>> int(state.count), state.exchange_state[0].inner.residual["w"].shape
+    (4, (1, 64, 32))
 
   References:
     Sarfi, Thérien, Lidin, Belilovsky. *Communication Efficient LLM Pre-training with
