@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
+from jaxcomp._src.exchanges import pipeline
 from jaxcomp._src.plumbing import bitpack
 from tests.helpers import AXIS
 from tests.helpers import K
@@ -272,3 +273,29 @@ def test_error_decay_needs_error_feedback_and_an_axis_is_required():
     jc.compress(jc.codecs.TopK(0.1), axis_name=AXIS, error_decay=0.9)
   with pytest.raises(TypeError, match="axis_name"):
     jc.sparseloco(optax.sgd(0.1), sync_every=4, density=0.01)
+
+
+@pytest.mark.parametrize("residual_dtype", [jnp.float32, jnp.bfloat16, "int8"])
+def test_compress_error_decay_scales_the_residual(residual_dtype):
+  """jc.compress(error_decay=β): e' = g + β e - Q⁻¹(Q(g + β e)), for every residual dtype
+  (int8: its block scales decayed), to the residual's own rounding."""
+  beta = 0.5
+  codec = jc.codecs.ChunkedTopK(0.1, chunk_size=256)
+  tx = jc.compress(
+    codec, axis_name=None, error_feedback=True, error_decay=beta, residual_dtype=residual_dtype
+  )
+  params = {"w": jnp.zeros((64, 32))}
+  state = tx.init(params)
+  keys = jax.random.split(jax.random.key(4), 3)
+  e = np.zeros((64, 32), np.float32)
+  tol = {jnp.float32: 1e-6, jnp.bfloat16: 2e-2, "int8": 2e-2}[residual_dtype]
+  for key in keys:
+    g = jax.random.normal(key, (64, 32))
+    held = jc.codecs.ChunkedTopK(0.1, chunk_size=256)
+    x = np.asarray(g) + beta * e
+    sent = np.asarray(held.decode(held.encode(jnp.asarray(x))))
+    out, state = tx.update({"w": g}, state, params)
+    np.testing.assert_allclose(out["w"], sent, rtol=1e-6, atol=1e-6)
+    r = np.asarray(pipeline.load_residual(state.residual["w"], state.residual_scale["w"]))
+    np.testing.assert_allclose(r, x - sent, rtol=0, atol=tol * np.abs(x).max())
+    e = r
