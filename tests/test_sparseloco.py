@@ -16,6 +16,7 @@ from tests.helpers import AXIS
 from tests.helpers import K
 from tests.test_diloco import ShardMapRun
 from tests.test_diloco import _centres
+from tests.test_diloco import _quadratic_grads
 
 SHAPES = {"w": (64, 32), "b": (32,)}  # w: compressed (default_filter); b: dense mean
 PARAMS = {n: jnp.zeros(s, jnp.float32) for n, s in SHAPES.items()}
@@ -205,21 +206,39 @@ def test_residual_is_decayed_residual_plus_delta_minus_sent():
     e, anchor = new_e, state.anchor["w"]
 
 
-def test_is_diloco_with_that_exchange():
+@pytest.mark.parametrize("fragments", [None, 2])
+def test_is_diloco_with_that_exchange(fragments):
   """jc.sparseloco is jc.diloco(inner, optax.sgd(α), exchange=jc.compress(ChunkedTopK,
-  error_feedback=True, error_decay=β)): the same states, bit for bit."""
+  error_feedback=True, error_decay=β)): the same states, bit for bit (with Streaming
+  DiLoCo's fragments too, each with its own residuals)."""
   h, syncs = 2, 2
   kw = dict(density=0.05, bits=3, chunk_size=256, decay=0.8, outer_learning_rate=0.7)
-  history, centres, lr = _run(h, syncs, **kw)
+  matrices = lambda path, leaf: leaf.ndim == 2  # the fragments' pieces of w: under 1024
+  history, centres, lr = _run(h, syncs, fragments=fragments, filter=matrices, **kw)
   codec = jc.codecs.ChunkedTopK(0.05, bits=3, chunk_size=256)
   exchange = jc.compress(
-    codec, axis_name=AXIS, collective="allgather", error_feedback=True, error_decay=0.8
+    codec,
+    axis_name=AXIS,
+    collective="allgather",
+    error_feedback=True,
+    error_decay=0.8,
+    filter=matrices,
   )
-  tx = jc.diloco(optax.sgd(lr), optax.sgd(0.7), sync_every=h, axis_name=AXIS, exchange=exchange)
+  tx = jc.diloco(
+    optax.sgd(lr),
+    optax.sgd(0.7),
+    sync_every=h,
+    axis_name=AXIS,
+    exchange=exchange,
+    fragments=fragments,
+  )
   other = ShardMapRun(tx, params=PARAMS).run(h * syncs, lambda t: centres)
   unkey = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
   same = lambda a, b: np.testing.assert_array_equal(unkey(a), unkey(b))
   jax.tree.map(same, history[-1], other[-1])
+  ex = history[-1][1].exchange_state
+  assert len(ex) == (fragments or 1)
+  assert all(np.abs(e.inner.residual["w"]).max() > 0 for e in ex)  # every fragment sparse
 
 
 def test_wire_report_against_dense_diloco():
@@ -299,3 +318,25 @@ def test_compress_error_decay_scales_the_residual(residual_dtype):
     r = np.asarray(pipeline.load_residual(state.residual["w"], state.residual_scale["w"]))
     np.testing.assert_allclose(r, x - sent, rtol=0, atol=tol * np.abs(x).max())
     e = r
+
+
+def test_pmap_replicas_agree_on_the_anchor():
+  """Under jax.pmap (state per device already): after each sync every replica sits on
+  the same anchor, and the residuals differ between devices."""
+  tx = jc.sparseloco(optax.sgd(0.25), sync_every=2, axis_name=AXIS, density=0.05, chunk_size=512)
+  centres = _centres(seed=5)
+
+  def step(p, state, c):
+    updates, state = tx.update(_quadratic_grads(p, c), state, p)
+    return optax.apply_updates(p, updates), state
+
+  p = jax.tree.map(lambda x: jnp.broadcast_to(x, (K, *x.shape)), PARAMS)
+  state = jax.pmap(tx.init, axis_name=AXIS)(p)
+  step = jax.pmap(step, axis_name=AXIS)
+  for _ in range(4):
+    p, state = step(p, state, centres)
+  for n in SHAPES:
+    np.testing.assert_allclose(p[n], np.broadcast_to(state.anchor[n][0], p[n].shape), atol=1e-7)
+    np.testing.assert_array_equal(state.anchor[n], np.broadcast_to(state.anchor[n][0], p[n].shape))
+  e = np.asarray(state.exchange_state[0].inner.residual["w"])
+  assert np.abs(e).max() > 0 and not np.allclose(e[0], e[1])
