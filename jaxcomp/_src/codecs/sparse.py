@@ -551,8 +551,9 @@ class ChunkedTopK(SparseCodec):
   Args:
     density: fraction of each chunk kept, in (0, 1].
     bits: bits per kept value, sign included, 2 to 8.
-    chunk_size: values per chunk (>= 1). SparseLoCo and DeMo take 4096 (their 2-D
-      tensors cut in 64x64 tiles; here runs of the flat tensor).
+    chunk_size: values per chunk (>= 1). 4096 is the size of the 64x64 tiles that the
+      DeMo and SparseLoCo code cuts matrices into; here chunks are runs of the flat
+      tensor.
 
   References:
     Sarfi, Thérien, Lidin, Belilovsky. *Communication Efficient LLM Pre-training with

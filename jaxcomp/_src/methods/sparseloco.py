@@ -57,7 +57,8 @@ def sparseloco_exchange(
     axis_name: the axis to average over (as in :func:`jaxcomp.compress`).
     density: fraction of each chunk sent, in (0, 1] (the paper: 1–3%).
     bits: bits per sent value, sign included, 2 to 8 (the paper: 2).
-    chunk_size: values per chunk (default 4096, the paper's 64x64 tiles' size).
+    chunk_size: values per chunk (default 4096, the size of the 64x64 tiles that the
+      paper's code, after DeMo, cuts matrices into; here runs of the flat tensor).
     decay: ``β`` in [0, 1], the residual's decay (default 0.95).
     filter, seed: as in :func:`jaxcomp.compress`.
 
@@ -94,7 +95,7 @@ def sparseloco(
 
   Every replica ``r`` (a device) takes ``H = sync_every`` steps of ``inner`` alone, then,
   with ``θ`` the parameters of the last sync, ``e_r`` its residual and ``α`` the outer
-  learning rate (Sarfi et al. 2025, Algorithm 1):
+  learning rate (Sarfi et al. 2025):
 
   .. math::
     Δ_r = θ - θ_r, \quad e_r \leftarrow β e_r + Δ_r, \quad
@@ -127,11 +128,12 @@ def sparseloco(
 
   Args:
     inner: the replicas' optimizer (the paper: AdamW).
-    sync_every: ``H``, the inner steps between syncs (the paper: 15 to 100s).
+    sync_every: ``H``, the inner steps between syncs.
     axis_name: the data-parallel axis the replicas live on.
     density: fraction of each chunk sent, in (0, 1] (the paper: 1–3%).
     bits: bits per sent value, sign included, 2 to 8 (the paper: 2).
-    chunk_size: values per chunk (default 4096, the size of the paper's 64x64 tiles).
+    chunk_size: values per chunk (default 4096, the size of the 64x64 tiles that the
+      paper's code, after DeMo, cuts matrices into; here runs of the flat tensor).
     decay: ``β``, the residual's decay per sync, in [0, 1] (default 0.95).
     outer_learning_rate: ``α`` (default 1: the anchor moves by the mean sent).
     fragments: Streaming DiLoCo's fragments (:func:`jaxcomp.diloco`); ``None``: one.
