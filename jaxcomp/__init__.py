@@ -34,6 +34,7 @@ from jaxcomp._src.methods.qsvrg import QSVRGState
 from jaxcomp._src.methods.qsvrg import QSVRGWireReport
 from jaxcomp._src.methods.qsvrg import qsvrg
 from jaxcomp._src.methods.qsvrg import qsvrg_wire_report
+from jaxcomp._src.methods.sparseloco import sparseloco
 from jaxcomp._src.methods.transforms import CompressState
 from jaxcomp._src.methods.transforms import PerDeviceState
 from jaxcomp._src.methods.transforms import compress
@@ -110,6 +111,7 @@ __all__ = [
   "scale_by_decoupled_momentum",
   "scale_by_onebit_adam",
   "skip_nonfinite",
+  "sparseloco",
   "sparsify",
   "state_specs",
   "step_wire_report",

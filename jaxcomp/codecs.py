@@ -18,6 +18,7 @@ from jaxcomp._src.codecs.base import ScaledSign
 from jaxcomp._src.codecs.base import payload_nbytes
 from jaxcomp._src.codecs.elias_codec import EliasQSGD
 from jaxcomp._src.codecs.normal import NormalQuantizer
+from jaxcomp._src.codecs.sparse import ChunkedTopK
 from jaxcomp._src.codecs.sparse import RandomK
 from jaxcomp._src.codecs.sparse import SparseCodec
 from jaxcomp._src.codecs.sparse import TopK
@@ -27,6 +28,7 @@ from jaxcomp._src.exchanges.qweights import BlockInt8
 __all__ = [
   "BlockInt8",
   "Cast",
+  "ChunkedTopK",
   "Codec",
   "EliasQSGD",
   "Identity",

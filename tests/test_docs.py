@@ -20,6 +20,7 @@ from jaxcomp._src.exchanges import qweights
 from jaxcomp._src.methods import dgc
 from jaxcomp._src.methods import diloco
 from jaxcomp._src.methods import qsvrg
+from jaxcomp._src.methods import sparseloco
 from jaxcomp._src.methods import transforms
 from jaxcomp._src.tools import network
 from jaxcomp.kernels import quantize as quantize_kernel
@@ -33,6 +34,7 @@ from jaxcomp.kernels import quantize as quantize_kernel
     transforms,
     dgc,
     diloco,
+    sparseloco,
     sparse,
     wangni,
     elias,

@@ -220,7 +220,13 @@ def test_normal_proxies_clip_to_the_float32_range():
 
 
 @pytest.mark.parametrize(
-  "make", [lambda: C.TopK(0.1), lambda: C.UnbiasedSparsifier(density=0.1)], ids=["topk", "wangni"]
+  "make",
+  [
+    lambda: C.TopK(0.1),
+    lambda: C.UnbiasedSparsifier(density=0.1),
+    lambda: C.ChunkedTopK(0.1, bits=2, chunk_size=64),
+  ],
+  ids=["topk", "wangni", "chunked_topk"],
 )
 def test_sparsifiers_at_large_values(make):
   x = _data(FLT_MAX)

@@ -602,6 +602,7 @@ EXCHANGING = {
   "scale_by_onebit_adam": lambda **kw: jc.scale_by_onebit_adam(freeze_step=1, **kw),
   "qsvrg": lambda **kw: jc.qsvrg(lambda w, batch: jnp.sum(w), 0.1, **kw),
   "diloco": lambda **kw: jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2, **kw),
+  "sparseloco": lambda **kw: jc.sparseloco(optax.sgd(0.1), sync_every=2, density=0.1, **kw),
 }
 
 
@@ -624,8 +625,8 @@ def test_exchanging_transforms_require_axis_name(name):
 
 #: A user's flattened shards: 1-D leaves, which the default filter leaves out.
 FLAT = {"w": jnp.zeros((4096,)), "b": jnp.zeros((10,))}
-# QSVRG compresses every leaf; DiLoCo's exchange is the one that filters.
-_FILTERED = [n for n in sorted(EXCHANGING) if n not in ("qsvrg", "diloco")]
+# QSVRG compresses every leaf; DiLoCo's (and SparseLoCo's) exchange is the one that filters.
+_FILTERED = [n for n in sorted(EXCHANGING) if n not in ("qsvrg", "diloco", "sparseloco")]
 
 
 @pytest.mark.parametrize("name", _FILTERED)

@@ -13,6 +13,7 @@ import weakref
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp._src.codecs import base as codecs_lib
@@ -82,6 +83,7 @@ class _Options(NamedTuple):
   filter_fn: FilterFn
   param_specs: Any
   residual_dtype: str
+  error_decay: float = 1.0
 
 
 def _check_options(
@@ -116,6 +118,40 @@ def _check_options(
   if name != "float32" and not error_feedback:
     raise ValueError(f"residual_dtype={residual_dtype!r} needs error_feedback=True")
   return name
+
+
+def _check_decay(error_decay, error_feedback: bool) -> float:
+  """``error_decay`` as a float in [0, 1]; a decay other than 1 needs error feedback."""
+  if (
+    isinstance(error_decay, bool)
+    or not isinstance(error_decay, (int, float, np.floating))
+    or not 0 <= error_decay <= 1
+  ):
+    raise ValueError(f"error_decay must be a number in [0, 1], got {error_decay!r}")
+  if error_decay != 1 and not error_feedback:
+    raise ValueError(
+      f"error_decay={error_decay!r} decays the residual: it needs error_feedback=True"
+    )
+  return float(error_decay)
+
+
+def _decayed(o: _Options, residual, scales):
+  """The residuals times ``error_decay`` (an int8 residual: its block scales)."""
+  if o.error_decay == 1:
+    return residual, scales
+  d = jnp.float32(o.error_decay)
+  out_e, out_s = [], []
+  for e, es in zip(residual, scales):
+    if isinstance(e, optax.MaskedNode):
+      out_e.append(e)
+      out_s.append(es)
+    elif e.dtype == jnp.int8:
+      out_e.append(e)
+      out_s.append(es * d)
+    else:
+      out_e.append((e.astype(_F32) * d).astype(e.dtype))
+      out_s.append(es)
+  return out_e, out_s
 
 
 def _sharded(o: _Options, tree) -> list[bool]:
@@ -244,6 +280,7 @@ def _update(o: _Options, updates, state: CompressState):
       step_key = jax.random.fold_in(step_key, lax.axis_index(o.axis_name))
   scales = state.residual_scale
   scales = opened.flatten(scales) if scales is not None else [None] * len(opened.leaves)
+  residuals, scales = _decayed(o, opened.flatten(state.residual), scales)
   plan = [
     pipeline.plan_leaf(
       o.codec,
@@ -262,7 +299,7 @@ def _update(o: _Options, updates, state: CompressState):
     for i, ((path, g), e, e2, es, sh) in enumerate(
       zip(
         opened.leaves,
-        opened.flatten(state.residual),
+        residuals,
         opened.flatten(state.chunk_residual),
         scales,
         _sharded(o, updates),
@@ -296,6 +333,7 @@ def compress(
   filter: FilterFn | None = None,  # pylint: disable=redefined-builtin
   param_specs: Any = None,
   residual_dtype: Any = jnp.float32,
+  error_decay: float = 1.0,
 ) -> optax.GradientTransformation:
   r"""Exchanges the gradient through a compressed collective and returns its mean.
 
@@ -364,6 +402,13 @@ def compress(
   holds a quarter (an int8 per value and a float32 scale per 256 values, rounded to
   nearest), for a sharded model whose full-size float32 residual would cost more than
   its shards.
+  ``error_decay=β`` decays the residual before it is added (SparseLoCo, Sarfi et al.
+  2025): the device sends ``Q(g + β e)`` and keeps ``e' = g + β e - Q^{-1}(Q(g + β e))``,
+  so ``e`` is an exponential moving sum of what was not sent, whose old entries fade
+  instead of waiting, however stale, for their turn (:func:`jaxcomp.sparseloco`, where
+  ``e`` stands in for DiLoCo's outer momentum). It applies to the first-stage residual
+  only, not to a two-phase owner's, and a step whose input was not finite keeps the
+  decayed residual.
   With the all-gather exchange and a codec whose kernel fuses it
   (:meth:`~jaxcomp.codecs.Codec.fuses_feedback`: QSGD and OneBit on a GPU, and on a CPU
   with the native kernels for float32 gradients), the sum
@@ -407,6 +452,8 @@ def compress(
       ``None``: every leaf is sharded, ``P(axis_name)``.
     residual_dtype: the error-feedback residual's dtype: ``jnp.float32`` (default),
       ``jnp.bfloat16`` or ``jnp.int8`` (block-scaled); needs ``error_feedback=True``.
+    error_decay: ``β`` in [0, 1], the factor of the residual each step (default 1: none);
+      other values need ``error_feedback=True``.
 
   Returns:
     An ``optax.GradientTransformation`` whose updates are the (compressed) mean gradient.
@@ -432,6 +479,7 @@ def compress(
     default_filter if filter is None else filter,
     param_specs,
     name,
+    _check_decay(error_decay, error_feedback),
   )
 
   def init_fn(params):
