@@ -190,8 +190,15 @@ def _unpack(payload: dict, lay: _Layout) -> tuple[Array, Array]:
   return payload["values"].reshape(lay.blocks, lay.k), idx.reshape(lay.blocks, lay.k)
 
 
-def _mean_of_payloads(gathered: dict, lay: _Layout, k: int) -> Array:
-  """The mean over the ``k`` devices of their decoded fast components (leaf shape).
+#: How ``Q`` averages the sent components: over all K devices (Algorithm 1), or each
+#: coefficient over the devices that sent it (the reference code).
+AVERAGES = ("devices", "senders")
+
+
+def _mean_of_payloads(gathered: dict, lay: _Layout, k: int, average: str) -> Array:
+  """The mean of the ``k`` devices' decoded fast components (leaf shape): each
+  coefficient's sum over ``k`` (``average="devices"``), or over the devices that sent it
+  (``"senders"``: the reference code's scatter-mean; 0 where none did).
 
   The devices' coefficients are scattered and summed in device order (a scan: one
   device's payload at a time, a program whose size does not grow with K), then decoded
@@ -200,13 +207,19 @@ def _mean_of_payloads(gathered: dict, lay: _Layout, k: int) -> Array:
   backend, and the replicas must compute the same sum bit for bit, or they drift apart.
   """
 
-  def add(total, payload):
+  senders = average == "senders"
+
+  def add(carry, payload):
+    total, count = carry
     vals, idx = _unpack(payload, lay)
-    return total + _scatter(vals, idx, lay), None
+    total = total + _scatter(vals, idx, lay)
+    if senders:
+      count = count + _scatter(jnp.ones_like(vals), idx, lay)
+    return (total, count), None
 
   zeros = jnp.zeros((lay.blocks, lay.per_block), gathered["values"].dtype)
-  total, _ = lax.scan(add, zeros, gathered, length=k)
-  return _decode(total / k, lay)
+  (total, count), _ = lax.scan(add, (zeros, zeros), gathered, length=k)
+  return _decode(total / (jnp.maximum(count, 1) if senders else k), lay)
 
 
 # ----------------------------------------------------------------------------- options
@@ -251,6 +264,7 @@ class _Options:
   momentum_decay: float
   axis_name: Any
   filter_fn: transforms.FilterFn
+  average: str = "devices"
 
   def num_devices(self) -> int:
     return 1 if self.axis_name is None else collectives.axis_size(self.axis_name)
@@ -310,7 +324,7 @@ def _compressed(opts: _Options, gs, ms, layouts):
   else:
     gathered = collectives.gather_tree(payloads, opts.axis_name)
   with jax.named_scope(phases.DECODE_SCOPE):
-    means = [_mean_of_payloads(p, lay, k) for p, lay in zip(gathered, layouts)]
+    means = [_mean_of_payloads(p, lay, k, opts.average) for p, lay in zip(gathered, layouts)]
   return kept, means
 
 
@@ -357,6 +371,7 @@ def scale_by_decoupled_momentum(
   momentum_decay: float = 0.999,
   axis_name: Any = transforms.AXIS_REQUIRED,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
+  average: str = "devices",
 ) -> optax.GradientTransformation:
   r"""DeMo's step direction, exchange included: the core of :func:`decoupled_momentum`.
 
@@ -367,7 +382,7 @@ def scale_by_decoupled_momentum(
   (:class:`DeMoState`) is per device and wrapped already.
 
   Args:
-    chunk_size, topk, momentum_decay, axis_name, filter: as in
+    chunk_size, topk, momentum_decay, axis_name, filter, average: as in
       :func:`decoupled_momentum`.
 
   Returns:
@@ -380,12 +395,15 @@ def scale_by_decoupled_momentum(
   """
   transforms.require_axis_name(axis_name, "jc.scale_by_decoupled_momentum")
   _check_options(None, chunk_size, topk, momentum_decay, None)
+  if average not in AVERAGES:
+    raise ValueError(f"average must be one of {AVERAGES}, got {average!r}")
   opts = _Options(
     chunk_size=int(chunk_size),
     topk=int(topk),
     momentum_decay=float(momentum_decay),
     axis_name=axis_name,
     filter_fn=transforms.default_filter if filter is None else filter,
+    average=average,
   )
 
   def init_fn(params):
@@ -416,6 +434,7 @@ def decoupled_momentum(
   momentum_decay: float = 0.999,
   weight_decay: float = 0.0,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
+  average: str = "devices",
 ) -> optax.GradientTransformation:
   r"""DeMo: each device keeps its momentum and sends only its fast DCT components.
 
@@ -492,6 +511,10 @@ def decoupled_momentum(
       applied to every leaf.
     filter: ``filter(path, leaf) -> bool`` choosing the compressed leaves; defaults to
       :func:`jaxcomp.default_filter`.
+    average: ``"devices"`` (default): ``Q`` is the sum of the sent components over K,
+      Algorithm 1's mean; ``"senders"``: each DCT coefficient is averaged over the
+      devices that sent it (0 where none did), as the reference code's scatter-mean
+      does. The sign is taken after the inverse DCT, so the two steps differ.
 
   Returns:
     An ``optax.GradientTransformation`` whose updates are the parameter steps.
@@ -517,6 +540,7 @@ def decoupled_momentum(
     momentum_decay=momentum_decay,
     axis_name=axis_name,
     filter=filter,
+    average=average,
   )
   # No decay step for λ = 0: optax's asks for params even then.
   decay = optax.add_decayed_weights(float(weight_decay)) if weight_decay else optax.identity()
