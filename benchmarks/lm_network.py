@@ -161,6 +161,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--eval-every", type=int, default=10, help="updates between evaluations")
   p.add_argument("--batch", type=int, default=16, help="sequences per device per update")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument(
+    "--set", action="append", default=[], metavar="FIELD=VALUE", help="config override"
+  )
   p.add_argument("--utilisation", type=float, default=0.4, help="H100 utilisation (MFU)")
   p.add_argument(
     "--cluster-links", default="25,100", help="cluster link rates in Gbit/s for scaledN"
@@ -204,6 +207,7 @@ def main(argv=None) -> int:
     str(args.batch),
     "--seed",
     str(args.seed),
+    *(f"--set={item}" for item in args.set),
   ]
   out: dict[str, Any] = {
     "args": vars(args),

@@ -208,6 +208,48 @@ def test_flags_and_help(capsys):
     main.get_config(main.build_parser().parse_args(["--steps", "0"]))
 
 
+def test_set_overrides_any_field_with_its_type():
+  parse = lambda *a: main.get_config(main.build_parser().parse_args(["--config", "tiny", *a]))
+  config = parse("--set", "diloco_sync_every=5", "--set", "sparseloco_density=0.03")
+  assert config.diloco_sync_every == 5 and config.sparseloco_density == 0.03
+  assert parse("--set", "qsgd_error_feedback=true").qsgd_error_feedback is True
+  assert parse("--set", "methods=dense,demo").methods == ("dense", "demo")
+  for bad, match in (("nope=1", "FIELD=VALUE"), ("diloco_sync_every", "FIELD=VALUE")):
+    with pytest.raises(ValueError, match=match):
+      parse("--set", bad)
+  with pytest.raises(ValueError, match="not a int"):
+    parse("--set", "diloco_sync_every=2.5")
+  with pytest.raises(ValueError, match="not a bool"):
+    parse("--set", "qsgd_error_feedback=maybe")
+
+
+@pytest.mark.slow
+def test_the_low_communication_methods_train(tmp_path):
+  """SparseLoCo (DiLoCo's replicas, evaluated at the anchor) and DeMo (the whole
+  optimizer) train the tiny model, their bytes read from their payloads: SparseLoCo's
+  per update are its sync's over ``diloco_sync_every``, DeMo's below dense's."""
+  methods = train.FRONTIER_METHODS
+  config = small_config(methods=methods)
+  results = train.train_and_evaluate(config, str(tmp_path))
+  assert list(results) == list(methods)
+  # The anchor moves only by what two syncs of 1/64 of each chunk carry.
+  learnt = {"demo": 0.3, "sparseloco": 0.05}
+  for method, r in results.items():
+    h = r["history"]
+    assert all(math.isfinite(v) for v in h["val_loss"]), method
+    assert h["val_loss"][-1] < h["val_loss"][0] - learnt[method], (method, h["val_loss"])
+    assert not r["diverged"] and r["exchanged"], method
+  assert results["demo"]["first_exchange_step"] == 1
+  assert results["sparseloco"]["first_exchange_step"] == config.diloco_sync_every
+  # Every sync sends a few percent of the pseudo-gradient: far below DiLoCo's dense
+  # mean every 2 updates (ratio 2); DeMo a fraction of dense's bytes.
+  assert results["sparseloco"]["ratio"] > 10 and results["demo"]["ratio"] > 2, {
+    m: r["ratio"] for m, r in results.items()
+  }
+  leaves = jax.tree.leaves(results["sparseloco"]["params"])
+  assert all(a.sharding.is_fully_replicated for a in leaves)  # the anchor
+
+
 def test_the_tiny_config_reaches_every_methods_first_exchange():
   # The README's command (--config tiny): no row may report bytes its method never sent.
   config = tiny.get_config()

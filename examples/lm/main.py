@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     help="stop every method after update N of the --steps schedule",
   )
   p.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="override any config field (repeatable), e.g. --set diloco_sync_every=5",
+  )
+  p.add_argument(
     common.ALLOW_DIVERGED_FLAG,
     action="store_true",
     help="exit 0 even when a method diverged (went non-finite; exit code 1 otherwise)",
@@ -137,7 +144,34 @@ def get_config(args: argparse.Namespace):
     if unknown or not methods:
       raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(train.ALL_METHODS)}")
     overrides["methods"] = methods
+  overrides.update(parse_sets(config, args.set))
   return dataclasses.replace(config, **overrides)
+
+
+def parse_sets(config, items: list[str]) -> dict:
+  """``--set FIELD=VALUE`` pairs as overrides of ``config``'s fields, each VALUE parsed
+  as the field's current value's type (bool from true/false, tuples comma-separated)."""
+  fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+  out = {}
+  for item in items:
+    name, sep, text = item.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or name not in fields:
+      raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+    current = fields[name]
+    try:
+      if isinstance(current, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+          raise ValueError(text)
+        value = text.lower() in ("true", "1")
+      elif isinstance(current, tuple):
+        value = tuple(v.strip() for v in text.split(",") if v.strip())
+      else:
+        value = type(current)(text)
+    except ValueError as e:
+      raise ValueError(f"--set {item!r}: {text!r} is not a {type(current).__name__}") from e
+    out[name] = value
+  return out
 
 
 def init_devices(args: argparse.Namespace) -> None:

@@ -68,18 +68,21 @@ METHODS = default_config.Config.methods
 # Sharded methods (examples/lm/sharded.py: ZeRO-2 and per-layer FSDP, dense or
 # compressed), chosen with --methods; not in the default list.
 SHARDED_METHODS = sharded.METHODS
-ALL_METHODS = METHODS + SHARDED_METHODS
+# The low-communication methods (docs/guides/lm.md, "Over a slow link"): SparseLoCo and
+# DeMo, chosen with --methods; not in the default list.
+FRONTIER_METHODS = ("sparseloco", "demo")
+ALL_METHODS = METHODS + SHARDED_METHODS + FRONTIER_METHODS
 
 # 1-bit Adam is the whole optimizer (it exchanges Adam's step direction): no AdamW after
 # it, and it places its own per-device buffers (not wrapped in jc.per_device_state).
-OPTIMIZER_IN_EXCHANGE = ("onebit_adam",)
+OPTIMIZER_IN_EXCHANGE = ("onebit_adam", "demo")
 
 # DiLoCo (jc.diloco): each replica runs make_optimizer (clip, AdamW) on its own gradients
 # for config.diloco_sync_every updates, then the pseudo-gradients are averaged (densely,
 # or as 4-bit QSGD) and the paper's outer Nesterov SGD steps the shared parameters. The
 # replicas drift apart between syncs, so their params are held per device (one row
 # each, P(AXIS)); evaluation and the returned params are the anchor (the shared model).
-LOCAL_PARAMS = ("diloco", "diloco_qsgd4")
+LOCAL_PARAMS = ("diloco", "diloco_qsgd4", "sparseloco")
 
 # 1-bit codes whose first config.sign_warmup of the updates exchange the dense mean.
 SIGN_METHODS = ("onebit", "ef_signsgd")
@@ -136,6 +139,11 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
   * ``onebit_adam``: the whole optimizer (:func:`make_onebit_adam`).
   * ``diloco`` / ``diloco_qsgd4``: the exchange of DiLoCo's pseudo-gradients (the dense
     mean, or 4-bit QSGD as ``qsgd4``); :func:`make_update` wraps it in ``jc.diloco``.
+  * ``demo``: DeMo (``jc.decoupled_momentum``), the whole optimizer: the sign of the
+    exchanged fast DCT components of each device's momentum, at AdamW's schedule and
+    weight decay (no clipping: a sign step is bounded).
+  * ``sparseloco``: not an exchange of its own; :func:`make_update` builds
+    ``jc.sparseloco`` (DiLoCo with chunked top-k, 2-bit values, decaying error feedback).
 
   ``warmup=False`` gives the steady state (DGC without its density warm-up, 1-bit
   Adam's compression stage, the sign codes without their dense warm-up), for byte
@@ -170,6 +178,17 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
     )
   if method == "onebit_adam":
     return make_onebit_adam(config, warmup=warmup)
+  if method == "demo":
+    return standard_promotion(
+      jc.decoupled_momentum(
+        schedule(config),
+        axis_name=AXIS,
+        chunk_size=config.demo_chunk_size,
+        topk=config.demo_topk,
+        momentum_decay=config.demo_momentum_decay,
+        weight_decay=config.weight_decay,
+      )
+    )
   raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
 
 
@@ -198,7 +217,7 @@ def first_exchange_step(method: str, config) -> int:
     return config.diloco_sync_every
   if method in SIGN_METHODS:
     return sign_warmup_steps(config) + 1
-  if method in OPTIMIZER_IN_EXCHANGE:
+  if method == "onebit_adam":
     return onebit_adam_freeze_step(config) + 1
   return 1
 
@@ -291,6 +310,17 @@ def make_optimizer(config, *, clip: bool = True) -> optax.GradientTransformation
 def make_update(method: str, config, *, warmup: bool = True) -> optax.GradientTransformation:
   """One update: the exchange (its state per device) and the optimizer after it; for
   DiLoCo, ``jc.diloco`` with the optimizer inside and the exchange at the syncs."""
+  if method == "sparseloco":  # jc.diloco with SparseLoCo's exchange and outer SGD
+    return jc.sparseloco(
+      make_optimizer(config),
+      sync_every=config.diloco_sync_every,
+      axis_name=AXIS,
+      density=config.sparseloco_density,
+      bits=config.sparseloco_bits,
+      chunk_size=config.sparseloco_chunk_size,
+      decay=config.sparseloco_decay,
+      outer_learning_rate=config.sparseloco_outer_lr,
+    )
   exchange = make_exchange(method, config, warmup=warmup)
   if method in LOCAL_PARAMS:
     outer = optax.sgd(config.diloco_outer_lr, momentum=config.diloco_outer_momentum, nesterov=True)

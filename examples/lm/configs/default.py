@@ -54,6 +54,20 @@ class Config:
   diloco_sync_every: int = 10  # DiLoCo: local updates between syncs (H)
   diloco_outer_lr: float = 0.7  # DiLoCo's outer Nesterov SGD (the paper's 0.7 / 0.9)
   diloco_outer_momentum: float = 0.9
+  # sparseloco (jc.sparseloco, opt-in): DiLoCo's H and inner AdamW; the pseudo-gradient
+  # as the top 1/64 of each chunk of 4096 values (64 kept, the paper's 1-3%) in 2 bits,
+  # error feedback with decay 0.95 in place of the outer momentum, outer SGD at lr 1.
+  sparseloco_density: float = 1 / 64
+  sparseloco_bits: int = 2
+  sparseloco_chunk_size: int = 4096
+  sparseloco_decay: float = 0.95
+  sparseloco_outer_lr: float = 1.0
+  # demo (jc.decoupled_momentum, opt-in): the top 32 DCT components of each 64x64 block
+  # of the momentum (the paper's chunk 64, k 32), momentum decay 0.999, stepped with
+  # their sign at AdamW's schedule and weight decay.
+  demo_chunk_size: int = 64
+  demo_topk: int = 32
+  demo_momentum_decay: float = 0.999
 
   # Methods to compare, in table order.
   methods: tuple[str, ...] = (
