@@ -2,7 +2,8 @@
 
 Pages are markdown (myst-parser); the API reference is generated from the docstrings
 (autodoc + napoleon: Google style; math through MathJax). The build runs offline with
-warnings as errors, so nothing here fetches from the network (no intersphinx).
+warnings as errors, so nothing here fetches from the network (no intersphinx), and the
+built site needs none either: MathJax is served from its _static/ (sphinx-mathjax-offline).
 """
 
 import os
@@ -24,6 +25,9 @@ extensions = [
   "sphinx.ext.autodoc",
   "sphinx.ext.autosummary",
   "sphinx.ext.mathjax",
+  # MathJax 3 from the built site's _static/mathjax/, not a CDN: formulas typeset where
+  # the browser cannot reach the internet (many clusters). It sets mathjax_path.
+  "sphinx-mathjax-offline",
   "sphinx.ext.napoleon",
   "sphinx.ext.viewcode",
 ]
