@@ -181,6 +181,8 @@ def built_site(tmp_path_factory):
 @_NEEDS_SPHINX
 def test_docs_build_without_warnings(built_site):
   assert os.path.exists(built_site / "api" / "index.html")
+  for name in ("demo_accuracy_vs_bytes", "method_map", "network_speedup", "two_level_speedup"):
+    assert os.path.getsize(built_site / "_images" / f"{name}.svg") > 0, name
 
 
 _MATH = re.compile(
