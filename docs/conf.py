@@ -2,7 +2,9 @@
 
 Pages are markdown (myst-parser); the API reference is generated from the docstrings
 (autodoc + napoleon: Google style; math through MathJax). The build runs offline with
-warnings as errors, so nothing here fetches from the network (no intersphinx).
+warnings as errors, so nothing here fetches from the network (no intersphinx), and the
+built site needs none either: MathJax is served from its _static/ (sphinx-mathjax-offline),
+and the figures are drawn at build time from the results kept in docs/results/.
 """
 
 import os
@@ -11,7 +13,8 @@ import sys
 # Import jaxcomp from this checkout (also where it is not installed in the venv).
 sys.path.insert(0, os.path.abspath(".."))
 
-import jaxcomp  # noqa: E402  (after the path insert)
+from benchmarks import figures  # noqa: E402  (after the path insert)
+import jaxcomp  # noqa: E402
 
 project = "jaxcomp"
 author = "jaxcomp authors"
@@ -24,6 +27,9 @@ extensions = [
   "sphinx.ext.autodoc",
   "sphinx.ext.autosummary",
   "sphinx.ext.mathjax",
+  # MathJax 3 from the built site's _static/mathjax/, not a CDN: formulas typeset where
+  # the browser cannot reach the internet (many clusters). It sets mathjax_path.
+  "sphinx-mathjax-offline",
   "sphinx.ext.napoleon",
   "sphinx.ext.viewcode",
 ]
@@ -68,3 +74,10 @@ html_theme_options = {
   "navigation_with_keys": False,
 }
 html_static_path = []
+
+# -- Figures -----------------------------------------------------------------------------------
+# Drawn from the results files kept in docs/results/ (the numbers of docs/benchmarks.md's
+# tables, with their commands) into docs/_figures/ (not tracked), on every build: a new
+# results file redraws its figures, no training needed. Pages show them with
+# ```{figure} _figures/NAME.svg```.
+figures.draw()

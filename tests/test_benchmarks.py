@@ -114,6 +114,7 @@ COMMANDS = (
   "benchmarks.codecs",
   "benchmarks.compile_time",
   "benchmarks.fault",
+  "benchmarks.figures",
   "benchmarks.kernels",
   "benchmarks.launch",
   "benchmarks.lm_network",

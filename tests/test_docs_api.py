@@ -6,10 +6,13 @@ docs/api/ (each gets a page of its own, generated at build time), or autodoc dir
 """
 
 import glob
+import html
 import importlib
 import importlib.util
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -134,14 +137,16 @@ def test_getting_started_has_the_readme_snippet():
   assert use_snippet("docs/getting_started.md") == use_snippet("README.md")
 
 
-@pytest.mark.slow
-@pytest.mark.once
-@pytest.mark.skipif(
+_NEEDS_SPHINX = pytest.mark.skipif(
   importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_parser") is None,
   reason="Sphinx not installed (pip install -e '.[docs]'; the test extra includes it)",
 )
-def test_docs_build_without_warnings(tmp_path):
-  """What `bash scripts/docs.sh` runs, into a temporary directory."""
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+  """What `bash scripts/docs.sh` runs, into a temporary directory: the built html/."""
+  out = tmp_path_factory.mktemp("docs")
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -156,9 +161,9 @@ def test_docs_build_without_warnings(tmp_path):
       "-b",
       "html",
       "-d",
-      str(tmp_path / "doctrees"),
+      str(out / "doctrees"),
       DOCS,
-      str(tmp_path / "html"),
+      str(out / "html"),
     ],
     env=env,
     cwd=ROOT,
@@ -168,4 +173,118 @@ def test_docs_build_without_warnings(tmp_path):
     check=False,
   )
   assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
-  assert os.path.exists(tmp_path / "html" / "api" / "index.html")
+  return out / "html"
+
+
+@pytest.mark.slow
+@pytest.mark.once
+@_NEEDS_SPHINX
+def test_docs_build_without_warnings(built_site):
+  assert os.path.exists(built_site / "api" / "index.html")
+  for name in ("demo_accuracy_vs_bytes", "method_map", "network_speedup", "two_level_speedup"):
+    assert os.path.getsize(built_site / "_images" / f"{name}.svg") > 0, name
+
+
+_MATH = re.compile(
+  r'<span class="math notranslate nohighlight">\\\((.*?)\\\)</span>'
+  r'|<div class="math notranslate nohighlight">\s*\\\[(.*?)\\\]\s*</div>',
+  re.S,
+)
+# A resource fetched from elsewhere: <script src>, <link href>, <img src> off the site.
+_REMOTE = re.compile(r'<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)="(?:https?:)?//', re.I)
+
+
+def _pages_with_math(site) -> dict[str, list[tuple[str, bool]]]:
+  """page -> [(TeX, display)] of every formula Sphinx wrote for MathJax."""
+  pages = {}
+  for path in glob.glob(os.path.join(site, "**", "*.html"), recursive=True):
+    with open(path, encoding="utf-8") as f:
+      found = [
+        (html.unescape(inline or display), not inline)
+        for inline, display in _MATH.findall(f.read())
+      ]
+    if found:
+      pages[path] = found
+  return pages
+
+
+@pytest.mark.slow
+@pytest.mark.once
+@_NEEDS_SPHINX
+def test_math_is_served_from_the_site(built_site):
+  """Every page with math loads MathJax 3 from the site's _static/ (sphinx-mathjax-offline),
+  and no page loads a script, style sheet or image from the network."""
+  pages = _pages_with_math(built_site)
+  assert len(pages) >= 10 and os.path.join(built_site, "methods", "qsgd.html") in pages
+  mathjax = os.path.join(built_site, "_static", "mathjax", "tex-chtml.js")
+  with open(mathjax, encoding="utf-8") as f:
+    code = f.read()
+  assert len(code) > 100_000 and "MathJax" in code and 'VERSION="3.' in code
+  for path in glob.glob(os.path.join(built_site, "**", "*.html"), recursive=True):
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    assert not _REMOTE.search(text), f"{path}: {_REMOTE.search(text).group(0)}"
+    if path in pages:
+      src = re.search(r'<script[^>]*src="([^"]*tex-chtml\.js)"', text)
+      assert src, f"{path} has math and loads no MathJax"
+      local = os.path.normpath(os.path.join(os.path.dirname(path), src.group(1)))
+      assert local == mathjax, (path, src.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.once
+@_NEEDS_SPHINX
+def test_no_formula_is_left_as_raw_tex(built_site):
+  """No `$` is left in the pages' text outside code and math: a `$...$` MyST did not take
+  as math (a line in it read as a list item, say) shows as raw TeX, whatever MathJax does."""
+  skip = re.compile(
+    r"<(script|style|pre|code)\b.*?</\1>|<span class=\"math notranslate nohighlight\">.*?</span>"
+    r"|<div class=\"math notranslate nohighlight\">.*?</div>",
+    re.S,
+  )
+  for path in glob.glob(os.path.join(built_site, "**", "*.html"), recursive=True):
+    with open(path, encoding="utf-8") as f:
+      text = re.sub(r"<[^>]*>", "", skip.sub("", f.read()))
+    left = re.search(r".{0,60}\$.{0,60}", text)
+    assert not left, f"{path}: {left.group(0)!r}"
+
+
+# Typesets each formula with the site's own MathJax (its node entry point, offline): the
+# same TeX input component the pages load; an error node or an undefined macro (shown red)
+# is a formula the browser would show broken.
+_TYPESET_JS = """
+const MathJax = require(process.argv[2] + '/node-main.js');
+const formulas = JSON.parse(require('fs').readFileSync(0, 'utf8'));
+MathJax.init({loader: {load: ['input/tex', 'output/chtml']}}).then((MJ) => {
+  const bad = [];
+  formulas.forEach(([tex, display], i) => {
+    const mml = MJ.tex2mml(tex, {display});
+    const html = MJ.startup.adaptor.outerHTML(MJ.tex2chtml(tex, {display}));
+    if (/<merror|mathcolor="red"/.test(mml) || !html.includes('<mjx-container')) bad.push([i, mml]);
+  });
+  console.log(JSON.stringify({typeset: formulas.length, bad: bad}));
+}).catch((e) => { console.error(e); process.exit(1); });
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.once
+@_NEEDS_SPHINX
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run MathJax")
+def test_site_mathjax_typesets_every_formula_offline(built_site, tmp_path):
+  pages = _pages_with_math(built_site)
+  formulas = sorted({f for found in pages.values() for f in found})
+  script = tmp_path / "typeset.js"
+  script.write_text(_TYPESET_JS)
+  done = subprocess.run(
+    ["node", str(script), os.path.join(built_site, "_static", "mathjax")],
+    input=json.dumps(formulas),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(done.stdout)
+  assert result["typeset"] == len(formulas) > 100
+  assert not result["bad"], [(formulas[i][0], mml[:300]) for i, mml in result["bad"][:5]]
