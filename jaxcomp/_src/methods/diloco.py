@@ -47,7 +47,9 @@ class DiLoCoState(NamedTuple):
   each the state of its transform over the fragment's tree: the parameters with
   ``optax.MaskedNode()`` in place of the leaves it does not hold, and a leaf split
   between fragments as its rows in this one (:func:`fragment_pieces`); an empty
-  fragment's is ``optax.EmptyState()``.
+  fragment's is ``optax.EmptyState()``. With ``overlap=True``, ``round_start`` (per
+  device, wrapped) and ``pending`` (replicated) hold the one-sync-late outer step's
+  values; without it they are ``None``.
   """
 
   count: Array  # shape=(), dtype=int32: steps taken
@@ -55,6 +57,12 @@ class DiLoCoState(NamedTuple):
   inner_state: Any  # PerDeviceState: the inner optimizer's state, per device
   outer_state: tuple  # per fragment: the outer optimizer's state, replicated
   exchange_state: tuple  # per fragment: PerDeviceState of the exchange's state
+  # overlap=True only (else None): PerDeviceState of the replica's parameters at the
+  # start of its round (its last sync), leaf shapes and dtypes with a leading axis of 1
+  round_start: Any = None
+  # overlap=True only (else None): each value's exchanged mean from its fragment's last
+  # sync, to be applied at the next one (zeros before the first), leaf shapes, replicated
+  pending: Any = None
 
 
 def _check_transform(tx, name: str, *, optional: bool = False) -> None:
@@ -145,6 +153,7 @@ def diloco(
   exchange: optax.GradientTransformation | None = None,
   fragments: int | None = None,
   fast_axis: Any = None,
+  overlap: bool = False,
 ) -> optax.GradientTransformation:
   r"""DiLoCo: ``sync_every`` local steps per replica, then an outer step on the mean drift.
 
@@ -208,6 +217,40 @@ def diloco(
   the fragments within 1.5x of the mean (a leaf with fewer rows than fragments), a
   warning says so and how to fix it.
 
+  **Overlapped outer steps** (``overlap=True``). A sync then waits on no exchange: the
+  mean it starts is applied one sync later, so that a runtime that dispatches the
+  exchange apart from the inner steps can run it alongside the next ``H`` of them
+  (Streaming DiLoCo's overlap, with a delay of one whole round). Each replica keeps
+  ``B_i``, its parameters at the start of its round, and the state holds ``\bar Δ``,
+  the mean of the previous sync (``pending``). At sync ``s``, per fragment,
+
+  .. math::
+    Δ_i = B_i - θ_i, \qquad \bar Δ_s = \mathrm{exchange}(Δ_i), \qquad
+    θ \leftarrow θ + \mathrm{outer}(\bar Δ_{s-1}), \qquad
+    θ_i \leftarrow θ + (θ_i - B_i), \qquad B_i \leftarrow θ_i,
+
+  and ``\bar Δ_s`` is kept for sync ``s + 1``; at the first sync nothing is pending and
+  the anchor and the outer state stay as they are. So every replica's progress reaches
+  the anchor one sync late, the anchor follows DiLoCo's recursion fed the means of one
+  sync before, and meanwhile each replica keeps its own unsynced progress on top of the
+  anchor, as the eager updates of Kale et al. (2025) use the local pseudo-gradient in
+  place of the mean not yet arrived. With one replica and ``outer=optax.sgd(1.0)`` the
+  syncs leave the replica's trajectory as it was (``θ = B_i + \bar Δ_{s-1}`` before
+  each sync). Where this departs from the papers (as we read their descriptions, not
+  checked line by line against their algorithms): Streaming DiLoCo overlaps by a delay
+  of ``τ`` inner steps, shorter than ``H``, and mixes the replica with the late anchor
+  by a factor ``α``; the eager variant uses this replica's fresh pseudo-gradient in
+  place of its own stale one in the mean it applies, a step that differs between
+  replicas. Here the delay is one round, the mean applied is the whole
+  previous sync's, the same on every device (the anchor stays replicated and
+  checkpoints as one array), and the replica's fresh progress is added back on top of
+  the anchor rather than mixed in. In one compiled program the sync step still
+  contains the exchange's collectives; the exchange is hidden only where it is
+  dispatched as a program of its own whose result is read one sync later
+  (``docs/benchmarks.md``, "Overlapped outer steps", measures and prices it). Costs
+  two parameter-sized buffers more: ``B_i`` per device and the pending mean,
+  replicated.
+
   **Replicas that are nodes** (``fast_axis``). The DiLoCo paper's replica, and
   torchft's, is a worker of several accelerators. On a 2-D mesh ``(slow, fast)`` of N
   nodes of L devices, ``axis_name=slow`` and ``fast_axis=fast`` make each node one
@@ -260,6 +303,8 @@ def diloco(
       (``axis_name`` the axis over the nodes); ``exchange`` must be one jaxcomp exchange
       over ``axis_name`` that :func:`jaxcomp.two_level` can run on shards. ``None``:
       every device is a replica.
+    overlap: apply each sync's outer step one sync late, each replica keeping its own
+      progress meanwhile (above); not with ``fast_axis``.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update(grads, state, params)`` needs
@@ -274,7 +319,7 @@ def diloco(
       ``jax.shard_map``, a gradient already summed over ``fast_axis``.
     TypeError: with ``fast_axis``, an exchange that is not one jaxcomp exchange.
     NotImplementedError: with ``fast_axis``, an exchange :func:`jaxcomp.two_level`
-      cannot run on shards yet.
+      cannot run on shards yet; ``overlap=True`` with ``fast_axis``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxcomp as jc
@@ -298,8 +343,11 @@ def diloco(
     Douillard, Donchev, Rush, Kale, Rusu, Hasan, Szlam, et al. *Streaming DiLoCo with
     overlapping communication: Towards a Distributed Free Lunch*. 2025.
     https://arxiv.org/abs/2501.18512
+
+    Kale, Douillard, Donchev. *Eager Updates For Overlapped Communication and
+    Computation in DiLoCo*. 2025. https://arxiv.org/abs/2502.12996
   """
-  o = _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis)
+  o = _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis, overlap)
   return transforms.places_own_state(
     optax.GradientTransformation(
       lambda params: _init(o, params),
@@ -319,9 +367,12 @@ class _Options(NamedTuple):
   offsets: tuple[int, ...]  # the step offset of each fragment's sync in the period
   axis_name: Any
   fast_axis: Any  # None: every device a replica; else the axis of a node's devices
+  overlap: bool  # the outer step one sync late, each replica keeping its own progress
 
 
-def _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis) -> _Options:
+def _options(
+  inner, outer, exchange, sync_every, axis_name, fragments, fast_axis, overlap
+) -> _Options:
   """The factory's argument checks, in one place: an :class:`_Options`, or the error
   (``ValueError``; with ``fast_axis`` also :func:`_node_exchange`'s)."""
   transforms.require_axis_name(axis_name, "jc.diloco")
@@ -344,6 +395,17 @@ def _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis
       f"fragment syncs on its own step of the period) or None, got {fragments!r}"
     )
   num_fragments = int(num_fragments)
+  if not isinstance(overlap, bool):
+    raise ValueError(f"jc.diloco: overlap must be True or False, got {overlap!r}")
+  if overlap and fast_axis is not None:
+    raise NotImplementedError(
+      f"jc.diloco: overlap=True with fast_axis={fast_axis!r} is not implemented: the "
+      f"round-start parameters it keeps per device would vary over the fast axis where "
+      f"a node's replica is held once per node (P(slow)), and the updates built from "
+      f"them could not be typed like those parameters without a collective over the "
+      f"fast axis on every sync; this combination is not written nor tested. Use "
+      f"overlap with every device a replica (fast_axis=None)."
+    )
   if fast_axis is not None:
     exchange = _node_exchange(exchange, axis_name, fast_axis)
   return _Options(
@@ -355,6 +417,7 @@ def _options(inner, outer, exchange, sync_every, axis_name, fragments, fast_axis
     offsets=tuple(fragment_offsets(sync_every, num_fragments)),
     axis_name=axis_name,
     fast_axis=fast_axis,
+    overlap=overlap,
   )
 
 
@@ -470,6 +533,10 @@ def _init(o: _Options, params) -> DiLoCoState:
     exchange_state=tuple(
       optax.EmptyState() if t is None or o.exchange is None else o.exchange.init(t) for t in frags
     ),
+    round_start=transforms.PerDeviceState(jax.tree.map(lambda x: jnp.asarray(x)[None], params))
+    if o.overlap
+    else None,
+    pending=jax.tree.map(jnp.zeros_like, params) if o.overlap else None,
   )
 
 
@@ -591,6 +658,62 @@ def _stay(u, a, p, outer_state, ex_state):
   return u, a, outer_state, ex_state
 
 
+def _first_sync(o: _Options, f: int) -> int:
+  """The step of fragment ``f``'s first sync (``t`` counts from 1)."""
+  return o.offsets[f] or o.sync_every
+
+
+def _sync_overlapped(
+  o: _Options, part: _Partition, f: int, t, u, a, p, b, m, outer_state, ex_state
+):
+  """Fragment ``f``'s sync, one sync late: this round's progress is exchanged, the
+  previous sync's mean ``m`` steps the anchor, and the replica lands on the new anchor
+  plus its own progress. ``b``, ``m``: the fragment's pieces of the round-start
+  parameters and of the pending mean."""
+  with jax.named_scope(collective_trace.every_scope(o.sync_every)):
+    # Δ_i = B_i - (θ_i + u_i), taken as (B_i - θ_i) - u_i, as _sync does from the anchor.
+    delta = [
+      ((b_.astype(_F32) - p_.astype(_F32)) - u_.astype(_F32)).astype(p_.dtype)
+      for u_, b_, p_ in zip(u, b, p)
+    ]
+    mean, ex_state_new = _mean_of(o, part.tree(f, delta), ex_state, part.tree(f, a))
+
+    def outer_step(a, m, outer_state):
+      outer_u, outer_new = o.outer.update(part.tree(f, m), outer_state, part.tree(f, a))
+      a_new = [
+        optax.apply_updates(a_, v.astype(a_.dtype)) for a_, v in zip(a, jax.tree.leaves(outer_u))
+      ]
+      return a_new, outer_new
+
+    # Nothing is pending at the first sync: the anchor and the outer state stay put.
+    a_new, outer_new = lax.cond(
+      t > _first_sync(o, f), outer_step, lambda a, m, s: (a, s), a, m, outer_state
+    )
+    # θ_new = A_new + (θ_i + u_i - B_i): the update is (A_new - B_i) + u_i, no rounding of θ_i.
+    u_new = [
+      ((an.astype(_F32) - b_.astype(_F32)) + u_.astype(_F32)).astype(u_.dtype)
+      for an, b_, u_ in zip(a_new, b, u)
+    ]
+    # The next round starts where optax.apply_updates puts the replica, bit for bit.
+    b_new = [optax.apply_updates(p_, un) for p_, un in zip(p, u_new)]
+    m_new = [x.astype(m_.dtype) for x, m_ in zip(jax.tree.leaves(mean), m)]
+  match = lambda new, old: jax.tree.map(wrappers._match_varying, new, old)  # pylint: disable=protected-access
+  return (
+    match(u_new, u),
+    match(a_new, a),
+    match(b_new, b),
+    match(m_new, m),
+    match(outer_new, outer_state),
+    match(ex_state_new, ex_state),
+  )
+
+
+def _stay_overlapped(t, u, a, p, b, m, outer_state, ex_state):
+  """:func:`_stay` for ``overlap=True``: the round-start and pending pieces unchanged."""
+  del t, p
+  return u, a, b, m, outer_state, ex_state
+
+
 def _joined(parts: list):
   """A leaf from its pieces, in row order."""
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
@@ -615,26 +738,48 @@ def _update(o: _Options, grads, state: DiLoCoState, params):
   if o.fast_axis is not None:  # typed like the parameters (per device, or per node)
     u_leaves = [wrappers._match_varying(u, p) for u, p in zip(u_leaves, part.leaves)]  # pylint: disable=protected-access
   a_leaves = part.treedef.flatten_up_to(state.anchor)
+  if o.overlap:
+    b_leaves = part.treedef.flatten_up_to(jax.tree.map(lambda x: x[0], state.round_start.inner))
+    m_leaves = part.treedef.flatten_up_to(state.pending)
+  else:
+    b_leaves = m_leaves = [None] * len(a_leaves)
   t = state.count + 1
   out = [[] for _ in u_leaves]  # per leaf, its pieces' updates in row order
   new_anchor = [[] for _ in a_leaves]
+  new_b, new_m = [[] for _ in a_leaves], [[] for _ in a_leaves]
   outer_states, exchange_states = [], []
   for f, pieces in enumerate(part.pieces):
     u, a, p = ([part.cut(xs, q) for q in pieces] for xs in (u_leaves, a_leaves, part.leaves))
+    b, m = ([part.cut(xs, q) for q in pieces] if o.overlap else [] for xs in (b_leaves, m_leaves))
     o_f, e = state.outer_state[f], state.exchange_state[f]
     if pieces:  # an empty fragment (too few rows to go round) has nothing to sync
       due = (t - o.offsets[f]) % o.sync_every == 0
-      u, a, o_f, e = lax.cond(due, functools.partial(_sync, o, part, f), _stay, u, a, p, o_f, e)
+      if o.overlap:
+        sync = functools.partial(_sync_overlapped, o, part, f)
+        u, a, b, m, o_f, e = lax.cond(due, sync, _stay_overlapped, t, u, a, p, b, m, o_f, e)
+      else:
+        u, a, o_f, e = lax.cond(due, functools.partial(_sync, o, part, f), _stay, u, a, p, o_f, e)
     for q, u_, a_ in zip(pieces, u, a):
       out[q.leaf].append(u_)
       new_anchor[q.leaf].append(a_)
+    for q, b_, m_ in zip(pieces, b, m):
+      new_b[q.leaf].append(b_)
+      new_m[q.leaf].append(m_)
     outer_states.append(o_f)
     exchange_states.append(e)
+  overlapped = {}
+  if o.overlap:
+    round_start = part.treedef.unflatten([_joined(x)[None] for x in new_b])
+    overlapped = dict(
+      round_start=transforms.PerDeviceState(round_start),
+      pending=part.treedef.unflatten([_joined(x) for x in new_m]),
+    )
   new_state = DiLoCoState(
     count=t,
     anchor=part.treedef.unflatten([_joined(x) for x in new_anchor]),
     inner_state=inner_state,
     outer_state=tuple(outer_states),
     exchange_state=tuple(exchange_states),
+    **overlapped,
   )
   return part.treedef.unflatten([_joined(x) for x in out]), new_state

@@ -90,6 +90,7 @@ def sparseloco(
   outer_learning_rate: float = 1.0,
   fragments: int | None = None,
   filter: transforms.FilterFn | None = None,  # pylint: disable=redefined-builtin
+  overlap: bool = False,
 ) -> optax.GradientTransformation:
   r"""SparseLoCo: ``sync_every`` local steps, then a sparse 2-bit error-fed outer step.
 
@@ -113,7 +114,7 @@ def sparseloco(
   Exactly this composition::
 
     jc.diloco(inner, optax.sgd(outer_learning_rate), sync_every=sync_every,
-              axis_name=axis_name, fragments=fragments,
+              axis_name=axis_name, fragments=fragments, overlap=overlap,
               exchange=jc.compress(jc.codecs.ChunkedTopK(density, bits=bits,
                                                          chunk_size=chunk_size),
                                    axis_name=axis_name, collective="allgather",
@@ -138,6 +139,10 @@ def sparseloco(
     outer_learning_rate: ``α`` (default 1: the anchor moves by the mean sent).
     fragments: Streaming DiLoCo's fragments (:func:`jaxcomp.diloco`); ``None``: one.
     filter: which leaves are compressed (:func:`jaxcomp.compress`).
+    overlap: the outer step one sync late, each replica keeping its own progress
+      meanwhile (:func:`jaxcomp.diloco`'s ``overlap``): the sparse mean of sync ``s``
+      steps the anchor at sync ``s + 1``, so its exchange can run alongside the next
+      ``H`` inner steps. The residuals still advance at the sync that sends.
 
   Returns:
     An ``optax.GradientTransformation`` (:func:`jaxcomp.diloco`'s, state
@@ -174,4 +179,5 @@ def sparseloco(
     axis_name=axis_name,
     exchange=exchange,
     fragments=fragments,
+    overlap=overlap,
   )
