@@ -124,12 +124,13 @@ def summarize(by_rate: dict[str, dict[str, Any]], target: float, args) -> str:
     " (gloo) over a tc-throttled veth. Time: training steps only.",
     "",
     "| rate | method | reached at update | time to target (s) | speed-up vs dense |"
-    " s/update | final val loss | bytes/update |",
-    "|---|---|---:|---:|---:|---:|---:|---:|",
+    " s/update | final val loss | vs target | bytes/update | fewer bytes |",
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for run in by_rate.values():
     results = run["results"]["results"]
     dense_t = results.get("dense", {}).get("target_time_s")
+    dense_b = results.get("dense", {}).get("bytes_received")
     for method, r in results.items():
       h = r["history"]
       steps = h["step"][-1]
@@ -140,9 +141,12 @@ def summarize(by_rate: dict[str, dict[str, Any]], target: float, args) -> str:
         reached, t = str(r["target_step"]), f"{r['target_time_s']:.1f}"
         speedup = f"{dense_t / r['target_time_s']:.2f}x" if dense_t else "-"
       recv = "n/a" if r["bytes_received"] is None else f"{r['bytes_received']:,.0f}"
+      fewer = f"{dense_b / r['bytes_received']:.0f}x" if dense_b and r["bytes_received"] else "-"
+      gap = f"{100 * (r['val_loss'] / target - 1):+.1f}%"
+      mark = " **diverged**" if r.get("diverged") else ""
       lines.append(
-        f"| {run['label']} | {method} | {reached} | {t} | {speedup} | {per_step:.3f}"
-        f" | {r['val_loss']:.4f} | {recv} |"
+        f"| {run['label']} | {method}{mark} | {reached} | {t} | {speedup} | {per_step:.3f}"
+        f" | {r['val_loss']:.4f} | {gap} | {recv} | {fewer} |"
       )
   return "\n".join(lines)
 
@@ -208,6 +212,7 @@ def main(argv=None) -> int:
     "--seed",
     str(args.seed),
     *(f"--set={item}" for item in args.set),
+    "--allow-diverged",  # a diverged method is a marked row, not a lost run
   ]
   out: dict[str, Any] = {
     "args": vars(args),

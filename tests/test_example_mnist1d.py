@@ -119,6 +119,24 @@ def test_quick_run_diloco(tmp_path):
   assert not r["diverged"] and r["nonfinite_step"] is None
 
 
+@pytest.mark.parametrize("method", ["sparseloco", "demo"])
+def test_quick_run_low_communication_methods(tmp_path, method):
+  """SparseLoCo (replicas per device, evaluated at the anchor) and DeMo (the whole
+  optimizer) train the quick config; SparseLoCo sends its sync's bytes once per
+  ``diloco_sync_every`` steps, far below DiLoCo's dense mean, DeMo below dense."""
+  config = dataclasses.replace(quick.get_config(), diloco_sync_every=5)
+  mesh, data, model, init_params = train.setup(config, str(tmp_path))
+  common = dict(model=model, init_params=init_params, data=data, mesh=mesh)
+  r = train.train_method(method, config, **common)
+  assert r["history"]["step"][-1] == config.num_steps
+  kernels = [p for p in r["layer_change"] if p.endswith("['kernel']")]
+  assert kernels and all(r["layer_change"][p] > 0 for p in kernels)
+  assert r["exchanged"] and not r["diverged"]
+  assert r["first_exchange_step"] == (5 if method == "sparseloco" else 1)
+  dense = train.wire_report(train.make_tx("dense", config), init_params, mesh.size)
+  assert r["bytes_received"] < dense.bytes_received / (50 if method == "sparseloco" else 2)
+
+
 # A config whose run goes non-finite at a known step: the schedule's warm-up starts at 0,
 # so step 1 leaves the params as they are; step 2 applies a rate of 5e29 (half the peak)
 # to the mean gradient clipped to norm 1, so step 3's forward pass (logits of order

@@ -88,12 +88,13 @@ LOCAL_PARAMS = ("diloco", "diloco_qsgd4", "sparseloco")
 SIGN_METHODS = ("onebit", "ef_signsgd")
 
 
-def schedule(config) -> optax.Schedule:
-  """Linear warm-up to ``config.learning_rate``, then cosine decay to 0 at the last
-  update (a float32 count: strict dtype promotion rejects optax's int/float mix)."""
+def schedule(config, peak: float | None = None) -> optax.Schedule:
+  """Linear warm-up to ``peak`` (default ``config.learning_rate``), then cosine decay to
+  0 at the last update (a float32 count: strict dtype promotion rejects optax's
+  int/float mix)."""
   warmup_cosine = optax.warmup_cosine_decay_schedule(
     init_value=0.0,
-    peak_value=config.learning_rate,
+    peak_value=config.learning_rate if peak is None else peak,
     warmup_steps=min(config.warmup_steps, config.num_steps // 2),
     decay_steps=config.num_steps,
   )
@@ -140,8 +141,9 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
   * ``diloco`` / ``diloco_qsgd4``: the exchange of DiLoCo's pseudo-gradients (the dense
     mean, or 4-bit QSGD as ``qsgd4``); :func:`make_update` wraps it in ``jc.diloco``.
   * ``demo``: DeMo (``jc.decoupled_momentum``), the whole optimizer: the sign of the
-    exchanged fast DCT components of each device's momentum, at AdamW's schedule and
-    weight decay (no clipping: a sign step is bounded).
+    exchanged fast DCT components of each device's momentum, at AdamW's schedule
+    shape and weight decay, peaking at ``config.demo_learning_rate`` (no clipping: a
+    sign step is bounded).
   * ``sparseloco``: not an exchange of its own; :func:`make_update` builds
     ``jc.sparseloco`` (DiLoCo with chunked top-k, 2-bit values, decaying error feedback).
 
@@ -181,7 +183,7 @@ def make_exchange(method: str, config, *, warmup: bool = True) -> optax.Gradient
   if method == "demo":
     return standard_promotion(
       jc.decoupled_momentum(
-        schedule(config),
+        schedule(config, config.demo_learning_rate or config.learning_rate),
         axis_name=AXIS,
         chunk_size=config.demo_chunk_size,
         topk=config.demo_topk,

@@ -38,7 +38,16 @@ METHODS = default_config.Config.methods
 # columns are their few spatial taps: docs/methods/onebit_sgd.md).
 # DiLoCo (jc.diloco): local steps, then a synced outer step; the pseudo-gradient dense
 # or 4-bit QSGD (LOCAL_PARAMS below).
-EXTRA_METHODS = ("dense_flat", "onebit_per_column", "diloco", "diloco_qsgd4")
+# SparseLoCo (jc.sparseloco: DiLoCo with chunked top-k 2-bit pseudo-gradients) and DeMo
+# (jc.decoupled_momentum, the whole optimizer) as well.
+EXTRA_METHODS = (
+  "dense_flat",
+  "onebit_per_column",
+  "diloco",
+  "diloco_qsgd4",
+  "sparseloco",
+  "demo",
+)
 ALL_METHODS = METHODS + EXTRA_METHODS
 
 # Methods whose exchange carries the momentum (DGC's momentum correction): the optimizer
@@ -49,7 +58,7 @@ MOMENTUM_IN_EXCHANGE = ("dgc",)
 # momentum): make_tx returns the exchange itself, with no optimizer after it and not
 # wrapped in jc.per_device_state (it places its own per-device buffers; m and v stay
 # replicated, so the updates are).
-OPTIMIZER_IN_EXCHANGE = ("onebit_adam",)
+OPTIMIZER_IN_EXCHANGE = ("onebit_adam", "demo")
 
 # 1-bit Adam's full-precision warm-up, as a fraction of the steps: the paper's 15-25%.
 # v is frozen at a loss near zero on this small model, so the compressed stage relies on
@@ -69,8 +78,10 @@ REPLICATED_STATE = ("mipd",)
 # (densely, or by the exchange make_exchange gives) and the paper's outer Nesterov
 # (DILOCO_OUTER) steps the shared params. The replicas drift apart between syncs, so
 # their params are held per device (one row each, P(AXIS)) and evaluated at the anchor.
-LOCAL_PARAMS = ("diloco", "diloco_qsgd4")
+LOCAL_PARAMS = ("diloco", "diloco_qsgd4", "sparseloco")
 DILOCO_OUTER = dict(learning_rate=0.7, momentum=0.9, nesterov=True)
+# SparseLoCo's share of each chunk of 4096 values sent at a sync (the paper's 1-3%).
+SPARSELOCO_DENSITY = 0.02
 
 # PowerSGD's rank: 2, the paper's setting for image classification (CIFAR-10 ResNet-18).
 # Each kernel, viewed as a (k·in, out) matrix, sends 2(m + n) values instead of m·n.
@@ -137,7 +148,35 @@ def make_exchange(method: str, config=None, *, warmup: bool = True) -> optax.Gra
     return jc.ef_signsgd(axis_name=AXIS)
   if method == "onebit_adam":
     return make_onebit_adam(config, warmup=warmup)
+  if method == "demo":
+    return make_demo(config)
   raise ValueError(f"unknown method {method!r}; expected one of {ALL_METHODS}")
+
+
+def adam_schedule(config) -> optax.Schedule:
+  """The demo's warmup and cosine decay at an Adam-like peak: ``config.learning_rate``
+  when ``config.optimizer`` is ``"adamw"``, else ``config.adam_learning_rate`` (the
+  default's rate is SGD's)."""
+  peak = config.learning_rate if config.optimizer == "adamw" else config.adam_learning_rate
+  warmup_cosine = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=peak,
+    warmup_steps=min(config.warmup_steps, config.num_steps // 2),
+    decay_steps=config.num_steps,
+  )
+  return lambda count: warmup_cosine(jnp.asarray(count, jnp.float32))
+
+
+def make_demo(config) -> optax.GradientTransformation:
+  """DeMo (``jc.decoupled_momentum``): the sign of the exchanged fast DCT components of
+  each device's momentum, a step of the same size on every coordinate, as Adam's is,
+  hence :func:`adam_schedule`; the demo's weight decay; the paper's chunk 64 and top 32.
+  ``config`` ``None``: a constant rate of 1e-3 (for byte counts)."""
+  if config is None:
+    return jc.decoupled_momentum(1e-3, axis_name=AXIS)
+  return jc.decoupled_momentum(
+    adam_schedule(config), axis_name=AXIS, weight_decay=config.weight_decay
+  )
 
 
 def make_onebit_adam(config, *, warmup: bool = True, **kwargs) -> optax.GradientTransformation:
@@ -160,14 +199,7 @@ def make_onebit_adam(config, *, warmup: bool = True, **kwargs) -> optax.Gradient
   if config is None:
     options = dict(freeze_step=1 if warmup else 0, compress=ONEBIT_ADAM_COMPRESS, axis_name=AXIS)
     return jc.onebit_adam(1e-3, **{**options, **kwargs})
-  peak = config.learning_rate if config.optimizer == "adamw" else config.adam_learning_rate
-  warmup_cosine = optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=peak,
-    warmup_steps=min(config.warmup_steps, config.num_steps // 2),
-    decay_steps=config.num_steps,
-  )
-  schedule = lambda count: warmup_cosine(jnp.asarray(count, jnp.float32))
+  schedule = adam_schedule(config)
   freeze_step = max(1, round(ONEBIT_ADAM_FREEZE * config.num_steps)) if warmup else 0
   options = dict(
     freeze_step=freeze_step,
@@ -223,6 +255,13 @@ def make_tx(
   mean gradient on every device and its state stays replicated, like the parameters.
   ``jc.state_specs`` gives the matching ``shard_map`` specs.
   """
+  if method == "sparseloco":  # jc.diloco with SparseLoCo's exchange and outer SGD
+    return jc.sparseloco(
+      make_optimizer(config),
+      sync_every=config.diloco_sync_every,
+      axis_name=AXIS,
+      density=SPARSELOCO_DENSITY,
+    )
   if exchange is None:
     exchange = make_exchange(method, config)
   if method in LOCAL_PARAMS:  # the exchange averages DiLoCo's pseudo-gradients
@@ -250,7 +289,7 @@ def first_exchange_step(method: str, config) -> int:
   """
   if method in LOCAL_PARAMS:
     return config.diloco_sync_every
-  if method in OPTIMIZER_IN_EXCHANGE:  # make_onebit_adam's freeze_step, then one more
+  if method == "onebit_adam":  # make_onebit_adam's freeze_step, then one more
     return max(1, round(ONEBIT_ADAM_FREEZE * config.num_steps)) + 1
   return 1
 

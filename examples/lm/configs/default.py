@@ -64,7 +64,9 @@ class Config:
   sparseloco_outer_lr: float = 1.0
   # demo (jc.decoupled_momentum, opt-in): the top 32 DCT components of each 64x64 block
   # of the momentum (the paper's chunk 64, k 32), momentum decay 0.999, stepped with
-  # their sign at AdamW's schedule and weight decay.
+  # their sign at AdamW's schedule shape and weight decay, peaking at
+  # demo_learning_rate (0: learning_rate).
+  demo_learning_rate: float = 0.0
   demo_chunk_size: int = 64
   demo_topk: int = 32
   demo_momentum_decay: float = 0.999
