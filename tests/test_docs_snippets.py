@@ -1,0 +1,106 @@
+"""Every ```python block of the README and the docs runs as written.
+
+Each page's blocks run in order, as one script in a fresh process (what a reader gets
+pasting them one after the other into one session): pages share nothing, so a page's
+blocks bring their own imports, data and mesh. The process has JAX on the CPU with the
+8 devices of `tests/conftest.py` (`tests/_docs_blocks.run_script`). One place runs each
+block: the blocks a guide test runs and checks the output of are listed in
+`RUN_ELSEWHERE`, and skipped here. A block that cannot run on a CPU-only machine says so
+in its page (`<!-- not-run: why -->` on the line before its fence) and is listed, with
+that reason, in `NOT_RUN`.
+"""
+
+import glob
+import os
+import re
+
+import pytest
+
+from tests import _docs_blocks
+from tests._docs_blocks import ROOT
+
+
+def _pages() -> list[str]:
+  found = ["README.md"] + [
+    os.path.relpath(p, ROOT)
+    for pattern in ("docs/*.md", "docs/guides/*.md", "docs/methods/*.md")
+    for p in sorted(glob.glob(os.path.join(ROOT, pattern)))
+  ]
+  return [p for p in found if _docs_blocks.python_blocks(p)]
+
+
+#: (page, section) -> the test that runs that section's block and checks its output.
+RUN_ELSEWHERE = {
+  ("README.md", "Use"): "tests/test_readme.py::test_use_snippet_runs_as_written",
+  # Word for word the README's (tests/test_docs_api.py checks it): run there once.
+  ("docs/getting_started.md", "Use"): "tests/test_readme.py::test_use_snippet_runs_as_written",
+  ("docs/guides/sharded.md", "The ZeRO-2 step"): (
+    "tests/test_sharded.py::test_guide_snippet_runs_as_written"
+  ),
+  (
+    "docs/guides/two_level.md",
+    "Use",
+  ): "tests/test_two_level.py::test_guide_snippet_runs_as_written",
+  ("docs/guides/two_level.md", "DiLoCo across nodes"): (
+    "tests/test_diloco_nodes.py::test_guide_section_runs_as_written"
+  ),
+  ("docs/guides/two_level.md", "HSDP"): "tests/test_hsdp.py::test_guide_snippet_runs_as_written",
+}
+
+#: (page, section) -> why its block does not run here; the page says the same beside it.
+NOT_RUN: dict[tuple[str, str], str] = {}
+
+#: The pages that take longest on 2 CPU cores (long compiles; checkpoints.md runs twice).
+SLOW = {
+  "docs/guides/checkpoints.md",
+  "docs/guides/fsdp.md",
+  "docs/guides/nnx.md",
+  "docs/methods/diloco.md",
+  "docs/methods/mipd.md",
+}
+
+#: Pages that write files (Orbax checkpoints): run twice in one directory, as a reader
+#: running the page again would.
+RERUN = {"docs/guides/checkpoints.md"}
+
+PAGES = _pages()
+
+
+def _runnable_here(page):
+  return [
+    b
+    for b in _docs_blocks.python_blocks(page)
+    if b.not_run is None and (page, b.section) not in RUN_ELSEWHERE
+  ]
+
+
+def test_every_block_is_run_once_or_marked():
+  """Each block runs here, or in the one test `RUN_ELSEWHERE` names (which exists and
+  reads that section), or is marked not-run in its page with the reason `NOT_RUN` gives."""
+  marked = {}
+  for page in PAGES:
+    for block in _docs_blocks.python_blocks(page):
+      if block.not_run is not None:
+        marked[(page, block.section)] = block.not_run
+  assert marked == NOT_RUN
+  for (page, section), test in RUN_ELSEWHERE.items():
+    blocks = [b for b in _docs_blocks.python_blocks(page) if b.section == section]
+    assert len(blocks) == 1 and blocks[0].not_run is None, (page, section)
+    path, name = test.split("::")
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+      assert re.search(rf"^def {name}\(", f.read(), re.M), test
+
+
+@pytest.mark.parametrize(
+  "page",
+  [pytest.param(p, marks=pytest.mark.slow) if p in SLOW else p for p in PAGES if _runnable_here(p)],
+)
+def test_page_runs_as_written(page, tmp_path):
+  """The page's blocks, in order, in a fresh process started in an empty directory,
+  without a warning (a page whose filter leaves nothing to compress, say); a page that
+  writes files (`RERUN`) runs a second time over what the first wrote."""
+  code = "\n".join(f"# {b.page}:{b.line}\n{b.code}" for b in _runnable_here(page))
+  for _ in range(2 if page in RERUN else 1):
+    done = _docs_blocks.run_script(code, cwd=tmp_path, timeout=400)
+    assert done.returncode == 0, f"{page}:\n{done.stderr[-4000:]}"
+    assert "Warning" not in done.stderr, f"{page}:\n{done.stderr[-4000:]}"
