@@ -43,9 +43,11 @@ def python_blocks(page: str) -> list[Block]:
     if opening and not fenced:
       indent, start, body = opening.group(1), i, []
       i += 1
-      while lines[i].strip() != "```":
+      while i < len(lines) and lines[i].strip() != "```":
         body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
         i += 1
+      if i == len(lines):
+        raise ValueError(f"{page}:{start + 1}: a ```python fence that is never closed")
       previous = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
       reason = _NOT_RUN.search(previous)
       code = textwrap.dedent("\n".join(body)) + "\n"

@@ -104,3 +104,26 @@ def test_page_runs_as_written(page, tmp_path):
     done = _docs_blocks.run_script(code, cwd=tmp_path, timeout=400)
     assert done.returncode == 0, f"{page}:\n{done.stderr[-4000:]}"
     assert "Warning" not in done.stderr, f"{page}:\n{done.stderr[-4000:]}"
+
+
+def test_blocks_are_found_as_a_reader_sees_them(tmp_path):
+  """Indented fences (in list items) are dedented, other languages' fences are skipped
+  (a `#` line inside one is no heading), a not-run comment marks only the next block."""
+  page = tmp_path / "page.md"
+  page.write_text(
+    "# Title\n\n## First\n\n```python\na = 1\n```\n\n```bash\n# not a heading\n```\n\n"
+    "1. item:\n\n   ```python\n   if a:\n     b = 2\n   ```\n\n## Second\n\n"
+    "<!-- not-run: needs a GPU -->\n```python\nc = 3\n```\n\n```python\nd = 4\n```\n",
+    encoding="utf-8",
+  )
+  blocks = _docs_blocks.python_blocks(str(page))
+  assert [(b.section, b.code, b.not_run) for b in blocks] == [
+    ("First", "a = 1\n", None),
+    ("First", "if a:\n  b = 2\n", None),
+    ("Second", "c = 3\n", "needs a GPU"),
+    ("Second", "d = 4\n", None),
+  ]
+  assert [b.line for b in blocks] == [5, 15, 23, 27]
+  page.write_text("## Open\n\n```python\na = 1\n", encoding="utf-8")
+  with pytest.raises(ValueError, match="never closed"):
+    _docs_blocks.python_blocks(str(page))
