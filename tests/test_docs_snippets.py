@@ -11,6 +11,8 @@ that reason, in `NOT_RUN`.
 """
 
 import glob
+import math
+import operator
 import os
 import re
 
@@ -63,6 +65,20 @@ SLOW = {
 #: running the page again would.
 RERUN = {"docs/guides/checkpoints.md"}
 
+#: What a page's printout must say, beyond running: (pattern, comparison, bound) on the
+#: number the pattern captures. A loss below its value at the start (log of the class
+#: count for zero weights), a compressed step priced below its dense baseline.
+PRINTS = {
+  "docs/methods/demo.md": (r"loss (\S+)", operator.lt, math.log(16)),
+  "docs/methods/onebit_adam.md": (r"loss (\S+)", operator.lt, math.log(16)),
+  "docs/methods/mipd.md": (r"loss (\S+)", operator.lt, math.log(16)),
+  "docs/methods/diloco.md": (r"loss at the anchor (\S+)", operator.lt, math.log(16)),
+  "docs/methods/qsvrg.md": (r"loss (\S+)", operator.lt, 0.65),  # a tenth of w = 0's
+  "docs/guides/fsdp.md": (r"ratio (\S+)x", operator.gt, 1.0),
+  "docs/guides/profiling.md": (r"step (\S+) ms = gradient", operator.gt, 0.0),
+  "docs/guides/two_level.md": (r"(\S+) ms a step", operator.gt, 0.0),
+}
+
 PAGES = _pages()
 
 
@@ -104,6 +120,10 @@ def test_page_runs_as_written(page, tmp_path):
     done = _docs_blocks.run_script(code, cwd=tmp_path, timeout=400)
     assert done.returncode == 0, f"{page}:\n{done.stderr[-4000:]}"
     assert "Warning" not in done.stderr, f"{page}:\n{done.stderr[-4000:]}"
+  if page in PRINTS:
+    pattern, compare, bound = PRINTS[page]
+    found = re.search(pattern, done.stdout)
+    assert found and compare(float(found.group(1)), bound), (page, done.stdout[-2000:])
 
 
 def test_blocks_are_found_as_a_reader_sees_them(tmp_path):
