@@ -39,6 +39,7 @@ from jaxcomp._src.methods.transforms import CompressState
 from jaxcomp._src.methods.transforms import PerDeviceState
 from jaxcomp._src.methods.transforms import compress
 from jaxcomp._src.methods.transforms import default_filter
+from jaxcomp._src.methods.transforms import dense_mean
 from jaxcomp._src.methods.transforms import ef_signsgd
 from jaxcomp._src.methods.transforms import onebit_sgd
 from jaxcomp._src.methods.transforms import per_device_state
@@ -85,6 +86,7 @@ __all__ = [
   "compress",
   "decoupled_momentum",
   "default_filter",
+  "dense_mean",
   "ef_signsgd",
   "elias",
   "kernels",

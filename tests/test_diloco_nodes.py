@@ -384,15 +384,15 @@ def test_guide_section_runs_as_written():
   the devices of a node agree, and the report splits the bytes over the two axes."""
   import contextlib
   import io
-  import pathlib
   import re
 
-  guide = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/two_level.md"
-  section = guide.read_text().split("## DiLoCo across nodes", 1)[1].split("\n## ", 1)[0]
-  (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+  from tests import _docs_blocks
+
+  guide = "docs/guides/two_level.md"
+  code = _docs_blocks.section_code(guide, "DiLoCo across nodes")
   out = io.StringIO()
   with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
-    exec(compile(code, str(guide), "exec"), {"__name__": "two_level_guide_diloco"})
+    exec(compile(code, guide, "exec"), {"__name__": "two_level_guide_diloco"})
   text = out.getvalue()
   loss = float(re.search(r"loss (\S+)", text).group(1))
   assert np.isfinite(loss) and loss < math.log(10), text

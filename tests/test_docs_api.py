@@ -129,12 +129,10 @@ def test_api_index_lists_every_entry():
 def test_getting_started_has_the_readme_snippet():
   """docs/getting_started.md repeats the README's "Use" example word for word."""
 
-  def use_snippet(path):
-    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-      text = f.read()
-    return re.search(r"```python\n(.*?)```", text[text.index("## Use") :], re.S).group(1)
+  from tests import _docs_blocks
 
-  assert use_snippet("docs/getting_started.md") == use_snippet("README.md")
+  readme = _docs_blocks.section_code("README.md", "Use")
+  assert _docs_blocks.section_code("docs/getting_started.md", "Use") == readme
 
 
 _NEEDS_SPHINX = pytest.mark.skipif(

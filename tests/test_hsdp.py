@@ -439,16 +439,16 @@ def test_guide_snippet_runs_as_written():
   report has 4-bit shards over the slow axis and no collective over the fast one."""
   import contextlib
   import io
-  import pathlib
   import re
 
-  guide = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/two_level.md"
-  section = guide.read_text().split("\n## HSDP\n", 1)[1].split("\n## ", 1)[0]
-  (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+  from tests import _docs_blocks
+
+  guide = "docs/guides/two_level.md"
+  code = _docs_blocks.section_code(guide, "HSDP")
   out, ns = io.StringIO(), {"__name__": "hsdp_guide"}
   # optax.adam raises a float to its int32 count: standard promotion, as users run it.
   with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
-    exec(compile(code, str(guide), "exec"), ns)
+    exec(compile(code, guide, "exec"), ns)
     report = jc.wire_report(ns["tx"], ns["params"], **ns["kw"])
   text = out.getvalue()
   before = float(re.search(r"loss before (\S+)", text).group(1))

@@ -7,9 +7,7 @@ this device's shard of the mean.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 
 import chex
@@ -696,20 +694,10 @@ def test_two_processes_gloo():
 @pytest.mark.slow
 def test_guide_snippet_runs_as_written():
   """docs/guides/sharded.md's ZeRO-2 step, in a fresh process (as a user pastes it)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with open(os.path.join(root, "docs/guides/sharded.md"), encoding="utf-8") as f:
-    snippet = re.search(r"```python\n(.*?)```", f.read(), re.S).group(1)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  done = subprocess.run(
-    [sys.executable, "-c", snippet],
-    env=env,
-    cwd=root,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
+  from tests import _docs_blocks
+
+  done = _docs_blocks.run_script(
+    _docs_blocks.section_code("docs/guides/sharded.md", "The ZeRO-2 step")
   )
   assert done.returncode == 0, done.stderr[-3000:]
   assert float(re.search(r"loss (\S+)", done.stdout).group(1)) < 2.30  # below log(10)

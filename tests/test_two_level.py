@@ -419,11 +419,12 @@ def test_guide_snippet_runs_as_written(exchange):
   QSGD): it trains, and its wire report splits the bytes over the two axes."""
   import contextlib
   import io
-  import pathlib
   import re
 
-  guide = pathlib.Path(__file__).resolve().parent.parent / "docs/guides/two_level.md"
-  code = re.findall(r"```python\n(.*?)```", guide.read_text(), re.S)[0]  # "Use"
+  from tests import _docs_blocks
+
+  guide = "docs/guides/two_level.md"
+  code = _docs_blocks.section_code(guide, "Use")
   if exchange is not None:
     old = "jc.qsgd(bits=4, axis_name=SLOW)"
     assert old in code
@@ -431,7 +432,7 @@ def test_guide_snippet_runs_as_written(exchange):
   out = io.StringIO()
   # optax.adam raises a float to its int32 count: standard promotion, as users run it.
   with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
-    exec(compile(code, str(guide), "exec"), {"__name__": "two_level_guide"})
+    exec(compile(code, guide, "exec"), {"__name__": "two_level_guide"})
   text = out.getvalue()
   loss = float(re.search(r"loss (\S+)", text).group(1))
   assert np.isfinite(loss) and loss < math.log(10), text

@@ -844,6 +844,49 @@ def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def dense_mean(*, axis_name: Any = AXIS_REQUIRED) -> optax.GradientTransformation:
+  r"""The dense exchange as a transform: the mean gradient, uncompressed, no state.
+
+  .. math:: g \leftarrow \frac{1}{K} \sum_{k=1}^{K} g_k
+
+  over the ``K`` devices of ``axis_name``, each leaf in its own dtype, exactly
+  ``lax.pmean`` of every leaf. It is the A/B baseline for the compressors: a chain that
+  swaps ``jc.qsgd(...)`` for ``jc.dense_mean(...)`` changes nothing but the exchange,
+  and :func:`wire_report` prices it at the dense baseline (ratio 1). The leaves of one
+  dtype travel as one all-reduce (:func:`jaxcomp.pmean_tree`), as data-parallel
+  frameworks bucket gradients: a ``pmean`` per leaf pays one message round per leaf.
+
+  Under ``jax.shard_map`` take the gradient with respect to ``jc.vary(params, axis)``
+  (else ``jax.grad`` has psummed it already, and this would average a mean); under
+  ``jax.pmap`` the gradient is per device as it is.
+
+  Args:
+    axis_name: the axis (or tuple of axes) to average over.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose state is ``optax.EmptyState()``.
+
+  Example:
+    >>> import optax, jaxcomp as jc
+    >>> tx = optax.chain(jc.dense_mean(axis_name="batch"), optax.sgd(0.1))
+  """
+  if axis_name is AXIS_REQUIRED or axis_name is None:
+    raise TypeError(
+      "jc.dense_mean needs axis_name: the name of the mapped axis of jax.shard_map or "
+      f"jax.pmap to average over (e.g. axis_name='batch'), got {axis_name!r}"
+    )
+
+  def init_fn(params):
+    del params
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    del params
+    return collectives.pmean_tree(updates, axis_name), state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
 def sparsify(
   epsilon: float | None = None,
   density: float | None = None,
