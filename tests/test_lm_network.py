@@ -45,3 +45,35 @@ def test_flags_and_commands(capsys):
   commands = lm_network.worker_commands(["--config", "tiny"], coordinator="h:1")
   assert [c[c.index("--process-id") + 1] for c in commands] == ["0", "1"]
   assert all(c[1:3] == ["-m", "examples.lm.main"] for c in commands)
+
+
+def test_tolerance_flag_and_the_table_marks_gaps_and_divergence():
+  with pytest.raises(SystemExit):
+    lm_network.parse_args(["--tolerance", "1.5"])
+  args = lm_network.parse_args(["--tolerance", "0.02", "--steps", "20", "--target-step", "20"])
+  history = {"step": [0, 10, 20], "val_loss": [5.0, 3.0, 2.0], "time_s": [0, 1.0, 2.0]}
+
+  def row(val, target_step, target_time, diverged=False, received=1000.0):
+    return {
+      "history": history,
+      "train_time_s": 2.0,
+      "target_step": target_step,
+      "target_time_s": target_time,
+      "val_loss": val,
+      "bytes_received": received,
+      "diverged": diverged,
+    }
+
+  results = {
+    "dense": row(2.0, 20, 2.0, received=4000.0),
+    "fast": row(2.0, 10, 0.5),
+    "short": row(2.2, None, None),
+    "broken": row(float("nan"), None, None, diverged=True),
+  }
+  by_rate = {"10mbit": {"label": "10mbit", "results": {"results": results}}}
+  table = lm_network.summarize(by_rate, 2.04, args)
+  assert "plus 2%" in table
+  lines = {line.split("|")[2].strip(): line for line in table.splitlines() if "| 10mbit |" in line}
+  assert "| 4.00x |" in lines["fast"] and "| 4x |" in lines["fast"]  # speed-up, fewer bytes
+  assert "not within 20" in lines["short"] and "+7.8%" in lines["short"]  # 2.2 / 2.04 - 1
+  assert "broken **diverged**" in lines
