@@ -3,6 +3,7 @@
     python -m benchmarks.kernels                      # on a CUDA GPU: 1M..256M values
     python -m benchmarks.kernels --sizes 20,24 --k 8  # log2 sizes, K payloads
     python -m benchmarks.kernels --interpret --sizes 12 --repeats 1  # CPU smoke run
+    python -m benchmarks.kernels --ragged --out kernels.md  # + n - 1000, table to a file
 
 Rows, per size ``n`` (float32 input, QSGD 4-bit / bucket 512, OneBit bucket 512):
 
@@ -15,6 +16,11 @@ Rows, per size ``n`` (float32 input, QSGD 4-bit / bucket 512, OneBit bucket 512)
   plus the float32 sum written.
 * OneBit's ``sign_pack`` / ``sign_pack+ef`` and ``sign_unpack_sum``
   (:mod:`jaxcomp.kernels.sign_pack`), counted the same way.
+
+``--ragged`` adds, for each size, ``n - 1000`` values (a ragged last bucket: the
+Mosaic GPU kernels pad it, :class:`jaxcomp.kernels._mosaic._Layout`). The header line
+names the backend the kernels ran on. ``--out FILE`` writes the table to ``FILE`` after
+each size, so a run cut short keeps what it measured (``scripts/gpu_check.sh``).
 
 Every ratio is against numbers measured in the same run (these machines are noisy).
 Without a CUDA GPU the kernels only run in interpret mode, whose timings mean nothing;
@@ -30,6 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks._timing import median_time
+from jaxcomp.kernels import _common
+from jaxcomp.kernels import _mosaic
 from jaxcomp.kernels import cuda_available
 from jaxcomp.kernels import dequantize
 from jaxcomp.kernels import quantize
@@ -202,6 +210,10 @@ def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
   return rows
 
 
+def _size(n: int) -> str:
+  return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else str(n)
+
+
 def table(rows: list[dict]) -> str:
   lines = [
     "| kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy |",
@@ -209,7 +221,7 @@ def table(rows: list[dict]) -> str:
   ]
   for r in rows:
     lines.append(
-      f"| {r['kernel']} | 2^{r['n'].bit_length() - 1} | {r['pallas_gbs']:.1f} | "
+      f"| {r['kernel']} | {_size(r['n'])} | {r['pallas_gbs']:.1f} | "
       f"{r['xla_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['pallas_gbs'] / r['xla_gbs']:.2f}x | "
       f"{100 * r['pallas_gbs'] / r['copy_gbs']:.0f}% |"
     )
@@ -228,6 +240,10 @@ def main(argv=None) -> int:
     action="store_true",
     help="run the kernels in interpret mode (a smoke run, not a timing)",
   )
+  parser.add_argument(
+    "--ragged", action="store_true", help="also n - 1000 for each size (a ragged last bucket)"
+  )
+  parser.add_argument("--out", help="also write the table here, rewritten after each size")
   args = parser.parse_args(argv)
   if not cuda_available() and not args.interpret:
     print(
@@ -237,14 +253,32 @@ def main(argv=None) -> int:
     )
     return 2
   sizes = [2 ** int(s) for s in args.sizes.split(",")]
+  if args.ragged:
+    sizes = [m for n in sizes for m in (n, n - 1000)]
   device = jax.devices()[0]
-  print(
+  interpret = True if args.interpret else None
+  header = (
     f"# device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
-    f"interpret={args.interpret}"
+    f"interpret={args.interpret}, kernels on: {_backends(interpret)}"
   )
-  rows = run(sizes, k=args.k, repeats=args.repeats, interpret=True if args.interpret else None)
+  print(header)
+  rows = []
+  for n in sizes:
+    rows += run([n], k=args.k, repeats=args.repeats, interpret=interpret)
+    if args.out:
+      with open(args.out, "w") as f:
+        f.write(header + "\n\n" + table(rows) + "\n")
   print(table(rows))
   return 0
+
+
+def _backends(interpret: bool | None) -> str:
+  """The backend of each code width measured here (QSGD 4-bit, OneBit 1-bit)."""
+  mode = _common.resolve_interpret(interpret)
+  return ", ".join(
+    f"{what} {_common.pick_backend(_mosaic.misfit(2**20, bits, 512), interpret=mode)}"
+    for what, bits in (("quantize", 4), ("sign_pack", 1))
+  )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ interpret mode) and the shape (:func:`._mosaic.misfit`) allow; else Pallas on Tr
 (``pl.pallas_call`` with ``jax.experimental.pallas.triton.CompilerParams``, the kernel
 bodies in the per-kernel modules). The Triton versions stay while the supported jax range
 needs them: jax 0.10 has no Mosaic GPU interpret mode to test against, Ampere GPUs have
-no Mosaic GPU, and the Mosaic GPU kernels take only whole tiles of 1-, 2- or 4-bit codes.
+no Mosaic GPU. Where Mosaic GPU runs, the codecs compile nothing for Triton: the Mosaic
+GPU kernels take every shape of 1-, 2- or 4-bit codes, and 8- or 16-bit codes go to the
+XLA path (:func:`_triton_superseded`; a direct kernel call may still pick Triton).
 jax deprecates the Triton backend from 0.11 and will remove it; where neither backend
 can run, the codecs use the XLA path and warn once (:func:`use_pallas`,
 :func:`no_backend_for`). jax >= 0.11 needs the target GPU to lower Triton kernels
@@ -157,6 +159,20 @@ def pick_backend(misfit: str | None, *, interpret: bool, backend: str | None = N
   raise ValueError("no Pallas backend can run this kernel here (" + "; ".join(reasons) + ")")
 
 
+def _triton_superseded(*, interpret: bool) -> str | None:
+  """Why the codecs do not compile a shape for Triton that Mosaic GPU refuses (8- and
+  16-bit codes) where Mosaic GPU runs (``None``: they may): jax deprecates Triton from
+  0.11 and will remove it, and the XLA path sends the same payload. The codecs keep
+  Triton where Mosaic GPU cannot run at all (jax < 0.12, GPUs older than sm_90); a
+  direct kernel call still picks it (:func:`pick_backend`), and interpret mode (the CPU
+  tests) keeps it."""
+  if interpret:
+    return None
+  if _why_not("mosaic_gpu", None, interpret=interpret) is None:
+    return "Mosaic GPU runs here; the deprecated Triton backend is not used for shapes it refuses"
+  return None
+
+
 def unavailable(*, interpret: bool) -> str | None:
   """Why no backend can run the kernels here, for any shape (``None``: one can)."""
   reasons = []
@@ -175,10 +191,16 @@ def no_backend_for(misfit: str | None) -> str | None:
   XLA path for it, with one :class:`KernelFallbackWarning` (whatever the shape)."""
   interpret = not cuda_available()
   try:
-    pick_backend(misfit, interpret=interpret)
+    if pick_backend(misfit, interpret=interpret) == "triton":
+      superseded = _triton_superseded(interpret=interpret)
+      if superseded is not None:
+        raise ValueError(f"mosaic_gpu: {misfit}; triton: {superseded}")
   except ValueError as e:
-    missing = [why for name in BACKENDS if (why := _why_not(name, None, interpret=interpret))]
-    warn_fallback("; ".join(missing) + "; and the Mosaic GPU kernels do not take every shape")
+    reasons = [why for name in BACKENDS if (why := _why_not(name, None, interpret=interpret))]
+    if (why := _triton_superseded(interpret=interpret)) is not None:
+      reasons.append(why)
+    reasons.append("the Mosaic GPU kernels pack only 1-, 2- and 4-bit codes")
+    warn_fallback("; ".join(reasons))
     return str(e)
   return None
 

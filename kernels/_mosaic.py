@@ -19,12 +19,16 @@ another data layout:
   (:func:`~jaxcomp._src.plumbing.arith.qsgd_scales`,
   :func:`~jaxcomp._src.plumbing.arith.onebit_means`):
   a sum's bits depend on its order, and a reduction's order inside a kernel is the
-  backend's. Decoders run one program per tile and loop over the K payloads.
+  backend's. So does the max scale of buckets smaller than a tile (a max is exact in
+  any order: the same bits). Decoders run one program per tile and loop over the K
+  payloads.
 
-What they take (:func:`misfit`): codes of 1, 2 or 4 bits (``p`` in 32, 16, 8), buckets of
-a whole number of tiles (``64 p`` values: 512 for 4-bit QSGD, 1024 for 2-bit, 2048 for
-OneBit), and whole buckets (``n`` a multiple of the bucket). Other shapes go to the Triton
-kernels where jax still has them, else to the XLA path.
+What they take (:func:`misfit`): codes of 1, 2 or 4 bits (``p`` in 32, 16, 8), any
+``n`` and every bucket the codecs accept: buckets of a whole number of tiles (``64 p``
+values: 512 for 4-bit QSGD, 1024 for 2-bit, 2048 for OneBit) get a program each, smaller
+ones share a tile and read their scalars per word, and a ragged tail is zero-padded
+(:class:`_Layout`). 8- and 16-bit codes go to the Triton kernels where jax < 0.12 or the
+GPU needs them, else to the XLA path (:func:`._common.pick_backend`).
 
 Why these are exact too: Mosaic GPU divides and takes square roots with correct
 rounding unless ``CompilerParams(approx_math=True)`` (not set), so no inline PTX is
@@ -105,15 +109,78 @@ def unavailable(*, interpret: bool, capability: tuple[int, int] | None = None) -
 
 
 def misfit(n: int, bits: int, bucket: int) -> str | None:
-  """Why the Mosaic GPU kernels do not take this shape (``None``: they do)."""
+  """Why the Mosaic GPU kernels do not take this shape (``None``: they do).
+
+  Any ``n`` and any bucket the codecs accept (:func:`._common.unsupported_bucketing`)
+  fit: only the code width matters (a tile's row is one word of ``p = 32 / bits`` codes,
+  and the register layout takes columns in multiples of 8).
+  """
+  del n, bucket
   if 32 % bits or (32 // bits) % 8:
     return f"{bits}-bit codes (the Mosaic GPU kernels pack 1, 2 or 4 bits)"
-  tile = TILE_WORDS * (32 // bits)
-  if bucket % tile:
-    return f"bucket_size {bucket} is not a multiple of {tile} (a Mosaic GPU tile)"
-  if n % bucket:
-    return f"{n} values are not whole buckets of {bucket}"
   return None
+
+
+class _Layout:
+  """Where a tensor's buckets fall in the kernel's grid of tiles.
+
+  Buckets of a whole number of tiles (``bucket % tile == 0``, ``tile = 64 p`` values)
+  get one program each, which loops over the bucket's tiles and reads its scalars (scale,
+  means) at its index. Smaller buckets (32 to ``tile / 2`` values: a power of two, so a
+  tile holds a whole number of them and a word never straddles two) get one program
+  per tile, which reads each row's scalars from a per-word copy (:meth:`each_word`): a
+  tile's rows belong to ``64 p / bucket`` buckets, and Mosaic GPU has no segmented
+  reduction or register gather to find a row's bucket inside the kernel.
+
+  A ragged tensor (``n`` not a whole number of programs) is zero-padded up to one
+  (:meth:`pad`): a padded value encodes to code 0 (``v = 0``: no sign, no magnitude), as
+  the XLA path's padding does, it counts in no scale (``max |v|`` ignores a zero; the l2
+  scales and OneBit's means come in computed by the XLA path's code), and the outputs are
+  cut back to the payload's length. The padding costs a copy of the tensor (XLA's pad
+  and slice around the kernel), where whole buckets cost none.
+  """
+
+  def __init__(self, n: int, bits: int, bucket: int):
+    self.n, self.bits, self.bucket = n, bits, bucket
+    self.per_word = 32 // bits
+    self.tile = TILE_WORDS * self.per_word
+    self.whole = bucket % self.tile == 0
+    self.nb = -(-n // bucket)
+    step = bucket if self.whole else self.tile
+    self.padded = -(-n // step) * step
+    self.grid = self.padded // step
+    self.chunks = bucket // self.tile if self.whole else 1
+    self.words = self.padded // self.per_word
+
+  def pad(self, flat: Array) -> Array:
+    """A flat ``(n,)`` array zero-padded to whole programs, as ``(words, p)`` rows."""
+    if self.padded > self.n:
+      flat = jnp.pad(flat, (0, self.padded - self.n))
+    return flat.reshape(self.words, self.per_word)
+
+  def each_word(self, a: Array) -> Array:
+    """Per-bucket scalars (``(..., nb)``) repeated for each word of their bucket."""
+    a = jnp.repeat(a, self.bucket // self.per_word, axis=-1)
+    extra = self.words - a.shape[-1]
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)]) if extra else a
+
+  def rows(self, program, chunk):
+    """The ``TILE_WORDS`` rows (words) of chunk ``chunk`` of program ``program``."""
+    if self.whole:
+      return pl_ds(program * (self.bucket // self.per_word) + chunk * TILE_WORDS, TILE_WORDS)
+    return pl_ds(program * TILE_WORDS, TILE_WORDS)
+
+  def first(self, program, chunk):
+    """Flat index of the first value of that tile."""
+    return program * (self.chunks * self.tile) + chunk * self.tile
+
+  def scalar(self, ref, program):
+    """An encoder program's bucket scalar from ``ref``: the value at its bucket (whole
+    buckets), or a ``(TILE_WORDS, p)`` tile of its rows' values (``ref`` then per word)."""
+    if self.whole:
+      return ref[program]
+    row = ref[self.rows(program, 0)]
+    return jnp.broadcast_to(row[:, None], (TILE_WORDS, self.per_word))
 
 
 def _call(body, args, out_type, grid: int, interpret: bool, name: str):
@@ -144,13 +211,14 @@ def _total(a: Array) -> Array:
   return jnp.sum(jnp.sum(a, axis=1))
 
 
-def _load(x_ref, e_ref, rows):
-  """``(v, x32)`` of a tile, as :func:`._common.load_buckets` (no padding here)."""
-  x = _tile(x_ref, rows)
+def _load(x_ref, e_ref, rows, dtype):
+  """``(v, x32)`` of a tile, as :func:`._common.load_buckets` (padding is zeros here);
+  ``dtype`` is the tensor's (``x_ref`` may hold it widened: :func:`_views`)."""
+  x = _tile(x_ref, rows).astype(_F32)
   if e_ref is None:
-    return x.astype(_F32), None
-  x32 = x.astype(_F32) + _tile(e_ref, rows)
-  return x32.astype(x.dtype).astype(_F32), x32
+    return x, None
+  x32 = x + _tile(e_ref, rows)
+  return x32.astype(dtype).astype(_F32), x32
 
 
 def _pack(codes: Array, bits: int) -> Array:
@@ -159,11 +227,30 @@ def _pack(codes: Array, bits: int) -> Array:
   return jnp.sum(codes << shifts, axis=1, dtype=_U32)
 
 
-def _views(x: Array, residual: Array | None, per_word: int):
-  args = [x.reshape(-1, per_word)]
+def _views(layout: _Layout, x: Array, residual: Array | None):
+  """The kernel's ``(words, p)`` views of ``x`` and the residual.
+
+  A 16-bit ``x`` is widened to float32 (exactly) where a row holds 16 or 32 values:
+  Mosaic GPU does not lower a load of such a tile of 16-bit values in the row-reduction
+  layout ("GMEM transfer does not access a whole number of complete 32 byte sectors"),
+  so 1- and 2-bit codes of bfloat16/float16 inputs pay one conversion pass before the
+  kernel.
+  """
+  flat = x.reshape(-1)
+  if flat.dtype.itemsize == 2 and layout.per_word >= 16:
+    flat = flat.astype(_F32)
+  args = [layout.pad(flat)]
   if residual is not None:
-    args.append(residual.reshape(-1, per_word))
+    args.append(layout.pad(residual.reshape(-1)))
   return args
+
+
+def _unpad(layout: _Layout, words: Array, new_residual: Array | None, shape):
+  """The payload's words (``ceil(n bits / 32)``) and the residual in ``x``'s shape."""
+  words = words[: -(-layout.n * layout.bits // 32)]
+  if new_residual is None:
+    return words, None
+  return words, new_residual.reshape(-1)[: layout.n].reshape(shape)
 
 
 def quantize(x, key_words, residual, scales, *, levels, bucket, out_struct, interpret):
@@ -171,21 +258,26 @@ def quantize(x, key_words, residual, scales, *, levels, bucket, out_struct, inte
 
   ``scales``: the l2 scales, computed before the kernel
   (:func:`jaxcomp._src.plumbing.arith.qsgd_scales`), or ``None`` for the max norm,
-  which the kernel takes itself (a max is exact in any order). Returns ``(words,
-  [scales if taken here], [new residual])``.
+  which the kernel takes itself (a max is exact in any order) where buckets are whole
+  tiles; smaller buckets take it before the kernel, with the same code. Returns
+  ``(words, [scales if not given], [new residual])``.
   """
   n = x.size
   mbits = int(levels).bit_length()
   bits = mbits + 1
-  per_word = 32 // bits
-  chunks = bucket // (TILE_WORDS * per_word)
-  words_per_bucket = bucket // per_word
+  layout = _Layout(n, bits, bucket)
+  per_word = layout.per_word
   s = np.float32(levels)
   has_residual = residual is not None
   given = scales is not None
+  if not given and not layout.whole:
+    b = min(bucket, n)  # the codec's buckets (one short one when n < bucket)
+    v = arith.encoded_values(x, residual)
+    scales = arith.qsgd_scales(arith.to_buckets(v, b, -(-n // b)), "max")
+  outside = scales is not None  # the scales come in
 
   def body(kw_ref, *refs):
-    if given:
+    if outside:
       sc_ref, x_ref, *refs = refs
     else:
       x_ref, *refs = refs
@@ -195,13 +287,10 @@ def quantize(x, key_words, residual, scales, *, levels, bucket, out_struct, inte
       (words_ref, *refs), e_ref = refs, None
     b = lax.axis_index("i")
 
-    def rows(c):
-      return pl_ds(b * words_per_bucket + c * TILE_WORDS, TILE_WORDS)
-
-    if given:
-      scale = sc_ref[b]
+    if outside:
+      scale = layout.scalar(sc_ref, b)
     else:
-      scale = _max_scale(x_ref, e_ref, rows, chunks)
+      scale = _max_scale(x_ref, e_ref, lambda c: layout.rows(b, c), layout.chunks, x.dtype)
       [scales_ref] = refs
       scales_ref[b] = scale
 
@@ -211,46 +300,45 @@ def quantize(x, key_words, residual, scales, *, levels, bucket, out_struct, inte
     step = arith.level_step(scale, levels)
 
     def encode(c, carry):
-      v, x32 = _load(x_ref, e_ref, rows(c))
+      rows = layout.rows(b, c)
+      v, x32 = _load(x_ref, e_ref, rows, x.dtype)
       ratio = arith.level_ratio(jnp.abs(v), inv, k, levels)
       r = jnp.where(jnp.broadcast_to(positive, v.shape), ratio, 0.0)  # no implicit broadcast
       low = r.astype(jnp.int32).astype(_F32)  # floor: r >= 0
       shape = v.shape
-      idx = (
-        _iota(shape, 0) * per_word + _iota(shape, 1) + (b * bucket + c * (TILE_WORDS * per_word))
-      )
+      idx = _iota(shape, 0) * per_word + _iota(shape, 1) + layout.first(b, c)
       u24 = rng.hash_bits(idx.astype(_U32), kw_ref[0], kw_ref[1]) >> 8
       up = u24.astype(_F32) < (r - low) * np.float32(2.0**24)
       magf = jnp.minimum(low + up.astype(_F32), s)
       mag = magf.astype(_U32)
       neg = (v < 0) & (mag > 0)
       codes = mag | (neg.astype(_U32) << mbits)
-      words_ref[rows(c)] = _pack(codes, bits)
+      words_ref[rows] = _pack(codes, bits)
       if has_residual:
-        new_e_ref[rows(c), :] = x32 - jnp.where(neg, -magf, magf) * step
+        new_e_ref[rows, :] = x32 - jnp.where(neg, -magf, magf) * step
       return carry
 
-    lax.fori_loop(0, chunks, encode, 0)
+    lax.fori_loop(0, layout.chunks, encode, 0)
 
-  nb = n // bucket
-  out_type = [out_struct(x, (n // per_word,), _U32)]
-  if not given:
-    out_type.append(out_struct(x, (nb,), _F32))
+  out_type = [out_struct(x, (layout.words,), _U32)]
+  if not outside:
+    out_type.append(out_struct(x, (layout.nb,), _F32))
   if has_residual:
-    out_type.append(out_struct(x, (n // per_word, per_word), _F32))
-  args = [key_words, *([scales] if given else []), *_views(x, residual, per_word)]
-  outs = _call(body, args, tuple(out_type), nb, interpret, "jaxcomp_quantize")
-  if has_residual:
-    return (*outs[:-1], outs[-1].reshape(x.shape))
-  return tuple(outs)
+    out_type.append(out_struct(x, (layout.words, per_word), _F32))
+  lead = [scales if layout.whole else layout.each_word(scales)] if outside else []
+  args = [key_words, *lead, *_views(layout, x, residual)]
+  outs = _call(body, args, tuple(out_type), layout.grid, interpret, "jaxcomp_quantize")
+  words, new_residual = _unpad(layout, outs[0], outs[-1] if has_residual else None, x.shape)
+  taken = [] if given else [outs[1] if not outside else scales]
+  return (words, *taken, *([new_residual] if has_residual else []))
 
 
-def _max_scale(x_ref, e_ref, rows, chunks):
+def _max_scale(x_ref, e_ref, rows, chunks, dtype):
   """A bucket's ``max |v|`` from a loop over its tiles, NaN unless all are finite."""
 
   def stats(c, carry):
     hi, lo, nans = carry
-    v, _ = _load(x_ref, e_ref, rows(c))
+    v, _ = _load(x_ref, e_ref, rows(c), dtype)
     return (
       jnp.maximum(hi, jnp.max(jnp.max(v, axis=1))),
       jnp.minimum(lo, jnp.min(jnp.min(v, axis=1))),
@@ -270,10 +358,7 @@ def sign_pack(x, residual, pos, neg, *, bucket, out_struct, interpret):
   ``pos``, ``neg``: the bucket means, computed before the kernel
   (:func:`jaxcomp._src.plumbing.arith.onebit_means`). Returns ``(words, [new residual])``.
   """
-  n = x.size
-  per_word = 32
-  chunks = bucket // (TILE_WORDS * per_word)
-  words_per_bucket = bucket // per_word
+  layout = _Layout(x.size, 1, bucket)
   has_residual = residual is not None
 
   def body(pos_ref, neg_ref, x_ref, *refs):
@@ -282,61 +367,71 @@ def sign_pack(x, residual, pos, neg, *, bucket, out_struct, interpret):
     else:
       (words_ref,), e_ref = refs, None
     b = lax.axis_index("i")
-    pos_b, neg_b = pos_ref[b], neg_ref[b]
+    pos_b, neg_b = layout.scalar(pos_ref, b), layout.scalar(neg_ref, b)
 
     def encode(c, carry):
-      r = pl_ds(b * words_per_bucket + c * TILE_WORDS, TILE_WORDS)
-      v, x32 = _load(x_ref, e_ref, r)
+      r = layout.rows(b, c)
+      v, x32 = _load(x_ref, e_ref, r, x.dtype)
       words_ref[r] = _pack((v < 0).astype(_U32), 1)
       if has_residual:
         new_e_ref[r, :] = x32 - jnp.where(v < 0, neg_b, pos_b)
       return carry
 
-    lax.fori_loop(0, chunks, encode, 0)
+    lax.fori_loop(0, layout.chunks, encode, 0)
 
-  out_type = [out_struct(x, (n // 32,), _U32)]
+  out_type = [out_struct(x, (layout.words,), _U32)]
   if has_residual:
-    out_type.append(out_struct(x, (n // 32, 32), _F32))
-  args = [pos, neg, *_views(x, residual, per_word)]
-  outs = _call(body, args, tuple(out_type), n // bucket, interpret, "jaxcomp_sign_pack")
-  if has_residual:
-    return (outs[0], outs[1].reshape(x.shape))
-  return tuple(outs)
+    out_type.append(out_struct(x, (layout.words, 32), _F32))
+  means = [pos, neg] if layout.whole else [layout.each_word(pos), layout.each_word(neg)]
+  args = [*means, *_views(layout, x, residual)]
+  outs = _call(body, args, tuple(out_type), layout.grid, interpret, "jaxcomp_sign_pack")
+  words, new_residual = _unpad(layout, outs[0], outs[1] if has_residual else None, x.shape)
+  return (words, new_residual) if has_residual else (words,)
 
 
 def decode_sum(decode, words, per_bucket, *, n, bits, bucket, out_struct, interpret, name):
   """Sum of K payloads decoded tile by tile, in rank order (as :func:`._common.call_decoder`).
 
-  ``decode(words_column, *bucket_scalars)`` gives one payload's float32 tile from its
-  ``(TILE_WORDS, 1)``-broadcastable words and its bucket's per-bucket scalars.
+  ``decode(codes, *bucket_scalars)`` gives one payload's float32 ``(TILE_WORDS, p)``
+  tile from its codes and its bucket's scalars (scalars for whole-tile buckets, tiles of
+  each row's values for smaller ones: :class:`_Layout`). Ragged payloads are padded
+  with zero words to whole programs, the sum cut back to ``n``.
   """
   k = words.shape[0]
-  per_word = 32 // bits
-  tile = TILE_WORDS * per_word
+  layout = _Layout(n, bits, bucket)
+  per_word = layout.per_word
 
   def body(words_ref, *refs):
     *row_refs, out_ref = refs
-    i = lax.axis_index("i")
-    b = (i * tile) // bucket
+    i = lax.axis_index("i")  # one program per tile
+    rows = pl_ds(i * TILE_WORDS, TILE_WORDS)
+    b = (i * layout.tile) // bucket
     shifts = _iota((TILE_WORDS, per_word), 1, _U32) * np.uint32(bits)
 
+    def scalar(ref, j):
+      if layout.whole:
+        return ref[j, b]
+      return jnp.broadcast_to(ref[j, rows][:, None], (TILE_WORDS, per_word))
+
     def one(j):
-      w = words_ref[j, pl_ds(i * TILE_WORDS, TILE_WORDS)]
+      w = words_ref[j, rows]
       codes = (w[:, None] >> shifts) & np.uint32((1 << bits) - 1)
-      return decode(codes, *(r[j, b] for r in row_refs))
+      return decode(codes, *(scalar(r, j) for r in row_refs))
 
-    acc = lax.fori_loop(1, k, lambda j, acc: acc + one(j), one(0))
-    out_ref[pl_ds(i * TILE_WORDS, TILE_WORDS), :] = acc
+    out_ref[rows, :] = lax.fori_loop(1, k, lambda j, acc: acc + one(j), one(0))
 
+  if words.shape[1] < layout.words:
+    words = jnp.pad(words, ((0, 0), (0, layout.words - words.shape[1])))
+  rows = [a if layout.whole else layout.each_word(a) for a in per_bucket.values()]
   out = _call(
     body,
-    [words, *per_bucket.values()],
-    out_struct(words, (n // per_word, per_word), _F32),
-    n // tile,
+    [words, *rows],
+    out_struct(words, (layout.words, per_word), _F32),
+    layout.words // TILE_WORDS,
     interpret,
     name,
   )
-  return out.reshape(n)
+  return out.reshape(-1)[:n]
 
 
 def qsgd_decode(levels: int):

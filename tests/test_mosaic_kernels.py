@@ -4,11 +4,15 @@ They run on this CPU in Mosaic GPU's interpret mode (``InterpretGPUParams``, jax
 skipped, saying so, where this jax lacks it): payloads bit-identical to the XLA codecs for
 the same key (scales and means included: their sums are computed before the kernel, by
 the XLA path's code), decodes in rank order, residuals bit for bit or within the FMA
-contraction of ``x - q * step``. A ``jax.export`` for the ``cuda`` platform lowers all
-four to Mosaic GPU custom calls, with no Triton, on this GPU-less machine. Dispatch picks
-Mosaic GPU for the shapes it takes.
+contraction of ``x - q * step``; on every shape: ragged tensors (1, 31, 1000, 4097
+values) and buckets smaller than a tile. A ``jax.export`` for the ``cuda`` platform
+lowers all four to Mosaic GPU custom calls, with no Triton, on this GPU-less machine,
+with and without a mesh context, and ``jc.compress`` inside ``jax.shard_map``. Dispatch
+picks Mosaic GPU for every shape of 1-, 2- and 4-bit codes. The ``compiled`` parameters
+run on a Hopper GPU (``scripts/gpu_check.sh``).
 """
 
+import contextlib
 import re
 import warnings
 
@@ -29,6 +33,26 @@ _WHY = _mosaic.unavailable(interpret=True)
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"no Mosaic GPU interpret mode: {_WHY}")
 
 EPS = float(jnp.finfo(jnp.float32).eps)
+
+
+def _compiled_unavailable() -> str | None:
+  if not kernels.cuda_available():
+    return "compiled Mosaic GPU kernels need a CUDA GPU"
+  return _mosaic.unavailable(interpret=False, capability=_common.compute_capability())
+
+
+#: Interpret mode on any machine; compiled on a Hopper (or newer) GPU, where
+#: ``scripts/gpu_check.sh`` selects these with ``-k compiled``.
+MODES = [
+  pytest.param(True, id="interpret"),
+  pytest.param(
+    False,
+    id="compiled",
+    marks=pytest.mark.skipif(
+      _compiled_unavailable() is not None, reason=str(_compiled_unavailable())
+    ),
+  ),
+]
 
 
 def _x(n, dtype=jnp.float32, seed=1):
@@ -165,16 +189,122 @@ def test_compress_with_fused_feedback_on_mosaic_matches_xla():
     chex.assert_trees_all_close(res_a, res_b, rtol=0, atol=16 * EPS)
 
 
-def test_misfit_shapes_run_on_triton_or_say_why():
-  """Shapes Mosaic GPU does not take go to the Triton kernels; asking for Mosaic raises."""
-  x = _x(1000)
-  fn = lambda x: kernels.sign_pack.sign_pack(x, bucket_size=64, interpret=True)
-  assert "pallas_call" in str(jax.make_jaxpr(fn)(x))
-  assert _mosaic.misfit(1000, 1, 64) is not None
-  assert _mosaic.misfit(4096, 4, 1024) is None
+# ------------------------------------------------------------ every shape: ragged, small
+
+# n: one value, less than a word, a ragged last bucket, one value past whole buckets.
+RAGGED = [1, 31, 1000, 4097]
+
+
+@pytest.mark.parametrize(
+  "n,bucket,levels,dtype,feedback,norm",
+  [
+    (1, 512, 7, jnp.float32, False, "max"),  # one value: one short bucket, one word
+    (31, 512, 7, jnp.bfloat16, True, "max"),  # the codec's bucket is the 31 values
+    (1000, 512, 7, jnp.float32, True, "max"),  # a ragged last bucket (488 values)
+    (1000, 512, 7, jnp.float32, False, "l2"),
+    (4097, 1024, 1, jnp.float16, True, "max"),  # 2-bit codes; one value past 4 buckets
+    (1000, 128, 7, jnp.float32, True, "max"),  # 4 buckets per tile (16 words each)
+    (4097, 32, 7, jnp.bfloat16, False, "l2"),  # 16 buckets per tile, ragged
+    (1000, 64, 1, jnp.float32, False, "max"),  # 2-bit, 4 words per bucket
+  ],
+)
+@pytest.mark.parametrize("interpret", MODES)
+def test_quantize_every_shape_is_bit_identical(interpret, n, bucket, levels, dtype, feedback, norm):
+  """Ragged tensors and buckets smaller than a tile: the XLA path's words (the padding
+  bits of the last word included) and scales (the partial bucket's included)."""
+  x, key = _x(n, dtype), jax.random.key(7)
+  e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32) if feedback else None
+  kw = dict(levels=levels, bucket_size=bucket, norm=norm)
+  fn = lambda x, e: kernels.quantize.quantize(x, key, e, **kw, interpret=interpret)
+  assert _is_mosaic(fn, x, e)
+  out = fn(x, e)
+  ref = refs.quantize_reference(x, key, e, **kw)
+  chex.assert_trees_all_equal(out[:2], ref[:2])
+  if feedback:
+    assert out[2].shape == x.shape
+    x32 = x.astype(jnp.float32) + e
+    bound = 2 * EPS * float(jnp.max(jnp.abs(x32)))
+    np.testing.assert_allclose(out[2], ref[2], rtol=0, atol=bound)
+
+
+def test_ragged_tail_padding_bits_are_the_xla_paths():
+  """1001 4-bit codes: the last word holds one code and seven padding codes, zero on the
+  XLA path and in the kernel; the comparison sees a padding bit set (it can fail)."""
+  x, key = _x(1001), jax.random.key(7)
+  words, _ = kernels.quantize.quantize(x, key, levels=7, bucket_size=512, interpret=True)
+  ref_words, _ = refs.quantize_reference(x, key, levels=7, bucket_size=512)
+  assert words.shape == (126,) and int(ref_words[-1]) >> 4 == 0
+  chex.assert_trees_all_equal(words, ref_words)
+  with pytest.raises(AssertionError):
+    chex.assert_trees_all_equal(words.at[-1].set(words[-1] | np.uint32(1 << 31)), ref_words)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("n", RAGGED)
+@pytest.mark.parametrize("bucket", [32, 4096])
+def test_sign_pack_every_shape_is_bit_identical(interpret, n, bucket):
+  """Ragged tensors, and buckets of one word (32 per tile) and of two tiles."""
+  x = _x(n) + 0.3
+  e = 0.1 * jax.random.normal(jax.random.key(2), (n,), jnp.float32)
+  fn = lambda x, e: kernels.sign_pack.sign_pack(x, e, bucket_size=bucket, interpret=interpret)
+  assert _is_mosaic(fn, x, e)
+  chex.assert_trees_all_equal(fn(x, e), refs.sign_pack_reference(x, e, bucket_size=bucket))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("n", RAGGED)
+@pytest.mark.parametrize("levels,bucket", [(7, 512), (7, 64), (1, 2048)])
+def test_dequantize_sum_every_shape(interpret, n, levels, bucket):
+  """The ordered sum, bit for bit in interpret mode; compiled, within the FMA the GPU
+  may make of ``acc + q * step`` (2 ulps of ``sum_k scale_k`` per add)."""
+  k = 3
+  xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
+  keys = jax.random.split(jax.random.key(4), k)
+  words, scales = jax.vmap(
+    lambda x, kk: refs.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
+  )(xs, keys)
+  kw = dict(n=n, levels=levels, bucket_size=bucket)
+  fn = lambda w, s: kernels.dequantize.dequantize_sum(w, s, **kw, interpret=interpret)
+  assert _is_mosaic(fn, words, scales)
+  out, ref = fn(words, scales), refs.dequantize_sum_reference(words, scales, **kw)
+  if interpret:
+    chex.assert_trees_all_equal(out, ref)
+  else:
+    bound = 2 * k * EPS * np.repeat(np.asarray(scales).sum(0), bucket)[:n]
+    assert np.all(np.abs(np.asarray(out) - np.asarray(ref)) <= bound)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("n", RAGGED)
+@pytest.mark.parametrize("bucket", [64, 2048])
+def test_sign_unpack_sum_every_shape(interpret, n, bucket):
+  k = 2
+  xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
+  words, pos, neg = jax.vmap(lambda x: refs.sign_pack_reference(x, bucket_size=bucket))(xs)
+  fn = lambda w, p, q: kernels.sign_pack.sign_unpack_sum(
+    w, p, q, n=n, bucket_size=bucket, interpret=interpret
+  )
+  assert _is_mosaic(fn, words, pos, neg)
+  chex.assert_trees_all_equal(  # sums of the means, no product: no FMA to differ by
+    fn(words, pos, neg),
+    refs.sign_unpack_sum_reference(words, pos, neg, n=n, bucket_size=bucket),
+  )
+
+
+def test_misfit_is_the_code_width_only():
+  """Every n and bucket fit; 8- and 16-bit codes do not (interpret mode runs them on
+  Triton's interpreter, asking for Mosaic GPU raises)."""
+  assert _mosaic.misfit(1000, 1, 64) is None and _mosaic.misfit(1, 4, 65536) is None
   assert "8-bit" in _mosaic.misfit(4096, 8, 1024)  # 4 codes per word: not a tile
-  with pytest.raises(ValueError, match="mosaic_gpu: bucket_size 64"):
-    kernels.sign_pack.sign_pack(x, bucket_size=64, interpret=True, backend="mosaic_gpu")
+  x = _x(1000)
+  fn = lambda x: kernels.quantize.quantize(
+    x, jax.random.key(0), levels=127, bucket_size=64, interpret=True
+  )
+  assert "pallas_call" in str(jax.make_jaxpr(fn)(x))
+  with pytest.raises(ValueError, match="mosaic_gpu: 8-bit codes"):
+    kernels.quantize.quantize(
+      x, jax.random.key(0), levels=127, bucket_size=64, interpret=True, backend="mosaic_gpu"
+    )
   with pytest.raises(ValueError, match="backend must be"):
     kernels.sign_pack.sign_pack(x, bucket_size=64, interpret=True, backend="cuda")
 
@@ -184,39 +314,142 @@ def test_misfit_shapes_run_on_triton_or_say_why():
 _TRITON = "__gpu$xla.gpu.triton"
 
 
-def test_kernels_lower_to_mosaic_gpu_for_cuda():
-  """Lowers every kernel for CUDA on this GPU-less machine: Mosaic GPU, no Triton."""
+_H100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")
+
+
+def _context(mesh: bool):
+  """A mesh context as ``jax.set_mesh`` users run (an abstract H100, explicit axes), or
+  none."""
+  if not mesh:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(
+    jax.sharding.AbstractMesh((1,), ("export",), abstract_device=_H100)
+  )
+
+
+def _assert_mosaic_only(text: str, what) -> None:
+  assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}, what
+  assert _TRITON not in text and "triton" not in text.lower(), what
+
+
+def _kernel_cases(n, bucket, levels, dtype):
   s = jax.ShapeDtypeStruct
-  n, k = 4096, 3
-  cases = {
+  k, bits = 3, kernels.quantize.bits_per_value(levels)
+  nw, nb = -(-n * bits // 32), -(-n // bucket)
+  key = jax.random.key(0)
+  return {
     "jaxcomp_quantize": (
-      lambda x, key, e: kernels.quantize.quantize(
-        x, key, e, levels=7, bucket_size=1024, norm="l2", interpret=False
+      lambda x, e: kernels.quantize.quantize(
+        x, key, e, levels=levels, bucket_size=bucket, interpret=False
       ),
-      (s((n,), jnp.bfloat16), jax.random.key(0), s((n,), jnp.float32)),
+      (s((n,), dtype), s((n,), jnp.float32)),
+    ),
+    "jaxcomp_quantize l2": (
+      lambda x: kernels.quantize.quantize(
+        x, key, levels=levels, bucket_size=bucket, norm="l2", interpret=False
+      ),
+      (s((n,), dtype),),
     ),
     "jaxcomp_dequantize_sum": (
       lambda w, sc: kernels.dequantize.dequantize_sum(
-        w, sc, n=n, levels=7, bucket_size=1024, interpret=False
+        w, sc, n=n, levels=levels, bucket_size=bucket, interpret=False
       ),
-      (s((k, n // 8), jnp.uint32), s((k, 4), jnp.float32)),
+      (s((k, nw), jnp.uint32), s((k, nb), jnp.float32)),
     ),
     "jaxcomp_sign_pack": (
-      lambda x, e: kernels.sign_pack.sign_pack(x, e, bucket_size=2048, interpret=False),
-      (s((n,), jnp.float32), s((n,), jnp.float32)),
+      lambda x, e: kernels.sign_pack.sign_pack(x, e, bucket_size=bucket, interpret=False),
+      (s((n,), dtype), s((n,), jnp.float32)),
     ),
     "jaxcomp_sign_unpack_sum": (
       lambda w, p, q: kernels.sign_pack.sign_unpack_sum(
-        w, p, q, n=n, bucket_size=2048, interpret=False
+        w, p, q, n=n, bucket_size=bucket, interpret=False
       ),
-      (s((k, n // 32), jnp.uint32), s((k, 2), jnp.float32), s((k, 2), jnp.float32)),
+      (s((k, -(-n // 32)), jnp.uint32), s((k, nb), jnp.float32), s((k, nb), jnp.float32)),
     ),
   }
-  for name, (fn, args) in cases.items():
-    text = export.export(jax.jit(fn), platforms=("cuda",))(*args).mlir_module()
-    assert set(re.findall(r"custom_call @([\w$.]+)", text)) == {"mosaic_gpu_v2"}, name
-    assert _TRITON not in text and "triton" not in text.lower(), name
-    assert name in text, name
+
+
+@pytest.mark.parametrize("mesh", [False, True], ids=["no-mesh", "mesh"])
+@pytest.mark.parametrize(
+  "n,bucket,levels,dtype",
+  [
+    (4096, 1024, 7, jnp.bfloat16),  # whole buckets (the mesh case failed before)
+    (8192, 2048, 1, jnp.float32),
+    (1000, 512, 7, jnp.float32),  # a ragged last bucket
+    (50257, 128, 1, jnp.bfloat16),  # 8 buckets per tile, ragged; 2-bit codes of bf16
+  ],
+)
+def test_kernels_lower_to_mosaic_gpu_for_cuda(mesh, n, bucket, levels, dtype):
+  """Lowers every kernel for CUDA on this GPU-less machine, with and without a mesh
+  context: Mosaic GPU custom calls, no Triton."""
+  for name, (fn, args) in _kernel_cases(n, bucket, levels, dtype).items():
+    with _context(mesh):
+      text = export.export(jax.jit(fn), platforms=("cuda",))(*args).mlir_module()
+    _assert_mosaic_only(text, name)
+    assert name.split()[0] in text, name
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: jc.codecs.QSGD(levels=7, bucket_size=512),
+    lambda: jc.codecs.OneBit(bucket_size=64),
+  ],
+  ids=["qsgd", "onebit"],
+)
+def test_compress_in_shard_map_lowers_to_mosaic_gpu(monkeypatch, make):
+  """``jc.compress`` inside ``jax.shard_map`` with the dispatch a Hopper GPU sees, on a
+  kernel, a bias and an embedding whose sizes are not whole buckets: every encode and
+  decode-sum is a Mosaic GPU kernel, none Triton."""
+  monkeypatch.setattr(_common, "cuda_available", lambda: True)
+  monkeypatch.setattr(_common, "compute_capability", lambda: (9, 0))
+  grads = {
+    "w": jax.ShapeDtypeStruct((1000, 300), jnp.float32),
+    "b": jax.ShapeDtypeStruct((1000,), jnp.float32),
+    "emb": jax.ShapeDtypeStruct((50257, 8), jnp.bfloat16),
+  }
+  mesh = jax.sharding.AbstractMesh((8,), ("data",), abstract_device=_H100)
+  tx = jc.compress(make(), axis_name="data", filter=lambda path, leaf: True)
+
+  def step(g):
+    out, _ = tx.update(g, tx.init(g))
+    return out
+
+  spec = jax.sharding.PartitionSpec()
+  fn = jax.shard_map(step, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = export.export(jax.jit(fn), platforms=("cuda",))(grads).mlir_module()
+  _assert_mosaic_only(text, "compress")
+  for name in ("quantize", "dequantize_sum") if "QSGD" in repr(make()) else ("sign_pack",):
+    assert text.count(f"jaxcomp_{name}") >= 3, name  # one kernel per leaf
+
+
+def test_compress_in_shard_map_eight_bit_codes_lower_to_xla(monkeypatch):
+  """Codes Mosaic GPU does not pack (8-bit) go to the XLA path, not Triton, where Mosaic
+  GPU runs (one KernelFallbackWarning)."""
+  monkeypatch.setattr(_common, "cuda_available", lambda: True)
+  monkeypatch.setattr(_common, "compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(_common, "_warned", set())
+  grads = {"b": jax.ShapeDtypeStruct((1000,), jnp.float32)}
+  mesh = jax.sharding.AbstractMesh((8,), ("data",), abstract_device=_H100)
+  tx = jc.compress(
+    jc.codecs.QSGD(levels=127, bucket_size=512),
+    axis_name="data",
+    filter=lambda path, leaf: True,
+  )
+  spec = jax.sharding.PartitionSpec()
+  fn = jax.shard_map(
+    lambda g: tx.update(g, tx.init(g))[0],
+    mesh=mesh,
+    in_specs=(spec,),
+    out_specs=spec,
+    check_vma=False,
+  )
+  with pytest.warns(kernels.KernelFallbackWarning, match="deprecated Triton"):
+    with jax.sharding.use_abstract_mesh(mesh):
+      text = export.export(jax.jit(fn), platforms=("cuda",))(grads).mlir_module()
+  assert "custom_call" not in text and "triton" not in text.lower()
+  assert re.search(r"all_gather.*xui32>", text)  # the codes are exchanged: compressed
 
 
 def test_mosaic_lowering_check_can_fail():
@@ -244,16 +477,18 @@ def _missing():
 
 
 def test_without_triton_mosaic_shapes_keep_kernels_others_fall_back(monkeypatch, fresh_warnings):
-  """A jax without Triton: Mosaic GPU runs the shapes it takes, the others go to XLA with
-  one warning (simulated on a GPU of compute capability 9.0)."""
+  """A jax without Triton: Mosaic GPU runs the shapes it takes (every shape of 1-, 2- and
+  4-bit codes), the others go to XLA with one warning (simulated on a GPU of compute
+  capability 9.0)."""
   monkeypatch.setattr(_common, "cuda_available", lambda: True)
   monkeypatch.setattr(_common, "compute_capability", lambda: (9, 0))
   monkeypatch.setattr(_common, "_import_triton", _missing)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     assert jc.codecs.OneBit(2048).kernel_backend(4096) == "pallas"
+    assert jc.codecs.OneBit(64).kernel_backend(1000) == "pallas"  # ragged, small buckets
     for _ in range(2):
-      assert jc.codecs.OneBit(64).kernel_backend(1000) is None
+      assert jc.codecs.QSGD(127, 64).kernel_backend(1000) is None  # 8-bit codes
   fallbacks = [w for w in caught if issubclass(w.category, kernels.KernelFallbackWarning)]
   assert len(fallbacks) == 1 and "no Pallas Triton backend" in str(fallbacks[0].message)
 

@@ -60,10 +60,13 @@ def inverse_scale(safe: Array, *, divide=jnp.divide) -> tuple[Array, Array]:
   that rewrite. Why ``k``: without it, a bucket whose max is >= 2**126 would get a
   subnormal reciprocal, flushed to zero on XLA:CPU, and be sent as all zeros.
   ``divide`` is a correctly rounded float32 division: ``jnp.divide`` (XLA's), or a
-  kernel backend's spelling of it (``jaxcomp.kernels._common.div``).
+  kernel backend's spelling of it (``jaxcomp.kernels._common.div``). The numerator is a
+  scalar, not ``jnp.ones_like(safe)``: under a mesh with explicit axes (``jax.set_mesh``)
+  ``ones_like`` is a ``reshard`` of a literal, which Mosaic GPU's lowering cannot take
+  inside a kernel.
   """
   k = jnp.where(safe >= BIG_SCALE, np.float32(0.25), np.float32(1.0))
-  inv = divide(jnp.ones_like(safe), safe * k)
+  inv = divide(np.float32(1.0), safe * k)
   return inv, k
 
 
