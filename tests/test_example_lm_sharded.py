@@ -91,6 +91,11 @@ def test_step_traffic_prices_each_exchange():
   assert scatter / 4 < gathered("fsdp_int8_qsgd4") < scatter / 3.5
   assert "reduce_scatter" not in by["fsdp_int8_qsgd4"]  # every leaf's gradient as QSGD
   assert by["fsdp_int8_qsgd4"]["all_to_all"] < scatter / 6
+  # FP8 both ways: a byte a value plus a scale byte per 32 (per shard: a short leaf's
+  # shard is one short block), the weights in the gathers, the gradients in all_to_alls.
+  assert scatter / 4 < gathered("fsdp_fp8") < 1.1 * scatter / 4
+  assert "reduce_scatter" not in by["fsdp_fp8"]
+  assert scatter / 4 < by["fsdp_fp8"]["all_to_all"] < 1.1 * scatter / 4
 
 
 def test_fsdp_and_zero_compute_the_mean_gradient():
