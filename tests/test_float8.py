@@ -79,6 +79,8 @@ def test_nearest_is_the_ml_dtypes_cast_of_the_scaled_values(fmt, block):
   x = _values(jax.random.key(0), 1000)
   x[:6] = [448.0, -57344.0, 2.0**-20, 0.0, -0.0, 1e-30]  # exact maxima, tiny values
   x[32:64] = 0.0  # an all-zero block
+  # A block over 16 binades under its largest value: through the subnormals to zero.
+  x[64:96] = 448.0 * 2.0 ** -np.linspace(0.0, 16.0, 32) * np.resize([1.0, -1.3], 32)
   codec = jc.codecs.Float8(fmt, block_size=block)
   p = codec.encode(jnp.asarray(x))
   assert p.arrays["codes"].dtype == jnp.dtype(dtype) and p.arrays["scales"].dtype == jnp.uint8
@@ -136,6 +138,8 @@ def test_stochastic_rounding_is_unbiased():
   base = _values(jax.random.key(4), 256)
   x = jnp.asarray(base.reshape(8, 32) / np.abs(base.reshape(8, 32)).max(1, keepdims=True))
   x = x.reshape(-1) * 100.0  # blocks of max 100: e = -2 in E4M3, values over 2^-9..2^7
+  # E4M3's subnormals at this scale: under 2^-6 / 4; the smallest is 2^-9 / 4.
+  x = x.at[1:6].set(jnp.array([0.003, -0.0011, 0.0007, 2.0**-12, -0.00013]))
   codec = jc.codecs.Float8("e4m3", rounding="stochastic")
   keys = jax.random.split(jax.random.key(5), n_draws)
   draws = np.asarray(jax.jit(jax.vmap(lambda k: codec.decode(codec.encode(x, key=k))))(keys))
