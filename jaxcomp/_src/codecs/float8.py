@@ -164,8 +164,10 @@ class Float8(Codec):
     top of a binade rounds up to the next power of two, and ``M`` is on the grid).
     """
     s = self.spec
-    _, big_e = jnp.frexp(y)
-    ulp_exp = jnp.maximum(big_e - 1, s.min_exponent) - s.mantissa_bits
+    # floor(log2|y|) read off float32's exponent bits (frexp is several times slower on
+    # XLA:CPU); a float32 subnormal or zero reads -127, under e_min either way.
+    biased = (lax.bitcast_convert_type(y, jnp.int32) >> 23) & 0xFF
+    ulp_exp = jnp.maximum(biased - 127, s.min_exponent) - s.mantissa_bits
     t = jnp.abs(y) * _pow2(-ulp_exp)
     if self.rounding == "nearest":
       q = jnp.round(t)  # half to even: FP8's ties (the parity of t is the last bit)
