@@ -12,6 +12,14 @@ the reference rows, the roof's time over theirs).
   python -m benchmarks.codecs --sizes 22 --codecs qsgd4,onebit --ops   # what limits them
   python -m benchmarks.codecs --reuse-malloc   # glibc keeps large buffers (see below)
   python -m benchmarks.codecs --codecs identity,qsgd4,onebit --rounds 7 --reuse-malloc
+  python -m benchmarks.codecs --error --sizes 20   # FP8 vs int8 blocks vs QSGD: error
+
+``--error`` prints, instead of the timings, each of :data:`ERROR_CODECS`' error on
+2^p Gaussian values, Student-t ones (3 degrees of freedom, heavy-tailed), and Gaussian
+ones times ``e^u``, ``u`` uniform in [-7, 7] (magnitudes over 6 decades): relative RMS
+error ``||x̂ - x|| / ||x||``, the largest error of a value over the largest value,
+the median relative error of a value ``|x̂_i - x_i| / |x_i|`` (what a block's small
+values keep), and the bits a value on the wire.
 
 ``--rounds R`` times each codec's share of the read roof R times, the roof re-timed
 right before the codec's encode+decode in each round (the first round uses the roof at
@@ -43,6 +51,7 @@ import statistics
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import _timing
 from benchmarks._timing import median_time
@@ -71,7 +80,52 @@ CODECS = {
   "randomk1%": (C.RandomK(0.01), 24),
   "wangni5%": (C.UnbiasedSparsifier(density=0.05), 24),
   "elias_qsgd4": (C.EliasQSGD(7, 512, "max"), 22),
+  "int8": (C.BlockInt8(), 26),
+  "fp8": (C.Float8(), 26),
+  "fp8_sr": (C.Float8(rounding="stochastic"), 26),
 }
+
+#: name -> codec, for ``--error``: FP8 (block 32 and per tensor, nearest and stochastic)
+#: against int8 blocks and 4-bit QSGD.
+ERROR_CODECS = {
+  **{
+    f"fp8_{fmt}{'_tensor' if block is None else ''}{'_sr' if sr else ''}": C.Float8(
+      fmt, block, "stochastic" if sr else "nearest"
+    )
+    for fmt in ("e4m3", "e5m2")
+    for block in (32, None)
+    for sr in (False, True)
+  },
+  "int8_256": C.BlockInt8(256),
+  "int8_32": C.BlockInt8(32),
+  "qsgd4": C.QSGD(7, 512, "max"),
+}
+
+
+def error_table(p: int) -> None:
+  """Prints each of :data:`ERROR_CODECS`' errors on 2^p values of three distributions."""
+  n = 2**p
+  print(
+    "| values | codec | bits/value | relative RMS error | max error / max value |"
+    " median relative error |"
+  )
+  print("|---|---|---:|---:|---:|---:|")
+  for dist in ("gaussian", "student_t3", "log_uniform"):
+    kx, ks = jax.random.split(jax.random.key(p))
+    x = jax.random.t(kx, 3.0, (n,)) if dist == "student_t3" else jax.random.normal(kx, (n,))
+    if dist == "log_uniform":  # magnitudes spread evenly over 6 decades, value by value
+      x = x * jnp.exp(jax.random.uniform(ks, (n,), minval=-7.0, maxval=7.0))
+    x64 = np.asarray(x, np.float64)
+    for name, codec in ERROR_CODECS.items():
+      y = np.asarray(jax.jit(lambda x, c=codec: c.decode(c.encode(x, key=jax.random.key(1))))(x))
+      err = np.abs(y.astype(np.float64) - x64)
+      rms = np.linalg.norm(err) / np.linalg.norm(x64)
+      rel = np.median(err[x64 != 0] / np.abs(x64[x64 != 0]))
+      print(
+        f"| {dist} | {name} | {codec.wire_bits((n,)) / n:.3f} | {rms:.2e} |"
+        f" {err.max() / np.abs(x64).max():.2e} | {rel:.2e} |",
+        flush=True,
+      )
 
 
 def rng_times(n: int, repeats: int) -> tuple[float, float, float, float]:
@@ -162,6 +216,9 @@ def main(argv=None) -> None:
     "--ops", action="store_true", help="also list each codec's costliest ops of decode(encode(x))"
   )
   parser.add_argument(
+    "--error", action="store_true", help="print the FP8/int8/QSGD error table instead"
+  )
+  parser.add_argument(
     "--reuse-malloc",
     action="store_true",
     help="restart with GLIBC_TUNABLES set so that large buffers are reused",
@@ -169,6 +226,9 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if args.repeats < 1 or args.rounds < 1:
     parser.error("--repeats and --rounds must be at least 1")
+  if args.error:
+    error_table(int(args.sizes.split(",")[0]))
+    return
   if args.reuse_malloc:
     _timing.reexec_with_reused_malloc()
   names = args.codecs.split(",")

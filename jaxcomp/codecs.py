@@ -17,6 +17,7 @@ from jaxcomp._src.codecs.base import Payload
 from jaxcomp._src.codecs.base import ScaledSign
 from jaxcomp._src.codecs.base import payload_nbytes
 from jaxcomp._src.codecs.elias_codec import EliasQSGD
+from jaxcomp._src.codecs.float8 import Float8
 from jaxcomp._src.codecs.normal import NormalQuantizer
 from jaxcomp._src.codecs.sparse import ChunkedTopK
 from jaxcomp._src.codecs.sparse import RandomK
@@ -31,6 +32,7 @@ __all__ = [
   "ChunkedTopK",
   "Codec",
   "EliasQSGD",
+  "Float8",
   "Identity",
   "NormalQuantizer",
   "OneBit",

@@ -130,6 +130,8 @@ def test_wire_bits_property(n, bucket, levels, norm):
     (C.ScaledSign(100), 777),
     (C.Cast(jnp.float16), 777),
     (C.Identity(), 777),
+    (C.Float8(), 777),
+    (C.Float8("e5m2", None, "stochastic"), 777),
   ],
   ids=str,
 )
@@ -160,6 +162,8 @@ DTYPE_CODECS = [
   C.QSGD(7, 64, "max"),
   C.OneBit(),
   C.OneBit(64),
+  C.Float8(),
+  C.Float8("e5m2", None, "stochastic"),
 ]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -254,6 +258,8 @@ def test_degenerate_shapes():
     C.OneBit(4),
     C.Identity(),
     C.Cast(jnp.float16),
+    C.Float8(),
+    C.Float8("e5m2", None, "stochastic"),
   ]
   shapes = [(), (1,), (0,), (3, 0)]
 

@@ -13,6 +13,7 @@ import jaxcomp as jc
 from jaxcomp import codecs
 from jaxcomp import elias as elias_public
 from jaxcomp._src.codecs import elias
+from jaxcomp._src.codecs import float8
 from jaxcomp._src.codecs import normal
 from jaxcomp._src.codecs import sparse
 from jaxcomp._src.codecs import wangni
@@ -40,6 +41,7 @@ from jaxcomp.kernels import quantize as quantize_kernel
     elias,
     qsvrg,
     qweights,
+    float8,
     normal,
     quantize_kernel,
     network,

@@ -47,7 +47,7 @@ def mesh_of(k):
 @pytest.mark.slow
 @pytest.mark.once
 def test_sharded_methods_train_and_report(tmp_path):
-  methods = ("zero_dense", "zero_qsgd4", "fsdp_int8_qsgd4")
+  methods = ("zero_dense", "zero_qsgd4", "fsdp_int8_qsgd4", "fsdp_fp8")
   results = train.train_and_evaluate(small_config(methods=methods), str(tmp_path))
   table = open(tmp_path / "results.md").read()
   dense_bytes = results["zero_dense"]["dense_bytes"]
@@ -65,6 +65,7 @@ def test_sharded_methods_train_and_report(tmp_path):
   gap = results["zero_qsgd4"]["val_loss"] / results["zero_dense"]["val_loss"] - 1
   assert abs(gap) < 0.05, gap
   assert results["fsdp_int8_qsgd4"]["ratio"] > 3
+  assert results["fsdp_fp8"]["ratio"] > 3.5  # 8.25 bits a value both ways, against 32
 
 
 def test_step_traffic_prices_each_exchange():
@@ -91,6 +92,11 @@ def test_step_traffic_prices_each_exchange():
   assert scatter / 4 < gathered("fsdp_int8_qsgd4") < scatter / 3.5
   assert "reduce_scatter" not in by["fsdp_int8_qsgd4"]  # every leaf's gradient as QSGD
   assert by["fsdp_int8_qsgd4"]["all_to_all"] < scatter / 6
+  # FP8 both ways: a byte a value plus a scale byte per 32 (per shard: a short leaf's
+  # shard is one short block), the weights in the gathers, the gradients in all_to_alls.
+  assert scatter / 4 < gathered("fsdp_fp8") < 1.1 * scatter / 4
+  assert "reduce_scatter" not in by["fsdp_fp8"]
+  assert scatter / 4 < by["fsdp_fp8"]["all_to_all"] < 1.1 * scatter / 4
 
 
 def test_fsdp_and_zero_compute_the_mean_gradient():

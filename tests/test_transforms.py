@@ -67,6 +67,12 @@ FACTORIES = {
     jc.codecs.NormalQuantizer(256), axis_name=axis, collective="allgather"
   ),
   "sparsify": lambda axis: jc.sparsify(epsilon=1.0, density=0.5, method="exact", axis_name=axis),
+  "fp8_sr": lambda axis: jc.compress(
+    jc.codecs.Float8(rounding="stochastic"), axis_name=axis, collective="allgather"
+  ),
+  "fp8_e5m2_two_phase": lambda axis: jc.compress(
+    jc.codecs.Float8("e5m2"), axis_name=axis, collective="two_phase"
+  ),
   # Momentum correction on the harness's second step (u = v = 0 after the zero step):
   # v = g, and DGC sends its top 10%.
   "dgc": lambda axis: jc.dgc(0.1, axis_name=axis, collective="allgather"),
@@ -427,7 +433,32 @@ def _normal_quantizer_bound(intervals, sigmas):
   return bound
 
 
+def _float8_bound(mantissa_bits, min_exponent, max_finite, *, ulps, two_phase=False):
+  """jc.codecs.Float8, worst case: each value within ``ulps`` of its format's ulp at its
+  block's scale 2^e, ``ulps · (2^-m |x| + 2^(e + e_min - m))``, with 2^e < 2 max|x| / M
+  (the smallest scale that fits); the mean of K such errors within the mean of the
+  bounds. Two-phase: plus the owner's re-encoding of y = mean + e1, |y| <= |mean| + the
+  first bound, its scale under that of 1.25 max|x|."""
+
+  def one(x, amax):
+    return ulps * (
+      2.0**-mantissa_bits * np.abs(x)
+      + 2.0 ** (min_exponent - mantissa_bits) * 2 * amax / max_finite
+    )
+
+  def bound(g):
+    mean, amax = g.mean(0), np.abs(g).max()
+    err = one(g, amax).mean(0)
+    if two_phase:
+      err = err + one(np.abs(mean) + err, 1.25 * amax)
+    return np.linalg.norm(err) / np.linalg.norm(mean) + _SLACK
+
+  return bound
+
+
 BOUNDS = {
+  "fp8_sr": _float8_bound(3, -6, 448.0, ulps=1.0),  # stochastic: under one ulp
+  "fp8_e5m2_two_phase": _float8_bound(2, -14, 57344.0, ulps=0.5, two_phase=True),  # nearest
   "identity": _exact_bound(lambda g: g.mean(0)),
   "bf16": _exact_bound(lambda g: _cast(g, jnp.bfloat16).mean(0)),
   "fp16_two_phase": _exact_bound(_fp16_two_phase),

@@ -19,6 +19,11 @@ each device holds ``1/K`` of the parameters and of AdamW's moments. The methods:
   reduce-scattered as 4-bit QSGD inside that block's backward, so no full-size
   gradient of the model is ever held; every leaf is compressed, norms' scales too
   (:func:`every_leaf`).
+* ``fsdp_fp8``: the same with FP8 on the wire both ways: the weights gathered as E4M3
+  with a power-of-two scale per 32 values, rounded to nearest (``jc.codecs.Float8()``,
+  MXFP8's format), and each block's gradient reduce-scattered as E4M3 per 32 values
+  with stochastic rounding (unbiased, so no residual, as for QSGD); every leaf
+  compressed.
 
 The blocks run in a Python loop, not ``lax.scan``, so XLA sees every block's gather at
 once: a rematerialized gather (``jax.checkpoint``) is merged by XLA with the forward's
@@ -50,11 +55,15 @@ import jaxcomp as jc
 
 AXIS = "batch"  # the data axis (train.AXIS)
 
-METHODS = ("zero_dense", "zero_qsgd4", "fsdp_dense", "fsdp_int8_qsgd4")
+METHODS = ("zero_dense", "zero_qsgd4", "fsdp_dense", "fsdp_int8_qsgd4", "fsdp_fp8")
 ZERO = ("zero_dense", "zero_qsgd4")
 
 # jc.qsgd(bits=4)'s codec: 7 levels (4 bits with the sign), buckets of 512, max norm.
 QSGD4 = jc.codecs.QSGD(7, 512, norm="max")
+# fsdp_fp8's codecs: MXFP8 (E4M3, an E8M0 scale per 32 values), weights rounded to
+# nearest, gradients stochastically (unbiased).
+FP8_WEIGHTS = jc.codecs.Float8("e4m3")
+FP8_GRADS = jc.codecs.Float8("e4m3", rounding="stochastic")
 
 
 def param_specs(params, num_devices: int):
@@ -163,7 +172,7 @@ def every_leaf(path, leaf) -> bool:
 def fsdp_gather_fn(method: str):
   """``gather(shards, key) -> full``: dense FSDP's float32 gather (one buffer), or
   ``jc.fsdp_gather`` with the int8 weight gather (asked for: the default is exact) and
-  the 4-bit QSGD reduce-scatter."""
+  the 4-bit QSGD reduce-scatter, or with FP8 both ways."""
   if method == "fsdp_dense":
     return lambda shards, key: gather_flat(shards)
   if method == "fsdp_int8_qsgd4":
@@ -173,6 +182,15 @@ def fsdp_gather_fn(method: str):
       key=key,
       weight_codec=jc.codecs.BlockInt8(),
       grad_codec=QSGD4,
+      filter=every_leaf,
+    )
+  if method == "fsdp_fp8":
+    return lambda shards, key: jc.fsdp_gather(
+      shards,
+      axis_name=AXIS,
+      key=key,
+      weight_codec=FP8_WEIGHTS,
+      grad_codec=FP8_GRADS,
       filter=every_leaf,
     )
   raise ValueError(f"{method!r} is not an FSDP method")
