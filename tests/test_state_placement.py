@@ -31,6 +31,9 @@ METHODS = {
   "dgc": lambda: jc.dgc(0.01, axis_name=AXIS, collective="allgather"),
   "mipd": lambda: jc.mipd(0.5, axis_name=AXIS),
   "onebit_adam": lambda: jc.onebit_adam(1e-2, freeze_step=1, axis_name=AXIS),
+  "decoupled_momentum": lambda: jc.decoupled_momentum(
+    1e-2, chunk_size=16, topk=8, axis_name=AXIS, filter=lambda path, leaf: leaf.ndim == 2
+  ),
 }
 
 

@@ -631,6 +631,8 @@ EXCHANGING = {
   "powersgd": jc.powersgd,
   "onebit_adam": lambda **kw: jc.onebit_adam(1e-3, freeze_step=1, **kw),
   "scale_by_onebit_adam": lambda **kw: jc.scale_by_onebit_adam(freeze_step=1, **kw),
+  "decoupled_momentum": lambda **kw: jc.decoupled_momentum(1e-3, **kw),
+  "scale_by_decoupled_momentum": jc.scale_by_decoupled_momentum,
   "qsvrg": lambda **kw: jc.qsvrg(lambda w, batch: jnp.sum(w), 0.1, **kw),
   "diloco": lambda **kw: jc.diloco(optax.sgd(0.1), optax.sgd(1.0), sync_every=2, **kw),
   "sparseloco": lambda **kw: jc.sparseloco(optax.sgd(0.1), sync_every=2, density=0.1, **kw),
