@@ -170,7 +170,7 @@ class Link(contextlib.AbstractContextManager):
     sender's speed: with 10 ms' worth (1.25 MB at 1 Gbit/s, this benchmark's first
     setting) 1 MiB crossed a 1 Gbit/s link at three times the rate, and only a message
     larger than the bucket saw the rate. With 1 ms' worth (64 KiB at 100 Mbit/s) the
-    link runs at 86-96% of the rate for 1-10 MiB (``python -m benchmarks.studies.tbf_probe``).
+    link runs at 86-96% of the rate for 1-10 MiB (docs/benchmarks.md, the tbf bucket).
     """
     bps = rate_bytes_per_s(rate)
     burst = tbf_burst(rate, burst_ms)
@@ -239,9 +239,9 @@ class Link(contextlib.AbstractContextManager):
 def psum_worker(args: argparse.Namespace) -> None:
   """Worker mode: times ``psum`` and ``all_gather`` of each size across the processes.
 
-  Each process contributes ``size`` bytes to both. gloo's all-gather moves more than
-  its ideal traffic (``benchmarks.studies.collective_probe --rate``), so the model fits it a
-  link of its own.
+  Each process contributes ``size`` bytes to both. gloo's all-gather moves more than its
+  ideal traffic (docs/benchmarks.md, collectives across the throttled link), so the model
+  fits it a link of its own.
   """
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
 
