@@ -1,30 +1,22 @@
 r"""Training over a real, throttled link: 2 processes in 2 network namespaces.
 
-Creates two network namespaces joined by a veth pair, throttles both ends with
-``tc qdisc ... tbf rate R``, and runs the 2-process MNIST-1D trainer
-(``benchmarks/launch.py``, one CPU device per process, each pinned to its own
-core) across the link for every rate, model and method; gloo's collectives then really
-cross the link. It also times single ``psum``\ s and ``all_gather``\ s of several
-sizes on each link and fits :mod:`jaxcomp.network`'s α-β model to the psums (and, for
-comparison, a second model with the all-gathers on a link of their own: gloo's
-all-gather moves more than its ideal traffic), then predicts every method's step time
-from its compute time (measured on the unthrottled veth) and its ``jc.wire_report``,
-and reports the prediction error against the measured steps.
+Two network namespaces joined by a veth pair throttled with ``tc qdisc ... tbf``; the
+2-process MNIST-1D trainer (:mod:`benchmarks.launch`) runs across it for every rate,
+model and method, next to timed ``psum``\ s and ``all_gather``\ s to which it fits
+:mod:`jaxcomp.network`'s α-β model, then predicts every step time from the compute time
+and ``jc.wire_report`` (docs/benchmarks.md, "Training over a throttled link").
 
   sudo python -m benchmarks.network                         # everything (~30 min)
   sudo python -m benchmarks.network --configs params2m --rates 1gbit --methods dense,onebit
 
 Needs root (``ip netns``, ``tc``) and ``taskset``; without them it says so and exits 2.
-Only the namespaces, the veth pair and ``/etc/netns/<name>`` entries it creates are
-touched, and all of them are removed at the end, also on failure or Ctrl-C. gloo finds
-its peers through the address the host name resolves to: ``ip netns exec`` bind-mounts
-``/etc/netns/<name>/hosts`` over ``/etc/hosts``, which maps the host name to the
-namespace's own veth address.
-
-Writes ``--out`` (default ``runs/network``): ``results.json``, ``results.md`` and
-``step_time_vs_bandwidth.png``. The workers inherit this environment: prefix the command
-with ``GLIBC_TUNABLES=...`` (``benchmarks._timing.REUSE_MALLOC``) to run them with a
-malloc that reuses large buffers; the results record which.
+It touches only the namespaces, the veth pair and the ``/etc/netns/<name>`` entries it
+creates (``ip netns exec`` mounts ``/etc/netns/<name>/hosts`` over ``/etc/hosts``, so that
+gloo finds each peer at its namespace's address), and removes them at the end, also on
+failure or Ctrl-C. Writes ``--out`` (default ``runs/network``): ``results.json``,
+``results.md`` and ``step_time_vs_bandwidth.png``. The workers inherit the environment:
+``GLIBC_TUNABLES=...`` (``benchmarks._timing.REUSE_MALLOC``) gives them a malloc that
+reuses large buffers; the results record which.
 """
 
 from __future__ import annotations
@@ -203,9 +195,10 @@ class Link(contextlib.AbstractContextManager):
     for ns, veth in zip(self.namespaces, self.veths):
       self.exec(ns, ["ip", "link", "set", veth, "up" if up else "down"])
 
-  def worker_prefix(self, process_id: int) -> list[str]:
-    """Worker ``i`` runs in this link's namespace ``i`` (not pinned)."""
-    return ["ip", "netns", "exec", self.namespaces[process_id]]
+  def worker_prefix(self, process_id: int, pin: bool = False) -> list[str]:
+    """Worker ``i`` runs in this link's namespace ``i`` (``pin``: on core ``i``)."""
+    cores = ["taskset", "-c", str(process_id % (os.cpu_count() or 1))] if pin else []
+    return ["ip", "netns", "exec", self.namespaces[process_id], *cores]
 
   def teardown(self) -> None:
     for ns in self.created_netns:  # deleting a namespace deletes its veth end (and pair)
@@ -316,12 +309,8 @@ def time_collectives(sizes: Sequence[int], seconds_per_size: float, timeout: flo
     ]
     for i in range(2)
   ]
-  outputs = launch.run_processes(commands, timeout=timeout)
-  for line in outputs[0].stdout:
-    if line.startswith(RESULT_MARKER):
-      result = json.loads(line[len(RESULT_MARKER) :])
-      return {"psum": result["psum"], "all_gather": result["all_gather"]}
-  raise RuntimeError("the psum worker gave no result:\n" + outputs[0].tail())
+  result = launch.worker_results(commands, RESULT_MARKER, timeout=timeout)
+  return {"psum": result["psum"], "all_gather": result["all_gather"]}
 
 
 def free_port() -> int:

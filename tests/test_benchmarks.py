@@ -119,6 +119,7 @@ COMMANDS = (
   "benchmarks.launch",
   "benchmarks.lm_network",
   "benchmarks.network",
+  "benchmarks.overlap",
   "benchmarks.sharded",
   "benchmarks.sharded_ef",
   "benchmarks.studies.cpu_kernel_loop",
