@@ -700,6 +700,15 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
 PHASE_COLUMNS = (*jc.PhaseProfile.PHASES, "idle")  # the columns of a phase table
 
 
+def phase_row(label: str, phases: dict[str, Any]) -> str:
+  """One row of a phase table: ``label``'s cells, the step, then each phase (ms)."""
+  return (
+    f"| {label} | {phases['step_ms']:.1f} | "
+    + " | ".join(f"{phases[c]:.1f}" for c in PHASE_COLUMNS)
+    + " |"
+  )
+
+
 def phase_table(results: Sequence[dict[str, Any]]) -> str:
   """Markdown: each profiled method's step split by phase (ms), every process; or ""."""
   rows = []
@@ -708,11 +717,7 @@ def phase_table(results: Sequence[dict[str, Any]]) -> str:
       ph = r["methods"][method].get("phases")
       if ph:
         lost = f" ({len(ph['untraced'])} kernels untraced)" if ph.get("untraced") else ""
-        rows.append(
-          f"| {method}{lost} | {r['process_id']} | {ph['step_ms']:.1f} | "
-          + " | ".join(f"{ph[c]:.1f}" for c in PHASE_COLUMNS)
-          + " |"
-        )
+        rows.append(phase_row(f"{method}{lost} | {r['process_id']}", ph))
   if not rows:
     return ""
   return "\n".join(

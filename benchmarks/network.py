@@ -511,15 +511,8 @@ def tables(runs: dict, model: dict) -> str:
         )
       lines.append("")
     lines += phase_tables(config, by_rate)
-  lines += [
-    "Fitted links (psum timings, least squares on relative error):",
-    "",
-    "| rate | α (µs) | bandwidth (MB/s) |",
-    "|---|---:|---:|",
-  ]
-  for rate, l in model["links"].items():
-    lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
-  return "\n".join(lines) + "\n"
+  title = "Fitted links (psum timings, least squares on relative error):"
+  return "\n".join(lines) + "\n" + link_table(title, model["links"])
 
 
 def prediction_errors(model: dict) -> dict[tuple[str, str, str], float]:
@@ -554,14 +547,10 @@ def error_comparison(model: dict, model_gather: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def gather_link_table(model_gather: dict) -> str:
-  lines = [
-    "Fitted all-gather links:",
-    "",
-    "| rate | α (µs) | bandwidth (MB/s) |",
-    "|---|---:|---:|",
-  ]
-  for rate, l in model_gather.get("gather_links", {}).items():
+def link_table(title: str, links: dict) -> str:
+  """Markdown: each rate's fitted link (α, bandwidth) under ``title``."""
+  lines = [title, "", "| rate | α (µs) | bandwidth (MB/s) |", "|---|---:|---:|"]
+  for rate, l in links.items():
     lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
   return "\n".join(lines) + "\n"
 
@@ -569,17 +558,14 @@ def gather_link_table(model_gather: dict) -> str:
 def phase_tables(config: str, by_rate: dict) -> list[str]:
   """Markdown rows of the measured step split (``--profile``), process 0; or none."""
   from benchmarks.launch import PHASE_COLUMNS  # pylint: disable=import-outside-toplevel
+  from benchmarks.launch import phase_row  # pylint: disable=import-outside-toplevel
 
-  rows = []
-  for rate, run in by_rate.items():
-    for method, r in run["methods"].items():
-      ph = r.get("phases")
-      if ph:
-        rows.append(
-          f"| {rate} | {method} | {ph['step_ms']:.1f} | "
-          + " | ".join(f"{ph[c]:.1f}" for c in PHASE_COLUMNS)
-          + " |"
-        )
+  rows = [
+    phase_row(f"{rate} | {method}", r["phases"])
+    for rate, run in by_rate.items()
+    for method, r in run["methods"].items()
+    if r.get("phases")
+  ]
   if not rows:
     return []
   return [
@@ -783,7 +769,8 @@ def report(
   )
   text = f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n" + tables(runs, model)
   if model_gather is not None:
-    text += "\n" + error_comparison(model, model_gather) + gather_link_table(model_gather)
+    text += "\n" + error_comparison(model, model_gather)
+    text += link_table("Fitted all-gather links:", model_gather.get("gather_links", {}))
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(text)
   print(text)
