@@ -1,22 +1,11 @@
 r"""How long the multi-process launcher takes to notice a lost worker, and what it says.
 
-Faults, each injected into a 2-process run (one CPU device per process, checkpoints
-on) once its first checkpoint is complete:
-
-- ``kill``: ``kill -9`` of worker 1 of ``benchmarks.launch`` (MNIST-1D ``quick``
-  config, DGC). The launcher is its parent: it sees the exit.
-- ``partition``: the veth between two network namespaces (one worker of
-  ``benchmarks.launch`` in each) is set down. Both workers stay alive; only
-  ``jax.distributed``'s heartbeats and the collective timeout (``--fault-timeout``)
-  can tell. Needs root and ``ip``.
-- ``lm_kill``: ``kill -9`` of process 1 of the transformer trainer
-  (``examples.lm.main``, ``tiny`` config, 1-bit SGD), started as a user starts it, one
-  command per process, with no launcher: process 0 has to notice by itself.
-  ``lm_kill0``: of process 0 (and the coordination service it runs); process 1 notices.
-
-It prints a Markdown table: per fault and ``--fault-timeout``, the seconds from the
-fault to the end of every process, and the one-line diagnosis (the launcher's; for
-``lm_kill``, process 0's exit and the cause its output names).
+Each fault is injected into a 2-process run once its first checkpoint is complete:
+``kill`` (``kill -9`` of a :mod:`benchmarks.launch` worker), ``partition`` (the veth
+between two namespaces set down; root), ``lm_kill`` and ``lm_kill0`` (``kill -9`` of
+process 1 or 0 of ``examples.lm.main``, started with no launcher). It prints, per fault
+and ``--fault-timeout``, the seconds from the fault to the end of every process and the
+one-line diagnosis (docs/benchmarks.md, "Detecting a lost worker").
 
   python -m benchmarks.fault                        # kill, and partition if root
   sudo python -m benchmarks.fault --faults partition --fault-timeouts 10,30

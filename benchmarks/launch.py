@@ -3,42 +3,17 @@ r"""Multi-process MNIST-1D training on ``jax.distributed``: one launcher, N work
 From the repository root::
 
   python -m benchmarks.launch --processes 2 --devices-per-process 2 \
-      --method onebit --steps 20
-  python -m benchmarks.launch --processes 2 --devices-per-process 2 \
       --method dense,qsgd4,onebit,dgc --config quick --steps 5
   python -m benchmarks.launch --config benchmarks/configs/params2m.py --method dense,onebit
   python -m benchmarks.launch --method dgc --steps 500 --checkpoint-every 50  # resumable
 
-``--config`` takes a name (``benchmarks/configs``: ``params2m``, ``params20m``; the
-example's ``examples/mnist1d/configs``: ``default``, ``quick``) or a config file's path.
-
-The launcher picks a free port for the coordinator, starts N copies of this module in
-worker mode (``--worker --process-id i --num-processes N --coordinator HOST:PORT``),
-streams their output, kills all of them when one fails, on a timeout or on Ctrl-C,
-checks that every process ends with bit-identical parameters and prints a summary; it
-exits with code 1 when a method diverged (went non-finite: its row says where) unless
-``--allow-diverged``. It holds ``WORKDIR/launch.lock`` (one launch per workdir:
-:func:`workdir_lock`). When a worker fails it prints one line: which worker, how
-(killed, lost peer, timeout), the last complete checkpoints and the command that
-resumes (:func:`failure_line`).
-``--fault-timeout`` (:data:`DEFAULT_FAULT_TIMEOUT` s) bounds how long a lost peer goes
-unnoticed (:func:`init_distributed`); ``--checkpoint-every N`` checkpoints with Orbax,
-and the same command resumes (``train.train_method``).
-
-Each worker joins ``jax.distributed`` (on CPU with ``D`` devices per process and gloo
-collectives; on GPU XLA's default, NCCL, over the GPUs the process sees: give each
-process its own through ``launch(env=...)``, e.g. ``CUDA_VISIBLE_DEVICES``), builds the
-demo's mesh over every process's devices and trains the demo's CNN with the demo's
-``train.train_method`` (``examples/mnist1d/train.py``). Every
-process generates the same data set, starts from the same parameters and draws the same
-global batches as the single-process trainer on ``jax.device_count()`` devices, but puts
-only its own devices' rows on them. Each writes ``WORKDIR/worker{i}.json`` and prints
-the same JSON on one stdout line starting with :data:`RESULT_MARKER`.
-
-Python API: :func:`launch` (spawn, collect, return the workers' results),
-:func:`worker_args`, :func:`check_identical`, :func:`summary`, :func:`workdir_lock` and
-:func:`failure_line` on the launcher side; :func:`init_distributed`,
-:func:`train_worker`, :func:`train_method`, :func:`params_digest` on the worker side.
+``--config`` takes a name (``benchmarks/configs``, then ``examples/mnist1d/configs``) or a
+config file's path. What the launcher does, checks and writes, and what it says when a
+worker dies: docs/guides/multiprocess.md. The launcher side is :func:`launch`,
+:func:`run_processes`, :func:`check_identical`, :func:`summary`, :func:`workdir_lock` and
+:func:`failure_line`; the worker side :func:`train_worker` (``examples/mnist1d/train.py``
+on a mesh over every process's devices), which prints its result as one stdout line
+starting with :data:`RESULT_MARKER`.
 """
 
 from __future__ import annotations
@@ -95,12 +70,7 @@ Env = Mapping[str, str] | Callable[[int], Mapping[str, str]]
 
 def parse_methods(text: str) -> tuple[str, ...]:
   """``"dense,onebit"`` -> ``("dense", "onebit")``, each one of ``train.ALL_METHODS``."""
-  methods = tuple(m.strip() for m in text.split(",") if m.strip())
-  unknown = [m for m in methods if m not in train.ALL_METHODS]
-  if unknown or not methods:
-    raise ValueError(
-      f"--method: unknown {unknown} in {text!r}; choose from {','.join(train.ALL_METHODS)}"
-    )
+  methods = common.parse_methods(text, train.ALL_METHODS, "--method")
   if len(set(methods)) != len(methods):
     raise ValueError(f"--method: repeated method in {text!r}")
   return methods
@@ -140,23 +110,17 @@ def load_config(
       f"--config: unknown {name!r}; choose from {','.join(config_names())} "
       "or give the path of a config file"
     )
-  config = module.get_config()
-  overrides = {}
-  if steps is not None:
-    if steps < 1:
-      raise ValueError(f"--steps must be positive, got {steps}")
-    overrides["num_steps"] = steps
-  if batch is not None:
-    if batch < 1:
-      raise ValueError(f"--batch must be positive, got {batch}")
-    overrides["per_device_batch_size"] = batch
-  if seed is not None:
-    overrides["seed"] = seed
-  if checkpoint_every is not None:
-    if checkpoint_every < 0:
-      raise ValueError(f"--checkpoint-every must be >= 0, got {checkpoint_every}")
-    overrides["checkpoint_every"] = checkpoint_every
-  return dataclasses.replace(config, **overrides)
+  given = argparse.Namespace(steps=steps, batch=batch, seed=seed, checkpoint_every=checkpoint_every)
+  overrides = common.flag_overrides(
+    given,
+    (
+      ("steps", "num_steps", 1),
+      ("batch", "per_device_batch_size", 1),
+      ("seed", "seed", None),
+      ("checkpoint_every", "checkpoint_every", 0),
+    ),
+  )
+  return dataclasses.replace(module.get_config(), **overrides)
 
 
 # ----------------------------------------------------------------------------- worker
@@ -599,6 +563,26 @@ def _tails(outputs: Sequence[WorkerOutput]) -> str:
   )
 
 
+def worker_results(
+  commands: Sequence[Sequence[str]],
+  marker: str,
+  *,
+  timeout: float,
+  stream: bool = False,
+  every: bool = False,
+) -> Any:
+  """Runs ``commands`` (:func:`run_processes`) and returns the JSON that process 0 (or,
+  with ``every``, each process, in a list) printed on one stdout line after ``marker``."""
+  outputs = run_processes(commands, timeout=timeout, stream=stream)
+  results = []
+  for out in outputs if every else outputs[:1]:
+    line = next((x for x in out.stdout if x.startswith(marker)), None)
+    if line is None:
+      raise RuntimeError(f"worker {out.process_id} gave no result:\n" + out.tail())
+    results.append(json.loads(line[len(marker) :]))
+  return results if every else results[0]
+
+
 def parse_result(output: WorkerOutput) -> dict[str, Any]:
   """The JSON of the worker's last :data:`RESULT_MARKER` line."""
   for line in reversed(output.stdout):
@@ -716,6 +700,15 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
 PHASE_COLUMNS = (*jc.PhaseProfile.PHASES, "idle")  # the columns of a phase table
 
 
+def phase_row(label: str, phases: dict[str, Any]) -> str:
+  """One row of a phase table: ``label``'s cells, the step, then each phase (ms)."""
+  return (
+    f"| {label} | {phases['step_ms']:.1f} | "
+    + " | ".join(f"{phases[c]:.1f}" for c in PHASE_COLUMNS)
+    + " |"
+  )
+
+
 def phase_table(results: Sequence[dict[str, Any]]) -> str:
   """Markdown: each profiled method's step split by phase (ms), every process; or ""."""
   rows = []
@@ -724,11 +717,7 @@ def phase_table(results: Sequence[dict[str, Any]]) -> str:
       ph = r["methods"][method].get("phases")
       if ph:
         lost = f" ({len(ph['untraced'])} kernels untraced)" if ph.get("untraced") else ""
-        rows.append(
-          f"| {method}{lost} | {r['process_id']} | {ph['step_ms']:.1f} | "
-          + " | ".join(f"{ph[c]:.1f}" for c in PHASE_COLUMNS)
-          + " |"
-        )
+        rows.append(phase_row(f"{method}{lost} | {r['process_id']}", ph))
   if not rows:
     return ""
   return "\n".join(
@@ -806,15 +795,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     " Orbax; re-running the same command resumes from the latest complete checkpoint"
     " (0: off, the default)",
   )
-  parser.add_argument(
-    "--fault-timeout",
-    type=int,
-    default=DEFAULT_FAULT_TIMEOUT,
-    metavar="SECONDS",
-    help="a worker that sends no heartbeat for SECONDS (dead, or cut off) or a collective"
-    " that waits SECONDS for its peers fails the run (0: JAX's and XLA's defaults,"
-    f" 100 s and 30 min; default {DEFAULT_FAULT_TIMEOUT})",
-  )
+  common.add_fault_timeout_flag(parser, "worker")
   parser.add_argument(
     common.ALLOW_DIVERGED_FLAG,
     action="store_true",

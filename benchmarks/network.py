@@ -1,30 +1,22 @@
 r"""Training over a real, throttled link: 2 processes in 2 network namespaces.
 
-Creates two network namespaces joined by a veth pair, throttles both ends with
-``tc qdisc ... tbf rate R``, and runs the 2-process MNIST-1D trainer
-(``benchmarks/launch.py``, one CPU device per process, each pinned to its own
-core) across the link for every rate, model and method; gloo's collectives then really
-cross the link. It also times single ``psum``\ s and ``all_gather``\ s of several
-sizes on each link and fits :mod:`jaxcomp.network`'s α-β model to the psums (and, for
-comparison, a second model with the all-gathers on a link of their own: gloo's
-all-gather moves more than its ideal traffic), then predicts every method's step time
-from its compute time (measured on the unthrottled veth) and its ``jc.wire_report``,
-and reports the prediction error against the measured steps.
+Two network namespaces joined by a veth pair throttled with ``tc qdisc ... tbf``; the
+2-process MNIST-1D trainer (:mod:`benchmarks.launch`) runs across it for every rate,
+model and method, next to timed ``psum``\ s and ``all_gather``\ s to which it fits
+:mod:`jaxcomp.network`'s α-β model, then predicts every step time from the compute time
+and ``jc.wire_report`` (docs/benchmarks.md, "Training over a throttled link").
 
   sudo python -m benchmarks.network                         # everything (~30 min)
   sudo python -m benchmarks.network --configs params2m --rates 1gbit --methods dense,onebit
 
 Needs root (``ip netns``, ``tc``) and ``taskset``; without them it says so and exits 2.
-Only the namespaces, the veth pair and ``/etc/netns/<name>`` entries it creates are
-touched, and all of them are removed at the end, also on failure or Ctrl-C. gloo finds
-its peers through the address the host name resolves to: ``ip netns exec`` bind-mounts
-``/etc/netns/<name>/hosts`` over ``/etc/hosts``, which maps the host name to the
-namespace's own veth address.
-
-Writes ``--out`` (default ``runs/network``): ``results.json``, ``results.md`` and
-``step_time_vs_bandwidth.png``. The workers inherit this environment: prefix the command
-with ``GLIBC_TUNABLES=...`` (``benchmarks._timing.REUSE_MALLOC``) to run them with a
-malloc that reuses large buffers; the results record which.
+It touches only the namespaces, the veth pair and the ``/etc/netns/<name>`` entries it
+creates (``ip netns exec`` mounts ``/etc/netns/<name>/hosts`` over ``/etc/hosts``, so that
+gloo finds each peer at its namespace's address), and removes them at the end, also on
+failure or Ctrl-C. Writes ``--out`` (default ``runs/network``): ``results.json``,
+``results.md`` and ``step_time_vs_bandwidth.png``. The workers inherit the environment:
+``GLIBC_TUNABLES=...`` (``benchmarks._timing.REUSE_MALLOC``) gives them a malloc that
+reuses large buffers; the results record which.
 """
 
 from __future__ import annotations
@@ -170,7 +162,7 @@ class Link(contextlib.AbstractContextManager):
     sender's speed: with 10 ms' worth (1.25 MB at 1 Gbit/s, this benchmark's first
     setting) 1 MiB crossed a 1 Gbit/s link at three times the rate, and only a message
     larger than the bucket saw the rate. With 1 ms' worth (64 KiB at 100 Mbit/s) the
-    link runs at 86-96% of the rate for 1-10 MiB (``python -m benchmarks.studies.tbf_probe``).
+    link runs at 86-96% of the rate for 1-10 MiB (docs/benchmarks.md, the tbf bucket).
     """
     bps = rate_bytes_per_s(rate)
     burst = tbf_burst(rate, burst_ms)
@@ -203,9 +195,10 @@ class Link(contextlib.AbstractContextManager):
     for ns, veth in zip(self.namespaces, self.veths):
       self.exec(ns, ["ip", "link", "set", veth, "up" if up else "down"])
 
-  def worker_prefix(self, process_id: int) -> list[str]:
-    """Worker ``i`` runs in this link's namespace ``i`` (not pinned)."""
-    return ["ip", "netns", "exec", self.namespaces[process_id]]
+  def worker_prefix(self, process_id: int, pin: bool = False) -> list[str]:
+    """Worker ``i`` runs in this link's namespace ``i`` (``pin``: on core ``i``)."""
+    cores = ["taskset", "-c", str(process_id % (os.cpu_count() or 1))] if pin else []
+    return ["ip", "netns", "exec", self.namespaces[process_id], *cores]
 
   def teardown(self) -> None:
     for ns in self.created_netns:  # deleting a namespace deletes its veth end (and pair)
@@ -239,9 +232,9 @@ class Link(contextlib.AbstractContextManager):
 def psum_worker(args: argparse.Namespace) -> None:
   """Worker mode: times ``psum`` and ``all_gather`` of each size across the processes.
 
-  Each process contributes ``size`` bytes to both. gloo's all-gather moves more than
-  its ideal traffic (``benchmarks.studies.collective_probe --rate``), so the model fits it a
-  link of its own.
+  Each process contributes ``size`` bytes to both. gloo's all-gather moves more than its
+  ideal traffic (docs/benchmarks.md, collectives across the throttled link), so the model
+  fits it a link of its own.
   """
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
 
@@ -316,12 +309,8 @@ def time_collectives(sizes: Sequence[int], seconds_per_size: float, timeout: flo
     ]
     for i in range(2)
   ]
-  outputs = launch.run_processes(commands, timeout=timeout)
-  for line in outputs[0].stdout:
-    if line.startswith(RESULT_MARKER):
-      result = json.loads(line[len(RESULT_MARKER) :])
-      return {"psum": result["psum"], "all_gather": result["all_gather"]}
-  raise RuntimeError("the psum worker gave no result:\n" + outputs[0].tail())
+  result = launch.worker_results(commands, RESULT_MARKER, timeout=timeout)
+  return {"psum": result["psum"], "all_gather": result["all_gather"]}
 
 
 def free_port() -> int:
@@ -522,15 +511,8 @@ def tables(runs: dict, model: dict) -> str:
         )
       lines.append("")
     lines += phase_tables(config, by_rate)
-  lines += [
-    "Fitted links (psum timings, least squares on relative error):",
-    "",
-    "| rate | α (µs) | bandwidth (MB/s) |",
-    "|---|---:|---:|",
-  ]
-  for rate, l in model["links"].items():
-    lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
-  return "\n".join(lines) + "\n"
+  title = "Fitted links (psum timings, least squares on relative error):"
+  return "\n".join(lines) + "\n" + link_table(title, model["links"])
 
 
 def prediction_errors(model: dict) -> dict[tuple[str, str, str], float]:
@@ -565,14 +547,10 @@ def error_comparison(model: dict, model_gather: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def gather_link_table(model_gather: dict) -> str:
-  lines = [
-    "Fitted all-gather links:",
-    "",
-    "| rate | α (µs) | bandwidth (MB/s) |",
-    "|---|---:|---:|",
-  ]
-  for rate, l in model_gather.get("gather_links", {}).items():
+def link_table(title: str, links: dict) -> str:
+  """Markdown: each rate's fitted link (α, bandwidth) under ``title``."""
+  lines = [title, "", "| rate | α (µs) | bandwidth (MB/s) |", "|---|---:|---:|"]
+  for rate, l in links.items():
     lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
   return "\n".join(lines) + "\n"
 
@@ -580,17 +558,14 @@ def gather_link_table(model_gather: dict) -> str:
 def phase_tables(config: str, by_rate: dict) -> list[str]:
   """Markdown rows of the measured step split (``--profile``), process 0; or none."""
   from benchmarks.launch import PHASE_COLUMNS  # pylint: disable=import-outside-toplevel
+  from benchmarks.launch import phase_row  # pylint: disable=import-outside-toplevel
 
-  rows = []
-  for rate, run in by_rate.items():
-    for method, r in run["methods"].items():
-      ph = r.get("phases")
-      if ph:
-        rows.append(
-          f"| {rate} | {method} | {ph['step_ms']:.1f} | "
-          + " | ".join(f"{ph[c]:.1f}" for c in PHASE_COLUMNS)
-          + " |"
-        )
+  rows = [
+    phase_row(f"{rate} | {method}", r["phases"])
+    for rate, run in by_rate.items()
+    for method, r in run["methods"].items()
+    if r.get("phases")
+  ]
   if not rows:
     return []
   return [
@@ -794,7 +769,8 @@ def report(
   )
   text = f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n" + tables(runs, model)
   if model_gather is not None:
-    text += "\n" + error_comparison(model, model_gather) + gather_link_table(model_gather)
+    text += "\n" + error_comparison(model, model_gather)
+    text += link_table("Fitted all-gather links:", model_gather.get("gather_links", {}))
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(text)
   print(text)

@@ -197,11 +197,7 @@ def launch_pair(args, prefix, address: str) -> dict:
   flags += [f"--exchange={args.exchange}", f"--modes={args.modes}", f"--coordinator={coordinator}"]
   cmd = [sys.executable, "-m", "benchmarks.overlap", "--worker", *flags]
   commands = [[*prefix(i), *cmd, f"--process-id={i}"] for i in range(2)]
-  outputs = launch.run_processes(commands, timeout=args.timeout)
-  for line in outputs[0].stdout:
-    if line.startswith(MARKER):
-      return json.loads(line[len(MARKER) :])
-  raise RuntimeError("no result:\n" + outputs[0].tail())
+  return launch.worker_results(commands, MARKER, timeout=args.timeout)
 
 
 def row(rate: str, r: dict, h: int) -> str:

@@ -1,45 +1,19 @@
 r"""Per-layer FSDP (ZeRO-3) against dense FSDP: bytes, peak memory, step time over a link.
 
-The model is a residual tanh MLP of ``--layers`` stacked ``(width, width)`` layers run by
-``lax.scan`` (each layer rematerialized, so its weights are gathered again in the
-backward, as FSDP does), every weight and bias sharded along its first axis over the
-data axis. One SGD step of each method:
-
-* ``dense``: dense FSDP in plain JAX, ``lax.all_gather(shard, tiled=True)`` in each
-  layer; JAX transposes it into a float32 ``psum_scatter`` (divided by K).
-* ``fsdp_int8_qsgd4``: ``jc.fsdp_gather`` in each layer, the weights gathered from int8
-  (``jc.codecs.BlockInt8``), the gradient reduce-scattered as 4-bit QSGD (7 levels, max
-  norm, buckets of 512) inside the layer's backward (item 4 with item 3); the biases
-  are compressed too (``filter=`` every leaf), as ``zero_qsgd4`` compresses them.
-* ``fsdp_qsgd4``: the same with an exact float32 gather (item 4 alone).
-* ``zero_qsgd4``: all weights gathered up front (float32), the loss differentiated with
-  respect to them (the model's full-size local gradient), then one compressed
-  reduce-scatter of it (item 1's exchange, ``reduce_scatter_means``).
-
-Three measurements (``--part``):
-
-* ``memory`` (one process, ``--devices`` CPU devices): ``compiled.memory_analysis()`` of
-  each step per device (arguments + outputs + temporaries - aliased), and the bytes per
-  device per step read off the traced program's collectives (``wire.collective_ops``).
-* ``link`` (2 processes in 2 network namespaces over a ``tc``-throttled veth,
-  :mod:`benchmarks.network`'s link; needs root): the step time of each method at each
-  ``--rates`` and its ratio to dense's in the same run.
+``--model mlp``: a residual tanh MLP scanned over ``--layers`` rematerialized layers, its
+weights sharded over the data axis; ``dense`` (plain JAX all-gather, transposed into a
+``psum_scatter``), ``fsdp_int8_qsgd4`` and ``fsdp_qsgd4`` (``jc.fsdp_gather``) and
+``zero_qsgd4`` (one compressed reduce-scatter of the full gradient). ``--model lm``: the
+LM trainer's sharded methods (``examples/lm/sharded.py``) against its dense ZeRO-2, dense
+FSDP and data-parallel ``dense``. ``--part memory``: one process, each step's compiled
+peak memory and bytes per device; ``--part link``: 2 processes over
+:mod:`benchmarks.network`'s throttled link (root), each method's step time and its ratio
+to the dense method of its kind. Results: docs/guides/fsdp.md ("Per-layer FSDP,
+measured") and docs/benchmarks.md ("Sharded models").
 
   sudo nice -n 15 python -m benchmarks.sharded                  # memory, then link
   nice -n 15 python -m benchmarks.sharded --part memory
   sudo python -m benchmarks.sharded --part link --rates none,1gbit --width 1024
-
-**The transformer** (``--model lm``): the LM trainer's sharded methods
-(``examples/lm/sharded.py``, ``--config deep`` by default: 8 blocks of width 128) against
-its dense ZeRO-2 and dense FSDP and the data-parallel ``dense``. ``memory``: each
-method's compiled training step (AdamW included) on ``--devices`` CPU devices, its peak
-memory per device and its step's bytes (``sharded.step_traffic``: weight gathers and
-gradient exchange; ``jc.wire_report`` for ``dense``). ``link``: ``python -m
-examples.lm.main`` as 2 processes in the 2 namespaces, ``--steps`` updates per method
-and rate, the mean step time (training steps only) and its ratio to the dense method of
-the same kind (``zero_*`` to ``zero_dense``, ``fsdp_*`` to ``fsdp_dense``) in the same
-run::
-
   sudo nice -n 15 python -m benchmarks.sharded --model lm --rates 1gbit,100mbit
   python -m benchmarks.sharded --model lm --smoke              # 2 local processes
 """
@@ -47,6 +21,7 @@ run::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -305,11 +280,7 @@ def run_workers(args, prefix, host: str) -> dict:
     + ["--process-id", str(i), "--coordinator", coordinator, *flags]
     for i in range(2)
   ]
-  outputs = launch.run_processes(commands, timeout=args.timeout)
-  lines = [line for line in outputs[0].stdout if line.startswith(RESULT_MARKER)]
-  if not lines:
-    raise RuntimeError("the worker gave no result:\n" + outputs[0].tail())
-  return json.loads(lines[0][len(RESULT_MARKER) :])
+  return launch.worker_results(commands, RESULT_MARKER, timeout=args.timeout)
 
 
 def link(args) -> dict:
@@ -320,12 +291,9 @@ def link(args) -> dict:
   if args.smoke:
     return {"none": run_workers(args, lambda i: [], "127.0.0.1")}
 
-  def prefix(i: int) -> list[str]:  # process i in namespace i (pinned to core i: --pin)
-    pin = ["taskset", "-c", str(i % (os.cpu_count() or 1))] if args.pin else []
-    return ["ip", "netns", "exec", NAMESPACES[i], *pin]
-
   out = {}
   with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
+    prefix = functools.partial(ln.worker_prefix, pin=args.pin)  # process i in namespace i
     for rate in args.rates:
       ln.set_rate(rate)
       out[rate] = run_workers(args, prefix, ADDRESSES[0])
@@ -485,12 +453,9 @@ def lm_link(args) -> dict:
   if args.smoke:
     return {"none": run(None, "127.0.0.1", "none")}
 
-  def prefix(i: int) -> list[str]:
-    pin = ["taskset", "-c", str(i % (os.cpu_count() or 1))] if args.pin else []
-    return ["ip", "netns", "exec", NAMESPACES[i], *pin]
-
   out = {}
   with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
+    prefix = functools.partial(ln.worker_prefix, pin=args.pin)
     for rate in args.rates:
       ln.set_rate(rate)
       out[rate] = run(prefix, ADDRESSES[0], rate)

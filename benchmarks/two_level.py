@@ -1,38 +1,13 @@
 r"""Two-level vs flat compression over a real, throttled link: N processes of L devices.
 
-Each of ``--processes`` N processes (default 2) is one node with ``--devices-per-process``
-L CPU devices (default 4); the processes run in the two network namespaces of
-:mod:`benchmarks.network` (imported: its veth pair, ``tc tbf`` throttle and teardown),
-so everything between nodes crosses the throttled veth and nothing inside a node does.
-The mesh is ``("node", "gpu")`` of shape ``(N, L)``, node = process. Every method trains
-the same model from the same initial parameters on the same batches:
-
-- ``dense``: one ``lax.pmean`` of the whole gradient (raveled) over both axes;
-- ``flat_X``: the compressor X over ``("node", "gpu")``, all N·L devices at once;
-- ``two_level_X``: ``jc.two_level(X(axis_name="node"), fast_axis="gpu")``: dense
-  reduce-scatter inside the node, X on the 1/L shards between nodes, all-gather inside;
-
-for X in ``qsgd4`` (``jc.qsgd(bits=4)``), ``onebit`` (``jc.onebit_sgd``, the demo's
-1-bit method) and ``powersgd`` (``jc.powersgd``). A combination jaxcomp does not support
-yet (``NotImplementedError``) is a row marked "not supported", not a crash.
-
-Per row: the median step time over the timed steps (after ``--warmup`` steps that include
-compilation), the training loss at equal steps (mean of the last 5 steps' global-batch
-losses), the bytes that crossed the link per node per step, read from the veth's
-interface counters (``/sys/class/net/<veth>/statistics/{tx,rx}_bytes``, inside the
-namespace, around the timed steps: TCP/IP headers and the coordination service's
-heartbeats included) next to ``jc.wire_report``'s bytes over the slow axis (per device
-times L for a collective over ``node``, one ring hop's for one over both axes), and
-ratios against dense and against the flat method of the same compressor, measured in
-the same run; and the link's bytes over those of one gradient as the compressor sends
-it (``jc.wire_report`` at 2 devices: what a node must at least receive). A row whose
-loss is not finite or ended above where it started is marked "diverged"; one whose
-exchange moved under 1% of its modelled bytes "sent nothing".
-
-Then the α-β projection (:mod:`jaxcomp.network` with a link per mesh axis): each
-method's exchange time per step at 8 devices per node on an NVLink-class fast link and
-16-1024 nodes on 100 Gbit/s and 10 Gbit/s slow links, and on 100 Gbit/s without the
-latency term (``PROJECTION_LINKS``; a link's bandwidth is per device).
+Each process is one node of L CPU devices, in :mod:`benchmarks.network`'s namespaces, so
+everything between nodes crosses the throttled veth. Every method (``dense``,
+``flat_X``: X over both axes, ``two_level_X``: ``jc.two_level(X, fast_axis="gpu")``, for
+X in qsgd4, onebit, powersgd) trains the same model from the same start; per row the
+median step, the loss at equal steps, the bytes the veth counted next to
+``jc.wire_report``'s, and the α-β projection to 8 devices per node and 16-1024 nodes.
+The columns and results: docs/benchmarks.md, "Two nodes of four devices over a throttled
+link"; the method: docs/guides/two_level.md.
 
   sudo python -m benchmarks.two_level --rates 100mbit,1gbit --models mlp --steps 30
   sudo python -m benchmarks.two_level --models lm --methods dense,flat_qsgd4,two_level_qsgd4
@@ -434,15 +409,9 @@ def run_rate(args, link, rate: str, model: str) -> dict[str, Any]:
     ]
     for i in range(args.processes)
   ]
-  outputs = launch.run_processes(commands, timeout=args.timeout, stream=args.verbose)
-  results = []
-  for out in outputs:
-    for line in out.stdout:
-      if line.startswith(RESULT_MARKER):
-        results.append(json.loads(line[len(RESULT_MARKER) :]))
-        break
-    else:
-      raise RuntimeError(f"worker {out.process_id} gave no result:\n" + out.tail())
+  results = launch.worker_results(
+    commands, RESULT_MARKER, timeout=args.timeout, stream=args.verbose, every=True
+  )
   return {"processes": results}
 
 

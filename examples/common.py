@@ -17,10 +17,16 @@ and the multi-process launcher (``benchmarks/launch.py``).
 * :class:`Divergence`, :func:`all_finite` and :func:`diverged_exit_code`: a run that goes
   non-finite says so, in the tables, the JSON, the plots and the exit code;
   :func:`bytes_cells`: a row whose exchange never ran says so instead of its bytes.
+* The trainers' set-up and command lines: :func:`use_cpu_devices`,
+  :func:`add_common_flags`, :func:`add_fault_timeout_flag`, :func:`flag_overrides`,
+  :func:`parse_methods`, :func:`parse_sets`, :func:`data_mesh` and :func:`write_results`
+  (the table printed, results.md and results.json).
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
 import contextlib
 import dataclasses
 import functools
@@ -441,3 +447,116 @@ def diverged_exit_code(
     file=sys.stderr,
   )
   return 1
+
+
+# ----------------------------------------------------------------------------- trainers
+
+
+def use_cpu_devices(n: int) -> None:
+  """Gives the CPU backend ``n`` devices, so the exchange runs for real between them.
+
+  Must run before JAX initialises its backends; if they are already up (imported late)
+  they keep their devices. On a GPU host the setting is inert: the GPUs are the devices.
+  """
+  if cpu_platform_selected():
+    try:
+      jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+      pass
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+  """The flags every trainer has: ``--set FIELD=VALUE`` (:func:`parse_sets`) and
+  ``--allow-diverged`` (:func:`diverged_exit_code`)."""
+  parser.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="FIELD=VALUE",
+    help="override any config field (repeatable), e.g. --set diloco_sync_every=5",
+  )
+  parser.add_argument(
+    ALLOW_DIVERGED_FLAG,
+    action="store_true",
+    help="exit 0 even when a method diverged (went non-finite; exit code 1 otherwise)",
+  )
+
+
+def add_fault_timeout_flag(parser, who: str) -> None:
+  """``--fault-timeout SECONDS`` (default :data:`DEFAULT_FAULT_TIMEOUT`); ``who`` names
+  what fails the run: "process" or "worker"."""
+  parser.add_argument(
+    "--fault-timeout",
+    type=int,
+    default=DEFAULT_FAULT_TIMEOUT,
+    metavar="SECONDS",
+    help=f"a {who} that sends no heartbeat for SECONDS (dead, or cut off) or a collective"
+    " that waits SECONDS for its peers fails the run (0: JAX's and XLA's defaults,"
+    f" 100 s and 30 min; default {DEFAULT_FAULT_TIMEOUT})",
+  )
+
+
+def flag_overrides(args, flags: Sequence[tuple[str, str, int | None]]) -> dict[str, Any]:
+  """``(flag, field, minimum)`` triples -> ``{field: value}`` for the flags given on the
+  command line (not None), each checked against its minimum (None: any value)."""
+  overrides = {}
+  for flag, field, minimum in flags:
+    value = getattr(args, flag, None)
+    if value is None:
+      continue
+    if minimum is not None and value < minimum:
+      bound = "positive" if minimum == 1 else f">= {minimum}"
+      raise ValueError(f"--{flag.replace('_', '-')} must be {bound}, got {value}")
+    overrides[field] = value
+  return overrides
+
+
+def parse_methods(text: str, allowed: Sequence[str], flag: str = "--methods") -> tuple[str, ...]:
+  """``"dense,onebit"`` -> ``("dense", "onebit")``, each one of ``allowed``."""
+  methods = tuple(m.strip() for m in text.split(",") if m.strip())
+  unknown = [m for m in methods if m not in allowed]
+  if unknown or not methods:
+    raise ValueError(f"{flag}: unknown {unknown}; choose from {','.join(allowed)}")
+  return methods
+
+
+def parse_sets(config, items: Sequence[str]) -> dict[str, Any]:
+  """``--set FIELD=VALUE`` pairs as overrides of ``config``'s fields, each VALUE parsed
+  as the field's current value's type (bool from true/false, tuples comma-separated)."""
+  fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+  out = {}
+  for item in items:
+    name, sep, text = item.partition("=")
+    name = name.strip().replace("-", "_")
+    if not sep or name not in fields:
+      raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+    current = fields[name]
+    try:
+      if isinstance(current, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+          raise ValueError(text)
+        value = text.lower() in ("true", "1")
+      elif isinstance(current, tuple):
+        value = tuple(v.strip() for v in text.split(",") if v.strip())
+      else:
+        value = type(current)(text)
+    except ValueError as e:
+      raise ValueError(f"--set {item!r}: {text!r} is not a {type(current).__name__}") from e
+    out[name] = value
+  return out
+
+
+def data_mesh(axis: str) -> jax.sharding.Mesh:
+  """The data-parallel mesh: every device of every process on one explicit axis."""
+  k = jax.device_count()
+  return jax.make_mesh((k,), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def write_results(workdir: str, table: str, record: dict[str, Any]) -> None:
+  """Prints the results table and writes it to ``WORKDIR/results.md``, and ``record``
+  (config, devices, every method's results) to ``WORKDIR/results.json``."""
+  print(table)
+  with open(os.path.join(workdir, "results.md"), "w") as f:
+    f.write(table + "\n")
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(record, f, indent=2)

@@ -101,6 +101,24 @@ def test_config_by_name_or_path(tmp_path):
     configs.load(str(tmp_path / "empty.py"))
 
 
+def test_set_and_flags_override_the_config():
+  # --set FIELD=VALUE (examples.common.parse_sets, shared with the LM trainer) parses
+  # each value as the field's type; the named flags win over nothing else.
+  parse = lambda *a: main.get_config(main.parse_args(["--quick", *a]))
+  config = parse("--set", "num_steps=7", "--set", "methods=dense,onebit", "--seed", "3")
+  assert (config.num_steps, config.methods, config.seed) == (7, ("dense", "onebit"), 3)
+  assert parse("--set", "learning_rate=0.5").learning_rate == 0.5
+  for bad, match in (
+    (["--set", "nope=1"], "FIELD=VALUE"),
+    (["--set", "num_steps=2.5"], "not a int"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    (["--methods", "dense,nope"], "unknown"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      parse(*bad)
+
+
 def test_quick_run_diloco(tmp_path):
   """The demo's DiLoCo method: params per device, evaluated at the anchor, which every
   replica sits on after the last step (a sync: 10 steps, syncs every 5); bytes are

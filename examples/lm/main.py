@@ -81,18 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="N",
     help="stop every method after update N of the --steps schedule",
   )
-  p.add_argument(
-    "--set",
-    action="append",
-    default=[],
-    metavar="FIELD=VALUE",
-    help="override any config field (repeatable), e.g. --set diloco_sync_every=5",
-  )
-  p.add_argument(
-    common.ALLOW_DIVERGED_FLAG,
-    action="store_true",
-    help="exit 0 even when a method diverged (went non-finite; exit code 1 otherwise)",
-  )
+  common.add_common_flags(p)
   group = p.add_argument_group("multi-process (jax.distributed)")
   group.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's service")
   group.add_argument("--num-processes", type=int, default=1)
@@ -103,15 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     default=None,
     help="CPU devices per process (default: 8 alone, 1 under --coordinator)",
   )
-  group.add_argument(
-    "--fault-timeout",
-    type=int,
-    default=common.DEFAULT_FAULT_TIMEOUT,
-    metavar="SECONDS",
-    help="a process that sends no heartbeat for SECONDS (dead, or cut off) or a collective"
-    " that waits SECONDS for its peers fails the run (0: JAX's and XLA's defaults,"
-    f" 100 s and 30 min; default {common.DEFAULT_FAULT_TIMEOUT})",
-  )
+  common.add_fault_timeout_flag(group, "process")
   return p
 
 
@@ -121,57 +102,26 @@ def get_config(args: argparse.Namespace):
   from examples.lm import train  # pylint: disable=import-outside-toplevel
 
   config = configs.load(args.config).get_config()
-  overrides = {}
-  for flag, field, minimum in (
-    ("steps", "num_steps", 1),
-    ("batch", "per_device_batch_size", 1),
-    ("accumulation", "accumulation_steps", 1),
-    ("eval_every", "eval_every", 1),
-    ("checkpoint_every", "checkpoint_every", 0),
-    ("seed", "seed", None),
-    ("learning_rate", "learning_rate", None),
-    ("target_loss", "target_loss", 0),
-  ):
-    value = getattr(args, flag)
-    if value is None:
-      continue
-    if minimum is not None and value < minimum:
-      raise ValueError(f"--{flag.replace('_', '-')} must be >= {minimum}, got {value}")
-    overrides[field] = value
+  overrides = common.flag_overrides(
+    args,
+    (
+      ("steps", "num_steps", 1),
+      ("batch", "per_device_batch_size", 1),
+      ("accumulation", "accumulation_steps", 1),
+      ("eval_every", "eval_every", 1),
+      ("checkpoint_every", "checkpoint_every", 0),
+      ("seed", "seed", None),
+      ("learning_rate", "learning_rate", None),
+      ("target_loss", "target_loss", 0),
+    ),
+  )
   if args.methods is not None:
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    unknown = [m for m in methods if m not in train.ALL_METHODS]
-    if unknown or not methods:
-      raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(train.ALL_METHODS)}")
-    overrides["methods"] = methods
+    overrides["methods"] = common.parse_methods(args.methods, train.ALL_METHODS)
   overrides.update(parse_sets(config, args.set))
   return dataclasses.replace(config, **overrides)
 
 
-def parse_sets(config, items: list[str]) -> dict:
-  """``--set FIELD=VALUE`` pairs as overrides of ``config``'s fields, each VALUE parsed
-  as the field's current value's type (bool from true/false, tuples comma-separated)."""
-  fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-  out = {}
-  for item in items:
-    name, sep, text = item.partition("=")
-    name = name.strip().replace("-", "_")
-    if not sep or name not in fields:
-      raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
-    current = fields[name]
-    try:
-      if isinstance(current, bool):
-        if text.lower() not in ("true", "false", "1", "0"):
-          raise ValueError(text)
-        value = text.lower() in ("true", "1")
-      elif isinstance(current, tuple):
-        value = tuple(v.strip() for v in text.split(",") if v.strip())
-      else:
-        value = type(current)(text)
-    except ValueError as e:
-      raise ValueError(f"--set {item!r}: {text!r} is not a {type(current).__name__}") from e
-    out[name] = value
-  return out
+parse_sets = common.parse_sets  # --set FIELD=VALUE, for both trainers
 
 
 def init_devices(args: argparse.Namespace) -> None:
@@ -193,11 +143,8 @@ def init_devices(args: argparse.Namespace) -> None:
       devices_per_process=devices,
       fault_timeout=args.fault_timeout or None,
     )
-  elif common.cpu_platform_selected():
-    try:
-      jax.config.update("jax_num_cpu_devices", devices)
-    except RuntimeError:  # backends already up (imported late): keep their devices
-      pass
+  else:
+    common.use_cpu_devices(devices)
 
 
 def main(argv=None) -> int:

@@ -37,7 +37,6 @@ docs/guides/lm.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -803,7 +802,7 @@ def plot_losses(results: dict[str, dict[str, Any]], path: str):
 def setup(config):
   """(mesh over every device of every process, corpus, graphdef, host initial params)."""
   k = jax.device_count()
-  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  mesh = common.data_mesh(AXIS)
   corpus = input_pipeline.load_corpus(config.validation_percent)
   graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
   init_params = jax.device_get(state.to_pure_dict())  # every method starts from it
@@ -854,22 +853,17 @@ def train_and_evaluate(config, workdir: str, *, stop_at: int | None = None) -> d
       eval_step=eval_step,
     )
   if jax.process_index() == 0:
-    table = results_table(results, config, k)
-    print(table)
-    with open(os.path.join(workdir, "results.md"), "w") as f:
-      f.write(table + "\n")
     saved = {m: {key: v for key, v in r.items() if key != "params"} for m, r in results.items()}
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-      json.dump(
-        {
-          "config": dataclasses.asdict(config),
-          "num_devices": k,
-          "num_processes": jax.process_count(),
-          "jax": jax.__version__,
-          "results": saved,
-        },
-        f,
-        indent=2,
-      )
+    common.write_results(
+      workdir,
+      results_table(results, config, k),
+      {
+        "config": dataclasses.asdict(config),
+        "num_devices": k,
+        "num_processes": jax.process_count(),
+        "jax": jax.__version__,
+        "results": saved,
+      },
+    )
     plot_losses(results, os.path.join(workdir, "val_loss.png"))
   return results

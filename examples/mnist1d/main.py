@@ -15,25 +15,17 @@ On a CPU-only machine JAX is given 8 CPU devices, so the data-parallel exchange 
 for real between 8 devices.
 """
 
-import os
+from examples import common
 
-import jax
-
-# Must run before JAX initialises its backends (that is, before anything touches
-# devices). It only shapes the CPU backend: on a GPU/TPU host jax.devices() is still
-# the accelerators.
-if os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu"):
-  try:
-    jax.config.update("jax_num_cpu_devices", 8)
-  except RuntimeError:  # backends already up (imported late): keep their devices
-    pass
+# Before JAX initialises its backends (before anything touches devices).
+if common.cpu_platform_selected():
+  common.use_cpu_devices(8)
 
 # pylint: disable=wrong-import-position
 import argparse
 import dataclasses
 import sys
 
-from examples import common
 from examples.mnist1d import configs
 from examples.mnist1d import train
 
@@ -69,11 +61,7 @@ def build_parser(
   parser.add_argument(
     "--methods", default=None, help=f"comma-separated subset of {','.join(train.ALL_METHODS)}"
   )
-  parser.add_argument(
-    common.ALLOW_DIVERGED_FLAG,
-    action="store_true",
-    help="exit 0 even when a method diverged (went non-finite; exit code 1 otherwise)",
-  )
+  common.add_common_flags(parser)
   if checkpoints:
     parser.add_argument(
       "--checkpoint-every",
@@ -96,28 +84,18 @@ def get_config(args: argparse.Namespace):
   """The named config with the command-line overrides applied."""
   name = "quick" if args.quick else args.config
   config = configs.load(name).get_config()
-  overrides = {}
-  if args.steps is not None:
-    if args.steps < 1:
-      raise ValueError(f"--steps must be positive, got {args.steps}")
-    overrides["num_steps"] = args.steps
-  if args.batch is not None:
-    if args.batch < 1:
-      raise ValueError(f"--batch must be positive, got {args.batch}")
-    overrides["per_device_batch_size"] = args.batch
-  if args.seed is not None:
-    overrides["seed"] = args.seed
-  every = getattr(args, "checkpoint_every", None)  # absent: a parser without checkpoints
-  if every is not None:
-    if every < 0:
-      raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
-    overrides["checkpoint_every"] = every
+  overrides = common.flag_overrides(
+    args,
+    (
+      ("steps", "num_steps", 1),
+      ("batch", "per_device_batch_size", 1),
+      ("seed", "seed", None),
+      ("checkpoint_every", "checkpoint_every", 0),  # absent: a parser without checkpoints
+    ),
+  )
   if args.methods is not None:
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    unknown = [m for m in methods if m not in train.ALL_METHODS]
-    if unknown or not methods:
-      raise ValueError(f"--methods: unknown {unknown}; choose from {','.join(train.ALL_METHODS)}")
-    overrides["methods"] = methods
+    overrides["methods"] = common.parse_methods(args.methods, train.ALL_METHODS)
+  overrides.update(common.parse_sets(config, args.set))
   return dataclasses.replace(config, **overrides)
 
 

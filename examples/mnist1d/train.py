@@ -9,7 +9,6 @@ line ``updates, opt_state = tx.update(grads, opt_state, params)``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any
@@ -768,7 +767,7 @@ def setup(config, workdir: str):
   """(mesh over all devices, data set, model, host copy of the initial params)."""
   os.makedirs(workdir, exist_ok=True)
   k = jax.device_count()
-  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  mesh = common.data_mesh(AXIS)
   data = input_pipeline.load_dataset(config, workdir)
   model = models.create_model(config)
   # Host copy: every method starts from it (the train step donates its device buffers).
@@ -809,13 +808,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
       method, config, model=model, init_params=init_params, data=data, mesh=mesh, workdir=workdir
     )
 
-  table = results_table(results, k)
-  print(table)
-  with open(os.path.join(workdir, "results.md"), "w") as f:
-    f.write(table + "\n")
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(
-      {"config": dataclasses.asdict(config), "num_devices": k, "results": results}, f, indent=2
-    )
+  common.write_results(
+    workdir,
+    results_table(results, k),
+    {"config": dataclasses.asdict(config), "num_devices": k, "results": results},
+  )
   plot_accuracy(results, os.path.join(workdir, "accuracy.png"))
   return results

@@ -11,21 +11,15 @@ for real between 8 devices. The process exits with code 1 when a method diverged
 non-finite), unless ``--allow-diverged``.
 """
 
-import os
+from examples import common
 
-import jax
-
-# Must run before JAX initialises its backends; only shapes the CPU backend.
-if os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu"):
-  try:
-    jax.config.update("jax_num_cpu_devices", 8)
-  except RuntimeError:  # backends already up (imported late): keep their devices
-    pass
+# Before JAX initialises its backends (before anything touches devices).
+if common.cpu_platform_selected():
+  common.use_cpu_devices(8)
 
 # pylint: disable=wrong-import-position
 import sys
 
-from examples import common
 from examples.mnist1d import main as linen_main
 from examples.mnist1d_nnx import train
 

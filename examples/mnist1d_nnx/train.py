@@ -36,7 +36,6 @@ the linen trainer's own (``examples.mnist1d.train``), imported rather than repea
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any
@@ -247,7 +246,7 @@ def setup(config, workdir: str):
   """(mesh over all devices, data set, model graphdef, host copy of the model state)."""
   os.makedirs(workdir, exist_ok=True)
   k = jax.device_count()
-  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  mesh = common.data_mesh(AXIS)
   data = input_pipeline.load_dataset(config, workdir)
   graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
   # Host copy: every method starts from it (the train step donates its device buffers).
@@ -283,20 +282,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, dict[str, Any]]:
       method, config, graphdef=graphdef, init_state=init_state, data=data, mesh=mesh
     )
 
-  table = linen_train.results_table(results, k)
-  print(table)
-  with open(os.path.join(workdir, "results.md"), "w") as f:
-    f.write(table + "\n")
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(
-      {
-        "config": dataclasses.asdict(config),
-        "num_devices": k,
-        "api": "flax.nnx",
-        "results": results,
-      },
-      f,
-      indent=2,
-    )
+  common.write_results(
+    workdir,
+    linen_train.results_table(results, k),
+    {"config": dataclasses.asdict(config), "num_devices": k, "api": "flax.nnx", "results": results},
+  )
   linen_train.plot_accuracy(results, os.path.join(workdir, "accuracy.png"))
   return results

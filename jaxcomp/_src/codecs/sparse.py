@@ -123,7 +123,7 @@ def compact(mask: Array, size: int) -> Array:
   where the output is small. For ``size <= n/8`` each output is found by
   :func:`_kth_true`: ``O(size log n)`` after one pass over the mask. For larger outputs
   each True is scattered to its rank, ``ends[w] - popcount(w) + popcount(bits of w
-  below it)``. ``python -m benchmarks.studies.xla_cpu_pitfalls`` has both next to
+  below it)``. the XLA:CPU table of ``docs/benchmarks.md`` has both next to
   ``jnp.nonzero`` and ``jnp.cumsum``.
   """
   n = mask.shape[0]
@@ -223,7 +223,7 @@ def passes(a: Array, thr: Array) -> Array:
 
   Negative ``a`` (the -1 padding of :func:`_blocks`) gives a negative value, never > 0.
   No lower clip: ``floor(min(x, 1))`` alone keeps XLA:CPU's vectorised reduction
-  (``python -m benchmarks.studies.xla_cpu_pitfalls``).
+  (the XLA:CPU table of ``docs/benchmarks.md``).
   """
   return jnp.floor(jnp.minimum(a * (1.0 / thr), 1.0))
 
@@ -275,7 +275,7 @@ def sampled_threshold_select(
   ks = min(m, max(1, int(math.ceil(1.4 * k * m / n))))
   sample = a[jax.random.randint(key, (m,), 0, n)]
   # min() of the values, not [-1]: slicing top_k's output makes XLA:CPU rewrite the
-  # top_k into a full sort (``python -m benchmarks.studies.xla_cpu_pitfalls`` times both).
+  # top_k into a full sort (the XLA:CPU table of ``docs/benchmarks.md`` times both).
   thr0 = jnp.min(lax.top_k(sample, ks)[0])
   tiny = jnp.finfo(_F32).tiny
   thr0 = jnp.maximum(thr0, tiny)  # zeros never pass: a threshold of 0 would take them

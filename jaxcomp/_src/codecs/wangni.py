@@ -65,7 +65,7 @@ def exact_lambda(a: Array, epsilon: float) -> Array:
   values and does not jump at them: an entry ``a = τ`` adds ``τ^2 - τ·τ``). So the
   paper's smallest k (largest j) is found by bisection of H on the bit patterns of
   non-negative float32 (31 passes of two masked sums instead of a sort, which costs far
-  more on XLA:CPU; ``python -m benchmarks.studies.xla_cpu_pitfalls`` times both), and
+  more on XLA:CPU; the XLA:CPU table of ``docs/benchmarks.md`` times both), and
   ``λ = C_1 / (ε S_2 + C_2)`` at the last τ with ``H(τ) > 0``. Returns 0 when ``a`` is
   all zero. :func:`exact_lambda_sorted` is the paper's sorting version, kept as the
   reference.
@@ -301,7 +301,7 @@ class UnbiasedSparsifier(SparseCodec):
     lam = jnp.where(s1 > 0, target / jnp.maximum(s1, _TINY), 0.0)
     # Rows of 16 (zero padded: zeros add nothing to either sum): each round's two sums
     # are one variadic reduction of the rows, then sums of the row sums. XLA:CPU runs
-    # the rounds faster so (``python -m benchmarks.studies.xla_cpu_pitfalls``, the λ rows).
+    # the rounds faster so (the XLA:CPU table of ``docs/benchmarks.md``, the λ rows).
     rows = jnp.pad(a, (0, -n % _ROW)).reshape(-1, _ROW)
     for _ in range(self.rounds):
       # Saturated: a·λ >= 1, i.e. floor(min(a·λ, 1)) = 1 (a float sum, fast on XLA:CPU).

@@ -640,7 +640,7 @@ def _decode_means(codecs, gathered, k: int) -> list[Array]:
   so on CPU the decode runs inside one whose two branches are the same computation
   (its predicate, read from the received words, only keeps XLA from folding it): the
   mean is written once and the consumers read it, with the same values (a test checks
-  that the barrier is still dropped on CPU; ``python -m benchmarks.studies.xla_cpu_pitfalls``
+  that the barrier is still dropped on CPU; the XLA:CPU table of ``docs/benchmarks.md``
   times both forms). Not on GPU, where a conditional's predicate goes to the host and
   where the Pallas decode-sum kernel already writes the mean once.
   """

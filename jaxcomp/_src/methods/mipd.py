@@ -129,7 +129,7 @@ def top_mask(x: Array, k: Array) -> Array:
   3 thresholds in one variadic reduction, one read of ``x``, and keeps the quarter of
   the range where the count crosses ``k``; 16 passes cover the 31 bits, where a
   bisection takes 31 (separate ``jnp.sum`` calls are separate passes on XLA:CPU;
-  ``python -m benchmarks.studies.xla_cpu_pitfalls`` times both). Ties at the threshold are broken
+  the XLA:CPU table of ``docs/benchmarks.md`` times both). Ties at the threshold are broken
   by position (:func:`jaxcomp._src.codecs.sparse.first_trues`). NaNs count as larger than any
   number.
   """

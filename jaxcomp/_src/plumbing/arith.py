@@ -134,7 +134,7 @@ def row_max_min(v: Array) -> tuple[Array, Array]:
   infinity an infinite one: the same pass tells :func:`row_absmax_finite` whether the
   row is finite. ``jnp.max`` / ``jnp.min`` would not do: XLA:CPU hands a plain max of
   an input to a library kernel that skips NaNs, and as two reductions it reads ``v``
-  twice (``python -m benchmarks.studies.xla_cpu_pitfalls``, the per-bucket rows).
+  twice (the XLA:CPU table of ``docs/benchmarks.md``, the per-bucket rows).
   """
   f = v.dtype.type
   return lax.reduce(
@@ -149,7 +149,7 @@ def row_absmax_finite(v: Array) -> tuple[Array, Array]:
   """Per row of ``v``: ``max |v|`` and whether the row is all finite, in one pass.
 
   ``max |v| = max(max v, -min v)``: a reduction of ``abs(v)`` would go through XLA:CPU's
-  generic loop emitter, several times slower (``benchmarks.studies.xla_cpu_pitfalls``).
+  generic loop emitter, several times slower (the XLA:CPU table of ``docs/benchmarks.md``).
   """
   hi, lo = row_max_min(v)
   return jnp.maximum(hi, -lo), jnp.isfinite(hi) & jnp.isfinite(lo)
@@ -168,7 +168,7 @@ def onebit_sums(v: Array, words: Array, *, two_level: bool) -> tuple[Array, Arra
   * ``two_level=True`` (buckets of whole words, ``32 | bucket``): a variadic reduction
     over rows of 32 values, then plain reductions of the partial sums per bucket; the
     count is the popcount of the bucket's sign words (the padding is +0: no bit set).
-    XLA:CPU runs this faster (``python -m benchmarks.studies.xla_cpu_pitfalls``, the OneBit rows).
+    XLA:CPU runs this faster (the XLA:CPU table of ``docs/benchmarks.md``, the OneBit rows).
   """
   nb, b = v.shape
   count_dtype = F32 if b <= 2**24 else jnp.int32
