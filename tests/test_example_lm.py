@@ -131,7 +131,7 @@ def test_every_method_trains_and_reports(every_method):
   assert ratio["diloco_qsgd4"] == pytest.approx(2 * ratio["qsgd4"])
   local = train.LOCAL_PARAMS
   assert all(ratio[m] > 4 for m in train.METHODS if m not in ("dense", *local)), ratio
-  for method in local:  # the params returned are the anchor: replicated, not per device
+  for method in (m for m in local if m in results):  # the anchor: replicated, not per device
     leaves = jax.tree.leaves(results[method]["params"])
     assert all(a.sharding.is_fully_replicated for a in leaves), method
 
