@@ -102,14 +102,19 @@ def test_quantize_nonfinite_bucket_is_marked_not_hidden():
   assert np.isnan(out[1][:2]).all() and np.isfinite(out[1][2])
 
 
+def _payloads(k: int, n: int, levels: int, bucket: int):
+  """K devices' reference QSGD payloads (words, scales) of n Gaussian values each."""
+  xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
+  keys = jax.random.split(jax.random.key(4), k)
+  return jax.vmap(lambda x, kk: refs.quantize_reference(x, kk, levels=levels, bucket_size=bucket))(
+    xs, keys
+  )
+
+
 @pytest.mark.parametrize("levels", [7, 1])
 def test_dequantize_sum_is_the_ordered_sum(levels):
   k, n, bucket = 3, 4096, 2048
-  xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
-  keys = jax.random.split(jax.random.key(4), k)
-  words, scales = jax.vmap(
-    lambda x, kk: refs.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
-  )(xs, keys)
+  words, scales = _payloads(k, n, levels, bucket)
   kw = dict(n=n, levels=levels, bucket_size=bucket)
   fn = lambda w, s: kernels.dequantize.dequantize_sum(w, s, **kw, interpret=True)
   assert _is_mosaic(fn, words, scales)
@@ -258,11 +263,7 @@ def test_dequantize_sum_every_shape(interpret, n, levels, bucket):
   """The ordered sum, bit for bit in interpret mode; compiled, within the FMA the GPU
   may make of ``acc + q * step`` (2 ulps of ``sum_k scale_k`` per add)."""
   k = 3
-  xs = jax.random.normal(jax.random.key(3), (k, n), jnp.float32)
-  keys = jax.random.split(jax.random.key(4), k)
-  words, scales = jax.vmap(
-    lambda x, kk: refs.quantize_reference(x, kk, levels=levels, bucket_size=bucket)
-  )(xs, keys)
+  words, scales = _payloads(k, n, levels, bucket)
   kw = dict(n=n, levels=levels, bucket_size=bucket)
   fn = lambda w, s: kernels.dequantize.dequantize_sum(w, s, **kw, interpret=interpret)
   assert _is_mosaic(fn, words, scales)
