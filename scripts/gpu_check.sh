@@ -139,8 +139,10 @@ fi
 
 # The compiled kernel tests (the `compiled` parameters of the kernel test files: Triton
 # and Mosaic GPU against the XLA path), or in a dry run a few interpret-mode ones.
+# XLA's default optimizations, as a user compiles (tests/conftest.py defaults to cheap
+# compiles for the CPU suite).
 phase tests "$limit_tests" "$out/tests.log" \
-  "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_mosaic_kernels.py \
+  env JAX_DISABLE_MOST_OPTIMIZATIONS=0 "$py" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_mosaic_kernels.py \
   -k "$select" --junitxml="$out/tests.xml"
 
 phase benchmark "$limit_bench" "$out/bench.log" \

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The README's test command: set up, then run the whole test suite (slow tests included)
-# on both supported jax lines: Python 3.11 (.venv, jax 0.10.x) and Python 3.12 (.venv312,
-# the newest jax, 0.12.x). Tests marked `once` (too slow to run twice; see pyproject.toml)
-# run on the first line only and are reported skipped on the second.
+# The README's test command: set up, then run the test suite on both supported jax lines:
+# Python 3.11 (.venv, jax 0.10.x) runs every test (slow ones included); Python 3.12
+# (.venv312, the newest jax, 0.12.x) runs every test function too, but not those marked
+# `slow` or `once` and only the first case of a parametrized one (JAXCOMP_SECOND_LINE=1:
+# tests/conftest.py says which and why).
 # pytest's exit code 5 (no tests collected) is a failure, like any other non-zero code.
+#
+# Each line compiles into its own persistent XLA compilation cache (a temporary directory,
+# removed at the end), shared by the pytest workers and the processes the tests start: many
+# tests compile the same programs (a method's step, a trainer's run repeated or resumed).
 #
 #   JAXCOMP_TEST_WORKERS  pytest-xdist workers (default: one per core; 0: one process)
 #   JAXCOMP_TEST_LINES    which lines to run, default "3.11 3.12"
@@ -30,6 +35,11 @@ run_pytest() {
   return "$code"
 }
 
+cache_root="$(mktemp -d)"
+trap 'rm -rf "$cache_root"' EXIT
+# Every compile is cached (by default only those over a second are).
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+
 status=0
 first=1
 for line in $lines; do
@@ -41,15 +51,16 @@ for line in $lines; do
       exit 2
       ;;
   esac
+  export JAX_COMPILATION_CACHE_DIR="$cache_root/$line"
   if [ "$first" -eq 1 ]; then
     # Lint and format check once, first (ruff, pinned and configured in pyproject.toml):
     # cheap, and it fails fast.
     "$py" -m ruff check . || exit 1
     "$py" -m ruff format --check . || exit 1
-    JAXCOMP_SKIP_ONCE= run_pytest "$py" "$@" || status=1
+    JAXCOMP_SECOND_LINE= run_pytest "$py" "$@" || status=1
     first=0
   else
-    JAXCOMP_SKIP_ONCE=1 run_pytest "$py" "$@" || status=1
+    JAXCOMP_SECOND_LINE=1 run_pytest "$py" "$@" || status=1
   fi
 done
 exit "$status"

@@ -266,6 +266,7 @@ def test_quantize_nonfinite_bucket_is_marked_not_hidden():
   )
 
 
+@pytest.mark.xla_optimized
 @pytest.mark.parametrize(
   "k,n,bucket,levels", [(3, 2000, 64, 7), (5, 300, 32, 127), (2, BIG, 512, 1), (1, 77, 512, 32767)]
 )
@@ -395,6 +396,7 @@ def test_the_kernel_checks_payload_shapes():
     ).block_until_ready()
 
 
+@pytest.mark.xla_optimized
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "make",

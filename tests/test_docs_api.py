@@ -141,6 +141,11 @@ _NEEDS_SPHINX = pytest.mark.skipif(
 )
 
 
+# One xdist worker runs the tests that read the built site (scripts/test.sh: --dist
+# loadgroup), so that the site is built once.
+pytestmark = pytest.mark.xdist_group("docs_site")
+
+
 @pytest.fixture(scope="module")
 def built_site(tmp_path_factory):
   """What `bash scripts/docs.sh` runs, into a temporary directory: the built html/."""

@@ -50,21 +50,16 @@ def small_config(**overrides):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cheap_compiles(tmp_path_factory):
-  """This module's time is the compilation of a training step per method; here XLA
-  compiles cheaply (``jax_disable_most_optimizations``: what the tests check does not
-  depend on how well XLA optimizes, and the runs they compare are compiled alike), and
-  once: a persistent compilation cache in a temporary directory gives the resume tests'
-  runs the executables of the uninterrupted runs (the same programs). Both are undone
-  afterwards, the executables dropped, so that no other test reuses one."""
-  settings = ("jax_disable_most_optimizations", "jax_compilation_cache_dir")
-  before = {name: jax.config.values[name] for name in settings}
-  jax.config.update("jax_disable_most_optimizations", True)
+def compile_once(tmp_path_factory):
+  """This module's time is the compilation of a training step per method: a persistent
+  compilation cache in a temporary directory gives the resume tests' runs the
+  executables of the uninterrupted runs (the same programs). Undone afterwards, the
+  executables dropped, so that no other test reuses one."""
+  before = jax.config.values["jax_compilation_cache_dir"]
   compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp("xla_cache")))
   compilation_cache.reset_cache()  # opened again, at the new directory
   yield
-  for name, value in before.items():
-    jax.config.update(name, value)
+  jax.config.update("jax_compilation_cache_dir", before)
   compilation_cache.reset_cache()
   jax.clear_caches()
 
@@ -104,6 +99,7 @@ def test_split_is_by_file_and_deterministic():
   np.testing.assert_array_equal(first[2:4], rows)  # a process's rows of the same batch
 
 
+@pytest.mark.slow  # with the resume tests: every method trained (`every_method`)
 def test_every_method_trains_and_reports(every_method):
   workdir, results = every_method
   assert list(results) == list(train.METHODS)
@@ -136,6 +132,7 @@ def test_every_method_trains_and_reports(every_method):
     assert all(a.sharding.is_fully_replicated for a in leaves), method
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "method, stop",
   [

@@ -25,6 +25,7 @@ from examples.mnist1d.configs import quick  # noqa: E402
 QUALITY_POINTS = 2.0
 
 
+@pytest.mark.xla_optimized
 @pytest.mark.slow
 @pytest.mark.once
 def test_demo_full_length(tmp_path):

@@ -17,6 +17,10 @@ import jaxcomp as jc
 from jaxcomp import kernels
 from jaxcomp.kernels import _common
 
+# every_case: which backend a kernel lowers to depends on the jax version, so every
+# case runs on both jax lines (tests/conftest.py).
+pytestmark = pytest.mark.every_case
+
 
 def _missing(name):
   def imp():

@@ -30,7 +30,12 @@ from jaxcomp.kernels import _mosaic
 from tests import kernel_references as refs
 
 _WHY = _mosaic.unavailable(interpret=True)
-pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"no Mosaic GPU interpret mode: {_WHY}")
+# every_case: jax 0.10 has no Mosaic GPU interpret mode, so the second jax line
+# (tests/conftest.py) is the only one to run these cases.
+pytestmark = [
+  pytest.mark.skipif(_WHY is not None, reason=f"no Mosaic GPU interpret mode: {_WHY}"),
+  pytest.mark.every_case,
+]
 
 EPS = float(jnp.finfo(jnp.float32).eps)
 
