@@ -31,28 +31,27 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402
 
-hypothesis.settings.register_profile(
-  "ci", max_examples=25, deadline=None, derandomize=True, print_blob=True
-)
-# The second jax line (below) runs each property test with fewer examples: the first ran
-# the full set, and what differs between jax versions shows on any example.
-hypothesis.settings.register_profile(
-  "second_line", parent=hypothesis.settings.get_profile("ci"), max_examples=8
-)
-hypothesis.settings.load_profile(
-  "second_line" if os.environ.get("JAXCOMP_SECOND_LINE", "") not in ("", "0") else "ci"
-)
-
 
 def second_line() -> bool:
   return os.environ.get("JAXCOMP_SECOND_LINE", "") not in ("", "0")
+
+
+hypothesis.settings.register_profile(
+  "ci", max_examples=25, deadline=None, derandomize=True, print_blob=True
+)
+# The second jax line runs each property test with fewer examples: the first ran the full
+# set, and what differs between jax versions shows on any example.
+hypothesis.settings.register_profile(
+  "second_line", parent=hypothesis.settings.get_profile("ci"), max_examples=8
+)
+hypothesis.settings.load_profile("second_line" if second_line() else "ci")
 
 
 def second_line_cases(items) -> tuple[list, list]:
   """``(kept, deselected)`` on the second jax line (see the module docstring)."""
   kept, dropped, seen = [], [], set()
   for item in items:
-    function = (item.path, getattr(item, "originalname", item.name))
+    function = item.nodeid.split("[")[0]  # module, class and function
     if item.get_closest_marker("once") or item.get_closest_marker("slow"):
       dropped.append(item)
     elif function in seen and not item.get_closest_marker("every_case"):
@@ -80,7 +79,7 @@ def pytest_report_header(config):
 
 
 @pytest.fixture(autouse=True)
-def _xla_optimized(request):
+def _xla_optimized(request, monkeypatch):
   """A test marked ``xla_optimized`` compiles with XLA's default optimizations, and so
   do the processes it starts; the jit caches are dropped on the way in and out, since
   they are not keyed on the setting."""
@@ -88,13 +87,11 @@ def _xla_optimized(request):
     yield
     return
   before = jax.config.values["jax_disable_most_optimizations"]
-  env = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS")
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")  # restored after the test
   jax.clear_caches()
   jax.config.update("jax_disable_most_optimizations", False)
-  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
   try:
     yield
   finally:
     jax.config.update("jax_disable_most_optimizations", before)
-    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = env
     jax.clear_caches()

@@ -10,6 +10,10 @@ import pytest
 
 from tests import conftest
 
+# One worker runs this module in order (--dist loadgroup): the restore test follows the
+# marked one.
+pytestmark = pytest.mark.xdist_group("suite_setup")
+
 GROUPED = """
 import os
 
@@ -83,8 +87,8 @@ def test_the_setting_is_restored_after_a_marked_test():
 class _Item:
   """What second_line_cases reads of a pytest item."""
 
-  def __init__(self, path, name, *marks):
-    self.path, self.originalname, self.name, self.marks = path, name, name, marks
+  def __init__(self, nodeid, *marks):
+    self.nodeid, self.marks = nodeid, marks
 
   def get_closest_marker(self, name):
     return name if name in self.marks else None
@@ -92,18 +96,19 @@ class _Item:
 
 def test_the_second_line_runs_each_test_function_once_and_no_slow_test():
   items = [
-    _Item("a.py", "test_sweep"),  # the first case runs
-    _Item("a.py", "test_sweep"),
-    _Item("b.py", "test_sweep"),  # another module's function of the same name runs
-    _Item("a.py", "test_plain"),
-    _Item("a.py", "test_slow", "slow"),
-    _Item("a.py", "test_once", "once"),
-    _Item("a.py", "test_versions", "every_case"),
-    _Item("a.py", "test_versions", "every_case"),
+    _Item("a.py::test_sweep[1]"),  # the first case runs
+    _Item("a.py::test_sweep[2]"),
+    _Item("b.py::test_sweep[1]"),  # another module's function of the same name runs
+    _Item("a.py::TestC::test_sweep[1]"),  # and a class's
+    _Item("a.py::test_plain"),
+    _Item("a.py::test_slow", "slow"),
+    _Item("a.py::test_once[1]", "once"),
+    _Item("a.py::test_versions[1]", "every_case"),
+    _Item("a.py::test_versions[2]", "every_case"),
   ]
   kept, dropped = conftest.second_line_cases(items)
-  assert [items.index(i) for i in kept] == [0, 2, 3, 6, 7]
-  assert [items.index(i) for i in dropped] == [1, 4, 5]
+  assert [items.index(i) for i in kept] == [0, 2, 3, 4, 7, 8]
+  assert [items.index(i) for i in dropped] == [1, 5, 6]
 
 
 def test_markers_are_declared():
