@@ -6,10 +6,6 @@
 # tests/conftest.py says which and why).
 # pytest's exit code 5 (no tests collected) is a failure, like any other non-zero code.
 #
-# Each line compiles into its own persistent XLA compilation cache (a temporary directory,
-# removed at the end), shared by the pytest workers and the processes the tests start: many
-# tests compile the same programs (a method's step, a trainer's run repeated or resumed).
-#
 #   JAXCOMP_TEST_WORKERS  pytest-xdist workers (default: one per core; 0: one process)
 #   JAXCOMP_TEST_LINES    which lines to run, default "3.11 3.12"
 # Extra arguments go to both pytest runs.
@@ -35,11 +31,6 @@ run_pytest() {
   return "$code"
 }
 
-cache_root="$(mktemp -d)"
-trap 'rm -rf "$cache_root"' EXIT
-# Every compile is cached (by default only those over a second are).
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-
 status=0
 first=1
 for line in $lines; do
@@ -51,7 +42,6 @@ for line in $lines; do
       exit 2
       ;;
   esac
-  export JAX_COMPILATION_CACHE_DIR="$cache_root/$line"
   if [ "$first" -eq 1 ]; then
     # Lint and format check once, first (ruff, pinned and configured in pyproject.toml):
     # cheap, and it fails fast.
