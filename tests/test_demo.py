@@ -529,6 +529,10 @@ def test_trains_a_linear_model_under_pmap():
     for t in range(300):
       x = jax.random.normal(jax.random.key(100 + t), (K, batch, d_in))
       rep, state, _ = pstep(rep, state, x)
+      # One step in flight, as the trainers run: on jax 0.10, hundreds of queued pmap
+      # steps on 8 virtual CPU devices (2 cores) deadlock XLA:CPU's in-process
+      # collectives (a rendezvous aborts the process after 40 s).
+      jax.block_until_ready(rep)
   w = np.asarray(rep["w"])
   np.testing.assert_array_equal(w[0], w[K - 1])  # replicas stay identical
   end = float(loss({"w": rep["w"][0]}, jax.random.normal(jax.random.key(1), (1024, d_in))))
