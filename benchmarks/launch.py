@@ -86,14 +86,14 @@ def load_config(name: str, *, steps=None, seed=None, batch=None, checkpoint_ever
   """``get_config()`` of ``name``, a module of ``benchmarks/configs`` or else of
   ``examples/mnist1d/configs`` or a ``.py`` file's path, with the overrides (ints; None:
   the config's) applied."""
-  ours = CONFIG_DIR / f"{name}.py"
-  if name.isidentifier() and not name.startswith("_") and ours.is_file():
-    name = str(ours)
-  elif not name.endswith(".py") and name not in example_configs.names():
-    raise ValueError(
-      f"--config: unknown {name!r}; choose from {','.join(config_names())} "
-      "or give the path of a config file"
-    )
+  if not name.endswith(".py"):
+    if name not in config_names():
+      raise ValueError(
+        f"--config: unknown {name!r}; choose from {','.join(config_names())} "
+        "or give the path of a config file"
+      )
+    ours = CONFIG_DIR / f"{name}.py"
+    name = str(ours) if ours.is_file() else name
   given = argparse.Namespace(steps=steps, batch=batch, seed=seed, checkpoint_every=checkpoint_every)
   overrides = common.flag_overrides(
     given,
