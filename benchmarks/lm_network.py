@@ -1,14 +1,10 @@
 r"""Time-to-loss of the LM example over a real, throttled link: 2 processes, 2 namespaces.
 
-The LM trainer (``examples.lm``) runs as 2 processes (gloo, one CPU device each, pinned)
-across :mod:`benchmarks.network`'s link; every method trains on the same schedule of
-``--steps`` updates until its validation loss reaches the target, dense's after
-``--target-step`` updates (times ``1 + --tolerance``), or the schedule ends. Besides tc
-rates (``1gbit``, ``100mbit``), ``--rates`` takes ``scaled25``/``scaled100``: the rate
-at which dense spends the share of its step communicating here that it would on an H100
-with a 25 or 100 Gbit/s link (``--cluster-links``, ``--utilisation``). The method and
-the mapping: docs/guides/lm.md, "Time to loss over a throttled link"; the results:
-docs/benchmarks.md, "Time to loss over a throttled link".
+The LM trainer (``examples.lm``) as 2 processes across :mod:`benchmarks.network`'s link,
+every method until its validation loss reaches dense's at ``--target-step`` (within
+``--tolerance``) or its ``--steps`` run out; at tc rates or at ``scaled25``/``scaled100``,
+this CPU's rate for an H100's compute-to-communication ratio on a 25 or 100 Gbit/s link
+(docs/guides/lm.md and docs/benchmarks.md, "Time to loss over a throttled link").
 
   sudo python -m benchmarks.lm_network                       # 100mbit and scaled100
   sudo python -m benchmarks.lm_network --rates 1gbit,100mbit,scaled25 --methods dense,powersgd

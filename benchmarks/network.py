@@ -10,13 +10,11 @@ and ``jc.wire_report`` (docs/benchmarks.md, "Training over a throttled link").
   sudo python -m benchmarks.network --configs params2m --rates 1gbit --methods dense,onebit
 
 Needs root (``ip netns``, ``tc``) and ``taskset``; without them it says so and exits 2.
-It touches only the namespaces, the veth pair and the ``/etc/netns/<name>`` entries it
-creates (``ip netns exec`` mounts ``/etc/netns/<name>/hosts`` over ``/etc/hosts``, so that
-gloo finds each peer at its namespace's address), and removes them at the end, also on
-failure or Ctrl-C. Writes ``--out`` (default ``runs/network``): ``results.json``,
-``results.md`` and ``step_time_vs_bandwidth.png``. The workers inherit ``GLIBC_TUNABLES``
-(``benchmarks._timing.REUSE_MALLOC``: a malloc that reuses large buffers); the results
-record which malloc they had.
+It removes what it creates (the namespaces, the veth pair, ``/etc/netns/<name>/hosts``:
+gloo finds each peer by name) also on failure or Ctrl-C. Writes ``--out`` (default
+``runs/network``): ``results.json``, ``results.md``, ``step_time_vs_bandwidth.png``.
+The workers inherit ``GLIBC_TUNABLES`` (``benchmarks._timing.REUSE_MALLOC``); the
+results record the malloc.
 """
 
 from __future__ import annotations
@@ -63,9 +61,6 @@ MIN_BURST = 64 * 1024  # ...and at least this many bytes
 SCALING_K = (2, 8, 64, 256, 1024)  # devices of the predicted scaling, at 1 Gbit/s
 
 
-# ----------------------------------------------------------------------------- the link
-
-
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
   return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
 
@@ -110,12 +105,7 @@ def tbf_burst(rate: str, burst_ms: float = BURST_MS) -> int | None:
 class Link(contextlib.AbstractContextManager):
   """Two namespaces joined by a veth pair; torn down on exit, whatever happened."""
 
-  def __init__(
-    self,
-    namespaces: Sequence[str] = NAMESPACES,
-    veths: Sequence[str] = VETHS,
-    addresses: Sequence[str] = ADDRESSES,
-  ):
+  def __init__(self, namespaces=NAMESPACES, veths=VETHS, addresses=ADDRESSES):
     self.namespaces, self.veths, self.addresses = tuple(namespaces), tuple(veths), tuple(addresses)
     self._undo = contextlib.ExitStack()  # removes what _setup created, and only that
 
@@ -194,9 +184,6 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-# ----------------------------------------------------------------------------- measuring
-
-
 def _seconds(f, x) -> float:
   start = time.perf_counter()
   f(x).block_until_ready()
@@ -204,12 +191,8 @@ def _seconds(f, x) -> float:
 
 
 def psum_worker(args: argparse.Namespace) -> None:
-  """Worker mode: times ``psum`` and ``all_gather`` of each size across the processes.
-
-  Each process contributes ``size`` bytes to both. gloo's all-gather moves more than its
-  ideal traffic (docs/benchmarks.md, collectives across the throttled link), so the model
-  fits it a link of its own.
-  """
+  """Worker mode: times ``psum`` and ``all_gather`` of ``size`` bytes per process, each
+  size; the model fits each its own link (gloo's all-gather moves more than its traffic)."""
   launch.init_distributed(
     args.coordinator, args.num_processes, args.process_id, devices_per_process=1
   )
@@ -252,35 +235,28 @@ def time_collectives(sizes: Sequence[int], seconds_per_size: float, timeout: flo
   return {"psum": result["psum"], "all_gather": result["all_gather"]}
 
 
-def train_on_link(
-  config: str,
-  methods: Sequence[str],
-  steps: int | None,
-  timeout: float,
-  workdir: str,
-  profile: int = 0,
-) -> dict[str, Any]:
+def train_on_link(config: str, args: argparse.Namespace) -> dict[str, Any]:
   """The 2-process trainer across the namespaces; process 0's result (checked equal)."""
-  args = launch.worker_args(
-    methods, config=config, devices_per_process=1, steps=steps, workdir=workdir, profile=profile
+  workdir = os.path.join(args.out, "data")
+  flags = launch.worker_args(
+    args.methods,
+    config=config,
+    devices_per_process=1,
+    steps=args.steps,
+    workdir=workdir,
+    profile=args.profile,
   )
   coordinator = f"{ADDRESSES[0]}:{free_port()}"
   results = launch.launch(
-    args, processes=2, prefix=Link.prefix, coordinator=coordinator, timeout=timeout
+    flags, processes=2, prefix=Link.prefix, coordinator=coordinator, timeout=args.timeout
   )
   launch.check_identical(results)
   return results[0]
 
 
-# ----------------------------------------------------------------------------- the model
-
-
 def step_time(record: dict) -> float:
-  """Mean step time after the first (compile warm-up) step, in seconds.
-
-  The mean, not the median: MIPD's half updates alternate a cheap and a costly step,
-  and the mean is what sets the time to train.
-  """
+  """Mean step time after the first (compile warm-up) step, in seconds: the mean, not the
+  median, since MIPD's half updates alternate a cheap and a costly step."""
   times = record["step_times_s"]
   return statistics.fmean(times[1:] or times)
 
@@ -293,12 +269,8 @@ def _fit(timings: dict, primitive: str) -> dict:
 
 
 def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dict:
-  """Fits α-β per rate; predicts each method's step time; the errors vs measured.
-
-  ``links`` is fitted to the psums; ``gather_links`` (when ``gathers`` holds timed
-  all-gathers of the rate) prices the all-gathers, which gloo runs slower than their
-  traffic at the psum's bandwidth would take. :func:`report` fits both ways.
-  """
+  """Fits α-β per rate to the psums (``links``), and the all-gathers to ``gathers`` where
+  given (``gather_links``); predicts each method's step time; the errors vs measured."""
   links, gather_links = _fit(psums, "psum"), _fit(gathers or {}, "all_gather")
 
   def per_primitive(rate: str) -> dict | None:
@@ -346,15 +318,16 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
   return out
 
 
-# ----------------------------------------------------------------------------- reporting
-
-
-def _markdown(head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
-  """A Markdown table: the first ``left`` columns text, the others numbers."""
+def _markdown(title: str, head: Sequence[str], rows: Sequence, left: int = 1) -> list[str]:
+  """Lines of a titled Markdown table, the first ``left`` columns text, the others numbers;
+  a row is its cells, or a line formatted already."""
   return [
+    title,
+    "",
     "| " + " | ".join(head) + " |",
     "|" + "---|" * left + "---:|" * (len(head) - left),
-    *("| " + " | ".join(row) + " |" for row in rows),
+    *(row if isinstance(row, str) else "| " + " | ".join(row) + " |" for row in rows),
+    "",
   ]
 
 
@@ -372,7 +345,7 @@ def _measured_table(config: str, by_rate: dict, preds: dict) -> list[str]:
   head += ["final loss", "predicted step (ms)", "error"]
   num_params = next(iter(by_rate.values()))["num_params"]
   title = f"### {config}: {num_params:,} parameters, 2 processes x 1 CPU device"
-  return [title, "", *_markdown(head, rows, left=2), ""]
+  return _markdown(title, head, rows, left=2)
 
 
 def _split_table(config: str, by_rate: dict, preds: dict) -> list[str]:
@@ -386,14 +359,12 @@ def _split_table(config: str, by_rate: dict, preds: dict) -> list[str]:
     codec = p["compute_s"] - preds["dense"]["compute_s"]
     rows.append([method, f"{1e3 * p['compute_s']:.0f}", f"{1e3 * codec:+.0f}", *cells])
   head = ["method", "compute (ms)", "codec vs dense (ms)", *(f"exchange {r} (ms)" for r in rates)]
-  return [
+  title = (
     f"Step time split ({config}): compute = unthrottled step minus the modelled "
     "exchange; codec = compute minus dense's (encode, decode, error feedback,"
-    " top-k...); exchange = measured step minus compute.",
-    "",
-    *_markdown(head, rows),
-    "",
-  ]
+    " top-k...); exchange = measured step minus compute."
+  )
+  return _markdown(title, head, rows)
 
 
 def tables(runs: dict, model: dict) -> str:
@@ -408,35 +379,34 @@ def tables(runs: dict, model: dict) -> str:
     if scaling:
       ks = list(next(iter(scaling.values())))
       rows = [[m, *(f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks)] for m, by_k in scaling.items()]
-      lines += [f"Predicted step time (ms) at 1 Gbit/s vs K ({config}, fitted α, β):", ""]
-      lines += [*_markdown(["method", *(f"K={k}" for k in ks)], rows), ""]
+      title = f"Predicted step time (ms) at 1 Gbit/s vs K ({config}, fitted α, β):"
+      lines += _markdown(title, ["method", *(f"K={k}" for k in ks)], rows)
     lines += phase_tables(config, by_rate)
   title = "Fitted links (psum timings, least squares on relative error):"
   return "\n".join(lines) + "\n" + link_table(title, model["links"])
 
 
-def prediction_errors(model: dict) -> dict[tuple[str, str, str], float]:
-  """``(config, rate, method) -> predicted / measured - 1`` of a fitted model."""
-  return {
-    (config, rate, method): v["error"]
-    for config, preds in model["predictions"].items()
-    for method, p in preds.items()
-    for rate, v in p.items()
-    if isinstance(v, dict) and "error" in v
-  }
-
-
 def error_comparison(model: dict, model_gather: dict) -> str:
   """Markdown: each point's error with the psum link and with the all-gather link."""
-  a, b = prediction_errors(model), prediction_errors(model_gather)
+  a, b = (
+    {
+      (config, rate, method): v["error"]
+      for config, preds in m["predictions"].items()
+      for method, p in preds.items()
+      for rate, v in p.items()
+      if isinstance(v, dict)  # not compute_s
+    }
+    for m in (model, model_gather)
+  )
   rows = [[*key, f"{100 * a[key]:+.0f}%", f"{100 * b[key]:+.0f}%"] for key in a]
   mean = lambda e: 100 * statistics.fmean(abs(v) for v in e.values()) if e else float("nan")
-  lines = [
+  title = (
     "Prediction error with every collective on the psum link, and with the "
-    "all-gathers on their own fitted link:",
-    "",
-    *_markdown(["config", "rate", "method", "psum link", "all-gather link"], rows, left=3),
-    "",
+    "all-gathers on their own fitted link:"
+  )
+  head = ["config", "rate", "method", "psum link", "all-gather link"]
+  lines = [
+    *_markdown(title, head, rows, left=3),
     f"Mean |error|: psum link {mean(a):.1f}%, all-gather link {mean(b):.1f}% ({len(a)} points).",
     "",
   ]
@@ -449,7 +419,7 @@ def link_table(title: str, links: dict) -> str:
     [rate, f"{1e6 * l['latency_s']:.0f}", f"{l['bandwidth_Bps'] / 1e6:.1f}"]
     for rate, l in links.items()
   ]
-  return "\n".join([title, "", *_markdown(["rate", "α (µs)", "bandwidth (MB/s)"], rows)]) + "\n"
+  return "\n".join(_markdown(title, ["rate", "α (µs)", "bandwidth (MB/s)"], rows))
 
 
 def phase_tables(config: str, by_rate: dict) -> list[str]:
@@ -462,24 +432,19 @@ def phase_tables(config: str, by_rate: dict) -> list[str]:
   ]
   if not rows:
     return []
-  return [
+  title = (
     f"Measured step split ({config}, process 0, `--profile`: ms per step from "
     "jc.profile_phases over the extra profiled steps; exchange includes waiting "
-    "for the other process; idle is the step's wall time not covered by ops):",
-    "",
-    *_markdown(["rate", "method", "step", *launch.PHASE_COLUMNS], [], left=2),
-    *rows,
-    "",
-  ]
+    "for the other process; idle is the step's wall time not covered by ops):"
+  )
+  return _markdown(title, ["rate", "method", "step", *launch.PHASE_COLUMNS], rows, left=2)
 
 
 def plot(runs: dict, path: str) -> None:
   """Mean step time vs bandwidth, one line per method, one panel per config."""
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
   fig = Figure(figsize=(5 * len(runs), 4), dpi=120)
-  FigureCanvasAgg(fig)
   for i, (config, by_rate) in enumerate(runs.items()):
     ax = fig.add_subplot(1, len(runs), i + 1)
     rates = [r for r in by_rate if r != "none"]
@@ -495,21 +460,11 @@ def plot(runs: dict, path: str) -> None:
   fig.savefig(path)
 
 
-def report(
-  runs: dict,
-  psums: dict,
-  out: str,
-  malloc: str | None = None,
-  bursts: dict | None = None,
-  gathers: dict | None = None,
-) -> None:
-  """Fits the model; writes results.json (with it), results.md and the plot.
-
-  ``malloc``, ``bursts`` (the tbf bucket per rate, bytes) and ``gathers`` (the timed
-  all-gathers per rate) are ``None`` in results saved before they were kept (the model
-  then prices all-gathers with the psums' link).
-  """
-  os.makedirs(out, exist_ok=True)
+def report(saved: dict, out: str) -> None:
+  """Fits the model to ``saved`` (``runs``, ``psums``, and ``gathers``, ``malloc`` and
+  ``bursts``, absent from results saved before they were kept: the model then prices
+  all-gathers with the psums' link); writes results.json, results.md and the plot."""
+  runs, psums, gathers, bursts = (saved.get(k) for k in ("runs", "psums", "gathers", "bursts"))
   # The main model prices every collective with the psums' link. With timed all-gathers,
   # a second one prices the all-gathers with their own link; both errors are reported
   # (the second was not better overall on the throttled link:
@@ -521,17 +476,16 @@ def report(
     if bursts is None
     else ", ".join(f"{r} {b:,} B" for r, b in bursts.items() if b is not None)
   )
+  malloc = saved.get("malloc")
   text = f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n" + tables(runs, model)
   if model_gather is not None:
     text += "\n" + error_comparison(model, model_gather)
     text += link_table("Fitted all-gather links:", model_gather.get("gather_links", {}))
   record = {"runs": runs, "psums": psums, "gathers": gathers, "model": model}
   record.update(model_gather_links=model_gather, malloc=malloc, bursts=bursts)
+  os.makedirs(out, exist_ok=True)
   common.write_results(out, text.removesuffix("\n"), record)
   plot(runs, os.path.join(out, "step_time_vs_bandwidth.png"))
-
-
-# ----------------------------------------------------------------------------- main
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -565,45 +519,37 @@ def main(argv=None) -> int:
     return 0
   if args.analyze:
     with open(args.analyze) as f:
-      saved = json.load(f)
-    extra = {k: saved.get(k) for k in ("malloc", "bursts", "gathers")}
-    report(saved["runs"], saved["psums"], args.out, **extra)
+      report(json.load(f), args.out)
     return 0
   if cannot_run("benchmarks/network.py"):
     return 2
   rates = ["none"] + [r for r in args.rates.split(",") if r != "none"]
   for r in rates:
     rate_bytes_per_s(r)  # validate before building anything
-  configs, methods = args.configs.split(","), args.methods.split(",")
   os.makedirs(args.out, exist_ok=True)
   # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so the link is torn down.
   signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
-  runs: dict[str, dict[str, Any]] = {c: {} for c in configs}
-  psums, gathers, bursts = {}, {}, {}
-  malloc = _timing.malloc_label()  # the workers inherit this environment
+  saved: dict[str, Any] = {"runs": {c: {} for c in args.configs.split(",")}}
+  saved.update(psums={}, gathers={}, malloc=_timing.malloc_label(), bursts={})  # as inherited
   with Link() as link:
     for rate in rates:
-      bursts[rate] = link.set_rate(rate, args.burst_ms)
+      saved["bursts"][rate] = link.set_rate(rate, args.burst_ms)
       print(f"== link {rate}: timing psums and all-gathers", flush=True)
       timed = time_collectives(args.sizes, args.seconds_per_size, args.timeout)
-      psums[rate], gathers[rate] = timed["psum"], timed["all_gather"]
-      for s, g in zip(psums[rate], gathers[rate]):
+      saved["psums"][rate], saved["gathers"][rate] = timed["psum"], timed["all_gather"]
+      for s, g in zip(timed["psum"], timed["all_gather"]):
         ms = f"psum {1e3 * s['median_s']:9.2f} ms, all_gather {1e3 * g['median_s']:9.2f} ms"
         print(f"   {s['bytes']:>10,} B: {ms}", flush=True)
-      for config in configs:
-        print(f"== link {rate}, {config}: {','.join(methods)}", flush=True)
+      for config, by_rate in saved["runs"].items():
+        print(f"== link {rate}, {config}: {args.methods}", flush=True)
         start = time.perf_counter()
-        workdir = os.path.join(args.out, "data")
-        runs[config][rate] = run = train_on_link(
-          config, methods, args.steps, args.timeout, workdir, args.profile
-        )
-        for m, r in run["methods"].items():
+        by_rate[rate] = train_on_link(config, args)
+        for m, r in by_rate[rate]["methods"].items():
           print(f"   {m:>7}: mean step {1e3 * step_time(r):8.1f} ms, loss {r['final_loss']:.3f}")
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:  # partial results
-          saved = {"runs": runs, "psums": psums, "gathers": gathers}
-          json.dump({**saved, "malloc": malloc, "bursts": bursts}, f, indent=2)
-  report(runs, psums, args.out, malloc, bursts, gathers)
+          json.dump(saved, f, indent=2)
+  report(saved, args.out)
   return 0
 
 
