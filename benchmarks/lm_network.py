@@ -61,15 +61,12 @@ def tc_rate(bits: float) -> str:
   return f"{max(1, round(bits / 1e3))}kbit"
 
 
-def worker_commands(
-  flags: list[str], *, coordinator: str, prefix=None, num_processes: int = 2
-) -> list[list[str]]:
-  """The LM trainer's command line for each process (``python -m examples.lm.main``)."""
-  tail = f"--coordinator {coordinator} --num-processes {num_processes} --devices-per-process 1"
+def worker_commands(flags: list[str], *, coordinator: str, prefix=None) -> list[list[str]]:
+  """The LM trainer's command line for each of the 2 processes (``examples.lm.main``)."""
+  tail = f"--coordinator {coordinator} --num-processes 2 --devices-per-process 1"
   main = [sys.executable, "-m", "examples.lm.main", *flags, *tail.split()]
   return [
-    [*(prefix(i) if prefix is not None else ()), *main, "--process-id", str(i)]
-    for i in range(num_processes)
+    [*(prefix(i) if prefix is not None else ()), *main, "--process-id", str(i)] for i in (0, 1)
   ]
 
 
