@@ -272,12 +272,10 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
   """Fits α-β per rate to the psums (``links``), and the all-gathers to ``gathers`` where
   given (``gather_links``); predicts each method's step time; the errors vs measured."""
   links, gather_links = _fit(psums, "psum"), _fit(gathers or {}, "all_gather")
-
-  def per_primitive(rate: str) -> dict | None:
-    return {"all_gather": gather_links[rate]} if rate in gather_links else None
+  per_primitive = {rate: {"all_gather": link} for rate, link in gather_links.items()}
 
   def predict(compute: float, report, rate: str) -> float:
-    return jc.network.predict_step_time(compute, report, links[rate], links=per_primitive(rate))
+    return jc.network.predict_step_time(compute, report, links[rate], links=per_primitive.get(rate))
 
   out: dict[str, Any] = {}
   for key, fitted in (("links", links), ("gather_links", gather_links)):
@@ -300,7 +298,7 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
       wire = functools.partial(jc.wire_report, tx, params, axis_name=train.AXIS)
       report2 = wire(num_devices=2)
       compute = jc.network.compute_time(
-        step_time(base["methods"][method]), report2, links["none"], links=per_primitive("none")
+        step_time(base["methods"][method]), report2, links["none"], links=per_primitive.get("none")
       )
       preds[method] = {"compute_s": compute}
       for rate, run in by_rate.items():
