@@ -459,9 +459,11 @@ def plot(runs: dict, path: str) -> None:
 
 
 def report(saved: dict, out: str) -> None:
-  """Fits the model to ``saved`` (``runs``, ``psums``, and ``gathers``, ``malloc`` and
-  ``bursts``, absent from results saved before they were kept: the model then prices
-  all-gathers with the psums' link); writes results.json, results.md and the plot."""
+  """Fits the model to ``saved``; writes results.json (with it), results.md and the plot.
+
+  ``saved`` holds ``runs`` and ``psums``; results saved before ``gathers``, ``malloc`` and
+  ``bursts`` were kept lack them (the model then prices all-gathers with the psums' link).
+  """
   runs, psums, gathers, bursts = (saved.get(k) for k in ("runs", "psums", "gathers", "bursts"))
   # The main model prices every collective with the psums' link. With timed all-gathers,
   # a second one prices the all-gathers with their own link; both errors are reported
