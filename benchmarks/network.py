@@ -10,13 +10,11 @@ and ``jc.wire_report`` (docs/benchmarks.md, "Training over a throttled link").
   sudo python -m benchmarks.network --configs params2m --rates 1gbit --methods dense,onebit
 
 Needs root (``ip netns``, ``tc``) and ``taskset``; without them it says so and exits 2.
-It touches only the namespaces, the veth pair and the ``/etc/netns/<name>`` entries it
-creates (``ip netns exec`` mounts ``/etc/netns/<name>/hosts`` over ``/etc/hosts``, so that
-gloo finds each peer at its namespace's address), and removes them at the end, also on
-failure or Ctrl-C. Writes ``--out`` (default ``runs/network``): ``results.json``,
-``results.md`` and ``step_time_vs_bandwidth.png``. The workers inherit the environment:
-``GLIBC_TUNABLES=...`` (``benchmarks._timing.REUSE_MALLOC``) gives them a malloc that
-reuses large buffers; the results record which.
+It removes what it creates (the namespaces, the veth pair, ``/etc/netns/<name>/hosts``:
+gloo finds each peer by name) also on failure or Ctrl-C. Writes ``--out`` (default
+``runs/network``): ``results.json``, ``results.md``, ``step_time_vs_bandwidth.png``.
+The workers inherit ``GLIBC_TUNABLES`` (``benchmarks._timing.REUSE_MALLOC``); the
+results record the malloc.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -35,8 +34,18 @@ import sys
 import time
 from typing import Any
 
+import jax
+from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
 from benchmarks import _timing
+from benchmarks import launch
+from examples import common
+from examples.mnist1d import models
+from examples.mnist1d import train
 from examples.mnist1d.configs import default as demo_config
+import jaxcomp as jc
 
 NAMESPACES = ("jcnet0", "jcnet1")
 VETHS = ("jcveth0", "jcveth1")
@@ -49,9 +58,7 @@ PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes per device
 RESULT_MARKER = "JAXCOMP_PSUM_RESULT "
 BURST_MS = 1.0  # tbf bucket: this many ms of traffic at the rate...
 MIN_BURST = 64 * 1024  # ...and at least this many bytes
-
-
-# ----------------------------------------------------------------------------- the link
+SCALING_K = (2, 8, 64, 256, 1024)  # devices of the predicted scaling, at 1 Gbit/s
 
 
 def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -60,12 +67,9 @@ def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
 
 def missing_requirements() -> list[str]:
   """What this machine lacks for the benchmark (empty: it can run)."""
-  missing = []
+  missing = [f"the {tool!r} command" for tool in ("ip", "tc", "taskset") if not shutil.which(tool)]
   if os.geteuid() != 0:
-    missing.append("root (ip netns and tc need CAP_NET_ADMIN): run it with sudo")
-  for tool in ("ip", "tc", "taskset"):
-    if shutil.which(tool) is None:
-      missing.append(f"the {tool!r} command")
+    missing.insert(0, "root (ip netns and tc need CAP_NET_ADMIN): run it with sudo")
   return missing
 
 
@@ -81,8 +85,7 @@ def rate_bytes_per_s(rate: str) -> float | None:
   """``"100mbit"`` -> 12.5e6 bytes/s; ``"none"`` -> None (no throttle)."""
   if rate == "none":
     return None
-  units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-  for unit, scale in units.items():
+  for unit, scale in (("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9)):
     if rate.endswith(unit):
       return float(rate[: -len(unit)]) * scale / 8
   raise ValueError(f"rate must look like 100mbit, 1gbit or none; got {rate!r}")
@@ -90,7 +93,7 @@ def rate_bytes_per_s(rate: str) -> float | None:
 
 def tbf_burst(rate: str, burst_ms: float = BURST_MS) -> int | None:
   """The tbf bucket for ``rate`` in bytes: ``burst_ms`` of traffic, at least 64 KiB
-  (``None`` for ``"none"``). See :meth:`Link.set_rate`."""
+  (``None`` for ``"none"``). Why 1 ms: docs/benchmarks.md, "The tbf bucket"."""
   bps = rate_bytes_per_s(rate)
   if bps is None:
     return None
@@ -102,29 +105,20 @@ def tbf_burst(rate: str, burst_ms: float = BURST_MS) -> int | None:
 class Link(contextlib.AbstractContextManager):
   """Two namespaces joined by a veth pair; torn down on exit, whatever happened."""
 
-  def __init__(
-    self,
-    namespaces: Sequence[str] = NAMESPACES,
-    veths: Sequence[str] = VETHS,
-    addresses: Sequence[str] = ADDRESSES,
-  ):
+  def __init__(self, namespaces=NAMESPACES, veths=VETHS, addresses=ADDRESSES):
     self.namespaces, self.veths, self.addresses = tuple(namespaces), tuple(veths), tuple(addresses)
-    self.created_netns: list[str] = []
-    self.created_dirs: list[str] = []
-    self.created_netns_root = False
+    self._undo = contextlib.ExitStack()  # removes what _setup created, and only that
 
   def __enter__(self) -> Link:
-    try:
-      self._setup()
-    except BaseException:
-      self.teardown()
-      raise
+    with contextlib.ExitStack() as undo:  # unwinds a failed set-up
+      self._setup(undo)
+      self._undo = undo.pop_all()
     return self
 
   def __exit__(self, *exc) -> None:
     self.teardown()
 
-  def _setup(self) -> None:
+  def _setup(self, undo: contextlib.ExitStack) -> None:
     existing = _run(["ip", "netns", "list"]).stdout.split()
     clash = [n for n in self.namespaces if n in existing]
     if clash:
@@ -132,18 +126,17 @@ class Link(contextlib.AbstractContextManager):
         f"network namespaces {clash} exist already (a previous run that "
         f"was killed?): remove them with `ip netns del NAME`"
       )
-    host = socket.gethostname()
     if not os.path.isdir("/etc/netns"):
       os.makedirs("/etc/netns")
-      self.created_netns_root = True
+      undo.callback(_run, ["rmdir", "/etc/netns"], check=False)  # only if left empty
     for ns, addr in zip(self.namespaces, self.addresses):
       _run(["ip", "netns", "add", ns])
-      self.created_netns.append(ns)
-      d = os.path.join("/etc/netns", ns)
-      os.makedirs(d, exist_ok=True)
-      self.created_dirs.append(d)
-      with open(os.path.join(d, "hosts"), "w") as f:
-        f.write(f"127.0.0.1 localhost\n{addr} {host}\n")
+      undo.callback(_run, ["ip", "netns", "del", ns], check=False)  # and its veth end
+      etc = os.path.join("/etc/netns", ns)
+      os.makedirs(etc, exist_ok=True)
+      undo.callback(shutil.rmtree, etc, ignore_errors=True)
+      with open(os.path.join(etc, "hosts"), "w") as f:
+        f.write(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
     _run(["ip", "link", "add", self.veths[0], "type", "veth", "peer", "name", self.veths[1]])
     for ns, veth, addr in zip(self.namespaces, self.veths, self.addresses):
       _run(["ip", "link", "set", veth, "netns", ns])
@@ -155,39 +148,14 @@ class Link(contextlib.AbstractContextManager):
     return _run(["ip", "netns", "exec", ns, *cmd], check=check)
 
   def set_rate(self, rate: str, burst_ms: float = BURST_MS) -> int | None:
-    """Throttles both ends' egress to ``rate`` (tc tbf), or removes the throttle.
-
-    Returns the bucket size in bytes (``None`` unthrottled): ``burst_ms`` of traffic at
-    the rate, at least 64 KiB. The bucket is credit that a message spends at the
-    sender's speed: with 10 ms' worth (1.25 MB at 1 Gbit/s, this benchmark's first
-    setting) 1 MiB crossed a 1 Gbit/s link at three times the rate, and only a message
-    larger than the bucket saw the rate. With 1 ms' worth (64 KiB at 100 Mbit/s) the
-    link runs at 86-96% of the rate for 1-10 MiB (docs/benchmarks.md, the tbf bucket).
-    """
-    bps = rate_bytes_per_s(rate)
+    """Throttles both ends' egress to ``rate`` (tc tbf), or removes the throttle;
+    returns the bucket (:func:`tbf_burst`, ``None`` unthrottled)."""
     burst = tbf_burst(rate, burst_ms)
     for ns, veth in zip(self.namespaces, self.veths):
       self.exec(ns, ["tc", "qdisc", "del", "dev", veth, "root"], check=False)
-      if bps is None:
-        continue
-      self.exec(
-        ns,
-        [
-          "tc",
-          "qdisc",
-          "add",
-          "dev",
-          veth,
-          "root",
-          "tbf",
-          "rate",
-          rate,
-          "burst",
-          str(burst),
-          "latency",
-          "100ms",
-        ],
-      )
+      if burst is not None:
+        tbf = f"tbf rate {rate} burst {burst} latency 100ms".split()
+        self.exec(ns, ["tc", "qdisc", "add", "dev", veth, "root", *tbf])
     return burst
 
   def set_up(self, up: bool) -> None:
@@ -201,84 +169,53 @@ class Link(contextlib.AbstractContextManager):
     return ["ip", "netns", "exec", self.namespaces[process_id], *cores]
 
   def teardown(self) -> None:
-    for ns in self.created_netns:  # deleting a namespace deletes its veth end (and pair)
-      _run(["ip", "netns", "del", ns], check=False)
-    self.created_netns = []
-    for d in self.created_dirs:
-      shutil.rmtree(d, ignore_errors=True)
-    self.created_dirs = []
-    if self.created_netns_root:
-      with contextlib.suppress(OSError):
-        os.rmdir("/etc/netns")
-      self.created_netns_root = False
+    self._undo.close()
 
   @staticmethod
   def prefix(process_id: int) -> list[str]:
     """Worker ``i`` runs in namespace ``i``, pinned to core ``i``."""
-    return [
-      "ip",
-      "netns",
-      "exec",
-      NAMESPACES[process_id],
-      "taskset",
-      "-c",
-      str(process_id % (os.cpu_count() or 1)),
-    ]
+    return Link().worker_prefix(process_id, pin=True)
 
 
-# ----------------------------------------------------------------------------- psum timing
+def free_port() -> int:
+  """A TCP port free now on every local address."""
+  with socket.socket() as s:
+    s.bind(("", 0))
+    return s.getsockname()[1]
+
+
+def _seconds(f, x) -> float:
+  start = time.perf_counter()
+  f(x).block_until_ready()
+  return time.perf_counter() - start
 
 
 def psum_worker(args: argparse.Namespace) -> None:
-  """Worker mode: times ``psum`` and ``all_gather`` of each size across the processes.
-
-  Each process contributes ``size`` bytes to both. gloo's all-gather moves more than its
-  ideal traffic (docs/benchmarks.md, collectives across the throttled link), so the model
-  fits it a link of its own.
-  """
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
+  """Worker mode: times ``psum`` and ``all_gather`` of ``size`` bytes per process, each
+  size; the model fits each its own link (gloo's all-gather moves more than its traffic)."""
   launch.init_distributed(
     args.coordinator, args.num_processes, args.process_id, devices_per_process=1
   )
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax import lax  # pylint: disable=import-outside-toplevel
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
   mesh = jax.make_mesh((jax.device_count(),), ("b",))
   ops = {
-    "psum": lambda x: lax.psum(x, "b"),
-    "all_gather": lambda x: lax.all_gather(x, "b", tiled=True),
+    "psum": lambda x: jax.lax.psum(x, "b"),
+    "all_gather": lambda x: jax.lax.all_gather(x, "b", tiled=True),
   }
   result: dict[str, Any] = {"process_id": args.process_id}
   for name, op in ops.items():
     f = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("b"), out_specs=P("b")))
-    samples = []
+    result[name] = []
     for size in args.sizes:
-      n = size // 4
-      local = np.ones((n,), np.float32)
+      local = np.ones((size // 4,), np.float32)
       x = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P("b")), local)
       f(x).block_until_ready()  # compile, and warm the connection
-      start = time.perf_counter()
-      f(x).block_until_ready()
-      warm = time.perf_counter() - start
       # How many timed collectives fit the budget: process 0's estimate, broadcast, so
       # that both processes issue the same number (each deciding from its own clock,
       # one could start a collective the other never joins, and hang).
-      repeats = int(
-        multihost_utils.broadcast_one_to_all(
-          np.int32(min(15, max(3, int(2 * args.seconds_per_size / warm))))
-        )
-      )
-      times = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-      samples.append({"bytes": size, "times_s": times, "median_s": statistics.median(times)})
-    result[name] = samples
+      repeats = np.int32(min(15, max(3, int(2 * args.seconds_per_size / _seconds(f, x)))))
+      repeats = int(multihost_utils.broadcast_one_to_all(repeats))
+      times = [_seconds(f, x) for _ in range(repeats)]
+      result[name].append({"bytes": size, "times_s": times, "median_s": statistics.median(times)})
   print(RESULT_MARKER + json.dumps(result), flush=True)
   jax.distributed.shutdown()
 
@@ -286,261 +223,188 @@ def psum_worker(args: argparse.Namespace) -> None:
 def time_collectives(sizes: Sequence[int], seconds_per_size: float, timeout: float) -> dict:
   """Runs :func:`psum_worker` in the two namespaces; process 0's timings, by collective
   (``"psum"``, ``"all_gather"``)."""
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
-  coordinator = f"{ADDRESSES[0]}:{free_port()}"
+  flags = (
+    f"--psum-worker --num-processes 2 --coordinator {ADDRESSES[0]}:{free_port()} "
+    f"--psum-sizes {','.join(map(str, sizes))} --seconds-per-size {seconds_per_size}"
+  ).split()
   commands = [
-    [
-      *Link.prefix(i),
-      sys.executable,
-      "-m",
-      "benchmarks.network",
-      "--psum-worker",
-      "--process-id",
-      str(i),
-      "--num-processes",
-      "2",
-      "--coordinator",
-      coordinator,
-      "--psum-sizes",
-      ",".join(map(str, sizes)),
-      "--seconds-per-size",
-      str(seconds_per_size),
-    ]
+    [*Link.prefix(i), sys.executable, "-m", "benchmarks.network", *flags, "--process-id", str(i)]
     for i in range(2)
   ]
   result = launch.worker_results(commands, RESULT_MARKER, timeout=timeout)
   return {"psum": result["psum"], "all_gather": result["all_gather"]}
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("", 0))
-    return s.getsockname()[1]
-
-
-# ----------------------------------------------------------------------------- training
-
-
-def train_on_link(
-  config: str,
-  methods: Sequence[str],
-  steps: int | None,
-  timeout: float,
-  workdir: str,
-  profile: int = 0,
-) -> dict[str, Any]:
+def train_on_link(config: str, args: argparse.Namespace) -> dict[str, Any]:
   """The 2-process trainer across the namespaces; process 0's result (checked equal)."""
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
-  args = launch.worker_args(
-    methods, config=config, devices_per_process=1, steps=steps, workdir=workdir, profile=profile
+  workdir = os.path.join(args.out, "data")
+  flags = launch.worker_args(
+    args.methods,
+    config=config,
+    devices_per_process=1,
+    steps=args.steps,
+    workdir=workdir,
+    profile=args.profile,
   )
+  coordinator = f"{ADDRESSES[0]}:{free_port()}"
   results = launch.launch(
-    args,
-    processes=2,
-    prefix=Link.prefix,
-    coordinator=f"{ADDRESSES[0]}:{free_port()}",
-    timeout=timeout,
+    flags, processes=2, prefix=Link.prefix, coordinator=coordinator, timeout=args.timeout
   )
   launch.check_identical(results)
   return results[0]
 
 
-# ----------------------------------------------------------------------------- the model
-
-
 def step_time(record: dict) -> float:
-  """Mean step time after the first (compile warm-up) step, in seconds.
-
-  The mean, not the median: MIPD's half updates alternate a cheap and a costly step,
-  and the mean is what sets the time to train.
-  """
+  """Mean step time after the first (compile warm-up) step, in seconds: the mean, not the
+  median, since MIPD's half updates alternate a cheap and a costly step."""
   times = record["step_times_s"]
   return statistics.fmean(times[1:] or times)
 
 
+def _fit(timings: dict, primitive: str) -> dict:
+  return {
+    rate: jc.network.fit_link([(primitive, s["bytes"], 2, s["median_s"]) for s in samples])
+    for rate, samples in timings.items()
+  }
+
+
 def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dict:
-  """Fits α-β per rate; predicts each method's step time; the errors vs measured.
+  """Fits α-β per rate to the psums (``links``), and the all-gathers to ``gathers`` where
+  given (``gather_links``); predicts each method's step time; the errors vs measured."""
+  links, gather_links = _fit(psums, "psum"), _fit(gathers or {}, "all_gather")
+  per_primitive = {rate: {"all_gather": link} for rate, link in gather_links.items()}
 
-  ``links`` is fitted to the psums; ``gather_links`` (when ``gathers`` holds timed
-  all-gathers of the rate) prices the all-gathers, which gloo runs slower than their
-  traffic at the psum's bandwidth would take. :func:`report` fits both ways.
-  """
-  import jax  # pylint: disable=import-outside-toplevel
+  def predict(compute: float, report, rate: str) -> float:
+    return jc.network.predict_step_time(compute, report, links[rate], links=per_primitive.get(rate))
 
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-  from examples.mnist1d import models  # pylint: disable=import-outside-toplevel
-  from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-
-  links = {
-    rate: jc.network.fit_link([("psum", s["bytes"], 2, s["median_s"]) for s in ps])
-    for rate, ps in psums.items()
-  }
-  gather_links = {
-    rate: jc.network.fit_link([("all_gather", s["bytes"], 2, s["median_s"]) for s in gs])
-    for rate, gs in (gathers or {}).items()
-  }
-
-  def per_primitive(rate: str) -> dict | None:
-    return {"all_gather": gather_links[rate]} if rate in gather_links else None
-
-  def as_json(ls):
-    return {r: {"latency_s": l.latency_s, "bandwidth_Bps": l.bandwidth} for r, l in ls.items()}
-
-  out: dict[str, Any] = {
-    "links": as_json(links),
-    "gather_links": as_json(gather_links),
-    "predictions": {},
-    "scaling": {},
-  }
+  out: dict[str, Any] = {}
+  for key, fitted in (("links", links), ("gather_links", gather_links)):
+    out[key] = {
+      r: {"latency_s": l.latency_s, "bandwidth_Bps": l.bandwidth} for r, l in fitted.items()
+    }
+  out.update(predictions={}, scaling={})
   for config_name, by_rate in runs.items():
-    config = launch.load_config(config_name)
-    model = models.create_model(config)
-    x = jax.ShapeDtypeStruct((1, 40), jax.numpy.float32)
-    params = jax.eval_shape(lambda a: model.init(jax.random.key(0), a)["params"], x)
     base = by_rate.get("none")
     if base is None:
       continue
-    preds: dict[str, Any] = {}
-    scaling: dict[str, Any] = {}
+    config = launch.load_config(config_name)
+    x = jax.ShapeDtypeStruct((1, 40), jax.numpy.float32)
+    init = lambda a: models.create_model(config).init(jax.random.key(0), a)["params"]
+    params = jax.eval_shape(init, x)
+    preds = out["predictions"][config_name] = {}
+    scaling = out["scaling"][config_name] = {}
     for method in base["methods"]:
       tx = train.make_tx(method, config, train.make_exchange(method, config, warmup=False))
-      report2 = jc.wire_report(tx, params, axis_name=train.AXIS, num_devices=2)
+      wire = functools.partial(jc.wire_report, tx, params, axis_name=train.AXIS)
+      report2 = wire(num_devices=2)
       compute = jc.network.compute_time(
-        step_time(base["methods"][method]), report2, links["none"], links=per_primitive("none")
+        step_time(base["methods"][method]), report2, links["none"], links=per_primitive.get("none")
       )
       preds[method] = {"compute_s": compute}
       for rate, run in by_rate.items():
-        if rate == "none" or method not in run["methods"]:
-          continue
-        predicted = jc.network.predict_step_time(
-          compute, report2, links[rate], links=per_primitive(rate)
-        )
-        measured = step_time(run["methods"][method])
-        preds[method][rate] = {
-          "predicted_s": predicted,
-          "measured_s": measured,
-          "error": predicted / measured - 1,
+        if rate != "none" and method in run["methods"]:
+          predicted = predict(compute, report2, rate)
+          measured = step_time(run["methods"][method])
+          error = predicted / measured - 1
+          preds[method][rate] = {"predicted_s": predicted, "measured_s": measured, "error": error}
+      if "1gbit" in links:  # K up to 1024 at 1 Gbit/s with this link's fitted latency
+        reports = {k: wire(num_devices=k) for k in SCALING_K}
+        scaling[method] = {
+          k: {"bytes": r.bytes_received, "step_s": predict(compute, r, "1gbit")}
+          for k, r in reports.items()
         }
-      # K up to 1024 at 1 Gbit/s with this link's fitted latency.
-      ref = links.get("1gbit")
-      if ref is not None:
-        scaling[method] = {}
-        for k in (2, 8, 64, 256, 1024):
-          report = jc.wire_report(tx, params, axis_name=train.AXIS, num_devices=k)
-          scaling[method][k] = {
-            "bytes": report.bytes_received,
-            "step_s": jc.network.predict_step_time(
-              compute, report, ref, links=per_primitive("1gbit")
-            ),
-          }
-    out["predictions"][config_name] = preds
-    out["scaling"][config_name] = scaling
   return out
 
 
-# ----------------------------------------------------------------------------- reporting
+def _markdown(title: str, head: Sequence[str], rows: Sequence, left: int = 1) -> list[str]:
+  """Lines of a titled Markdown table, the first ``left`` columns text, the others numbers;
+  a row is its cells, or a line formatted already."""
+  return [
+    title,
+    "",
+    "| " + " | ".join(head) + " |",
+    "|" + "---|" * left + "---:|" * (len(head) - left),
+    *(row if isinstance(row, str) else "| " + " | ".join(row) + " |" for row in rows),
+    "",
+  ]
+
+
+def _measured_table(config: str, by_rate: dict, preds: dict) -> list[str]:
+  rows = []
+  for rate, run in by_rate.items():
+    dense = run["methods"].get("dense")
+    for method, r in run["methods"].items():
+      t, p = step_time(r), preds.get(method, {}).get(rate)
+      cells = [rate, method, f"{1e3 * t:.0f}", f"{step_time(dense) / t:.2f}x" if dense else "n/a"]
+      cells += [f"{r['bytes_received']:,.0f}", f"{r['final_loss']:.3f}"]
+      cells += [f"{1e3 * p['predicted_s']:.0f}", f"{100 * p['error']:+.0f}%"] if p else ["", ""]
+      rows.append(cells)
+  head = ["rate", "method", "mean step (ms)", "speed-up vs dense", "bytes/step (wire_report)"]
+  head += ["final loss", "predicted step (ms)", "error"]
+  num_params = next(iter(by_rate.values()))["num_params"]
+  title = f"### {config}: {num_params:,} parameters, 2 processes x 1 CPU device"
+  return _markdown(title, head, rows, left=2)
+
+
+def _split_table(config: str, by_rate: dict, preds: dict) -> list[str]:
+  """Where the time goes: compute (from the unthrottled run, minus the modelled
+  exchange), the codec's cost over dense, and the exchange at each rate."""
+  rates = [r for r in by_rate if r != "none"]
+  rows = []
+  for method, p in preds.items():
+    runs = [by_rate[r]["methods"].get(method) for r in rates]
+    cells = ["" if m is None else f"{1e3 * (step_time(m) - p['compute_s']):.0f}" for m in runs]
+    codec = p["compute_s"] - preds["dense"]["compute_s"]
+    rows.append([method, f"{1e3 * p['compute_s']:.0f}", f"{1e3 * codec:+.0f}", *cells])
+  head = ["method", "compute (ms)", "codec vs dense (ms)", *(f"exchange {r} (ms)" for r in rates)]
+  title = (
+    f"Step time split ({config}): compute = unthrottled step minus the modelled "
+    "exchange; codec = compute minus dense's (encode, decode, error feedback,"
+    " top-k...); exchange = measured step minus compute."
+  )
+  return _markdown(title, head, rows)
 
 
 def tables(runs: dict, model: dict) -> str:
   """Markdown: measured steps per config and rate, then the model's errors and scaling."""
   lines = []
   for config, by_rate in runs.items():
-    any_run = next(iter(by_rate.values()))
-    lines += [
-      f"### {config}: {any_run['num_params']:,} parameters, 2 processes x 1 CPU device",
-      "",
-      "| rate | method | mean step (ms) | speed-up vs dense | bytes/step (wire_report)"
-      " | final loss | predicted step (ms) | error |",
-      "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
     preds = model["predictions"].get(config, {})
-    for rate, run in by_rate.items():
-      dense = run["methods"].get("dense")
-      dense = step_time(dense) if dense else None
-      for method, r in run["methods"].items():
-        t = step_time(r)
-        speedup = f"{dense / t:.2f}x" if dense else "n/a"
-        p = preds.get(method, {}).get(rate)
-        pred = f"{1e3 * p['predicted_s']:.0f}" if p else ""
-        err = f"{100 * p['error']:+.0f}%" if p else ""
-        lines.append(
-          f"| {rate} | {method} | {1e3 * t:.0f} | {speedup} |"
-          f" {r['bytes_received']:,.0f} | {r['final_loss']:.3f} | {pred} | {err} |"
-        )
-    lines.append("")
-    if preds and "dense" in preds:
-      # Where the time goes: compute (from the unthrottled run, minus the modelled
-      # exchange), the codec's cost over dense, and the exchange at each rate.
-      rates = [r for r in by_rate if r != "none"]
-      base = preds["dense"]["compute_s"]
-      lines += [
-        f"Step time split ({config}): compute = unthrottled step minus the modelled "
-        "exchange; codec = compute minus dense's (encode, decode, error feedback,"
-        " top-k...); exchange = measured step minus compute.",
-        "",
-        "| method | compute (ms) | codec vs dense (ms) | "
-        + " | ".join(f"exchange {r} (ms)" for r in rates)
-        + " |",
-        "|---|---:|---:|" + "---:|" * len(rates),
-      ]
-      for method, p in preds.items():
-        cells = []
-        for r in rates:
-          m = by_rate[r]["methods"].get(method)
-          cells.append("" if m is None else f"{1e3 * (step_time(m) - p['compute_s']):.0f}")
-        lines.append(
-          f"| {method} | {1e3 * p['compute_s']:.0f} |"
-          f" {1e3 * (p['compute_s'] - base):+.0f} | " + " | ".join(cells) + " |"
-        )
-      lines.append("")
+    lines += _measured_table(config, by_rate, preds)
+    if "dense" in preds:
+      lines += _split_table(config, by_rate, preds)
     scaling = model["scaling"].get(config)
     if scaling:
       ks = list(next(iter(scaling.values())))
-      lines += [
-        f"Predicted step time (ms) at 1 Gbit/s vs K ({config}, fitted α, β):",
-        "",
-        "| method | " + " | ".join(f"K={k}" for k in ks) + " |",
-        "|---|" + "---:|" * len(ks),
-      ]
-      for method, by_k in scaling.items():
-        lines.append(
-          f"| {method} | " + " | ".join(f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks) + " |"
-        )
-      lines.append("")
+      rows = [[m, *(f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks)] for m, by_k in scaling.items()]
+      title = f"Predicted step time (ms) at 1 Gbit/s vs K ({config}, fitted α, β):"
+      lines += _markdown(title, ["method", *(f"K={k}" for k in ks)], rows)
     lines += phase_tables(config, by_rate)
   title = "Fitted links (psum timings, least squares on relative error):"
   return "\n".join(lines) + "\n" + link_table(title, model["links"])
 
 
-def prediction_errors(model: dict) -> dict[tuple[str, str, str], float]:
-  """``(config, rate, method) -> predicted / measured - 1`` of a fitted model."""
-  return {
-    (config, rate, method): v["error"]
-    for config, preds in model["predictions"].items()
-    for method, p in preds.items()
-    for rate, v in p.items()
-    if isinstance(v, dict) and "error" in v
-  }
-
-
 def error_comparison(model: dict, model_gather: dict) -> str:
   """Markdown: each point's error with the psum link and with the all-gather link."""
-  a, b = prediction_errors(model), prediction_errors(model_gather)
-  lines = [
-    "Prediction error with every collective on the psum link, and with the "
-    "all-gathers on their own fitted link:",
-    "",
-    "| config | rate | method | psum link | all-gather link |",
-    "|---|---|---|---:|---:|",
-  ]
-  for key in a:
-    lines.append(f"| {' | '.join(key)} | {100 * a[key]:+.0f}% | {100 * b[key]:+.0f}% |")
+  a, b = (
+    {
+      (config, rate, method): v["error"]
+      for config, preds in m["predictions"].items()
+      for method, p in preds.items()
+      for rate, v in p.items()
+      if isinstance(v, dict)  # not compute_s
+    }
+    for m in (model, model_gather)
+  )
+  rows = [[*key, f"{100 * a[key]:+.0f}%", f"{100 * b[key]:+.0f}%"] for key in a]
   mean = lambda e: 100 * statistics.fmean(abs(v) for v in e.values()) if e else float("nan")
-  lines += [
-    "",
+  title = (
+    "Prediction error with every collective on the psum link, and with the "
+    "all-gathers on their own fitted link:"
+  )
+  head = ["config", "rate", "method", "psum link", "all-gather link"]
+  lines = [
+    *_markdown(title, head, rows, left=3),
     f"Mean |error|: psum link {mean(a):.1f}%, all-gather link {mean(b):.1f}% ({len(a)} points).",
     "",
   ]
@@ -549,110 +413,100 @@ def error_comparison(model: dict, model_gather: dict) -> str:
 
 def link_table(title: str, links: dict) -> str:
   """Markdown: each rate's fitted link (α, bandwidth) under ``title``."""
-  lines = [title, "", "| rate | α (µs) | bandwidth (MB/s) |", "|---|---:|---:|"]
-  for rate, l in links.items():
-    lines.append(f"| {rate} | {1e6 * l['latency_s']:.0f} | {l['bandwidth_Bps'] / 1e6:.1f} |")
-  return "\n".join(lines) + "\n"
+  rows = [
+    [rate, f"{1e6 * l['latency_s']:.0f}", f"{l['bandwidth_Bps'] / 1e6:.1f}"]
+    for rate, l in links.items()
+  ]
+  return "\n".join(_markdown(title, ["rate", "α (µs)", "bandwidth (MB/s)"], rows))
 
 
 def phase_tables(config: str, by_rate: dict) -> list[str]:
   """Markdown rows of the measured step split (``--profile``), process 0; or none."""
-  from benchmarks.launch import PHASE_COLUMNS  # pylint: disable=import-outside-toplevel
-  from benchmarks.launch import phase_row  # pylint: disable=import-outside-toplevel
-
   rows = [
-    phase_row(f"{rate} | {method}", r["phases"])
+    launch.phase_row(f"{rate} | {method}", r["phases"])
     for rate, run in by_rate.items()
     for method, r in run["methods"].items()
     if r.get("phases")
   ]
   if not rows:
     return []
-  return [
+  title = (
     f"Measured step split ({config}, process 0, `--profile`: ms per step from "
     "jc.profile_phases over the extra profiled steps; exchange includes waiting "
-    "for the other process; idle is the step's wall time not covered by ops):",
-    "",
-    "| rate | method | step | " + " | ".join(PHASE_COLUMNS) + " |",
-    "|---|---|---:|" + "---:|" * len(PHASE_COLUMNS),
-    *rows,
-    "",
-  ]
+    "for the other process; idle is the step's wall time not covered by ops):"
+  )
+  return _markdown(title, ["rate", "method", "step", *launch.PHASE_COLUMNS], rows, left=2)
 
 
 def plot(runs: dict, path: str) -> None:
-  """Median step time vs bandwidth, one line per method, one panel per config."""
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  """Mean step time vs bandwidth, one line per method, one panel per config."""
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
   fig = Figure(figsize=(5 * len(runs), 4), dpi=120)
-  FigureCanvasAgg(fig)
   for i, (config, by_rate) in enumerate(runs.items()):
     ax = fig.add_subplot(1, len(runs), i + 1)
     rates = [r for r in by_rate if r != "none"]
     xs = [8 * rate_bytes_per_s(r) / 1e6 for r in rates]
-    methods = next(iter(by_rate.values()))["methods"]
-    for method in methods:
+    for method in next(iter(by_rate.values()))["methods"]:
       ys = [1e3 * step_time(by_rate[r]["methods"][method]) for r in rates]
       ax.plot(xs, ys, marker="o", label=method)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("link rate (Mbit/s, tc tbf)")
-    ax.set_ylabel("mean step time (ms)")
-    ax.set_title(f"{config}, 2 processes")
+    ax.set(xscale="log", yscale="log", xlabel="link rate (Mbit/s, tc tbf)")
+    ax.set(ylabel="mean step time (ms)", title=f"{config}, 2 processes")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path)
 
 
-# ----------------------------------------------------------------------------- main
+def report(saved: dict, out: str) -> None:
+  """Fits the model to ``saved``; writes results.json (with it), results.md and the plot.
+
+  ``saved`` holds ``runs`` and ``psums``; results saved before ``gathers``, ``malloc`` and
+  ``bursts`` were kept lack them (the model then prices all-gathers with the psums' link).
+  """
+  runs, psums, gathers, bursts = (saved.get(k) for k in ("runs", "psums", "gathers", "bursts"))
+  # The main model prices every collective with the psums' link. With timed all-gathers,
+  # a second one prices the all-gathers with their own link; both errors are reported
+  # (the second was not better overall on the throttled link:
+  # docs/benchmarks.md#collectives-across-the-throttled-link).
+  model = fit_and_predict(runs, psums)
+  model_gather = fit_and_predict(runs, psums, gathers) if gathers else None
+  burst_text = (
+    "not recorded (10 ms of traffic at the rate, before 2026-11-22)"
+    if bursts is None
+    else ", ".join(f"{r} {b:,} B" for r, b in bursts.items() if b is not None)
+  )
+  malloc = saved.get("malloc")
+  text = f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n" + tables(runs, model)
+  if model_gather is not None:
+    text += "\n" + error_comparison(model, model_gather)
+    text += link_table("Fitted all-gather links:", model_gather.get("gather_links", {}))
+  record = {"runs": runs, "psums": psums, "gathers": gathers, "model": model}
+  record.update(model_gather_links=model_gather, malloc=malloc, bursts=bursts)
+  os.makedirs(out, exist_ok=True)
+  common.write_results(out, text.removesuffix("\n"), record)
+  plot(runs, os.path.join(out, "step_time_vs_bandwidth.png"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-    "--rates",
-    default=",".join(RATES),
-    help="tc tbf rates; 'none' (unthrottled) is always run first",
-  )
-  parser.add_argument("--configs", default=",".join(CONFIGS))
-  parser.add_argument("--methods", default=",".join(METHODS))
-  parser.add_argument("--steps", type=int, default=None, help="override the config's steps")
-  parser.add_argument("--out", default="runs/network")
-  parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
-  parser.add_argument("--seconds-per-size", type=float, default=3.0)
-  parser.add_argument(
-    "--burst-ms",
-    type=float,
-    default=BURST_MS,
-    help="tbf bucket in ms of traffic at the rate (at least 64 KiB)",
-  )
-  parser.add_argument(
-    "--profile",
-    type=int,
-    default=0,
-    metavar="STEPS",
-    help="after each method's run, profile STEPS more steps "
-    "(jc.profile_phases) and tabulate gradient/encode/exchange/decode",
-  )
-  parser.add_argument(
-    "--analyze",
-    default=None,
-    metavar="RESULTS_JSON",
-    help="only fit the model and write the tables/plot from a "
-    "results.json of an earlier run (no root needed)",
-  )
+  add = parser.add_argument
+  add("--rates", default=",".join(RATES), help="tc tbf rates; 'none' (unthrottled) runs first")
+  add("--configs", default=",".join(CONFIGS))
+  add("--methods", default=",".join(METHODS))
+  add("--steps", type=int, default=None, help="override the config's steps")
+  add("--out", default="runs/network")
+  add("--timeout", type=float, default=1800.0, help="seconds per launch")
+  add("--seconds-per-size", type=float, default=3.0)
+  add("--burst-ms", type=float, default=BURST_MS, help="tbf bucket in ms at the rate (>= 64 KiB)")
+  add("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS more steps a method")
+  add("--analyze", metavar="RESULTS_JSON", help="only redo model, tables, plot from a results.json")
+  add("--psum-sizes", default=",".join(map(str, PSUM_SIZES)), help="bytes per device timed")
   # psum worker mode (internal).
-  parser.add_argument("--psum-worker", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
-  parser.add_argument("--num-processes", type=int, default=2, help=argparse.SUPPRESS)
-  parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-  parser.add_argument(
-    "--psum-sizes",
-    default=",".join(map(str, PSUM_SIZES)),
-    help="bytes per device of the timed psums",
-  )
+  add("--psum-worker", action="store_true", help=argparse.SUPPRESS)
+  add("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+  add("--num-processes", type=int, default=2, help=argparse.SUPPRESS)
+  add("--coordinator", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   args.sizes = [int(s) for s in args.psum_sizes.split(",")]
   return args
@@ -665,116 +519,38 @@ def main(argv=None) -> int:
     return 0
   if args.analyze:
     with open(args.analyze) as f:
-      saved = json.load(f)
-    report(
-      saved["runs"],
-      saved["psums"],
-      args.out,
-      saved.get("malloc"),
-      saved.get("bursts"),
-      saved.get("gathers"),
-    )
+      report(json.load(f), args.out)
     return 0
   if cannot_run("benchmarks/network.py"):
     return 2
   rates = ["none"] + [r for r in args.rates.split(",") if r != "none"]
   for r in rates:
     rate_bytes_per_s(r)  # validate before building anything
-  configs = args.configs.split(",")
-  methods = args.methods.split(",")
   os.makedirs(args.out, exist_ok=True)
   # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so the link is torn down.
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
   signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
-  runs: dict[str, dict[str, Any]] = {c: {} for c in configs}
-  psums: dict[str, list] = {}
-  gathers: dict[str, list] = {}
-  malloc = _timing.malloc_label()  # the workers inherit this environment
-  bursts: dict[str, int | None] = {}
+  saved: dict[str, Any] = {"runs": {c: {} for c in args.configs.split(",")}}
+  saved.update(psums={}, gathers={}, malloc=_timing.malloc_label(), bursts={})  # as inherited
   with Link() as link:
     for rate in rates:
-      bursts[rate] = link.set_rate(rate, args.burst_ms)
+      saved["bursts"][rate] = link.set_rate(rate, args.burst_ms)
       print(f"== link {rate}: timing psums and all-gathers", flush=True)
       timed = time_collectives(args.sizes, args.seconds_per_size, args.timeout)
-      psums[rate], gathers[rate] = timed["psum"], timed["all_gather"]
-      for s, g in zip(psums[rate], gathers[rate]):
-        print(
-          f"   {s['bytes']:>10,} B: psum {1e3 * s['median_s']:9.2f} ms, all_gather "
-          f"{1e3 * g['median_s']:9.2f} ms",
-          flush=True,
-        )
-      for config in configs:
-        print(f"== link {rate}, {config}: {','.join(methods)}", flush=True)
+      saved["psums"][rate], saved["gathers"][rate] = timed["psum"], timed["all_gather"]
+      for s, g in zip(timed["psum"], timed["all_gather"]):
+        ms = f"psum {1e3 * s['median_s']:9.2f} ms, all_gather {1e3 * g['median_s']:9.2f} ms"
+        print(f"   {s['bytes']:>10,} B: {ms}", flush=True)
+      for config, by_rate in saved["runs"].items():
+        print(f"== link {rate}, {config}: {args.methods}", flush=True)
         start = time.perf_counter()
-        runs[config][rate] = train_on_link(
-          config, methods, args.steps, args.timeout, os.path.join(args.out, "data"), args.profile
-        )
-        for m, r in runs[config][rate]["methods"].items():
-          print(
-            f"   {m:>7}: mean step {1e3 * step_time(r):8.1f} ms, loss {r['final_loss']:.3f}",
-            flush=True,
-          )
+        by_rate[rate] = train_on_link(config, args)
+        for m, r in by_rate[rate]["methods"].items():
+          print(f"   {m:>7}: mean step {1e3 * step_time(r):8.1f} ms, loss {r['final_loss']:.3f}")
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:  # partial results
-          json.dump(
-            {"runs": runs, "psums": psums, "gathers": gathers, "malloc": malloc, "bursts": bursts},
-            f,
-            indent=2,
-          )
-  report(runs, psums, args.out, malloc, bursts, gathers)
+          json.dump(saved, f, indent=2)
+  report(saved, args.out)
   return 0
-
-
-def report(
-  runs: dict,
-  psums: dict,
-  out: str,
-  malloc: str | None = None,
-  bursts: dict | None = None,
-  gathers: dict | None = None,
-) -> None:
-  """Fits the model; writes results.json (with it), results.md and the plot.
-
-  ``malloc`` says how the workers allocated (they inherit ``GLIBC_TUNABLES``; see
-  ``benchmarks._timing.REUSE_MALLOC``), ``bursts`` the tbf bucket per rate (bytes) and
-  ``gathers`` the timed all-gathers per rate; ``None`` for results saved before they
-  were kept (the model then prices all-gathers with the psums' link).
-  """
-  os.makedirs(out, exist_ok=True)
-  # The main model prices every collective with the psums' link. With timed all-gathers,
-  # a second one prices the all-gathers with their own link; both errors are reported
-  # (the second was not better overall on the throttled link:
-  # docs/benchmarks.md#collectives-across-the-throttled-link).
-  model = fit_and_predict(runs, psums)
-  model_gather = fit_and_predict(runs, psums, gathers) if gathers else None
-  with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump(
-      {
-        "runs": runs,
-        "psums": psums,
-        "gathers": gathers,
-        "model": model,
-        "model_gather_links": model_gather,
-        "malloc": malloc,
-        "bursts": bursts,
-      },
-      f,
-      indent=2,
-    )
-  burst_text = (
-    "not recorded (10 ms of traffic at the rate, before 2026-11-22)"
-    if bursts is None
-    else ", ".join(f"{r} {b:,} B" for r, b in bursts.items() if b is not None)
-  )
-  text = f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n" + tables(runs, model)
-  if model_gather is not None:
-    text += "\n" + error_comparison(model, model_gather)
-    text += link_table("Fitted all-gather links:", model_gather.get("gather_links", {}))
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write(text)
-  print(text)
-  plot(runs, os.path.join(out, "step_time_vs_bandwidth.png"))
 
 
 if __name__ == "__main__":
