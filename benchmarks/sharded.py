@@ -6,10 +6,10 @@ weights sharded over the data axis; ``dense`` (plain JAX all-gather, transposed 
 ``zero_qsgd4`` (one compressed reduce-scatter of the full gradient). ``--model lm``: the
 LM trainer's sharded methods (``examples/lm/sharded.py``) against its dense ZeRO-2, dense
 FSDP and data-parallel ``dense``. ``--part memory``: one process, each step's compiled
-peak memory and bytes per device; ``--part link``: 2 processes over
-:mod:`benchmarks.network`'s throttled link (root), each method's step time and its ratio
-to the dense method of its kind. Results: docs/guides/fsdp.md ("Per-layer FSDP,
-measured") and docs/benchmarks.md ("Sharded models").
+peak memory and bytes per device; ``--part link``: 2 processes over a throttled link
+(:mod:`benchmarks.network`, root), each method's step time against the dense method of
+its kind. Results: docs/guides/fsdp.md ("Per-layer FSDP, measured") and
+docs/benchmarks.md ("Sharded models").
 
   sudo nice -n 15 python -m benchmarks.sharded                  # memory, then link
   nice -n 15 python -m benchmarks.sharded --part memory
@@ -21,6 +21,7 @@ measured") and docs/benchmarks.md ("Sharded models").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -28,11 +29,25 @@ import statistics
 import sys
 import time
 
+import jax
+from jax import lax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from benchmarks import network
+from examples import common
+import jaxcomp as jc
+from jaxcomp._src.exchanges import collectives
+from jaxcomp._src.tools import wire
+
 METHODS = ("dense", "fsdp_int8_qsgd4", "fsdp_qsgd4", "zero_qsgd4")
 # --model lm: the data-parallel baseline and the LM trainer's sharded methods.
 LM_METHODS = ("dense", "zero_dense", "zero_qsgd4", "fsdp_dense", "fsdp_int8_qsgd4")
 RESULT_MARKER = "JAXCOMP_SHARDED_RESULT "
 AXIS = "data"
+PSPEC = {"w": P(None, AXIS), "b": P(None, AXIS)}  # the stacked layers, cut along each's rows
 # A link of its own (names and subnet apart from benchmarks.network's), so that this
 # benchmark can run while another holds that one.
 NAMESPACES = ("jcfsdp0", "jcfsdp1")
@@ -40,151 +55,117 @@ VETHS = ("jcfsveth0", "jcfsveth1")
 ADDRESSES = ("10.231.78.1", "10.231.78.2")
 
 
+def _mesh(k: int) -> jax.sharding.Mesh:
+  return jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
 def build(method: str, *, layers: int, width: int, lr: float = 0.01):
   """``step(params, x, y) -> params`` for ``method``, to run inside ``jax.shard_map``
   (params: each device's shards ``{"w": (L, width/K, width), "b": (L, width/K)}``)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax import lax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-  from jaxcomp._src.exchanges import collectives  # pylint: disable=import-outside-toplevel
-
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
   qsgd4 = jc.codecs.QSGD(7, 512, norm="max")
+  keys = jax.random.split(jax.random.key(0), layers)
 
-  def forward(layer, ws, bs, x, keys):
+  def loss(layer, ws, bs, x, y):
     def body(h, xs):
       w, b = layer(xs)
       return h + jnp.tanh(h @ w + b), None
 
     h, _ = lax.scan(jax.checkpoint(body), x, (ws, bs, keys))
-    return h
-
-  def mse(h, y):
     return jnp.mean(jnp.square(h - y))
 
   def sgd(p, g):
     return jax.tree.map(lambda a, b: a - lr * b, p, g)
-
-  keys = jax.random.split(jax.random.key(0), layers)
-
-  if method in ("dense", "fsdp_int8_qsgd4", "fsdp_qsgd4"):
-    if method == "dense":
-
-      def layer(xs):
-        return tuple(lax.all_gather(a, AXIS, tiled=True) for a in xs[:2])
-
-    else:
-      wc = jc.codecs.BlockInt8() if method == "fsdp_int8_qsgd4" else None
-
-      def layer(xs):
-        w, b, key = xs
-        # Every leaf compressed, biases too, as zero_qsgd4 compresses them.
-        return jc.fsdp_gather(
-          (w, b),
-          axis_name=AXIS,
-          key=key,
-          weight_codec=wc,
-          grad_codec=qsgd4,
-          filter=lambda path, leaf: True,
-        )
-
-    def step(p, x, y):
-      g = jax.grad(lambda p: mse(forward(layer, p["w"], p["b"], x, keys), y))(p)
-      if method == "dense":  # the transposed all_gather sums: the mean is / K
-        g = jax.tree.map(lambda a: a / lax.axis_size(AXIS), g)
-      return sgd(p, g)
-
-    return step
 
   if method == "zero_qsgd4":
 
     def step(p, x, y):
       # The sharded axis is each layer's first, axis 1 of the stacked leaves.
       rows_first = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), p)
-      full = jax.tree.map(
-        lambda a: jnp.moveaxis(a, 0, 1), jc.gather_weights(rows_first, axis_name=AXIS, codec=None)
-      )
-      g = jax.grad(lambda f: mse(forward(lambda xs: xs[:2], f["w"], f["b"], x, keys), y))(full)
+      full = jc.gather_weights(rows_first, axis_name=AXIS, codec=None)
+      full = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), full)
+      g = jax.grad(lambda f: loss(lambda xs: xs[:2], f["w"], f["b"], x, y))(full)
       leaves = [jnp.moveaxis(g["w"], 1, 0), jnp.moveaxis(g["b"], 1, 0)]
       base = jax.random.fold_in(jax.random.key(1), lax.axis_index(AXIS))
       out = collectives.reduce_scatter_means(qsgd4, leaves, jax.random.split(base, 2), AXIS)
       return sgd(p, {"w": jnp.moveaxis(out[0].mean, 0, 1), "b": jnp.moveaxis(out[1].mean, 0, 1)})
 
     return step
-  raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+  wc = jc.codecs.BlockInt8() if method == "fsdp_int8_qsgd4" else None
+
+  def layer(xs):
+    if method == "dense":
+      return tuple(lax.all_gather(a, AXIS, tiled=True) for a in xs[:2])
+    # Every leaf compressed, biases too, as zero_qsgd4 compresses them.
+    w, b, key = xs
+    everything = lambda path, leaf: True
+    return jc.fsdp_gather(
+      (w, b), axis_name=AXIS, key=key, weight_codec=wc, grad_codec=qsgd4, filter=everything
+    )
+
+  def step(p, x, y):
+    g = jax.grad(lambda p: loss(layer, p["w"], p["b"], x, y))(p)
+    if method == "dense":  # the transposed all_gather sums: the mean is / K
+      g = jax.tree.map(lambda a: a / lax.axis_size(AXIS), g)
+    return sgd(p, g)
+
+  return step
 
 
 def local_shapes(layers: int, width: int, k: int, batch: int):
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   if width % k:
     raise ValueError(f"--width {width} must be divisible by the {k} devices")
   p = {
     "w": jax.ShapeDtypeStruct((layers, width // k, width), jnp.float32),
     "b": jax.ShapeDtypeStruct((layers, width // k), jnp.float32),
   }
-  x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
-  return p, x
+  return p, jax.ShapeDtypeStruct((batch, width), jnp.float32)
 
 
-def wire_bytes(method: str, args) -> dict:
-  """Bytes received per device per step, by collective, from the traced step."""
-  from jaxcomp._src.tools import wire  # pylint: disable=import-outside-toplevel
-
-  p, x = local_shapes(args.layers, args.width, args.devices, args.batch)
+def jit_step(method: str, args, mesh):
+  """``method``'s step, jitted over ``mesh``; it donates the parameters."""
   step = build(method, layers=args.layers, width=args.width)
-  ops = wire.collective_ops(step, p, x, x, axis_name=AXIS, num_devices=args.devices)
+  in_specs = (PSPEC, P(AXIS), P(AXIS))
+  return jax.jit(
+    jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=PSPEC), donate_argnums=0
+  )
+
+
+def wire_bytes(method: str, args, devices: int) -> dict:
+  """Bytes received per device per step on ``devices``, by collective, from the trace."""
+  p, x = local_shapes(args.layers, args.width, devices, args.batch)
+  step = build(method, layers=args.layers, width=args.width)
   out: dict = {}
-  for op in ops:
-    name = wire.canonical(op.primitive)
-    out[name] = out.get(name, 0.0) + op.bytes_received
+  for op in wire.collective_ops(step, p, x, x, axis_name=AXIS, num_devices=devices):
+    out[wire.canonical(op.primitive)] = (
+      out.get(wire.canonical(op.primitive), 0.0) + op.bytes_received
+    )
   return out
 
 
 def memory(args, *, with_wire: bool = True) -> list[dict]:
   """Peak memory per device of each method's compiled step, and its wire bytes
   (``with_wire``)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  k, mesh = args.devices, _mesh(args.devices)
+  local_shapes(args.layers, args.width, k, args.batch)  # refuses a width K does not divide
+  p, x = local_shapes(args.layers, args.width, 1, args.batch * k)  # the global arrays
 
-  k = args.devices
-  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  p, x = local_shapes(args.layers, args.width, k, args.batch)
-  glob = {
-    n: jax.ShapeDtypeStruct((s.shape[0], s.shape[1] * k) + s.shape[2:], s.dtype)
-    for n, s in p.items()
-  }
-  gx = jax.ShapeDtypeStruct((x.shape[0] * k, x.shape[1]), x.dtype)
-  pspec = {"w": P(None, AXIS), "b": P(None, AXIS)}
+  def placed(s, spec):
+    return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.NamedSharding(mesh, spec))
+
+  inputs = (jax.tree.map(placed, p, PSPEC), placed(x, P(AXIS)), placed(x, P(AXIS)))
   rows = []
   for method in args.methods:
-    step = build(method, layers=args.layers, width=args.width)
-    f = jax.jit(
-      jax.shard_map(step, mesh=mesh, in_specs=(pspec, P(AXIS), P(AXIS)), out_specs=pspec),
-      donate_argnums=0,
-    )
-    shard = lambda s, spec: jax.ShapeDtypeStruct(  # noqa: E731
-      s.shape, s.dtype, sharding=jax.NamedSharding(mesh, spec)
-    )
-    compiled = f.lower(
-      jax.tree.map(shard, glob, pspec), shard(gx, P(AXIS)), shard(gx, P(AXIS))
-    ).compile()
-    m = compiled.memory_analysis()
-    peak = (
-      m.argument_size_in_bytes
-      + m.output_size_in_bytes
-      + m.temp_size_in_bytes
-      - m.alias_size_in_bytes
-    )
+    m = jit_step(method, args, mesh).lower(*inputs).compile().memory_analysis()
+    used = sum(getattr(m, f"{part}_size_in_bytes") for part in ("argument", "output", "temp"))
     rows.append(
       {
         "method": method,
-        "peak_bytes": int(peak),
+        "peak_bytes": int(used - m.alias_size_in_bytes),
         "argument_bytes": int(m.argument_size_in_bytes),
         "temp_bytes": int(m.temp_size_in_bytes),
-        "wire": wire_bytes(method, args) if with_wire else None,
+        "wire": wire_bytes(method, args, k) if with_wire else None,
       }
     )
   return rows
@@ -193,8 +174,7 @@ def memory(args, *, with_wire: bool = True) -> list[dict]:
 def memory_table(rows: list[dict], args) -> str:
   n = args.layers * (args.width * args.width + args.width)
   dense = next((r for r in rows if r["method"] == "dense"), rows[0])
-  dense_total = sum(dense["wire"].values())
-  dense_rs = dense["wire"].get("psum_scatter", 0.0)
+  dense_total, dense_rs = sum(dense["wire"].values()), dense["wire"].get("psum_scatter", 0.0)
   lines = [
     f"{args.layers} layers x ({args.width} x {args.width}) = {n:,} parameters (float32),"
     f" K = {args.devices} devices, batch {args.batch} per device; per device per step.",
@@ -214,91 +194,70 @@ def memory_table(rows: list[dict], args) -> str:
   return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- the link
-
-
 def worker(args) -> None:
   """One of 2 processes: times each method's step on the 2-device mesh."""
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
-  launch.init_distributed(args.coordinator, 2, args.process_id, devices_per_process=1)
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
-  k = jax.device_count()
-  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  pspec = {"w": P(None, AXIS), "b": P(None, AXIS)}
+  common.init_distributed(args.coordinator, 2, args.process_id, devices_per_process=1)
+  mesh = _mesh(jax.device_count())
   rng = np.random.default_rng(args.process_id)
-  p, x = local_shapes(args.layers, args.width, k, args.batch)
+  p, x = local_shapes(args.layers, args.width, mesh.size, args.batch)
 
-  def put(a, spec):
+  def put(shape, spec, scale=1.0):
+    a = (scale * rng.normal(size=shape)).astype(np.float32)
     return jax.make_array_from_process_local_data(jax.NamedSharding(mesh, spec), a)
 
-  def params():
-    return {
-      n: put((rng.normal(size=s.shape) / np.sqrt(args.width)).astype(np.float32), pspec[n])
-      for n, s in p.items()
-    }
-
-  xb = put(rng.normal(size=x.shape).astype(np.float32), P(AXIS))
-  yb = put(rng.normal(size=x.shape).astype(np.float32), P(AXIS))
+  xb, yb = put(x.shape, P(AXIS)), put(x.shape, P(AXIS))
   result = {}
   for method in args.methods:
-    step = build(method, layers=args.layers, width=args.width)
-    f = jax.jit(
-      jax.shard_map(step, mesh=mesh, in_specs=(pspec, P(AXIS), P(AXIS)), out_specs=pspec),
-      donate_argnums=0,
-    )
-    state = jax.block_until_ready(f(params(), xb, yb))  # compile, warm the connection
+    f = jit_step(method, args, mesh)
+    params = {n: put(s.shape, PSPEC[n], 1 / np.sqrt(args.width)) for n, s in p.items()}
+    state = jax.block_until_ready(f(params, xb, yb))  # compile, warm the connection
     times = []
     for _ in range(args.steps):
       start = time.perf_counter()
       state = jax.block_until_ready(f(state, xb, yb))
       times.append(time.perf_counter() - start)
-    finite = all(
-      bool(np.all(np.isfinite(np.asarray(a.addressable_data(0))))) for a in jax.tree.leaves(state)
-    )
+    leaves = (np.asarray(a.addressable_data(0)) for a in jax.tree.leaves(state))
+    finite = all(bool(np.all(np.isfinite(a))) for a in leaves)
     multihost_utils.sync_global_devices(method)
     result[method] = {"median_s": statistics.median(times), "times_s": times, "finite": finite}
   print(RESULT_MARKER + json.dumps(result), flush=True)
   jax.distributed.shutdown()
 
 
-def run_workers(args, prefix, host: str) -> dict:
-  """The 2 worker processes once (``prefix(i)`` before worker i's command); process
-  0's result."""
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-  from benchmarks import network  # pylint: disable=import-outside-toplevel
-
-  flags = ["--layers", str(args.layers), "--width", str(args.width), "--batch"]
-  flags += [str(args.batch), "--steps", str(args.steps), "--methods", ",".join(args.methods)]
-  coordinator = f"{host}:{network.free_port()}"
-  commands = [
-    [*prefix(i), sys.executable, "-m", "benchmarks.sharded", "--worker"]
-    + ["--process-id", str(i), "--coordinator", coordinator, *flags]
-    for i in range(2)
-  ]
-  return launch.worker_results(commands, RESULT_MARKER, timeout=args.timeout)
-
-
-def link(args) -> dict:
-  """Each method's step time per rate, 2 processes over the throttled veth (with
-  ``--smoke``: 2 local processes, no namespaces or throttle)."""
-  from benchmarks import network  # pylint: disable=import-outside-toplevel
-
+def over_link(args, run) -> dict:
+  """``{rate: run(prefix, host, rate)}``: ``run`` starts 2 processes, ``prefix(i)``
+  before process i's command, the coordinator on ``host``; over the throttled veth at
+  each rate, or with ``--smoke`` as 2 local processes (no namespaces or throttle)."""
   if args.smoke:
-    return {"none": run_workers(args, lambda i: [], "127.0.0.1")}
-
+    return {"none": run(lambda i: [], "127.0.0.1", "none")}
   out = {}
   with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
     prefix = functools.partial(ln.worker_prefix, pin=args.pin)  # process i in namespace i
     for rate in args.rates:
       ln.set_rate(rate)
-      out[rate] = run_workers(args, prefix, ADDRESSES[0])
-      print(rate, {m: round(r["median_s"], 4) for m, r in out[rate].items()}, flush=True)
+      out[rate] = run(prefix, ADDRESSES[0], rate)
   return out
+
+
+def link(args) -> dict:
+  """Each method's step time per rate (process 0's), by :func:`over_link`."""
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
+
+  flags = ["--layers", str(args.layers), "--width", str(args.width), "--batch"]
+  flags += [str(args.batch), "--steps", str(args.steps), "--methods", ",".join(args.methods)]
+
+  def run(prefix, host: str, rate: str) -> dict:
+    coordinator = f"{host}:{network.free_port()}"
+    commands = [
+      [*prefix(i), sys.executable, "-m", "benchmarks.sharded", "--worker"]
+      + ["--process-id", str(i), "--coordinator", coordinator, *flags]
+      for i in range(2)
+    ]
+    res = launch.worker_results(commands, RESULT_MARKER, timeout=args.timeout)
+    print(rate, {m: round(r["median_s"], 4) for m, r in res.items()}, flush=True)
+    return res
+
+  return over_link(args, run)
 
 
 def link_table(by_rate: dict, wire_k2: dict, args) -> str:
@@ -311,11 +270,10 @@ def link_table(by_rate: dict, wire_k2: dict, args) -> str:
     "|---|---|---:|---:|---:|",
   ]
   for rate, res in by_rate.items():
-    dense = res["dense"]["median_s"]
     for method, r in res.items():
       lines.append(
         f"| {rate} | {method} | {sum(wire_k2[method].values()):,.0f} |"
-        f" {r['median_s']:.3f} | {dense / r['median_s']:.2f}x |"
+        f" {r['median_s']:.3f} | {res['dense']['median_s'] / r['median_s']:.2f}x |"
       )
   return "\n".join(lines)
 
@@ -330,62 +288,47 @@ def lm_baseline(method: str) -> str:
 
 def lm_config(args):
   """The LM config named by ``--config``, with ``--batch`` when given."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
-
   from examples.lm import configs  # pylint: disable=import-outside-toplevel
 
   config = configs.load(args.config).get_config()
-  if args.batch is not None:
-    config = dataclasses.replace(config, per_device_batch_size=args.batch)
-  return config
+  if args.batch is None:
+    return config
+  return dataclasses.replace(config, per_device_batch_size=args.batch)
 
 
 def lm_memory(args) -> list[dict]:
   """Each LM method's compiled training step on ``args.devices`` CPU devices: peak memory
   per device and the bytes one device receives per step, by collective."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
   from examples.lm import models  # pylint: disable=import-outside-toplevel
   from examples.lm import sharded as lm_sharded  # pylint: disable=import-outside-toplevel
   from examples.lm import train  # pylint: disable=import-outside-toplevel
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
 
   config, k = lm_config(args), args.devices
   mesh = jax.make_mesh((k,), (train.AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
   graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
   init_params = jax.device_get(state.to_pure_dict())
-  replicated = jax.NamedSharding(mesh, P())
-  batch = jax.ShapeDtypeStruct(
-    (k, config.per_device_batch_size, config.seq_len + 1),
-    jnp.uint8,
-    sharding=jax.NamedSharding(mesh, P(train.AXIS)),
-  )
+  shape = (k, config.per_device_batch_size, config.seq_len + 1)
+  batch_sharding = jax.NamedSharding(mesh, P(train.AXIS))
+  batch = jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=batch_sharding)
   rows = []
   for method in args.methods:
     if method in lm_sharded.METHODS:
       _, _, params, opt_state, step = train.sharded_parts(
         method, config, graphdef, init_params, mesh
       )
-      extra = (jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),)
+      extra = (jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.NamedSharding(mesh, P())),)
       by = lm_sharded.step_traffic(method, graphdef, init_params, config, k).by_collective
     else:
       tx = train.make_tx(method, config)
       specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
       params = train.replicate(init_params, mesh)
-      init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-      opt_state = jax.jit(init)(params)
+      opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
       step, extra = train.make_train_step(graphdef, tx, mesh, specs), ()
-      report = jc.wire_report(
-        train.make_update(method, config, warmup=False),
-        init_params,
-        axis_name=train.AXIS,
-        num_devices=k,
-      )
+      update = train.make_update(method, config, warmup=False)
       by = {}
-      for op in report.ops:
+      for op in jc.wire_report(update, init_params, axis_name=train.AXIS, num_devices=k).ops:
         by[op.primitive] = by.get(op.primitive, 0.0) + op.bytes_received
     compiled = step.lower(params, opt_state, batch, *extra).compile()
     rows.append({"method": method, "peak_bytes": train.peak_memory(compiled), "wire": by})
@@ -394,12 +337,15 @@ def lm_memory(args) -> list[dict]:
 
 
 def lm_memory_table(rows: list[dict], args) -> str:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from examples.lm import models  # pylint: disable=import-outside-toplevel
+
   config, k = lm_config(args), args.devices
-  n = lm_num_params(config)
+  shapes = nnx.eval_shape(lambda: models.create_model(config, rngs=nnx.Rngs(0)))
+  n = sum(p.size for p in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
   psum_scatter = (k - 1) / k * 4 * n  # a dense float32 reduce-scatter of the model
-  allreduce = 2 * psum_scatter
-  by_name = {r["method"]: r for r in rows}
-  fsdp = by_name.get("fsdp_dense", rows[0])
+  fsdp = next((r for r in rows if r["method"] == "fsdp_dense"), rows[0])
   lines = [
     f"LM config {args.config}: {config.depth} blocks of width {config.width}, {n:,}"
     f" parameters, K = {k} devices, {config.per_device_batch_size} sequences of"
@@ -415,53 +361,32 @@ def lm_memory_table(rows: list[dict], args) -> str:
     lines.append(
       f"| {r['method']} | {r['peak_bytes'] / 2**20:.2f} |"
       f" {r['peak_bytes'] / fsdp['peak_bytes']:.2f}x | {total:,.0f} |"
-      f" {allreduce / total:.2f}x | {grad:,.0f} | {psum_scatter / grad:.2f}x |"
+      f" {2 * psum_scatter / total:.2f}x | {grad:,.0f} | {psum_scatter / grad:.2f}x |"
     )
   return "\n".join(lines)
 
 
-def lm_num_params(config) -> int:
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from examples.lm import models  # pylint: disable=import-outside-toplevel
-
-  shapes = nnx.eval_shape(lambda: models.create_model(config, rngs=nnx.Rngs(0)))
-  return sum(p.size for p in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
-
-
 def lm_link(args) -> dict:
-  """The 2-process LM trainer at each rate (``--smoke``: 2 local processes, no
-  namespaces or throttle); ``{rate: the trainer's results per method}``."""
+  """The 2-process LM trainer at each rate, by :func:`over_link`; ``{rate: the
+  trainer's results per method}``."""
   from benchmarks import lm_network  # pylint: disable=import-outside-toplevel
-  from benchmarks import network  # pylint: disable=import-outside-toplevel
 
   flags = ["--config", args.config, "--methods", ",".join(args.methods)]
   flags += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
-  if args.batch is not None:
-    flags += ["--batch", str(args.batch)]
+  flags += [] if args.batch is None else ["--batch", str(args.batch)]
 
   def run(prefix, host: str, rate: str) -> dict:
-    return lm_network.run_trainer(
+    res = lm_network.run_trainer(
       flags,
       os.path.join(os.path.abspath(args.out), "lm", rate),
       coordinator=f"{host}:{network.free_port()}",
       prefix=prefix,
       timeout=args.timeout,
     )["results"]
+    print(rate, {m: round(r["train_time_s"] / args.steps, 4) for m, r in res.items()}, flush=True)
+    return res
 
-  if args.smoke:
-    return {"none": run(None, "127.0.0.1", "none")}
-
-  out = {}
-  with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
-    prefix = functools.partial(ln.worker_prefix, pin=args.pin)
-    for rate in args.rates:
-      ln.set_rate(rate)
-      out[rate] = run(prefix, ADDRESSES[0], rate)
-      per_step = {m: r["train_time_s"] / args.steps for m, r in out[rate].items()}
-      print(rate, {m: round(t, 4) for m, t in per_step.items()}, flush=True)
-  return out
+  return over_link(args, run)
 
 
 def lm_link_table(by_rate: dict, args) -> str:
@@ -479,41 +404,15 @@ def lm_link_table(by_rate: dict, args) -> str:
   ]
   for rate, res in by_rate.items():
     for method, r in res.items():
-      t = r["train_time_s"] / args.steps
-      base = lm_baseline(method)
-      speedup = "-"
+      base, speedup = lm_baseline(method), "-"
       if base in res and base != method:
         speedup = f"{res[base]['train_time_s'] / r['train_time_s']:.2f}x {base}"
       peak = "n/a" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.2f}"
       lines.append(
-        f"| {rate} | {method} | {r['bytes_received']:,.0f} | {peak} | {t:.3f} | {speedup} |"
-        f" {r['val_loss']:.3f} |"
+        f"| {rate} | {method} | {r['bytes_received']:,.0f} | {peak} |"
+        f" {r['train_time_s'] / args.steps:.3f} | {speedup} | {r['val_loss']:.3f} |"
       )
   return "\n".join(lines)
-
-
-def main_lm(args) -> int:
-  """``--model lm``: the memory part, then the link part."""
-  report, results = [], {"args": vars(args)}
-  if args.part in ("all", "memory"):
-    rows = lm_memory(args)
-    results["memory"] = rows
-    report.append(lm_memory_table(rows, args))
-    print(report[-1], flush=True)
-  if args.part in ("all", "link"):
-    by_rate = lm_link(args)
-    results["link"] = {
-      rate: {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
-      for rate, res in by_rate.items()
-    }
-    report.append(lm_link_table(by_rate, args))
-    print(report[-1], flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(results, f, indent=1, default=str)
-  with open(os.path.join(args.out, "results.md"), "w") as f:
-    f.write("\n\n".join(report) + "\n")
-  return 0
 
 
 def parse_args(argv=None):
@@ -579,33 +478,30 @@ def main(argv=None) -> int:
   if args.worker:
     worker(args)
     return 0
-  if args.part in ("all", "link") and not args.smoke:
-    from benchmarks import network  # pylint: disable=import-outside-toplevel
-
-    if network.cannot_run("benchmarks.sharded --part link"):
-      return 2
-  if args.part in ("all", "memory"):
-    # The memory part wants args.devices CPU devices in this process.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax  # pylint: disable=import-outside-toplevel
-
+  lm, memory_part, link_part = args.model == "lm", args.part != "link", args.part != "memory"
+  if link_part and not args.smoke and network.cannot_run("benchmarks.sharded --part link"):
+    return 2
+  if memory_part:  # it wants args.devices CPU devices in this process
+    if "JAX_PLATFORMS" not in os.environ:
+      os.environ["JAX_PLATFORMS"] = "cpu"  # the link part's workers read it too
+      jax.config.update("jax_platforms", "cpu")  # jax read it when imported
     jax.config.update("jax_num_cpu_devices", args.devices)
-  if args.model == "lm":
-    return main_lm(args)
-  report = []
-  results: dict = {"args": vars(args)}
-  if args.part in ("all", "memory"):
-    rows = memory(args)
-    results["memory"] = rows
-    report.append(memory_table(rows, args))
+  report, results = [], {"args": vars(args)}
+  if memory_part:
+    results["memory"] = rows = lm_memory(args) if lm else memory(args)
+    report.append((lm_memory_table if lm else memory_table)(rows, args))
     print(report[-1], flush=True)
-  if args.part in ("all", "link"):
-    k8 = args.devices
-    args.devices = 2
-    wire_k2 = {m: wire_bytes(m, args) for m in args.methods}
-    args.devices = k8
-    by_rate = link(args)
-    results["link"] = by_rate
+  if link_part and lm:
+    by_rate = lm_link(args)
+    results["link"] = {
+      rate: {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
+      for rate, res in by_rate.items()
+    }
+    report.append(lm_link_table(by_rate, args))
+    print(report[-1], flush=True)
+  elif link_part:
+    wire_k2 = {m: wire_bytes(m, args, 2) for m in args.methods}
+    results["link"] = by_rate = link(args)
     results["link_wire"] = wire_k2
     report.append(link_table(by_rate, wire_k2, args))
     print(report[-1], flush=True)

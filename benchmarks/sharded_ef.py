@@ -2,32 +2,40 @@ r"""Error feedback a sharded model can afford: state bytes and convergence per o
 
 A ZeRO-2 loop (parameters sharded over the data axis, gathered for the forward, the
 gradient reduce-scattered by ``collective="reduce_scatter"``, ``optax.adamw`` or SGD
-with momentum on the shards) trains the same 8-layer MLP on a synthetic regression
-task with each exchange below, from the same initialisation and data. Per option it
-prints the state's bytes per device (the exchange's residuals, next to the shards'
-bytes and the optimizer's state) and the held-out loss against the dense
-``psum_scatter``'s in the same run.
+with momentum on the shards) trains an 8-layer MLP on a synthetic regression task with
+each exchange below, from the same initialisation and data: per option the residuals'
+bytes per device next to the shards' and the optimizer's, and the held-out loss against
+the dense ``psum_scatter``'s. Results: docs/guides/sharded.md, "Error feedback a sharded
+model can afford".
 
   python -m benchmarks.sharded_ef                       # every option, 8 CPU devices
   python -m benchmarks.sharded_ef --steps 100 --options dense,qsgd4,signsgd_ef_int8
   python -m benchmarks.sharded_ef --optimizer sgd --lr 0.05
 
 With ``--process-id/--num-processes/--coordinator`` it is one worker of a multi-process
-run on ``jax.distributed`` (gloo on CPU): it trains ``--options`` for ``--steps`` and
-prints one line ``RESULT {json}`` (losses and a digest of the final parameters), which
-``tests/test_sharded.py`` compares between the processes.
+run on ``jax.distributed`` (gloo on CPU): it prints one line ``RESULT {json}`` (losses
+and a digest of the final parameters), which ``tests/test_sharded.py`` compares between
+the processes.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
 from typing import Any
 
+import jax
+from jax import lax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
+import optax
+
+from examples import common
+import jaxcomp as jc
 
 RESULT_MARKER = "RESULT "
 WIDTH, IN, OUT, LAYERS = 128, 64, 16, 8
@@ -51,29 +59,21 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
 def make_tx(option: str, lr: float, optimizer: str = "adamw"):
   """``optax.chain(per_device_state(exchange), optimizer)`` for ``option``: adamw, or
   SGD with momentum 0.9 (``"sgd"``)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-
   name, kw = OPTIONS[option]
   kw = {k: (jnp.dtype(v) if k == "residual_dtype" else v) for k, v in kw.items()}
-  common = {"axis_name": AXIS, "collective": "reduce_scatter"}
+  common_kw = {"axis_name": AXIS, "collective": "reduce_scatter"}
   if name == "dense":
-    ex = jc.compress(jc.codecs.Identity(), filter=lambda path, leaf: False, **common)
+    ex = jc.compress(jc.codecs.Identity(), filter=lambda path, leaf: False, **common_kw)
   elif name == "scaled_sign":
-    ex = jc.compress(jc.codecs.ScaledSign(None), **common)
+    ex = jc.compress(jc.codecs.ScaledSign(None), **common_kw)
   else:
-    ex = getattr(jc, name)(**common, **kw)
+    ex = getattr(jc, name)(**common_kw, **kw)
   opt = optax.adamw(lr, weight_decay=1e-4) if optimizer == "adamw" else optax.sgd(lr, 0.9)
   return optax.chain(jc.per_device_state(ex), opt)
 
 
 def init_params(seed: int):
   """The MLP's parameters: ``LAYERS`` dense layers, ``IN -> WIDTH ... -> OUT``."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   sizes = [IN] + [WIDTH] * (LAYERS - 1) + [OUT]
   keys = jax.random.split(jax.random.key(seed), LAYERS)
   return {
@@ -85,21 +85,8 @@ def init_params(seed: int):
   }
 
 
-def forward(params, x):
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  for i in range(LAYERS):
-    x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
-    if i < LAYERS - 1:
-      x = jnp.tanh(x)
-  return x
-
-
 def data(seed: int, n: int):
   """``n`` inputs and their targets from a fixed random teacher (a 2-layer tanh net)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
   k1, k2, k3 = jax.random.split(jax.random.key(1000), 3)
   w1 = jax.random.normal(k1, (IN, 256)) / np.sqrt(IN)
   w2 = jax.random.normal(k2, (256, OUT)) / np.sqrt(256)
@@ -108,17 +95,14 @@ def data(seed: int, n: int):
 
 
 def loss_fn(params, x, y):
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-  return jnp.mean((forward(params, x) - y) ** 2)
+  for i in range(LAYERS):
+    x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+    x = jnp.tanh(x) if i < LAYERS - 1 else x
+  return jnp.mean((x - y) ** 2)
 
 
 def make_step(tx, mesh, state_specs):
   """The jitted ZeRO-2 step: gather the shards, local gradient, reduce-scatter, adamw."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax import lax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
 
   def step(shards, opt_state, x, y):
     params = jax.tree.map(lambda s: lax.all_gather(s, AXIS, tiled=True), shards)
@@ -126,76 +110,44 @@ def make_step(tx, mesh, state_specs):
     updates, opt_state = tx.update(grads, opt_state, shards)
     return optax.apply_updates(shards, updates), opt_state, lax.pmean(loss, AXIS)
 
-  return jax.jit(
-    jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(P(AXIS), state_specs, P(AXIS), P(AXIS)),
-      out_specs=(P(AXIS), state_specs, P()),
-    )
-  )
+  in_specs = (P(AXIS), state_specs, P(AXIS), P(AXIS))
+  out_specs = (P(AXIS), state_specs, P())
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
-def state_bytes(opt_state) -> dict[str, int]:
-  """Bytes per device of the exchange's state (residuals) and of the optimizer's."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  def per_device(tree):
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
-
-  exchange, adam = opt_state
-  inner = exchange.inner
-  return {
-    "residual": per_device((inner.residual, inner.residual_scale, inner.chunk_residual)),
-    "optimizer": per_device(adam),
-  }
+def per_device_bytes(tree) -> int:
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
 def train(
   option: str, *, steps: int, batch: int, lr: float, optimizer: str = "adamw", seed: int = 0
 ) -> dict[str, Any]:
   """Trains ``option`` for ``steps``; losses, held-out loss, bytes per device."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-
   k = jax.device_count()
   mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  params = init_params(seed)
-  tx = make_tx(option, lr, optimizer)
+  params, tx = init_params(seed), make_tx(option, lr, optimizer)
   specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=k, param_specs=P(AXIS))
   place = jax.NamedSharding(mesh, P(AXIS))
   shards = jax.device_put(params, place)
   init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(AXIS),), out_specs=specs))
-  opt_state = init(shards)
-  step = make_step(tx, mesh, specs)
-  losses = []
+  opt_state, step, losses = init(shards), make_step(tx, mesh, specs), []
   for t in range(steps):
-    x, y = data(t, batch * k)
-    shards, opt_state, loss = step(shards, opt_state, *jax.device_put((x, y), place))
+    shards, opt_state, loss = step(shards, opt_state, *jax.device_put(data(t, batch * k), place))
     losses.append(float(loss))
   final = jax.tree.map(np.asarray, multihost_utils.process_allgather(shards, tiled=True))
-  x_test, y_test = data(10**6, 4096)
   report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=k, param_specs=P(AXIS))
+  exchange = opt_state[0].inner
   return {
     "losses": losses,
-    "test_loss": float(loss_fn(final, x_test, y_test)),
-    "shard_bytes": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(shards)),
-    **state_bytes(opt_state),
+    "test_loss": float(loss_fn(final, *data(10**6, 4096))),
+    "shard_bytes": per_device_bytes(shards),
+    "residual": per_device_bytes(
+      (exchange.residual, exchange.residual_scale, exchange.chunk_residual)
+    ),
+    "optimizer": per_device_bytes(opt_state[1]),
     "wire_bytes": report.bytes_received,
-    "params_sha256": digest(final),
+    "params_sha256": common.params_digest(final),
   }
-
-
-def digest(tree) -> str:
-  import jax  # pylint: disable=import-outside-toplevel
-
-  h = hashlib.sha256()
-  for leaf in jax.tree.leaves(tree):
-    h.update(np.ascontiguousarray(leaf).tobytes())
-  return h.hexdigest()
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -228,40 +180,32 @@ def parse_args(argv):
   parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
   parser.add_argument("--devices-per-process", type=int, default=2)
   args = parser.parse_args(argv)
-  options = [o for o in args.options.split(",") if o]
-  unknown = [o for o in options if o not in OPTIONS]
-  if unknown:
-    parser.error(f"unknown options {unknown}; choose from {list(OPTIONS)}")
-  args.options = options
+  try:
+    args.options = common.parse_methods(args.options, tuple(OPTIONS), "--options")
+  except ValueError as e:
+    parser.error(str(e))
   return args
 
 
 def main(argv=None) -> int:
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)
   worker = args.process_id is not None
   if worker:
-    from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
-    launch.init_distributed(
+    common.init_distributed(
       args.coordinator,
       args.num_processes,
       args.process_id,
       devices_per_process=args.devices_per_process,
     )
   else:
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax  # pylint: disable=import-outside-toplevel
-
+    if "JAX_PLATFORMS" not in os.environ:  # jax read the variable when imported
+      jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
-  results = {
-    o: train(o, steps=args.steps, batch=args.batch, lr=args.lr, optimizer=args.optimizer)
-    for o in args.options
-  }
+  train_kw = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "optimizer": args.optimizer}
+  results = {o: train(o, **train_kw) for o in args.options}
   if worker:
     print(RESULT_MARKER + json.dumps(results), flush=True)
     return 0
-  import jax  # pylint: disable=import-outside-toplevel
-
   print(
     f"ZeRO-2 MLP ({LAYERS} layers, width {WIDTH}), K={jax.device_count()} devices, "
     f"{args.steps} steps, {args.optimizer} lr {args.lr}, batch {args.batch}/device"

@@ -1,21 +1,20 @@
 r"""Two-level vs flat compression over a real, throttled link: N processes of L devices.
 
-Each process is one node of L CPU devices, in :mod:`benchmarks.network`'s namespaces, so
-everything between nodes crosses the throttled veth. Every method (``dense``,
-``flat_X``: X over both axes, ``two_level_X``: ``jc.two_level(X, fast_axis="gpu")``, for
-X in qsgd4, onebit, powersgd) trains the same model from the same start; per row the
-median step, the loss at equal steps, the bytes the veth counted next to
-``jc.wire_report``'s, and the α-β projection to 8 devices per node and 16-1024 nodes.
-The columns and results: docs/benchmarks.md, "Two nodes of four devices over a throttled
-link"; the method: docs/guides/two_level.md.
+Each process is one node of L CPU devices in :mod:`benchmarks.network`'s namespaces, so
+what crosses between nodes crosses the throttled veth. ``dense``, ``flat_X`` (X over both
+axes) and ``two_level_X`` (``jc.two_level(X, fast_axis="gpu")``) for X in qsgd4, onebit,
+powersgd train the same model from the same start; per method the median step, the loss
+at equal steps, the veth's byte counters next to ``jc.wire_report``'s, and the α-β
+projection to 8 devices per node and 16-1024 nodes. Results and columns:
+docs/benchmarks.md, "Two nodes of four devices over a throttled link"; the method:
+docs/guides/two_level.md.
 
   sudo python -m benchmarks.two_level --rates 100mbit,1gbit --models mlp --steps 30
   sudo python -m benchmarks.two_level --models lm --methods dense,flat_qsgd4,two_level_qsgd4
   python -m benchmarks.two_level --project-only       # the projection alone, no root
 
 Needs root (``ip netns``, ``tc``) and ``taskset`` except ``--project-only``; without them
-it says so and exits 2. Writes ``--out`` (default ``runs/two_level``): ``results.json``
-and ``results.md``.
+it says so and exits 2. Writes ``results.json`` and ``results.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -23,16 +22,29 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from collections.abc import Sequence
+import importlib
 import json
 import math
 import os
+import pathlib
 import signal
 import statistics
 import sys
 import time
 from typing import Any
 
+import jax
+from jax import lax
+import jax.flatten_util
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+
 from benchmarks import network
+from examples import common
+import jaxcomp as jc
 
 AXES = ("node", "gpu")  # (slow, fast); node = process
 COMPRESSORS = ("qsgd4", "onebit", "powersgd")
@@ -55,34 +67,15 @@ PROJECTION_LINKS = {
 }
 
 
-# ----------------------------------------------------------------------------- methods
-
-
-def _compressor(method: str) -> str:
-  """``"dense"``, or the compressor X of ``flat_X`` / ``two_level_X``."""
-  for prefix in ("flat_", "two_level_"):
-    if method.startswith(prefix):
-      return method.removeprefix(prefix)
-  if method != "dense":
+def _exchange(method: str, axis):
+  """The exchange of ``method``'s compressor over ``axis`` (dense: a pmean of every leaf)."""
+  if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-  return method
-
-
-def _exchange(compressor: str, axis):
-  """``compressor``'s exchange over ``axis`` (dense: a pmean of every leaf)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax import lax  # pylint: disable=import-outside-toplevel
-  import jax.flatten_util  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-
+  compressor = method.split("_")[-1]
   if compressor == "dense":
     # One pmean of all leaves raveled together, as XLA's all-reduce combiner or a
     # bucketing framework would send them: per-leaf pmeans pay a ring's latency per leaf.
-
     def update(g, state, params=None):
-      del params
       flat, unravel = jax.flatten_util.ravel_pytree(g)
       return unravel(lax.pmean(flat, axis)), state
 
@@ -91,39 +84,29 @@ def _exchange(compressor: str, axis):
     return jc.qsgd(bits=4, axis_name=axis)
   if compressor == "onebit":
     return jc.onebit_sgd(axis_name=axis)
-  if compressor == "powersgd":
-    return jc.powersgd(POWERSGD_RANK, axis_name=axis)
-  raise ValueError(f"unknown compressor {compressor!r}; expected one of {COMPRESSORS}")
+  return jc.powersgd(POWERSGD_RANK, axis_name=axis)
 
 
 def make_exchange(method: str):
   """The gradient exchange of ``method`` (see the module docstring); its mean over
   both axes. Raises ``NotImplementedError`` for a combination jaxcomp lacks."""
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-
-  compressor = _compressor(method)
-  if compressor == "dense":
+  if method == "dense":
     return _exchange("dense", AXES)
   if method.startswith("two_level_"):
-    return jc.per_device_state(jc.two_level(_exchange(compressor, "node"), fast_axis="gpu"))
-  return jc.per_device_state(_exchange(compressor, AXES))
+    return jc.per_device_state(jc.two_level(_exchange(method, "node"), fast_axis="gpu"))
+  return jc.per_device_state(_exchange(method, AXES))
 
 
 def one_gradient_bytes(method: str, params) -> float:
   """Bytes of one gradient as ``method``'s compressor sends it (dense: in float32):
   what one of 2 devices receives from the other, by ``jc.wire_report``."""
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-
-  tx = jc.per_device_state(_exchange(_compressor(method), "node"))
+  tx = jc.per_device_state(_exchange(method, "node"))
   return jc.wire_report(tx, params, axis_name="node", num_devices=2).bytes_received
 
 
 def flat_of(method: str) -> str | None:
   """The flat method of a two-level one (``two_level_qsgd4`` -> ``flat_qsgd4``)."""
   return "flat_" + method.removeprefix("two_level_") if method.startswith("two_level_") else None
-
-
-# ----------------------------------------------------------------------------- models
 
 
 def model_parts(model: str, *, workdir: str = "runs/two_level/data", lm_config: str = "bench"):
@@ -133,181 +116,129 @@ def model_parts(model: str, *, workdir: str = "runs/two_level/data", lm_config: 
   device's mean loss; ``batch_fn(step, num_devices, rows)``: the global batch's rows
   ``rows`` (a slice of devices), leading axis one per device.
   """
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-
   if model == "mlp":
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
     from examples.mnist1d import input_pipeline  # pylint: disable=import-outside-toplevel
     from examples.mnist1d.configs import default  # pylint: disable=import-outside-toplevel
 
-    rng = np.random.default_rng(0)
-    params = {}
-    for i, (a, b) in enumerate(zip(MLP_SIZES[:-1], MLP_SIZES[1:])):
-      params[f"layer{i}"] = {
+    rng, sizes = np.random.default_rng(0), list(zip(MLP_SIZES[:-1], MLP_SIZES[1:]))
+    params = {
+      f"layer{i}": {
         "kernel": (rng.standard_normal((a, b)) / math.sqrt(a)).astype(np.float32),
         "bias": np.zeros((b,), np.float32),
       }
+      for i, (a, b) in enumerate(sizes)
+    }
 
     def loss_fn(p, batch):
-      x, y = batch
-      h = x
-      for i in range(len(MLP_SIZES) - 1):
+      h, y = batch
+      for i in range(len(sizes)):
         h = h @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"]
-        if i < len(MLP_SIZES) - 2:
-          h = jax.nn.relu(h)
+        h = jax.nn.relu(h) if i < len(sizes) - 1 else h
       return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h, y))
 
-    data = input_pipeline.load_dataset(default.get_config(), workdir)
-    per_device = 16
+    data, per_device = input_pipeline.load_dataset(default.get_config(), workdir), 16
 
     def batch_fn(step, num_devices, rows):
-      r = np.random.default_rng([1, step])
-      idx = r.integers(0, len(data["x"]), (num_devices, per_device))[rows]
-      return data["x"][idx], data["y"][idx]
+      idx = np.random.default_rng([1, step]).integers(0, len(data["x"]), (num_devices, per_device))
+      return data["x"][idx[rows]], data["y"][idx[rows]]
 
     description = f"MLP {'-'.join(map(str, MLP_SIZES))}, MNIST-1D, {per_device} examples/device"
     return params, loss_fn, batch_fn, optax.sgd(0.05, momentum=0.9), description
-  if model == "lm":
-    import importlib  # pylint: disable=import-outside-toplevel
+  if model != "lm":
+    raise ValueError(f"unknown model {model!r}; expected one of {MODELS}")
+  from flax import nnx  # pylint: disable=import-outside-toplevel
 
-    from flax import nnx  # pylint: disable=import-outside-toplevel
-    import jax  # pylint: disable=import-outside-toplevel
+  from examples.lm import input_pipeline  # pylint: disable=import-outside-toplevel
+  from examples.lm import models  # pylint: disable=import-outside-toplevel
+  from examples.lm import train  # pylint: disable=import-outside-toplevel
 
-    from examples.lm import input_pipeline  # pylint: disable=import-outside-toplevel
-    from examples.lm import models  # pylint: disable=import-outside-toplevel
-    from examples.lm import train  # pylint: disable=import-outside-toplevel
+  config = importlib.import_module(f"examples.lm.configs.{lm_config}").get_config()
+  graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
+  tokens = input_pipeline.load_corpus(config.validation_percent)["train"]
 
-    config = importlib.import_module(f"examples.lm.configs.{lm_config}").get_config()
-    graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
-    params = jax.device_get(state.to_pure_dict())
-    tokens = input_pipeline.load_corpus(config.validation_percent)["train"]
+  def loss_fn(p, batch):
+    total, count = train.cross_entropy(graphdef, p, batch)
+    return total / count
 
-    def loss_fn(p, batch):
-      total, count = train.cross_entropy(graphdef, p, batch)
-      return total / count
+  sizes = {k: getattr(config, k) for k in ("seed", "per_device_batch_size", "seq_len")}
 
-    def batch_fn(step, num_devices, rows):
-      return input_pipeline.train_batch(
-        tokens,
-        step,
-        seed=config.seed,
-        num_devices=num_devices,
-        per_device_batch_size=config.per_device_batch_size,
-        seq_len=config.seq_len,
-        devices=rows,
-      )
+  def batch_fn(step, num_devices, rows):
+    return input_pipeline.train_batch(tokens, step, num_devices=num_devices, devices=rows, **sizes)
 
-    description = (
-      f"examples/lm {lm_config} (width {config.width}, depth {config.depth}, seq_len "
-      f"{config.seq_len}, {config.per_device_batch_size} windows/device)"
-    )
-    return params, loss_fn, batch_fn, optax.adam(1e-3), description
-  raise ValueError(f"unknown model {model!r}; expected one of {MODELS}")
-
-
-# ----------------------------------------------------------------------------- counters
+  description = (
+    f"examples/lm {lm_config} (width {config.width}, depth {config.depth}, seq_len "
+    f"{config.seq_len}, {config.per_device_batch_size} windows/device)"
+  )
+  params = jax.device_get(state.to_pure_dict())
+  return params, loss_fn, batch_fn, optax.adam(1e-3), description
 
 
 def read_counters(interface: str, root: str = "/sys/class/net") -> dict[str, int]:
   """``{"tx_bytes", "rx_bytes"}`` of ``interface`` from its statistics under ``root``
   (the namespace's own ``/sys`` under ``ip netns exec``)."""
-  out = {}
-  for name in ("tx_bytes", "rx_bytes"):
-    with open(os.path.join(root, interface, "statistics", name)) as f:
-      out[name] = int(f.read().strip())
-  return out
+  stats = pathlib.Path(root, interface, "statistics")
+  return {name: int((stats / name).read_text()) for name in ("tx_bytes", "rx_bytes")}
 
 
 def counter_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
   return {k: after[k] - before[k] for k in before}
 
 
-# ----------------------------------------------------------------------------- worker
-
-
 def slow_axis_bytes(report, devices_per_node: int) -> float:
-  """Bytes per node per step over the slow link by ``report``'s ring convention.
-
-  A collective over ``node`` alone runs between the devices f of all nodes, L of them
-  at once per node: its per-device bytes times L. One over ``("node", "gpu")`` is a ring
-  over all N·L devices that crosses between nodes once per node: its per-device bytes
-  (``jc.network``'s model; gloo runs all-to-all and all-gather otherwise, and the
-  measured counters show by how much).
-  """
-  total = 0.0
-  for axes, b in report.by_axis.items():
-    if "node" in axes:
-      total += b * (devices_per_node if len(axes) == 1 else 1)
-  return total
+  """Bytes per node per step over the slow link by ``report``'s ring convention: a
+  collective over ``node`` alone runs L at once per node (its bytes times L); one over
+  ``("node", "gpu")`` is a ring over all N·L devices crossing between nodes once per node
+  (gloo runs all-to-all and all-gather otherwise: the counters show by how much)."""
+  return sum(
+    b * (devices_per_node if len(axes) == 1 else 1)
+    for axes, b in report.by_axis.items()
+    if "node" in axes
+  )
 
 
 def train_one(method, mesh, parts, steps, warmup, interface) -> dict[str, Any]:
   """``warmup + steps`` steps of ``method``; timings, losses and counters."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
-  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-
   params_host, loss_fn, batch_fn, optimizer, _ = parts
-  n, l = mesh.shape["node"], mesh.shape["gpu"]
-  k = n * l
-  exchange = make_exchange(method)  # NotImplementedError: the caller marks the row
-  tx = optax.chain(exchange, optimizer)
+  l = mesh.shape["gpu"]
+  k = mesh.shape["node"] * l
+  tx = optax.chain(make_exchange(method), optimizer)  # NotImplementedError: caller's row
   specs = jc.state_specs(tx, params_host, axis_name=AXES, num_devices=k, mesh=mesh)
-  replicated = NamedSharding(mesh, P())
-  params = jax.tree.map(
-    lambda x: jax.make_array_from_process_local_data(replicated, x, x.shape), params_host
-  )
-  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
   report = jc.wire_report(tx, params_host, axis_name=AXES, num_devices=k, mesh=mesh)
+
+  def put(spec, x, shape):
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, shape)
+
+  params = jax.tree.map(lambda x: put(P(), x, x.shape), params_host)
+  opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
 
   def step(params, opt_state, batch):
     batch = jax.tree.map(lambda x: x[0], batch)
     # The local gradient: a gradient w.r.t. replicated parameters would be psum'ed.
     loss, grads = jax.value_and_grad(loss_fn)(jc.vary(params, AXES), batch)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXES)
+    return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, AXES)
 
-  batch_sharding = NamedSharding(mesh, P(AXES))
   step = jax.jit(
     jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXES)), out_specs=(P(), specs, P())),
     donate_argnums=(0, 1),
   )
-  me = jax.process_index()
-  rows = slice(me * l, (me + 1) * l)
-
-  def batch(i):
-    local = batch_fn(i, k, rows)
-    return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(batch_sharding, x, (k,) + x.shape[1:]),
-      local,
-    )
-
-  losses, times = [], []
-  before = None
-  start_all = time.perf_counter()
+  rows = slice(jax.process_index() * l, (jax.process_index() + 1) * l)
+  losses, times, start_all = [], [], time.perf_counter()
   for i in range(warmup + steps):
-    b = batch(i)  # built before the clock and the counters start
+    # The batch is built before the clock and the counters start.
+    b = jax.tree.map(lambda x: put(P(AXES), x, (k, *x.shape[1:])), batch_fn(i, k, rows))
     if i == warmup:
       before = read_counters(interface)
     start = time.perf_counter()
     params, opt_state, loss = step(params, opt_state, b)
-    loss = float(np.asarray(loss.addressable_data(0)))
+    losses.append(float(np.asarray(loss.addressable_data(0))))
     times.append(time.perf_counter() - start)
-    losses.append(loss)
-  counted = counter_delta(before, read_counters(interface))
   return {
     "step_times_s": times[warmup:],
     "warmup_s": sum(times[:warmup]),
     "wall_s": time.perf_counter() - start_all,
     "losses": losses,
-    "link_bytes": counted,
+    "link_bytes": counter_delta(before, read_counters(interface)),
     "timed_steps": steps,
     "wire_slow_bytes_per_node": slow_axis_bytes(report, l),
     "one_gradient_bytes": one_gradient_bytes(method, params_host),
@@ -317,21 +248,12 @@ def train_one(method, mesh, parts, steps, warmup, interface) -> dict[str, Any]:
 
 
 def worker(args: argparse.Namespace) -> None:
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
-  launch.init_distributed(
-    args.coordinator,
-    args.processes,
-    args.process_id,
-    devices_per_process=args.devices_per_process,
+  common.init_distributed(
+    args.coordinator, args.processes, args.process_id, devices_per_process=args.devices_per_process
   )
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  mesh = jax.sharding.Mesh(
-    np.array(devices).reshape(args.processes, args.devices_per_process), AXES
-  )
+  shape = (args.processes, args.devices_per_process)
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), AXES)
   parts = model_parts(args.models, workdir=os.path.join(args.out, "data"), lm_config=args.lm_config)
   result: dict[str, Any] = {
     "process_id": args.process_id,
@@ -350,69 +272,40 @@ def worker(args: argparse.Namespace) -> None:
   jax.distributed.shutdown()
 
 
-# ----------------------------------------------------------------------------- orchestration
-
-
 def pinning(processes: int, cores: int, devices: int) -> tuple[list[list[str]], str]:
   """``taskset`` prefixes, one per process, and a sentence saying how they were pinned
   (and whether the ``devices`` of a process share its cores: on fewer cores than
   devices the step times hold every device's compute one after another)."""
   per = cores // processes
-  if per >= 1:
-    sets = [f"{i * per}-{(i + 1) * per - 1}" for i in range(processes)]
-    note = f"{cores} cores: process i pinned to cores " + ", ".join(sets)
-    if per < devices:
-      note += f" (only {per} core(s) for the {devices} devices of each process)"
-  else:
+  if per < 1:
     sets = [str(i % cores) for i in range(processes)]
-    note = f"only {cores} cores for {processes} processes: they share cores"
+    return [["taskset", "-c", s] for s in sets], (
+      f"only {cores} cores for {processes} processes: they share cores"
+    )
+  sets = [f"{i * per}-{(i + 1) * per - 1}" for i in range(processes)]
+  note = f"{cores} cores: process i pinned to cores " + ", ".join(sets)
+  if per < devices:
+    note += f" (only {per} core(s) for the {devices} devices of each process)"
   return [["taskset", "-c", s] for s in sets], note
 
 
-def run_rate(args, link, rate: str, model: str) -> dict[str, Any]:
-  """One launch of all methods of ``model`` on the link at ``rate``; both processes'
-  results."""
+def run_rate(args, link, model: str) -> list[dict[str, Any]]:
+  """One launch of all methods of ``model`` on ``link``; every process's results."""
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
 
   tasksets, _ = pinning(args.processes, os.cpu_count() or 1, args.devices_per_process)
-  coordinator = f"{network.ADDRESSES[0]}:{network.free_port()}"
+  shared = {"--coordinator": f"{network.ADDRESSES[0]}:{network.free_port()}", "--models": model}
+  for flag in ("processes", "devices_per_process", "lm_config", "methods", "steps", "warmup"):
+    shared["--" + flag.replace("_", "-")] = getattr(args, flag)
   commands = [
-    [
-      *link.worker_prefix(i),
-      *tasksets[i],
-      sys.executable,
-      "-m",
-      "benchmarks.two_level",
-      "--worker",
-      "--process-id",
-      str(i),
-      "--processes",
-      str(args.processes),
-      "--devices-per-process",
-      str(args.devices_per_process),
-      "--coordinator",
-      coordinator,
-      "--models",
-      model,
-      "--lm-config",
-      args.lm_config,
-      "--methods",
-      args.methods,
-      "--steps",
-      str(args.steps),
-      "--warmup",
-      str(args.warmup),
-      "--interface",
-      network.VETHS[i],
-      "--out",
-      args.out,
-    ]
+    [*link.worker_prefix(i), *tasksets[i], sys.executable, "-m", "benchmarks.two_level"]
+    + ["--worker", "--process-id", str(i), "--interface", network.VETHS[i], "--out", args.out]
+    + [str(x) for flag_value in shared.items() for x in flag_value]
     for i in range(args.processes)
   ]
-  results = launch.worker_results(
+  return launch.worker_results(
     commands, RESULT_MARKER, timeout=args.timeout, stream=args.verbose, every=True
   )
-  return {"processes": results}
 
 
 def row_of(method: str, per_process: Sequence[dict]) -> dict[str, Any]:
@@ -420,12 +313,12 @@ def row_of(method: str, per_process: Sequence[dict]) -> dict[str, Any]:
   r0 = per_process[0]
   if "status" in r0:
     return {"method": method, "status": r0["status"]}
-  losses = r0["losses"]
-  final = statistics.fmean(losses[-LOSS_WINDOW:])
-  # Bytes per node per step: what each node's end of the veth sent, averaged over nodes.
-  sent = statistics.fmean(p["link_bytes"]["tx_bytes"] for p in per_process) / r0["timed_steps"]
-  received = statistics.fmean(p["link_bytes"]["rx_bytes"] for p in per_process) / r0["timed_steps"]
-  modelled = r0["wire_slow_bytes_per_node"]
+  losses, final = r0["losses"], statistics.fmean(r0["losses"][-LOSS_WINDOW:])
+
+  def per_step(counter):  # what each node's end of the veth counted, averaged over nodes
+    return statistics.fmean(p["link_bytes"][counter] for p in per_process) / r0["timed_steps"]
+
+  sent, modelled = per_step("tx_bytes"), r0["wire_slow_bytes_per_node"]
   status = "ok"
   if not all(math.isfinite(x) for x in losses) or final > losses[0]:
     status = "diverged"
@@ -438,7 +331,7 @@ def row_of(method: str, per_process: Sequence[dict]) -> dict[str, Any]:
     "loss": final,
     "first_loss": losses[0],
     "link_sent_per_node": sent,
-    "link_received_per_node": received,
+    "link_received_per_node": per_step("rx_bytes"),
     "wire_slow_per_node": modelled,
     "one_gradient": r0.get("one_gradient_bytes"),
   }
@@ -446,23 +339,15 @@ def row_of(method: str, per_process: Sequence[dict]) -> dict[str, Any]:
 
 def rows_with_ratios(rows: Sequence[dict]) -> list[dict]:
   """``rows`` with speed-ups and byte ratios vs dense and vs the flat method."""
-  by = {r["method"]: r for r in rows if r.get("status") in ("ok", "diverged", "sent nothing")}
+  by = {r["method"]: r for r in rows if "step_s" in r}
   out = []
-  for r in rows:
-    r = dict(r)
-    if r["method"] in by:
-      for ref_name, ref in (
-        ("dense", by.get("dense")),
-        ("flat", by.get(flat_of(r["method"]) or "")),
-      ):
-        if ref is None or ref is by[r["method"]]:
-          continue
-        r[f"speedup_vs_{ref_name}"] = ref["step_s"] / r["step_s"]
-        r[f"bytes_vs_{ref_name}"] = (
-          ref["link_sent_per_node"] / r["link_sent_per_node"]
-          if r["link_sent_per_node"]
-          else math.inf
-        )
+  for r in map(dict, rows):
+    refs = {"dense": by.get("dense"), "flat": by.get(flat_of(r["method"]) or "")}
+    for name, ref in refs.items():
+      if r["method"] in by and ref is not None and ref is not by[r["method"]]:
+        sent = r["link_sent_per_node"]
+        r[f"speedup_vs_{name}"] = ref["step_s"] / r["step_s"]
+        r[f"bytes_vs_{name}"] = ref["link_sent_per_node"] / sent if sent else math.inf
     out.append(r)
   return out
 
@@ -480,23 +365,18 @@ def table(rows: Sequence[dict]) -> str:
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
-    if "step_s" not in r:
-      # "not supported" alone: jaxcomp's reason is in results.json.
+    if "step_s" not in r:  # "not supported" alone: jaxcomp's reason is in results.json
       lines.append(f"| {r['method']} | {r['status'].split(':')[0]} |" + " |" * 10)
       continue
-    wire, one = r["wire_slow_per_node"], r.get("one_gradient")
+    sent, wire, one = r["link_sent_per_node"], r["wire_slow_per_node"], r.get("one_gradient")
     lines.append(
       f"| {r['method']} | {r['status']} | {1e3 * r['step_s']:.1f} | {r['loss']:.4f} |"
-      f" {r['link_sent_per_node'] / 1e6:.3f} | {wire / 1e6:.3f} |"
-      f" {r['link_sent_per_node'] / wire if wire else math.inf:.2f} |"
-      f" {_x(r['link_sent_per_node'] / one if one else None)} |"
+      f" {sent / 1e6:.3f} | {wire / 1e6:.3f} | {sent / wire if wire else math.inf:.2f} |"
+      f" {_x(sent / one if one else None)} |"
       f" {_x(r.get('speedup_vs_dense'))} | {_x(r.get('speedup_vs_flat'))} |"
       f" {_x(r.get('bytes_vs_dense'))} | {_x(r.get('bytes_vs_flat'))} |"
     )
   return "\n".join(lines) + "\n"
-
-
-# ----------------------------------------------------------------------------- projection
 
 
 def projection(
@@ -509,31 +389,22 @@ def projection(
   """``{link name: {method: {nodes: exchange seconds per step}}}`` by ``jc.network``
   with a link per mesh axis, from ``jc.wire_report`` on an abstract ``(nodes, gpus)``
   mesh; ``None`` where jaxcomp does not support the method."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
 
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
+  def report(method, n):
+    mesh = jax.sharding.AbstractMesh((n, gpus), AXES)
+    try:
+      tx = optax.chain(make_exchange(method))
+      return jc.wire_report(tx, params, axis_name=AXES, num_devices=n * gpus, mesh=mesh)
+    except NotImplementedError:
+      return None
 
-  reports: dict[str, dict[int, Any]] = {}
-  for method in methods:
-    reports[method] = {}
-    for n in nodes:
-      mesh = jax.sharding.AbstractMesh((n, gpus), AXES)
-      try:
-        tx = optax.chain(make_exchange(method))
-        reports[method][n] = jc.wire_report(
-          tx, params, axis_name=AXES, num_devices=n * gpus, mesh=mesh
-        )
-      except NotImplementedError:
-        reports[method][n] = None
-  out: dict[str, dict[str, dict[int, float | None]]] = {}
+  reports = {m: {n: report(m, n) for n in nodes} for m in methods}
+  out = {}
   for name, by_axis in links.items():
     link = {axis: jc.network.Link(*v) for axis, v in by_axis.items()}
     out[name] = {
-      method: {
-        n: None if rep is None else jc.network.exchange_time(rep, link) for n, rep in by_n.items()
-      }
-      for method, by_n in reports.items()
+      m: {n: None if r is None else jc.network.exchange_time(r, link) for n, r in by_n.items()}
+      for m, by_n in reports.items()
     }
   return out
 
@@ -541,13 +412,13 @@ def projection(
 def projection_table(proj: Mapping, gpus: int = PROJECTION_GPUS) -> str:
   lines = []
   for name, by_method in proj.items():
-    link = PROJECTION_LINKS.get(name)
-    where = (
-      f" (fast: α {link['gpu'][0] * 1e6:g} µs, {link['gpu'][1] / 1e9:g} GB/s; slow: α"
-      f" {link['node'][0] * 1e6:g} µs, {link['node'][1] / 1e9:g} GB/s, per device)"
-      if link
-      else ""
-    )
+    where = ""
+    if link := PROJECTION_LINKS.get(name):
+      (fast_a, fast_b), (slow_a, slow_b) = link["gpu"], link["node"]
+      where = (
+        f" (fast: α {fast_a * 1e6:g} µs, {fast_b / 1e9:g} GB/s; slow: α"
+        f" {slow_a * 1e6:g} µs, {slow_b / 1e9:g} GB/s, per device)"
+      )
     nodes = list(next(iter(by_method.values())))
     lines += [
       f"Projected exchange time per step (ms), {gpus} devices per node, nodes on {name}{where}:",
@@ -557,12 +428,9 @@ def projection_table(proj: Mapping, gpus: int = PROJECTION_GPUS) -> str:
     ]
     for method, by_n in by_method.items():
       cells = ["not supported" if t is None else f"{1e3 * t:.2f}" for t in by_n.values()]
-      lines.append(f"| {method} | " + " | ".join(cells) + " |")
+      lines += [f"| {method} | " + " | ".join(cells) + " |"]
     lines.append("")
   return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- main
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -588,19 +456,54 @@ def parse_args(argv=None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
+def measure(args, methods, models, results, report) -> None:
+  """The runs over the link: every model at every rate, into ``results`` and ``report``."""
+  from benchmarks import launch  # pylint: disable=import-outside-toplevel
+
+  _, note = pinning(args.processes, os.cpu_count() or 1, args.devices_per_process)
+  results["setup"] = (
+    f"{args.processes} processes x {args.devices_per_process} CPU devices, mesh "
+    f"{AXES} = ({args.processes}, {args.devices_per_process}); {note}; "
+    f"{args.warmup} warm-up + {args.steps} timed steps per method"
+  )
+  report(results["setup"] + "\n")
+  signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
+  with network.Link() as link:
+    for rate in args.rates.split(","):
+      results.setdefault("bursts", {})[rate] = link.set_rate(rate, args.burst_ms)
+      for model in models:
+        print(f"== {model} at {rate}", flush=True)
+        start = time.perf_counter()
+        procs = run_rate(args, link, model)
+        rows = rows_with_ratios([row_of(m, [p["methods"][m] for p in procs]) for m in methods])
+        results["runs"].setdefault(model, {})[rate] = {"rows": rows, "raw": procs}
+        report(
+          f"### {model} at {rate}: {procs[0]['model']}, {procs[0]['num_params']:,} "
+          f"parameters ({time.perf_counter() - start:.0f} s)\n\n" + table(rows)
+        )
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   if args.worker:
     worker(args)
     return 0
-  methods = args.methods.split(",")
+  methods, models = args.methods.split(","), args.models.split(",")
   for m in methods:
     if m not in METHODS:
       raise SystemExit(f"unknown method {m!r}; expected some of {','.join(METHODS)}")
-  models = args.models.split(",")
   os.makedirs(args.out, exist_ok=True)
   results: dict[str, Any] = {"command": " ".join(sys.argv), "runs": {}, "projection": {}}
   text = []
+
+  def report(section: str) -> None:  # printed, and every results file rewritten with it
+    print(section, flush=True)
+    text.append(section)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+      json.dump(results, f, indent=2, default=str)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+      f.write("\n".join(text))
+
   if not args.project_only:
     if network.cannot_run("benchmarks/two_level.py"):
       return 2
@@ -609,54 +512,12 @@ def main(argv=None) -> int:
       return 2
     for r in args.rates.split(","):
       network.rate_bytes_per_s(r)
-    _, note = pinning(args.processes, os.cpu_count() or 1, args.devices_per_process)
-    header = (
-      f"{args.processes} processes x {args.devices_per_process} CPU devices, mesh "
-      f"{AXES} = ({args.processes}, {args.devices_per_process}); {note}; "
-      f"{args.warmup} warm-up + {args.steps} timed steps per method"
-    )
-    print(header, flush=True)
-    text.append(header + "\n")
-    results["setup"] = header
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    with network.Link() as link:
-      for rate in args.rates.split(","):
-        results.setdefault("bursts", {})[rate] = link.set_rate(rate, args.burst_ms)
-        for model in models:
-          print(f"== {model} at {rate}", flush=True)
-          start = time.perf_counter()
-          run = run_rate(args, link, rate, model)
-          procs = run["processes"]
-          rows = rows_with_ratios([row_of(m, [p["methods"][m] for p in procs]) for m in methods])
-          results["runs"].setdefault(model, {})[rate] = {"rows": rows, "raw": procs}
-          section = (
-            f"### {model} at {rate}: {procs[0]['model']}, {procs[0]['num_params']:,} "
-            f"parameters ({time.perf_counter() - start:.0f} s)\n\n" + table(rows)
-          )
-          print(section, flush=True)
-          text.append(section)
-          _write(args.out, results, text)
+    measure(args, methods, models, results, report)
   for model in models:
     params = model_parts(model, workdir=os.path.join(args.out, "data"), lm_config=args.lm_config)[0]
-    proj = projection(params, methods)
-    results["projection"][model] = proj
-    section = f"### α-β projection, {model}\n\n" + projection_table(proj)
-    print(section, flush=True)
-    text.append(section)
-  _write(args.out, results, text)
+    results["projection"][model] = proj = projection(params, methods)
+    report(f"### α-β projection, {model}\n\n" + projection_table(proj))
   return 0
-
-
-def _write(out: str, results: dict, text: Sequence[str]) -> None:
-  with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump(results, f, indent=2, default=str)
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write("\n".join(text))
-
-
-def _raise_interrupt(signum, frame):
-  del signum, frame
-  raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
