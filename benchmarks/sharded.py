@@ -1,15 +1,12 @@
 r"""Per-layer FSDP (ZeRO-3) against dense FSDP: bytes, peak memory, step time over a link.
 
-``--model mlp``: a residual tanh MLP scanned over ``--layers`` rematerialized layers, its
-weights sharded over the data axis; ``dense`` (plain JAX all-gather, transposed into a
-``psum_scatter``), ``fsdp_int8_qsgd4`` and ``fsdp_qsgd4`` (``jc.fsdp_gather``) and
-``zero_qsgd4`` (one compressed reduce-scatter of the full gradient). ``--model lm``: the
-LM trainer's sharded methods (``examples/lm/sharded.py``) against its dense ZeRO-2, dense
-FSDP and data-parallel ``dense``. ``--part memory``: one process, each step's compiled
-peak memory and bytes per device; ``--part link``: 2 processes over a throttled link
-(:mod:`benchmarks.network`, root), each method's step time against the dense method of
-its kind. Results: docs/guides/fsdp.md ("Per-layer FSDP, measured") and
-docs/benchmarks.md ("Sharded models").
+``--model mlp``: a residual tanh MLP scanned over ``--layers`` layers, sharded over the
+data axis: dense FSDP, ``jc.fsdp_gather`` with and without the int8 gather, and one
+compressed reduce-scatter of the full gradient; ``--model lm``: the LM trainer's sharded
+methods (``examples/lm/sharded.py``). ``--part memory``: each compiled step's peak memory
+and bytes per device; ``--part link``: step times of 2 processes over a throttled link
+(root). The methods and results: docs/guides/fsdp.md ("Per-layer FSDP, measured") and
+docs/benchmarks.md ("The transformer, sharded").
 
   sudo nice -n 15 python -m benchmarks.sharded                  # memory, then link
   nice -n 15 python -m benchmarks.sharded --part memory
@@ -47,6 +44,7 @@ METHODS = ("dense", "fsdp_int8_qsgd4", "fsdp_qsgd4", "zero_qsgd4")
 LM_METHODS = ("dense", "zero_dense", "zero_qsgd4", "fsdp_dense", "fsdp_int8_qsgd4")
 RESULT_MARKER = "JAXCOMP_SHARDED_RESULT "
 AXIS = "data"
+LR = 0.01  # plain SGD: the step is what is measured, not the training
 PSPEC = {"w": P(None, AXIS), "b": P(None, AXIS)}  # the stacked layers, cut along each's rows
 # A link of its own (names and subnet apart from benchmarks.network's), so that this
 # benchmark can run while another holds that one.
@@ -59,7 +57,7 @@ def _mesh(k: int) -> jax.sharding.Mesh:
   return jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-def build(method: str, *, layers: int, width: int, lr: float = 0.01):
+def build(method: str, *, layers: int, width: int):
   """``step(params, x, y) -> params`` for ``method``, to run inside ``jax.shard_map``
   (params: each device's shards ``{"w": (L, width/K, width), "b": (L, width/K)}``)."""
   if method not in METHODS:
@@ -76,7 +74,7 @@ def build(method: str, *, layers: int, width: int, lr: float = 0.01):
     return jnp.mean(jnp.square(h - y))
 
   def sgd(p, g):
-    return jax.tree.map(lambda a, b: a - lr * b, p, g)
+    return jax.tree.map(lambda a, b: a - LR * b, p, g)
 
   if method == "zero_qsgd4":
 
@@ -138,9 +136,8 @@ def wire_bytes(method: str, args, devices: int) -> dict:
   step = build(method, layers=args.layers, width=args.width)
   out: dict = {}
   for op in wire.collective_ops(step, p, x, x, axis_name=AXIS, num_devices=devices):
-    out[wire.canonical(op.primitive)] = (
-      out.get(wire.canonical(op.primitive), 0.0) + op.bytes_received
-    )
+    name = wire.canonical(op.primitive)
+    out[name] = out.get(name, 0.0) + op.bytes_received
   return out
 
 
@@ -368,7 +365,7 @@ def lm_memory_table(rows: list[dict], args) -> str:
 
 def lm_link(args) -> dict:
   """The 2-process LM trainer at each rate, by :func:`over_link`; ``{rate: the
-  trainer's results per method}``."""
+  trainer's results per method}`` (less the parameters)."""
   from benchmarks import lm_network  # pylint: disable=import-outside-toplevel
 
   flags = ["--config", args.config, "--methods", ",".join(args.methods)]
@@ -384,7 +381,7 @@ def lm_link(args) -> dict:
       timeout=args.timeout,
     )["results"]
     print(rate, {m: round(r["train_time_s"] / args.steps, 4) for m, r in res.items()}, flush=True)
-    return res
+    return {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
 
   return over_link(args, run)
 
@@ -486,24 +483,19 @@ def main(argv=None) -> int:
       os.environ["JAX_PLATFORMS"] = "cpu"  # the link part's workers read it too
       jax.config.update("jax_platforms", "cpu")  # jax read it when imported
     jax.config.update("jax_num_cpu_devices", args.devices)
-  report, results = [], {"args": vars(args)}
+  results, report = {"args": vars(args)}, []
   if memory_part:
     results["memory"] = rows = lm_memory(args) if lm else memory(args)
     report.append((lm_memory_table if lm else memory_table)(rows, args))
     print(report[-1], flush=True)
   if link_part and lm:
-    by_rate = lm_link(args)
-    results["link"] = {
-      rate: {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
-      for rate, res in by_rate.items()
-    }
+    results["link"] = by_rate = lm_link(args)
     report.append(lm_link_table(by_rate, args))
-    print(report[-1], flush=True)
   elif link_part:
     wire_k2 = {m: wire_bytes(m, args, 2) for m in args.methods}
-    results["link"] = by_rate = link(args)
-    results["link_wire"] = wire_k2
-    report.append(link_table(by_rate, wire_k2, args))
+    results["link"], results["link_wire"] = link(args), wire_k2
+    report.append(link_table(results["link"], wire_k2, args))
+  if link_part:
     print(report[-1], flush=True)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -1,12 +1,10 @@
 r"""Error feedback a sharded model can afford: state bytes and convergence per option.
 
-A ZeRO-2 loop (parameters sharded over the data axis, gathered for the forward, the
-gradient reduce-scattered by ``collective="reduce_scatter"``, ``optax.adamw`` or SGD
-with momentum on the shards) trains an 8-layer MLP on a synthetic regression task with
-each exchange below, from the same initialisation and data: per option the residuals'
-bytes per device next to the shards' and the optimizer's, and the held-out loss against
-the dense ``psum_scatter``'s. Results: docs/guides/sharded.md, "Error feedback a sharded
-model can afford".
+A ZeRO-2 loop (the gradient reduce-scattered by ``collective="reduce_scatter"``, adamw
+or SGD on the shards) trains an 8-layer MLP with each exchange option from the same start:
+the residuals' bytes per device next to the shards' and the optimizer's, and the held-out
+loss against the dense ``psum_scatter``'s (docs/guides/sharded.md, "Error feedback a
+sharded model can afford").
 
   python -m benchmarks.sharded_ef                       # every option, 8 CPU devices
   python -m benchmarks.sharded_ef --steps 100 --options dense,qsgd4,signsgd_ef_int8
@@ -21,6 +19,7 @@ the processes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -41,33 +40,27 @@ RESULT_MARKER = "RESULT "
 WIDTH, IN, OUT, LAYERS = 128, 64, 16, 8
 AXIS = "data"
 
-#: name -> (factory name, keyword arguments of the exchange), built in :func:`make_tx`.
-OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-  "dense": ("dense", {}),
-  "qsgd4": ("qsgd", {"bits": 4}),
-  "qsgd2": ("qsgd", {"bits": 2}),
-  "qsgd2_ef": ("qsgd", {"bits": 2, "error_feedback": True}),
-  "signsgd_noef": ("scaled_sign", {}),
-  "signsgd_ef_f32": ("ef_signsgd", {"residual_dtype": "float32"}),
-  "signsgd_ef_bf16": ("ef_signsgd", {"residual_dtype": "bfloat16"}),
-  "signsgd_ef_int8": ("ef_signsgd", {"residual_dtype": "int8"}),
-  "onebit_ef_f32": ("onebit_sgd", {"residual_dtype": "float32"}),
-  "onebit_ef_int8": ("onebit_sgd", {"residual_dtype": "int8"}),
+
+#: name -> the exchange's factory, called with the axis and ``collective=``.
+OPTIONS = {
+  # The dense psum_scatter: no leaf compressed.
+  "dense": functools.partial(jc.compress, jc.codecs.Identity(), filter=lambda path, leaf: False),
+  "qsgd4": functools.partial(jc.qsgd, bits=4),
+  "qsgd2": functools.partial(jc.qsgd, bits=2),
+  "qsgd2_ef": functools.partial(jc.qsgd, bits=2, error_feedback=True),
+  "signsgd_noef": functools.partial(jc.compress, jc.codecs.ScaledSign(None)),
+  "signsgd_ef_f32": functools.partial(jc.ef_signsgd, residual_dtype=jnp.float32),
+  "signsgd_ef_bf16": functools.partial(jc.ef_signsgd, residual_dtype=jnp.bfloat16),
+  "signsgd_ef_int8": functools.partial(jc.ef_signsgd, residual_dtype=jnp.int8),
+  "onebit_ef_f32": functools.partial(jc.onebit_sgd, residual_dtype=jnp.float32),
+  "onebit_ef_int8": functools.partial(jc.onebit_sgd, residual_dtype=jnp.int8),
 }
 
 
 def make_tx(option: str, lr: float, optimizer: str = "adamw"):
   """``optax.chain(per_device_state(exchange), optimizer)`` for ``option``: adamw, or
   SGD with momentum 0.9 (``"sgd"``)."""
-  name, kw = OPTIONS[option]
-  kw = {k: (jnp.dtype(v) if k == "residual_dtype" else v) for k, v in kw.items()}
-  common_kw = {"axis_name": AXIS, "collective": "reduce_scatter"}
-  if name == "dense":
-    ex = jc.compress(jc.codecs.Identity(), filter=lambda path, leaf: False, **common_kw)
-  elif name == "scaled_sign":
-    ex = jc.compress(jc.codecs.ScaledSign(None), **common_kw)
-  else:
-    ex = getattr(jc, name)(**common_kw, **kw)
+  ex = OPTIONS[option](axis_name=AXIS, collective="reduce_scatter")
   opt = optax.adamw(lr, weight_decay=1e-4) if optimizer == "adamw" else optax.sgd(lr, 0.9)
   return optax.chain(jc.per_device_state(ex), opt)
 

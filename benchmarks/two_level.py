@@ -1,13 +1,11 @@
 r"""Two-level vs flat compression over a real, throttled link: N processes of L devices.
 
-Each process is one node of L CPU devices in :mod:`benchmarks.network`'s namespaces, so
-what crosses between nodes crosses the throttled veth. ``dense``, ``flat_X`` (X over both
-axes) and ``two_level_X`` (``jc.two_level(X, fast_axis="gpu")``) for X in qsgd4, onebit,
-powersgd train the same model from the same start; per method the median step, the loss
-at equal steps, the veth's byte counters next to ``jc.wire_report``'s, and the α-β
-projection to 8 devices per node and 16-1024 nodes. Results and columns:
-docs/benchmarks.md, "Two nodes of four devices over a throttled link"; the method:
-docs/guides/two_level.md.
+Each process is one node of L CPU devices in :mod:`benchmarks.network`'s namespaces.
+``dense``, ``flat_X`` (X over both axes) and ``two_level_X`` (``jc.two_level(X,
+fast_axis="gpu")``), X one of qsgd4, onebit, powersgd, train the same model; per method
+the step time, the loss, the link's byte counters next to ``jc.wire_report``'s, and an
+α-β projection to 16-1024 nodes of 8 devices. Results: docs/benchmarks.md, "Two nodes of
+four devices over a throttled link"; the method: docs/guides/two_level.md.
 
   sudo python -m benchmarks.two_level --rates 100mbit,1gbit --models mlp --steps 30
   sudo python -m benchmarks.two_level --models lm --methods dense,flat_qsgd4,two_level_qsgd4
@@ -22,6 +20,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from collections.abc import Sequence
+import functools
 import importlib
 import json
 import math
@@ -47,11 +46,16 @@ from examples import common
 import jaxcomp as jc
 
 AXES = ("node", "gpu")  # (slow, fast); node = process
-COMPRESSORS = ("qsgd4", "onebit", "powersgd")
+POWERSGD_RANK = 4
+# X of flat_X and two_level_X: its exchange over an axis.
+COMPRESSORS = {
+  "qsgd4": functools.partial(jc.qsgd, bits=4),
+  "onebit": jc.onebit_sgd,
+  "powersgd": functools.partial(jc.powersgd, POWERSGD_RANK),
+}
 METHODS = ("dense",) + tuple(f"{kind}_{c}" for c in COMPRESSORS for kind in ("flat", "two_level"))
 MODELS = ("mlp", "lm")
 MLP_SIZES = (40, 1024, 2048, 10)  # 2,163,674 parameters; the 1024x2048 kernel is 2.1M
-POWERSGD_RANK = 4
 RESULT_MARKER = "JAXCOMP_TWO_LEVEL_RESULT "
 LOSS_WINDOW = 5  # the loss at equal steps: mean of the last this many steps
 NOTHING_SENT = 0.01  # under this share of the modelled bytes: the exchange sent nothing
@@ -80,11 +84,7 @@ def _exchange(method: str, axis):
       return unravel(lax.pmean(flat, axis)), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-  if compressor == "qsgd4":
-    return jc.qsgd(bits=4, axis_name=axis)
-  if compressor == "onebit":
-    return jc.onebit_sgd(axis_name=axis)
-  return jc.powersgd(POWERSGD_RANK, axis_name=axis)
+  return COMPRESSORS[compressor](axis_name=axis)
 
 
 def make_exchange(method: str):
@@ -199,8 +199,7 @@ def slow_axis_bytes(report, devices_per_node: int) -> float:
 def train_one(method, mesh, parts, steps, warmup, interface) -> dict[str, Any]:
   """``warmup + steps`` steps of ``method``; timings, losses and counters."""
   params_host, loss_fn, batch_fn, optimizer, _ = parts
-  l = mesh.shape["gpu"]
-  k = mesh.shape["node"] * l
+  l, k = mesh.shape["gpu"], mesh.size
   tx = optax.chain(make_exchange(method), optimizer)  # NotImplementedError: caller's row
   specs = jc.state_specs(tx, params_host, axis_name=AXES, num_devices=k, mesh=mesh)
   report = jc.wire_report(tx, params_host, axis_name=AXES, num_devices=k, mesh=mesh)
@@ -277,15 +276,13 @@ def pinning(processes: int, cores: int, devices: int) -> tuple[list[list[str]], 
   (and whether the ``devices`` of a process share its cores: on fewer cores than
   devices the step times hold every device's compute one after another)."""
   per = cores // processes
-  if per < 1:
-    sets = [str(i % cores) for i in range(processes)]
-    return [["taskset", "-c", s] for s in sets], (
-      f"only {cores} cores for {processes} processes: they share cores"
-    )
-  sets = [f"{i * per}-{(i + 1) * per - 1}" for i in range(processes)]
-  note = f"{cores} cores: process i pinned to cores " + ", ".join(sets)
-  if per < devices:
-    note += f" (only {per} core(s) for the {devices} devices of each process)"
+  sets = [f"{i * per}-{(i + 1) * per - 1}" if per else str(i % cores) for i in range(processes)]
+  if not per:
+    note = f"only {cores} cores for {processes} processes: they share cores"
+  else:
+    note = f"{cores} cores: process i pinned to cores " + ", ".join(sets)
+    if per < devices:
+      note += f" (only {per} core(s) for the {devices} devices of each process)"
   return [["taskset", "-c", s] for s in sets], note
 
 
@@ -384,7 +381,6 @@ def projection(
   methods: Sequence[str],
   nodes: Sequence[int] = PROJECTION_NODES,
   gpus: int = PROJECTION_GPUS,
-  links: Mapping[str, Mapping[str, tuple[float, float]]] = PROJECTION_LINKS,
 ) -> dict[str, dict[str, dict[int, float | None]]]:
   """``{link name: {method: {nodes: exchange seconds per step}}}`` by ``jc.network``
   with a link per mesh axis, from ``jc.wire_report`` on an abstract ``(nodes, gpus)``
@@ -400,7 +396,7 @@ def projection(
 
   reports = {m: {n: report(m, n) for n in nodes} for m in methods}
   out = {}
-  for name, by_axis in links.items():
+  for name, by_axis in PROJECTION_LINKS.items():
     link = {axis: jc.network.Link(*v) for axis, v in by_axis.items()}
     out[name] = {
       m: {n: None if r is None else jc.network.exchange_time(r, link) for n, r in by_n.items()}
