@@ -415,21 +415,11 @@ def lm_link_table(by_rate: dict, args) -> str:
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--part", default="all", choices=("all", "memory", "link"))
-  p.add_argument(
-    "--model",
-    default="mlp",
-    choices=("mlp", "lm"),
-    help="the stacked tanh MLP, or the LM trainer (examples/lm) and its sharded methods",
-  )
+  p.add_argument("--model", default="mlp", choices=("mlp", "lm"), help="MLP, or examples/lm")
   p.add_argument("--config", default="deep", help="--model lm: the examples/lm config")
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--width", type=int, default=1024)
-  p.add_argument(
-    "--batch",
-    type=int,
-    default=None,
-    help="rows per device (MLP: 32); --model lm: sequences per device (the config's)",
-  )
+  p.add_argument("--batch", type=int, help="per device: rows (32) or LM sequences (the config's)")
   p.add_argument("--devices", type=int, default=8, help="CPU devices of the memory part")
   p.add_argument("--methods", default=None, help="comma-separated (default: every method)")
   p.add_argument("--rates", default="none,1gbit")
@@ -441,11 +431,7 @@ def parse_args(argv=None):
     help="pin process i to core i (on a machine shared with pinned jobs, a niced pinned"
     " process can starve for minutes: off by default)",
   )
-  p.add_argument(
-    "--smoke",
-    action="store_true",
-    help="the link part as 2 local processes, no namespaces or throttle, a tiny model",
-  )
+  p.add_argument("--smoke", action="store_true", help="link part: 2 local processes, tiny model")
   p.add_argument("--out", default=None, help="output directory (runs/sharded, runs/sharded_lm)")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
