@@ -1,5 +1,5 @@
-"""Shared helpers of the benchmark scripts: timing, and running under a malloc that
-reuses large buffers."""
+"""Shared helpers of the benchmark scripts: timing, Markdown tables, comma-separated
+flags, and running under a malloc that reuses large buffers."""
 
 from __future__ import annotations
 
@@ -21,6 +21,24 @@ def median_time(fn, *args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def ints(text: str) -> list[int]:
+  """An argparse ``type``: comma-separated integers."""
+  return [int(s) for s in text.split(",")]
+
+
+def md_row(*cells) -> str:
+  """A Markdown table row (an empty cell stays ``| |``)."""
+  return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
+
+
+def md_head(columns: str, align: str = "") -> str:
+  """A Markdown table's header (``columns``: the names, ``" | "`` between them) and rule;
+  ``align`` has ``l``, ``r`` or ``c`` per column (default: the first left, others right)."""
+  n = columns.count(" | ") + 1
+  rule = {"l": "---", "r": "---:", "c": ":---:"}
+  return f"| {columns} |\n|" + "|".join(rule[a] for a in align or "l" + "r" * (n - 1)) + "|"
 
 
 #: glibc malloc settings under which XLA:CPU's large buffers are reused from call to

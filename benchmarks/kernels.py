@@ -30,6 +30,7 @@ the script then refuses unless ``--interpret`` is given (to check that it runs).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -59,141 +60,57 @@ def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args, repeats:
   }
 
 
-def quantize_rows(
-  sizes=(2**20, 2**22, 2**24),
-  *,
-  levels: int = 7,
-  bucket_size: int = 512,
-  repeats: int = 20,
-  interpret: bool | None = None,
-) -> list[dict]:
-  """GB/s of the quantize kernel and of the XLA codec, without and with fused EF.
-
-  Bytes counted: the float32 input (and residual) read, the payload (and new residual)
-  written.
-  """
-  rows = []
+def rows_at(n: int, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
+  """Every kernel's row at ``n`` values (QSGD 4-bit and OneBit, buckets of 512)."""
+  q, b = dict(levels=7, bucket_size=512), dict(bucket_size=512)
+  x = jax.random.normal(jax.random.key(1), (n,), _F32)
+  e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
   key = jax.random.key(0)
-  q = dict(levels=levels, bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
-    payload = sum(a.nbytes for a in xla_path.quantize_reference(x, key, **q))
-    rows.append(
-      bench_row(
-        "quantize",
-        n,
-        4 * n + payload,
-        lambda x, k: quantize.quantize(x, k, **q, interpret=interpret),
-        lambda x, k: xla_path.quantize_reference(x, k, **q),
-        x,
-        key,
-        repeats=repeats,
-      )
+  words, scales = xla_path.quantize_reference(x, key, **q)
+  qbytes = words.nbytes + scales.nbytes
+  signs = xla_path.sign_pack_reference(x, **b)
+  sbytes = sum(a.nbytes for a in signs)
+  cases = [  # name, bytes read + written, kernel, XLA path, arguments
+    ("quantize", 4 * n + qbytes, quantize.quantize, xla_path.quantize_reference, (x, key), q),
+    (
+      "quantize+ef",
+      12 * n + qbytes,
+      quantize.quantize,
+      xla_path.quantize_reference,
+      (x, key, e),
+      q,
+    ),
+    (
+      f"dequantize_sum K={k}",
+      k * qbytes + 4 * n,
+      functools.partial(dequantize.dequantize_sum, n=n),
+      functools.partial(xla_path.dequantize_sum_reference, n=n),
+      (jnp.stack([words] * k), jnp.stack([scales] * k)),
+      q,
+    ),
+    ("sign_pack", 4 * n + sbytes, sign_pack.sign_pack, xla_path.sign_pack_reference, (x,), b),
+    ("sign_pack+ef", 12 * n + sbytes, sign_pack.sign_pack, xla_path.sign_pack_reference, (x, e), b),
+    (
+      f"sign_unpack_sum K={k}",
+      k * sbytes + 4 * n,
+      functools.partial(sign_pack.sign_unpack_sum, n=n),
+      functools.partial(xla_path.sign_unpack_sum_reference, n=n),
+      tuple(jnp.stack([a] * k) for a in signs),
+      b,
+    ),
+  ]
+  return [
+    bench_row(
+      name,
+      n,
+      nbytes,
+      lambda *a, f=kernel, kw=kw: f(*a, **kw, interpret=interpret),
+      lambda *a, f=ref, kw=kw: f(*a, **kw),
+      *args,
+      repeats=repeats,
     )
-    rows.append(
-      bench_row(
-        "quantize+ef",
-        n,
-        12 * n + payload,
-        lambda x, k, e: quantize.quantize(x, k, e, **q, interpret=interpret),
-        lambda x, k, e: xla_path.quantize_reference(x, k, e, **q),
-        x,
-        key,
-        e,
-        repeats=repeats,
-      )
-    )
-  return rows
-
-
-def dequantize_rows(
-  sizes=(2**20, 2**22, 2**24),
-  *,
-  k: int = 8,
-  levels: int = 7,
-  bucket_size: int = 512,
-  repeats: int = 20,
-  interpret: bool | None = None,
-) -> list[dict]:
-  """GB/s of the fused decode-sum of ``k`` QSGD payloads and of the XLA path.
-
-  Bytes counted: the K payloads read plus the float32 sum written.
-  """
-  rows = []
-  q = dict(levels=levels, bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    words, scales = xla_path.quantize_reference(x, jax.random.key(0), **q)
-    words, scales = jnp.stack([words] * k), jnp.stack([scales] * k)
-    rows.append(
-      bench_row(
-        f"dequantize_sum K={k}",
-        n,
-        words.nbytes + scales.nbytes + 4 * n,
-        lambda w, s: dequantize.dequantize_sum(w, s, n=n, **q, interpret=interpret),
-        lambda w, s: xla_path.dequantize_sum_reference(w, s, n=n, **q),
-        words,
-        scales,
-        repeats=repeats,
-      )
-    )
-  return rows
-
-
-def sign_pack_rows(
-  sizes=(2**20, 2**22, 2**24),
-  *,
-  k: int = 8,
-  bucket_size: int = 512,
-  repeats: int = 20,
-  interpret: bool | None = None,
-) -> list[dict]:
-  """GB/s of ``sign_pack`` (without and with fused EF) and of the K-payload decode-sum,
-  each next to the XLA codec."""
-  rows = []
-  b = dict(bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
-    payload = xla_path.sign_pack_reference(x, **b)
-    nbytes = sum(a.nbytes for a in payload)
-    rows.append(
-      bench_row(
-        "sign_pack",
-        n,
-        4 * n + nbytes,
-        lambda x: sign_pack.sign_pack(x, **b, interpret=interpret),
-        lambda x: xla_path.sign_pack_reference(x, **b),
-        x,
-        repeats=repeats,
-      )
-    )
-    rows.append(
-      bench_row(
-        "sign_pack+ef",
-        n,
-        12 * n + nbytes,
-        lambda x, e: sign_pack.sign_pack(x, e, **b, interpret=interpret),
-        lambda x, e: xla_path.sign_pack_reference(x, e, **b),
-        x,
-        e,
-        repeats=repeats,
-      )
-    )
-    stacked = [jnp.stack([a] * k) for a in payload]
-    rows.append(
-      bench_row(
-        f"sign_unpack_sum K={k}",
-        n,
-        k * nbytes + 4 * n,
-        lambda w, p, m: sign_pack.sign_unpack_sum(w, p, m, n=n, **b, interpret=interpret),
-        lambda w, p, m: xla_path.sign_unpack_sum_reference(w, p, m, n=n, **b),
-        *stacked,
-        repeats=repeats,
-      )
-    )
-  return rows
+    for name, nbytes, kernel, ref, args, kw in cases
+  ]
 
 
 def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
@@ -202,8 +119,7 @@ def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
   for n in sizes:
     x = jax.random.normal(jax.random.key(1), (n,), _F32)
     t_copy = median_time(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
-    common = dict(sizes=(n,), repeats=repeats, interpret=interpret)
-    found = quantize_rows(**common) + dequantize_rows(k=k, **common) + sign_pack_rows(k=k, **common)
+    found = rows_at(n, k=k, repeats=repeats, interpret=interpret)
     for row in found:
       row["copy_gbs"] = 8 * n / t_copy / 1e9
     rows += found

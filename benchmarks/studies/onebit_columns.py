@@ -18,26 +18,23 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+from benchmarks._timing import ints
+from benchmarks._timing import md_head
 import jaxcomp as jc
 
 SHAPES = "1024x3,1024x7,1024x10,4096,1000x3,256x64,96"
 
 
-def _shape(text: str) -> tuple[int, ...]:
-  return tuple(int(d) for d in text.split("x"))
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", default="8", help="comma-separated device counts K")
+  parser.add_argument("--devices", type=ints, default="8", help="comma-separated device counts K")
   parser.add_argument("--shapes", default=SHAPES, help="comma-separated leaf shapes, AxB")
   args = parser.parse_args(argv)
   codec = jc.codecs.OneBit(per_column=True)
-  print("| leaf | K | r | chunk | allgather | two_phase | auto |")
-  print("|---|---:|---:|---|---:|---:|---:|")
-  for shape in map(_shape, args.shapes.split(",")):
+  print(md_head("leaf | K | r | chunk | allgather | two_phase | auto", "lrrlrrr"))
+  for shape in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
     params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
-    for k in (int(k) for k in args.devices.split(",")):
+    for k in args.devices:
       r = {
         c: jc.wire_report(
           jc.onebit_sgd(per_column=True, axis_name="b", collective=c, filter=lambda p, x: True),
