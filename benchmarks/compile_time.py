@@ -2,8 +2,8 @@
 
   python -m benchmarks.compile_time [--rows 640 --cols 128 --repeats 3]
 
-Prints the median lower and compile seconds of ``jit(shard_map(tx.update))`` for a
-single (rows, cols) leaf on 8 CPU devices, and the two-phase/allgather ratio.
+Median lower and compile seconds of ``jit(shard_map(tx.update))`` (4-bit QSGD) for one
+(rows, cols) leaf on 8 CPU devices. Results: docs/benchmarks.md, "Compile time".
 """
 
 import argparse
@@ -13,14 +13,14 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-import jaxcomp as jc  # noqa: E402
+import jaxcomp as jc
 
 AXIS = "batch"
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._timing import md_head
 import jaxcomp as jc
 
 
@@ -41,8 +42,7 @@ def table(n: int, s: int, draws: int) -> str:
   codec = jc.codecs.QSGD(s, bucket_size=None, norm="l2")
   encode = jax.jit(jax.vmap(lambda x, k: codec.encode(x, key=k), in_axes=(None, 0)))
   rows = [
-    f"| input (n = {n}, s = {s}) | mean bits / n | max bits / n | strings over 2.8n + 32 |",
-    "|---|---:|---:|---:|",
+    md_head(f"input (n = {n}, s = {s}) | mean bits / n | max bits / n | strings over 2.8n + 32")
   ]
   for name, x in inputs(n).items():
     payloads = encode(jnp.asarray(x, jnp.float32), jax.random.split(jax.random.key(1), draws))
