@@ -24,7 +24,7 @@ def median_time(fn, *args, repeats: int) -> float:
 
 
 def ints(text: str) -> list[int]:
-  """An argparse ``type``: comma-separated integers."""
+  """A command-line flag's ``type``: comma-separated integers."""
   return [int(s) for s in text.split(",")]
 
 
@@ -41,14 +41,9 @@ def md_head(columns: str, align: str = "") -> str:
   return f"| {columns} |\n|" + "|".join(rule[a] for a in align or "l" + "r" * (n - 1)) + "|"
 
 
-#: glibc malloc settings under which XLA:CPU's large buffers are reused from call to
-#: call. By default glibc serves an allocation above its mmap threshold (at most 32 MiB)
-#: with a fresh ``mmap`` and unmaps it when freed, so every call that writes a new
-#: 64 MiB output (a decode of 2^24 values) takes one page fault per 4 KiB page.
-#: ``mmap_max=0`` keeps large blocks on the heap, ``arena_max=1`` puts XLA's worker
-#: threads on the main heap (their own arenas' 64 MiB heaps cannot hold such a block),
-#: and ``trim_threshold`` stops freed memory from being returned to the system.
-#: Tunables are read when the process starts: set ``GLIBC_TUNABLES`` before Python.
+#: glibc malloc settings under which XLA:CPU's large buffers are reused from call to call
+#: instead of mmapped fresh (a page fault per 4 KiB); read when the process starts. Why
+#: each: docs/guides/kernels.md, "Large outputs on XLA:CPU: glibc's mmap threshold".
 REUSE_MALLOC = (
   "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184:glibc.malloc.arena_max=1"
 )

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _timing
+from benchmarks._timing import ints
 from benchmarks._timing import md_head
 from benchmarks._timing import md_row
 from benchmarks._timing import median_time
@@ -102,12 +103,13 @@ def rng_times(n: int, repeats: int) -> tuple[float, float, float, float]:
   """Seconds to draw n random values, threefry (jax.random) vs jaxcomp's hash: summed
   as uniforms (a reduction with a prologue: XLA:CPU's slow path), then written as one
   byte each (an elementwise pass, which is what the hash costs inside QSGD's encode)."""
-  key = jax.random.key(0)
-  threefry = jax.jit(lambda k: jnp.sum(jax.random.uniform(k, (n,), jnp.float32)))
-  hashed = jax.jit(lambda k: jnp.sum(rng.uniform(k, (n,))))
-  threefry8 = jax.jit(lambda k: jax.random.bits(k, (n,), jnp.uint32).astype(jnp.uint8))
-  hashed8 = jax.jit(lambda k: rng.bits24(k, (n,)).astype(jnp.uint8))
-  return tuple(median_time(f, key, repeats=repeats) for f in (threefry, hashed, threefry8, hashed8))
+  draws = (
+    lambda k: jnp.sum(jax.random.uniform(k, (n,), jnp.float32)),
+    lambda k: jnp.sum(rng.uniform(k, (n,))),
+    lambda k: jax.random.bits(k, (n,), jnp.uint32).astype(jnp.uint8),
+    lambda k: rng.bits24(k, (n,)).astype(jnp.uint8),
+  )
+  return tuple(median_time(jax.jit(f), jax.random.key(0), repeats=repeats) for f in draws)
 
 
 READ = jax.jit(jnp.sum)
@@ -128,12 +130,8 @@ def time_codec(
   encode = jax.jit(lambda a, k: codec.encode(a, key=k))
   decode = jax.jit(codec.decode)
   both = jax.jit(lambda a, k: codec.decode(codec.encode(a, key=k)))
-  payload = encode(x, key)
-  times = (
-    median_time(encode, x, key, repeats=repeats),
-    median_time(decode, payload, repeats=repeats),
-    median_time(both, x, key, repeats=repeats),
-  )
+  calls = ((encode, x, key), (decode, encode(x, key)), (both, x, key))
+  times = tuple(median_time(*call, repeats=repeats) for call in calls)
   shares = []
   for _ in range(rounds - 1):
     read = median_time(READ, x, repeats=repeats)
@@ -164,7 +162,7 @@ def top_ops(codec, x: jax.Array, key: jax.Array) -> tuple[float, list[tuple[str,
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", default="20,22,24,26", help="log2 of n, comma-separated")
+  parser.add_argument("--sizes", type=ints, default="20,22,24,26", help="log2 of n")
   parser.add_argument(
     "--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS).replace("%", "%%")
   )
@@ -182,7 +180,7 @@ def main(argv=None) -> None:
   if args.repeats < 1 or args.rounds < 1:
     parser.error("--repeats and --rounds must be at least 1")
   if args.error:
-    error_table(int(args.sizes.split(",")[0]))
+    error_table(args.sizes[0])
     return
   if args.reuse_malloc:
     _timing.reexec_with_reused_malloc()
@@ -201,7 +199,7 @@ def main(argv=None) -> None:
   head = "n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s)"
   print(md_head(head + " | % read roof | bits/value", align="rlrrrrrr"))
   profiled = []
-  for p in (int(s) for s in args.sizes.split(",")):
+  for p in args.sizes:
     n = 2**p
     x = jax.random.normal(jax.random.key(p), (n,), jnp.float32)
     key = jax.random.key(1)

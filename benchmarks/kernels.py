@@ -5,26 +5,13 @@
     python -m benchmarks.kernels --interpret --sizes 12 --repeats 1  # CPU smoke run
     python -m benchmarks.kernels --ragged --out kernels.md  # + n - 1000, table to a file
 
-Rows, per size ``n`` (float32 input, QSGD 4-bit / bucket 512, OneBit bucket 512):
-
-* ``copy``: ``x + 1`` into a new array, bytes read + written: the device's roof for a
-  pass that reads and writes, measured in the same run.
-* ``quantize`` and ``quantize+ef`` (fused error feedback): the Pallas kernel
-  (:mod:`jaxcomp.kernels.quantize`) and the XLA codec; bytes = input (and residual) read
-  + payload (and residual) written.
-* ``dequantize_sum`` (K payloads, :mod:`jaxcomp.kernels.dequantize`): the K payloads read
-  plus the float32 sum written.
-* OneBit's ``sign_pack`` / ``sign_pack+ef`` and ``sign_unpack_sum``
-  (:mod:`jaxcomp.kernels.sign_pack`), counted the same way.
-
-``--ragged`` adds, for each size, ``n - 1000`` values (a ragged last bucket: the
-Mosaic GPU kernels pad it, :class:`jaxcomp.kernels._mosaic._Layout`). The header line
-names the backend the kernels ran on. ``--out FILE`` writes the table to ``FILE`` after
-each size, so a run cut short keeps what it measured (``scripts/gpu_check.sh``).
-
-Every ratio is against numbers measured in the same run (these machines are noisy).
-Without a CUDA GPU the kernels only run in interpret mode, whose timings mean nothing;
-the script then refuses unless ``--interpret`` is given (to check that it runs).
+Per size ``n``: each kernel of :mod:`jaxcomp.kernels` (QSGD 4-bit and OneBit, buckets of
+512) and the XLA codec doing the same work, in GB/s of the arrays read and written, next
+to the device's copy (``x + 1``) of the same run. ``--ragged`` adds ``n - 1000`` (a ragged
+last bucket); ``--out FILE`` rewrites the table there after each size, so a run cut short
+keeps what it measured (``scripts/gpu_check.sh``). Without a CUDA GPU the kernels only
+run in interpret mode, whose timings mean nothing: the script refuses unless
+``--interpret`` is given. Rows and targets: docs/benchmarks.md, "Pallas kernels on GPU".
 """
 
 from __future__ import annotations
@@ -36,6 +23,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from benchmarks._timing import ints
+from benchmarks._timing import md_head
 from benchmarks._timing import median_time
 from jaxcomp.kernels import _common
 from jaxcomp.kernels import _mosaic
@@ -132,8 +121,7 @@ def _size(n: int) -> str:
 
 def table(rows: list[dict]) -> str:
   lines = [
-    "| kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    md_head("kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy")
   ]
   for r in rows:
     lines.append(
@@ -146,19 +134,11 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--sizes", default="20,22,24,26,28", help="comma-separated log2 sizes (default 2^20..2^28)"
-  )
+  parser.add_argument("--sizes", type=ints, default="20,22,24,26,28", help="log2 sizes")
   parser.add_argument("--k", type=int, default=8, help="payloads summed by the decoders")
   parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument(
-    "--interpret",
-    action="store_true",
-    help="run the kernels in interpret mode (a smoke run, not a timing)",
-  )
-  parser.add_argument(
-    "--ragged", action="store_true", help="also n - 1000 for each size (a ragged last bucket)"
-  )
+  parser.add_argument("--interpret", action="store_true", help="a smoke run, not a timing")
+  parser.add_argument("--ragged", action="store_true", help="also n - 1000 for each size")
   parser.add_argument("--out", help="also write the table here, rewritten after each size")
   args = parser.parse_args(argv)
   if not cuda_available() and not args.interpret:
@@ -168,9 +148,7 @@ def main(argv=None) -> int:
       file=sys.stderr,
     )
     return 2
-  sizes = [2 ** int(s) for s in args.sizes.split(",")]
-  if args.ragged:
-    sizes = [m for n in sizes for m in (n, n - 1000)]
+  sizes = [m for e in args.sizes for m in ((2**e, 2**e - 1000) if args.ragged else (2**e,))]
   device = jax.devices()[0]
   interpret = True if args.interpret else None
   header = (

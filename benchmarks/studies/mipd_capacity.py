@@ -41,21 +41,14 @@ DROP_RATE = 0.5
 
 def _layout(leaves):
   """MIPD's default layout of ``leaves``: (selected positions, halves, groups)."""
-  defaults = jc.mipd.__kwdefaults__
-  q = normal.NormalQuantizer(
-    defaults["intervals"], defaults["sigmas"], defaults["outlier_fraction"]
-  )
+  d = jc.mipd.__kwdefaults__
+  q = normal.NormalQuantizer(d["intervals"], d["sigmas"], d["outlier_fraction"])
   sel = [i for i, (p, x) in enumerate(leaves) if jc.default_filter(p, x)]
   sizes = [int(np.prod(leaves[i][1].shape)) for i in sel]
   halves = mipd_lib.balanced_halves(sizes)
+  group = mipd_lib._Group  # pylint: disable=protected-access
   groups = [
-    mipd_lib._Group(  # pylint: disable=protected-access
-      [sizes[j] for j in h],
-      DROP_RATE,
-      q,
-      defaults["outlier_fraction"],
-      min_keep=defaults["min_keep"],
-    )
+    group([sizes[j] for j in h], DROP_RATE, q, d["outlier_fraction"], min_keep=d["min_keep"])
     for h in halves
   ]
   return sel, halves, groups, q
@@ -68,9 +61,8 @@ def _counts(group, members, gs, preds, pnorms, quantizer):
   errs = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g - p))) for g, p in zip(g_m, p_m)])
   beta = jc.mipd.__kwdefaults__["beta"]
   rates = mipd_lib.drop_rates(jnp.stack([pnorms[j] for j in members]), errs, beta)
-  keep = jnp.asarray(group.sizes, jnp.int32) - mipd_lib.allocate_drops(
-    rates, group.caps, group.drops
-  )
+  drops = mipd_lib.allocate_drops(rates, group.caps, group.drops)
+  keep = jnp.asarray(group.sizes, jnp.int32) - drops
   coded = group.code(*group.select(g_m, keep))
   owners = mipd_exchange._Owners(group, k, quantizer, 2)  # pylint: disable=protected-access
   mask, outl = owners.rows(coded.mask, False), owners.rows(coded.outl, False)
@@ -84,11 +76,8 @@ def _counts(group, members, gs, preds, pnorms, quantizer):
   p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
   mine = jnp.asarray(owners.index)[jax.lax.axis_index(AXIS)]
   pred = jnp.concatenate([p_flat, jnp.zeros((1,), jnp.float32)])[mine]
-  received = total / k
-  mean = (total + (k - count) * pred) / k  # compensated (the default)
-  fmt = owners.pull
-  pull_out = []
-  for v in (mean, received):
+  fmt, pull_out = owners.pull, []
+  for v in ((total + (k - count) * pred) / k, total / k):  # compensated mean, received
     segs = [v[int(lo) : int(hi)] for lo, hi in zip(fmt.offsets[:-1], fmt.offsets[1:])]
     _, o, _ = mipd_exchange._layer_codes(  # pylint: disable=protected-access
       segs, [jnp.ones(s.shape, bool) for s in segs], fmt.quantizer
@@ -111,15 +100,13 @@ def recording(tx: optax.GradientTransformation, records: list) -> optax.Gradient
     # The half update's parity, read from the state as the real update reads it.
     parity = (jax.lax.pmax(state.count, AXIS) % 2).astype(jnp.int32)
     for active, (group, members) in enumerate(zip(groups, halves)):
-      kept, push_out, pull_out, caps = _counts(group, members, gs, preds, pnorms, q)
+      *counts, caps = _counts(group, members, gs, preds, pnorms, q)
 
       def record(device, parity, *counts, active=active, caps=caps):
         if int(parity) == active:
           records.append((active, int(device), *map(np.asarray, counts), caps))
 
-      jax.debug.callback(
-        record, jax.lax.axis_index(AXIS), parity, kept, push_out, pull_out, ordered=False
-      )
+      jax.debug.callback(record, jax.lax.axis_index(AXIS), parity, *counts, ordered=False)
     return out
 
   return optax.GradientTransformation(tx.init, update_fn)
