@@ -40,20 +40,6 @@ CHECKPOINT_EVERY = 20
 LM_STEPS = 2_000  # the transformer's run (a tc-free schedule: it is cut long before)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-  """Polls ``predicate`` every 0.1 s; raises TimeoutError naming ``what`` after ``timeout``."""
-  deadline = time.monotonic() + timeout
-  while not predicate():
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"no {what} after {timeout:g} s")
-    time.sleep(0.1)
-
-
-def first_checkpoint(workdir: str, method: str) -> Callable[[], bool]:
-  """Whether ``method`` has a complete checkpoint in ``workdir`` (a predicate)."""
-  return lambda: launch.complete_checkpoints(workdir, [method])[method] is not None
-
-
 def launch_args(
   workdir: str,
   fault_timeout: int,
@@ -63,15 +49,8 @@ def launch_args(
   method: str = "dgc",
 ) -> list[str]:
   """The flags of the faulted run (``python -m benchmarks.launch`` takes them too)."""
-  return launch.worker_args(
-    method,
-    config="quick",
-    devices_per_process=1,
-    steps=steps,
-    workdir=workdir,
-    checkpoint_every=checkpoint_every,
-    fault_timeout=fault_timeout,
-  )
+  run = dict(config="quick", devices_per_process=1, workdir=workdir, fault_timeout=fault_timeout)
+  return launch.worker_args(method, steps=steps, checkpoint_every=checkpoint_every, **run)
 
 
 def launch_command(workdir: str, fault_timeout: int, **kwargs) -> list[str]:
@@ -81,10 +60,15 @@ def launch_command(workdir: str, fault_timeout: int, **kwargs) -> list[str]:
 
 
 def _cut(procs, fault: Callable[[], None], wait, workdir: str, method: str, timeout: float):
-  """Calls ``fault`` once ``method`` has a complete checkpoint; returns the seconds that
-  ``wait(timeout)`` took. Whatever of ``procs`` (ours) is still running is then killed."""
+  """Calls ``fault`` once ``method`` has a complete checkpoint (polled every 0.1 s; a
+  TimeoutError after ``timeout``); returns the seconds that ``wait(timeout)`` took.
+  Whatever of ``procs`` (ours) is still running is then killed."""
   try:
-    wait_for(first_checkpoint(workdir, method), timeout, "checkpoint")
+    deadline = time.monotonic() + timeout
+    while launch.complete_checkpoints(workdir, [method])[method] is None:
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"no checkpoint after {timeout:g} s")
+      time.sleep(0.1)
     fault()
     start = time.monotonic()
     wait(timeout)

@@ -82,10 +82,8 @@ def demo_accuracy_vs_bytes(results: str):
     ax.plot(x, s1, ls="", ms=size, mfc="white", **st)
     if m == "dense":
       ax.axhline(s0, color="black", ls=":", lw=1, zorder=0)
-  ax.set_xscale("log")
-  ax.set_xlabel("bytes received per device per step (log scale)")
-  ax.set_ylabel("test accuracy (%)")
-  ax.set_title("MNIST-1D demo, 8 devices: filled seed 0, hollow seed 1")
+  ax.set(xscale="log", xlabel="bytes received per device per step (log scale)")
+  ax.set(ylabel="test accuracy (%)", title="MNIST-1D demo, 8 devices: filled seed 0, hollow seed 1")
   ax.legend(fontsize=8, ncol=2, loc="lower right")
   ax.grid(True, which="both", alpha=0.3)
   return fig
@@ -106,20 +104,19 @@ def method_map(results: str):
     span = [[gap - (min(seeds) - dense_acc)], [max(seeds) - dense_acc - gap]]
     left.errorbar(row["ratio vs dense"], gap, yerr=span, ls="", capsize=2, label=row["method"],
                   **_style(row["method"]))  # fmt: skip
-  left.set_ylabel("test accuracy − dense's (points)")
-  left.set_title("MNIST-1D demo (2 seeds)")
+  left.set(ylabel="test accuracy − dense's (points)", title="MNIST-1D demo (2 seeds)")
   for row in lm["rows"]:
     gap, sd = row["vs dense"] or (0.0, 0.0)
     hollow = {"mfc": "white"} if row["setting"] not in ("", "buckets of 128 (default)") else {}
     label = row["method"] + (f" ({row['setting'].replace('`', '')})" if row["setting"] else "")
     right.errorbar(row["ratio vs dense"], gap, yerr=sd, ls="", capsize=2, label=label,
                    **_style(row["method"]), **hollow)  # fmt: skip
-  right.set_ylabel("validation loss above dense's (%)")
-  right.set_title("Transformer LM, 200 updates (3 seeds)")
+  right.set(
+    ylabel="validation loss above dense's (%)", title="Transformer LM, 200 updates (3 seeds)"
+  )
   right.invert_yaxis()  # better is up in both panels
   for ax in (left, right):
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes per step, dense / method (log scale)")
+    ax.set(xscale="log", xlabel="bytes per step, dense / method (log scale)")
     ax.axhline(0, color="black", ls=":", lw=1)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower left")
@@ -138,8 +135,7 @@ def _speedup_panel(ax, series: dict[str, dict[Any, float]], title: str):
   ax.set_yscale("log", base=2)
   ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
   ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-  ax.set_xlabel("link rate")
-  ax.set_ylabel("step-time speed-up over dense (log scale)")
+  ax.set(xlabel="link rate", ylabel="step-time speed-up over dense (log scale)")
   ax.set_title(title, fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=7)
@@ -197,8 +193,7 @@ def lm_loss_vs_time(results: str):
     if target is not None:
       ax.axhline(target, color="black", ls=":", lw=1, label="target: dense's loss")
       ax.set_ylim(target - 0.1, target + 1.2)  # the approach to the target, not the start
-    ax.set_xlabel("training time (s)")
-    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set(xlabel="training time (s)", ylabel="validation loss (nats/byte)")
     ax.set_title(f"Transformer LM, 2 processes over {rate.replace('mbit', ' Mbit/s')}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

@@ -2,17 +2,14 @@
 
   python -m benchmarks.studies.demo_variants --variants dgc_clip_mean,dgc_no_clip --seed 0
   python -m benchmarks.studies.demo_variants --variants all --seed 1
-  python -m benchmarks.studies.demo_variants --variants mipd_half,mipd_half_drop,mipd_full
-  python -m benchmarks.studies.demo_variants --saturation
-  python -m benchmarks.studies.demo_variants --mipd-drops
-  python -m benchmarks.studies.demo_variants --variants onebit_adam_demo,onebit_adam_unbounded
+  python -m benchmarks.studies.demo_variants --saturation     # or --mipd-drops
 
-Each variant trains the demo's CNN (examples/mnist1d, default config, 8 CPU devices)
-with one exchange changed and prints its test accuracy next to a dense run of the same
-seed (the baseline of the same run), and its bytes ratio from ``jc.wire_report`` (DGC:
-steady state, without warm-up). ``--saturation`` prints, per compressed kernel of the
-CNN's gradient at init (batch 256), the share of the greedy Wangni sparsifier's planned
-count ``m = κn`` that saturates (``p_i = 1``): what sizes its value slots.
+Each variant trains the demo's CNN (examples/mnist1d, 8 CPU devices) with one exchange
+changed, next to a dense run of the same seed, with its bytes ratio from
+``jc.wire_report`` (DGC: steady state). ``--saturation``: the share of the greedy Wangni
+sparsifier's planned count that saturates, per kernel of the gradient at init;
+``--mipd-drops``: MIPD's drops per layer at init. Tables: the methods' pages
+(docs/benchmarks.md, "Demo variants", links them).
 """
 
 from __future__ import annotations

@@ -66,8 +66,9 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
     return jnp.mean(jnp.logaddexp(0.0, -z)) + reg
 
   mesh = jax.make_mesh((K,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  xs = jax.device_put(jnp.asarray(a, jnp.float32), NamedSharding(mesh, P(AXIS)))
-  ys = jax.device_put(jnp.asarray(y, jnp.float32), NamedSharding(mesh, P(AXIS)))
+  xs, ys = jax.device_put(
+    (jnp.asarray(a, jnp.float32), jnp.asarray(y, jnp.float32)), NamedSharding(mesh, P(AXIS))
+  )
   params0 = {"w": jnp.zeros((d,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
   variants = {
     "SVRG (dense, Identity codec)": dict(codec=jc.codecs.Identity()),
@@ -86,11 +87,8 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
       idx = jax.random.randint(k, (steps, BATCH), 0, ROWS)
       return opt.epoch(params, state, (x, t), (x[idx], t[idx]))
 
-    step = jax.jit(
-      jax.shard_map(
-        epoch, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P())
-      )
-    )
+    specs = dict(in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P()))
+    step = jax.jit(jax.shard_map(epoch, mesh=mesh, **specs))
     params, state = jax.device_put((params0, opt.init(params0)), NamedSharding(mesh, P()))
     sub = [f(np.zeros(d), 0.0) - fstar]
     for p in range(epochs):
