@@ -39,14 +39,8 @@ _F32 = jnp.float32
 
 def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args, repeats: int) -> dict:
   """One row: GB/s (``nbytes`` per call) of a kernel and of the XLA path, same run."""
-  t_kernel = median_time(jax.jit(kernel_fn), *args, repeats=repeats)
-  t_xla = median_time(jax.jit(xla_fn), *args, repeats=repeats)
-  return {
-    "kernel": name,
-    "n": n,
-    "pallas_gbs": nbytes / t_kernel / 1e9,
-    "xla_gbs": nbytes / t_xla / 1e9,
-  }
+  gbs = lambda fn: nbytes / median_time(jax.jit(fn), *args, repeats=repeats) / 1e9
+  return {"kernel": name, "n": n, "pallas_gbs": gbs(kernel_fn), "xla_gbs": gbs(xla_fn)}
 
 
 def rows_at(n: int, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:

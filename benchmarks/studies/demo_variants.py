@@ -158,8 +158,9 @@ def run(names, seed: int, workdir: str) -> None:
 
 
 def saturation(workdir: str) -> None:
+  grads = init_grads(workdir)[1]
   print("\n" + md_head("kernel | n | κ = 1% | κ = 5% | κ = 10%"))
-  for path, g in compressed(init_grads(workdir)[1]):
+  for path, g in compressed(grads):
     shares = []
     for kappa in (0.01, 0.05, 0.1):
       p, _ = jc.codecs.UnbiasedSparsifier(density=kappa).probabilities(jnp.asarray(g))

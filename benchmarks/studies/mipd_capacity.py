@@ -13,7 +13,6 @@ each capacity and the steps above it. Results: docs/methods/mipd.md, "The capaci
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 
 import jax
@@ -114,12 +113,9 @@ def recording(tx: optax.GradientTransformation, records: list) -> optax.Gradient
 
 def summarize(records: list, num_steps: int) -> str:
   """Per group and count: mean, largest and capacity, and the steps above a capacity."""
-  by_group = collections.defaultdict(list)
-  for rec in records:
-    by_group[rec[0]].append(rec)
   lines = [md_head("group | count | mean | largest | capacity | above capacity", "rlrrrr")]
-  for group in sorted(by_group):
-    recs = by_group[group]
+  for group in sorted({r[0] for r in records}):
+    recs = [r for r in records if r[0] == group]
     slots, push_cap, pull_cap = recs[0][5]
     for name, idx, cap in (
       ("kept entries per owner (push)", 2, slots),
@@ -134,13 +130,12 @@ def summarize(records: list, num_steps: int) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=None, help="training steps (default: 600)")
+  steps = default.get_config().num_steps
+  parser.add_argument("--steps", type=int, default=steps, help="training steps (%(default)s)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--workdir", default="runs/mipd_capacity")
   args = parser.parse_args(argv)
-  cfg = dataclasses.replace(default.get_config(), seed=args.seed)
-  if args.steps is not None:
-    cfg = dataclasses.replace(cfg, num_steps=args.steps)
+  cfg = dataclasses.replace(default.get_config(), seed=args.seed, num_steps=args.steps)
   mesh, data, model, p0 = train.setup(cfg, args.workdir)
   records: list = []
   tx = recording(jc.mipd(DROP_RATE, axis_name=AXIS, collective="two_phase"), records)
