@@ -151,13 +151,11 @@ def measure_lm_kill(
   victim: int = 1,
   **kwargs,
 ) -> dict[str, Any]:
-  """Starts the 2 LM processes (:func:`lm_commands`; output to
-  ``WORKDIR/process{i}.log``), kills process ``victim`` with SIGKILL after the first
-  checkpoint and waits for the other to end: no launcher, only the survivor itself
-  notices (process 0 runs the coordination service: ``victim=0`` takes it down too).
+  """Starts the 2 LM processes (:func:`lm_commands`; logs ``WORKDIR/process{i}.log``),
+  SIGKILLs process ``victim`` after the first checkpoint and times the other's exit: no
+  launcher, the survivor notices alone (``victim=0`` takes the coordinator down too).
   Returns the seconds to the survivor's exit, its exit code, one line (its exit and the
-  cause its output names), the commands (run them again to resume) and the processes
-  that outlived it.
+  cause its output names), the commands (rerun them to resume) and the survivors.
 
   Raises:
     RuntimeError: a process ended before the kill (the run was too short).

@@ -1,17 +1,11 @@
 r"""Does DiLoCo's overlapped outer step hide the exchange? 2 processes, a throttled link.
 
-In one program the sync step holds the exchange's collectives, so the loop is split into
-programs (:func:`programs`): an inner step, the exchange of ``Δ_i = B_i - θ_i``, the
-apply (outer step with the pending mean, ``θ_i ← A + (θ_i - B_i)``, ``B_i ← θ_i``).
-Per round: (a) non-overlapped DiLoCo (exchange, outer step, inner steps waiting on it);
-(b) overlapped, the exchange dispatched and read one sync later; (b') the same with the
-exchange dispatched from a thread of its own; (c) the ``H`` inner steps alone. (b) near
-max(inner, exchange) means the exchange ran alongside the inner steps; near the sum, not.
-``tests/test_overlap_bench.py`` checks the loop against ``jc.diloco(overlap=True)``.
-
-  python -m benchmarks.overlap --rates 100mbit,10mbit --no-pin  # netns + tc: root
-  python -m benchmarks.overlap --smoke                          # 127.0.0.1, no root
-  python -m benchmarks.overlap --price                          # jc.network's pricing
+The loop is split into jitted programs (:func:`programs`: an inner step, the exchange of
+``Δ_i = B_i - θ_i``, the apply), timed per round as (a) non-overlapped DiLoCo, (b) the
+exchange read one sync later, (b') the same dispatched from a thread of its own and (c)
+the ``H`` inner steps alone. ``tests/test_overlap_bench.py`` checks the loop against
+``jc.diloco(overlap=True)``. Results and what they mean: docs/benchmarks.md,
+"Overlapped outer steps".
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
   python -m benchmarks.studies.elias_device               # n = 2**16 .. 2**22
   python -m benchmarks.studies.elias_device --sizes 16,20
 
-For each n (one bucket, l2 norm, s = √n, the paper's setting) it times, jitted on one
-CPU device (median of ``--repeats`` after a warm-up): the fixed-width ``QSGD.encode``
-(the baseline of the same run), ``EliasQSGD.encode`` (quantization + Elias coding into
-the buffer) and ``EliasQSGD.decode`` (host callback), and prints values/s and ratios.
+Per n (one bucket, l2, s = √n), jitted on one CPU device: the fixed-width
+``QSGD.encode`` (the same run's baseline), ``EliasQSGD.encode`` and ``EliasQSGD.decode``
+(a host callback). Results: docs/methods/elias.md.
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
   python -m benchmarks.studies.mipd_wire
   python -m benchmarks.studies.mipd_wire --devices 8,64
 
-Prints a Markdown table: for the demo's CNN (examples/mnist1d, default config), a
-786K-parameter MLP (kernels 512×512, 256×512, 256×512 and a 512 bias, as
-``tests/test_mipd.py::WIRE_PARAMS``) and a 3.1M-parameter one (1024×1024, 512×1024,
-512×1024, bias 1024), the bytes received per device per step of ``jc.mipd(0.5)`` with
-``collective="allgather"``, ``"two_phase"`` and ``"auto"``, and their ratios to a dense
-``pmean``, from ``jc.wire_report`` (traced over an abstract mesh: no devices needed).
+For the demo's CNN and MLPs of 786K (as ``tests/test_mipd.py::WIRE_PARAMS``) and 3.1M
+parameters: ``jc.wire_report``'s bytes per device per step of ``jc.mipd(0.5)`` per
+collective and their ratios to a dense ``pmean`` (traced over an abstract mesh: no
+devices needed). Results: docs/methods/mipd.md.
 """
 
 from __future__ import annotations

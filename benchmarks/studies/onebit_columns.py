@@ -3,12 +3,10 @@
   python -m benchmarks.studies.onebit_columns
   python -m benchmarks.studies.onebit_columns --devices 8,16 --shapes 1024x3,4096
 
-Prints a Markdown table: for each leaf shape and device count K, the column segments
-``r`` of its two-phase chunks (``OneBit.column_segments``), its chunk shape, and the bytes
-received per device per step of ``jc.onebit_sgd(per_column=True)`` with
-``collective="allgather"``, ``"two_phase"`` and ``"auto"``, with ratios to a dense
-float32 all-reduce, from ``jc.wire_report`` (traced over an abstract mesh: no devices
-needed).
+Per leaf shape and device count K: the column segments ``r`` of its two-phase chunks,
+the chunk shape, and ``jc.wire_report``'s bytes per device per step of
+``jc.onebit_sgd(per_column=True)`` per collective, with ratios to a dense all-reduce
+(traced over an abstract mesh: no devices needed). Results: docs/methods/onebit_sgd.md.
 """
 
 from __future__ import annotations
