@@ -179,9 +179,9 @@ def main() -> None:
   )
   print("### Gaussian vectors, one l2 bucket\n")
   print(gaussian_table(args.log2n, args.keys))
-  if not args.no_cnn:
-    print("\n### Demo CNN (MNIST-1D) gradient at init, batch 256\n")
+  if not args.no_cnn:  # (the data set's line first)
     grads = {p: np.asarray(g, np.float32) for p, g in compressed(init_grads(args.workdir)[1])}
+    print("\n### Demo CNN (MNIST-1D) gradient at init, batch 256\n")
     print(cnn_tables(grads, args.keys))
   print("\n### Length spread at s = sqrt(n)\n")
   print(spread_table([10, 12, 16], args.draws))
