@@ -1,5 +1,5 @@
-"""Shared helpers of the benchmark scripts: timing, and running under a malloc that
-reuses large buffers."""
+"""Shared helpers of the benchmark scripts: timing, Markdown tables, comma-separated
+flags, and running under a malloc that reuses large buffers."""
 
 from __future__ import annotations
 
@@ -23,14 +23,27 @@ def median_time(fn, *args, repeats: int) -> float:
   return statistics.median(times)
 
 
-#: glibc malloc settings under which XLA:CPU's large buffers are reused from call to
-#: call. By default glibc serves an allocation above its mmap threshold (at most 32 MiB)
-#: with a fresh ``mmap`` and unmaps it when freed, so every call that writes a new
-#: 64 MiB output (a decode of 2^24 values) takes one page fault per 4 KiB page.
-#: ``mmap_max=0`` keeps large blocks on the heap, ``arena_max=1`` puts XLA's worker
-#: threads on the main heap (their own arenas' 64 MiB heaps cannot hold such a block),
-#: and ``trim_threshold`` stops freed memory from being returned to the system.
-#: Tunables are read when the process starts: set ``GLIBC_TUNABLES`` before Python.
+def ints(text: str) -> list[int]:
+  """A command-line flag's ``type``: comma-separated integers."""
+  return [int(s) for s in text.split(",")]
+
+
+def md_row(*cells) -> str:
+  """A Markdown table row (an empty cell stays ``| |``)."""
+  return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
+
+
+def md_head(columns: str, align: str = "") -> str:
+  """A Markdown table's header (``columns``: the names, ``" | "`` between them) and rule;
+  ``align`` has ``l``, ``r`` or ``c`` per column (default: the first left, others right)."""
+  n = columns.count(" | ") + 1
+  rule = {"l": "---", "r": "---:", "c": ":---:"}
+  return f"| {columns} |\n|" + "|".join(rule[a] for a in align or "l" + "r" * (n - 1)) + "|"
+
+
+#: glibc malloc settings under which XLA:CPU's large buffers are reused from call to call
+#: instead of mmapped fresh (a page fault per 4 KiB); read when the process starts. Why
+#: each: docs/guides/kernels.md, "Large outputs on XLA:CPU: glibc's mmap threshold".
 REUSE_MALLOC = (
   "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184:glibc.malloc.arena_max=1"
 )

@@ -1,47 +1,18 @@
 r"""Throughput of every codec's encode, decode and encode+decode on this machine.
 
-Each row is timed next to this machine's *read roof*, ``jnp.sum(x)`` over the same
-float32 array in the same run (the least a codec can do is read its input once), and
-next to a copy (``x + 1``: read and write). Throughput counts the float32 input bytes
-(``4n``) per second; "% roof" is encode+decode time of the roof over the codec's (for
-the reference rows, the roof's time over theirs).
+Each row is timed next to the *read roof*, ``jnp.sum(x)`` over the same float32 array in
+the same run, and a copy (``x + 1``); GB/s counts the 4n input bytes. Rows named
+``*_xla`` pin the XLA path; the others run what a codec runs by default (on a CPU the
+native kernels of :mod:`jaxcomp.kernels.cpu` for QSGD and OneBit). ``--error`` prints
+each of :data:`ERROR_CODECS`' error instead. Tables and what they show:
+docs/benchmarks.md ("Codec throughput on CPU", "FP8 codecs"); ``--rounds`` and
+``--reuse-malloc``: docs/guides/kernels.md ("Large outputs on XLA:CPU").
 
   python -m benchmarks.codecs                       # 1M..64M, every codec
   python -m benchmarks.codecs --sizes 22,24 --codecs qsgd4,onebit --repeats 5 --rng
-  python -m benchmarks.codecs --codecs identity,qsgd4,qsgd4_xla,onebit,onebit_xla
   python -m benchmarks.codecs --sizes 22 --codecs qsgd4,onebit --ops   # what limits them
-  python -m benchmarks.codecs --reuse-malloc   # glibc keeps large buffers (see below)
   python -m benchmarks.codecs --codecs identity,qsgd4,onebit --rounds 7 --reuse-malloc
   python -m benchmarks.codecs --error --sizes 20   # FP8 vs int8 blocks vs QSGD: error
-
-``--error`` prints, instead of the timings, each of :data:`ERROR_CODECS`' error on
-2^p Gaussian values, Student-t ones (3 degrees of freedom, heavy-tailed), and Gaussian
-ones times ``e^u``, ``u`` uniform in [-7, 7] (magnitudes over 6 decades): relative RMS
-error ``||x̂ - x|| / ||x||``, the largest error of a value over the largest value,
-the median relative error of a value ``|x̂_i - x_i| / |x_i|`` (what a block's small
-values keep), and the bits a value on the wire.
-
-``--rounds R`` times each codec's share of the read roof R times, the roof re-timed
-right before the codec's encode+decode in each round (the first round uses the roof at
-the top of the size), and prints the median share with its range: on a shared host
-whose speed changes from second to second, a share from one pair of timings moves by
-several points.
-
-``--ops`` also lists, per codec and size, the costliest XLA ops of ``decode(encode(x))``
-(``jc.profile_phases`` over 10 calls): which passes the time goes to.
-
-``--reuse-malloc`` restarts the command with ``GLIBC_TUNABLES`` set so that glibc reuses
-freed large blocks (``benchmarks._timing.REUSE_MALLOC``): by default every output above
-32 MiB (a decode or a copy of 2^24 values or more) is a fresh ``mmap``, paid for with a
-page fault per 4 KiB, and that, not the codec, dominates the decode at those sizes.
-
-Rows named ``*_xla`` pin the XLA path (``implementation="xla"``); the others are what a
-codec runs by default, which on a CPU is the native kernels of
-:mod:`jaxcomp.kernels.cpu` for QSGD (max norm) and OneBit (the header says whether they
-built here).
-
-On XLA:CPU everything runs on the host's cores (2 on the development machine); XLA
-parallelises large fusions across them, so the roof is the machine's, not one core's.
 """
 
 from __future__ import annotations
@@ -54,6 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _timing
+from benchmarks._timing import ints
+from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 from benchmarks._timing import median_time
 import jaxcomp as jc
 from jaxcomp._src.plumbing import rng
@@ -105,11 +79,8 @@ ERROR_CODECS = {
 def error_table(p: int) -> None:
   """Prints each of :data:`ERROR_CODECS`' errors on 2^p values of three distributions."""
   n = 2**p
-  print(
-    "| values | codec | bits/value | relative RMS error | max error / max value |"
-    " median relative error |"
-  )
-  print("|---|---|---:|---:|---:|---:|")
+  head = "values | codec | bits/value | relative RMS error | max error / max value"
+  print(md_head(head + " | median relative error", align="llrrrr"))
   for dist in ("gaussian", "student_t3", "log_uniform"):
     kx, ks = jax.random.split(jax.random.key(p))
     x = jax.random.t(kx, 3.0, (n,)) if dist == "student_t3" else jax.random.normal(kx, (n,))
@@ -132,12 +103,13 @@ def rng_times(n: int, repeats: int) -> tuple[float, float, float, float]:
   """Seconds to draw n random values, threefry (jax.random) vs jaxcomp's hash: summed
   as uniforms (a reduction with a prologue: XLA:CPU's slow path), then written as one
   byte each (an elementwise pass, which is what the hash costs inside QSGD's encode)."""
-  key = jax.random.key(0)
-  threefry = jax.jit(lambda k: jnp.sum(jax.random.uniform(k, (n,), jnp.float32)))
-  hashed = jax.jit(lambda k: jnp.sum(rng.uniform(k, (n,))))
-  threefry8 = jax.jit(lambda k: jax.random.bits(k, (n,), jnp.uint32).astype(jnp.uint8))
-  hashed8 = jax.jit(lambda k: rng.bits24(k, (n,)).astype(jnp.uint8))
-  return tuple(median_time(f, key, repeats=repeats) for f in (threefry, hashed, threefry8, hashed8))
+  draws = (
+    lambda k: jnp.sum(jax.random.uniform(k, (n,), jnp.float32)),
+    lambda k: jnp.sum(rng.uniform(k, (n,))),
+    lambda k: jax.random.bits(k, (n,), jnp.uint32).astype(jnp.uint8),
+    lambda k: rng.bits24(k, (n,)).astype(jnp.uint8),
+  )
+  return tuple(median_time(jax.jit(f), jax.random.key(0), repeats=repeats) for f in draws)
 
 
 READ = jax.jit(jnp.sum)
@@ -158,12 +130,8 @@ def time_codec(
   encode = jax.jit(lambda a, k: codec.encode(a, key=k))
   decode = jax.jit(codec.decode)
   both = jax.jit(lambda a, k: codec.decode(codec.encode(a, key=k)))
-  payload = encode(x, key)
-  times = (
-    median_time(encode, x, key, repeats=repeats),
-    median_time(decode, payload, repeats=repeats),
-    median_time(both, x, key, repeats=repeats),
-  )
+  calls = ((encode, x, key), (decode, encode(x, key)), (both, x, key))
+  times = tuple(median_time(*call, repeats=repeats) for call in calls)
   shares = []
   for _ in range(rounds - 1):
     read = median_time(READ, x, repeats=repeats)
@@ -194,40 +162,25 @@ def top_ops(codec, x: jax.Array, key: jax.Array) -> tuple[float, list[tuple[str,
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", default="20,22,24,26", help="log2 of n, comma-separated")
+  parser.add_argument("--sizes", type=ints, default="20,22,24,26", help="log2 of n")
   parser.add_argument(
     "--codecs", default=",".join(CODECS), help="subset of " + ",".join(CODECS).replace("%", "%%")
   )
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument(
-    "--rounds",
-    type=int,
-    default=1,
-    help="time each codec's share of the read roof this many times, "
-    "the roof re-timed next to it each time; the table shows "
-    "the median share and its range",
+    "--rounds", type=int, default=1, help="share of the read roof: median (range) of R timings"
   )
+  parser.add_argument("--rng", action="store_true", help="also time threefry vs the hash")
+  parser.add_argument("--ops", action="store_true", help="also list each codec's costliest ops")
+  parser.add_argument("--error", action="store_true", help="print the error table instead")
   parser.add_argument(
-    "--rng",
-    action="store_true",
-    help="also time the random bits: jax.random (threefry) vs the hash",
-  )
-  parser.add_argument(
-    "--ops", action="store_true", help="also list each codec's costliest ops of decode(encode(x))"
-  )
-  parser.add_argument(
-    "--error", action="store_true", help="print the FP8/int8/QSGD error table instead"
-  )
-  parser.add_argument(
-    "--reuse-malloc",
-    action="store_true",
-    help="restart with GLIBC_TUNABLES set so that large buffers are reused",
+    "--reuse-malloc", action="store_true", help="restart with GLIBC_TUNABLES reusing buffers"
   )
   args = parser.parse_args(argv)
   if args.repeats < 1 or args.rounds < 1:
     parser.error("--repeats and --rounds must be at least 1")
   if args.error:
-    error_table(int(args.sizes.split(",")[0]))
+    error_table(args.sizes[0])
     return
   if args.reuse_malloc:
     _timing.reexec_with_reused_malloc()
@@ -243,13 +196,10 @@ def main(argv=None) -> None:
     f"native CPU kernels: {native}; median of {args.repeats}"
     + (f"; % read roof: median (range) of {args.rounds} rounds" if args.rounds > 1 else "")
   )
-  print(
-    "| n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s) |"
-    " % read roof | bits/value |"
-  )
-  print("|---:|---|---:|---:|---:|---:|---:|---:|")
+  head = "n | codec | encode (GB/s) | decode (GB/s) | enc+dec (GB/s) | enc+dec (Mval/s)"
+  print(md_head(head + " | % read roof | bits/value", align="rlrrrrrr"))
   profiled = []
-  for p in (int(s) for s in args.sizes.split(",")):
+  for p in args.sizes:
     n = 2**p
     x = jax.random.normal(jax.random.key(p), (n,), jnp.float32)
     key = jax.random.key(1)
@@ -261,17 +211,11 @@ def main(argv=None) -> None:
       f" {100 * read / copy:.0f} | |"
     )
     if args.rng:
-      threefry, hashed, threefry8, hashed8 = rng_times(n, args.repeats)
-      print(f"| 2^{p} | *sum of uniforms: threefry* | | | | {n / threefry / 1e6:.0f} | | |")
-      print(f"| 2^{p} | *sum of uniforms: jaxcomp hash* | | | | {n / hashed / 1e6:.0f} | | |")
-      print(
-        f"| 2^{p} | *random bits to uint8: threefry* | | | | {n / threefry8 / 1e6:.0f} |"
-        f" {100 * read / threefry8:.0f} | |"
-      )
-      print(
-        f"| 2^{p} | *random bits to uint8: jaxcomp hash* | | | |"
-        f" {n / hashed8 / 1e6:.0f} | {100 * read / hashed8:.0f} | |"
-      )
+      kinds = ("sum of uniforms", "random bits to uint8")
+      for i, t in enumerate(rng_times(n, args.repeats)):
+        share = f"{100 * read / t:.0f}" if i >= 2 else ""
+        what = f"{kinds[i // 2]}: {('threefry', 'jaxcomp hash')[i % 2]}"
+        print(md_row(f"2^{p}", f"*{what}*", "", "", "", f"{n / t / 1e6:.0f}", share, ""))
     for name in names:
       codec, max_p = CODECS[name]
       if p > max_p:

@@ -2,8 +2,8 @@
 
   python -m benchmarks.compile_time [--rows 640 --cols 128 --repeats 3]
 
-Prints the median lower and compile seconds of ``jit(shard_map(tx.update))`` for a
-single (rows, cols) leaf on 8 CPU devices, and the two-phase/allgather ratio.
+Median lower and compile seconds of ``jit(shard_map(tx.update))`` (4-bit QSGD) for one
+(rows, cols) leaf on 8 CPU devices. Results: docs/benchmarks.md, "Compile time".
 """
 
 import argparse
@@ -13,14 +13,14 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-import jaxcomp as jc  # noqa: E402
+import jaxcomp as jc
 
 AXIS = "batch"
 
@@ -28,7 +28,7 @@ AXIS = "batch"
 def compile_seconds(collective: str, shape, repeats: int) -> tuple[float, float]:
   mesh = jax.make_mesh((8,), (AXIS,))
   params = {"w": jnp.zeros(shape)}
-  lowers, compiles = [], []
+  times = []  # (lower, compile) seconds
   for seed in range(repeats):  # a new seed is a new transform: no compilation cache hit
     tx = jc.per_device_state(jc.qsgd(bits=4, axis_name=AXIS, collective=collective, seed=seed))
     specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=8)
@@ -46,10 +46,8 @@ def compile_seconds(collective: str, shape, repeats: int) -> tuple[float, float]
     lowered = update.lower(grads, state)
     t1 = time.perf_counter()
     lowered.compile()
-    t2 = time.perf_counter()
-    lowers.append(t1 - t0)
-    compiles.append(t2 - t1)
-  return statistics.median(lowers), statistics.median(compiles)
+    times.append((t1 - t0, time.perf_counter() - t1))
+  return tuple(statistics.median(t) for t in zip(*times))
 
 
 def main():

@@ -1,11 +1,9 @@
 r"""How long the multi-process launcher takes to notice a lost worker, and what it says.
 
-Each fault is injected into a 2-process run once its first checkpoint is complete:
-``kill`` (``kill -9`` of a :mod:`benchmarks.launch` worker), ``partition`` (the veth
-between two namespaces set down; root), ``lm_kill`` and ``lm_kill0`` (``kill -9`` of
-process 1 or 0 of ``examples.lm.main``, started with no launcher). It prints, per fault
-and ``--fault-timeout``, the seconds from the fault to the end of every process and the
-one-line diagnosis (docs/benchmarks.md, "Detecting a lost worker").
+Each fault hits a 2-process run once its first checkpoint is complete: ``kill`` (``kill
+-9`` of a :mod:`benchmarks.launch` worker), ``partition`` (the veth between two namespaces
+set down; root), ``lm_kill`` and ``lm_kill0`` (``kill -9`` of process 1 or 0 of
+``examples.lm.main``, no launcher). Results: docs/benchmarks.md, "Detecting a lost worker".
 
   python -m benchmarks.fault                        # kill, and partition if root
   sudo python -m benchmarks.fault --faults partition --fault-timeouts 10,30
@@ -29,6 +27,8 @@ from typing import Any
 from benchmarks import launch
 from benchmarks import lm_network
 from benchmarks import network
+from benchmarks._timing import ints
+from benchmarks._timing import md_head
 
 #: The partition test's own namespaces, veths and addresses (not the network benchmark's).
 NAMESPACES = ("jcfault0", "jcfault1")
@@ -40,20 +40,6 @@ CHECKPOINT_EVERY = 20
 LM_STEPS = 2_000  # the transformer's run (a tc-free schedule: it is cut long before)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-  """Polls ``predicate`` every 0.1 s; raises TimeoutError naming ``what`` after ``timeout``."""
-  deadline = time.monotonic() + timeout
-  while not predicate():
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"no {what} after {timeout:g} s")
-    time.sleep(0.1)
-
-
-def first_checkpoint(workdir: str, method: str) -> Callable[[], bool]:
-  """Whether ``method`` has a complete checkpoint in ``workdir`` (a predicate)."""
-  return lambda: launch.complete_checkpoints(workdir, [method])[method] is not None
-
-
 def launch_args(
   workdir: str,
   fault_timeout: int,
@@ -63,27 +49,49 @@ def launch_args(
   method: str = "dgc",
 ) -> list[str]:
   """The flags of the faulted run (``python -m benchmarks.launch`` takes them too)."""
-  return launch.worker_args(
-    method,
-    config="quick",
-    devices_per_process=1,
-    steps=steps,
-    workdir=workdir,
-    checkpoint_every=checkpoint_every,
-    fault_timeout=fault_timeout,
-  )
+  run = dict(config="quick", devices_per_process=1, workdir=workdir, fault_timeout=fault_timeout)
+  return launch.worker_args(method, steps=steps, checkpoint_every=checkpoint_every, **run)
 
 
 def launch_command(workdir: str, fault_timeout: int, **kwargs) -> list[str]:
   """The launcher's command line of the faulted run."""
-  return [
-    sys.executable,
-    "-m",
-    launch.MODULE,
-    "--processes",
-    "2",
-    *launch_args(workdir, fault_timeout, **kwargs),
-  ]
+  args = launch_args(workdir, fault_timeout, **kwargs)
+  return [sys.executable, "-m", launch.MODULE, "--processes", "2", *args]
+
+
+def _cut(procs, fault: Callable[[], None], wait, workdir: str, method: str, timeout: float):
+  """Calls ``fault`` once ``method`` has a complete checkpoint (polled every 0.1 s; a
+  TimeoutError after ``timeout``); returns the seconds that ``wait(timeout)`` took.
+  Whatever of ``procs`` (ours) is still running is then killed."""
+  try:
+    deadline = time.monotonic() + timeout
+    while launch.complete_checkpoints(workdir, [method])[method] is None:
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"no checkpoint after {timeout:g} s")
+      time.sleep(0.1)
+    fault()
+    start = time.monotonic()
+    wait(timeout)
+    return time.monotonic() - start
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _result(fault, fault_timeout, detected, returncode, line, pids, **extra) -> dict[str, Any]:
+  """A table row: ``pids`` the run's processes, ``survivors`` those still alive."""
+  return {
+    "fault": fault,
+    "fault_timeout": fault_timeout,
+    "detected_s": detected,
+    "returncode": returncode,
+    "line": line,
+    **extra,
+    "survivors": [p for p in pids if p and alive(p)],
+    "pids": pids,
+  }
 
 
 def measure_kill(
@@ -93,9 +101,8 @@ def measure_kill(
   checkpoint; returns the seconds to the launcher's exit, its exit code, its last
   stderr line (and all of them), its workers' pids and those that outlived it.
   ``kwargs`` go to :func:`launch_args`."""
-  command = launch_command(workdir, fault_timeout, **kwargs)
   proc = subprocess.Popen(
-    command,
+    launch_command(workdir, fault_timeout, **kwargs),
     stdout=subprocess.DEVNULL,
     stderr=subprocess.PIPE,
     text=True,
@@ -106,28 +113,16 @@ def measure_kill(
   lines: list[str] = []
   reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
   reader.start()
-  try:
-    wait_for(first_checkpoint(workdir, "dgc"), timeout, "checkpoint")
-    pids = worker_pids(lines)
+  pids: list[int] = []
+
+  def kill():
+    pids.extend(worker_pids(lines))
     os.kill(pids[1], signal.SIGKILL)
-    start = time.monotonic()
-    proc.wait(timeout)
-    detected = time.monotonic() - start
-  finally:
-    if proc.poll() is None:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
+
+  detected = _cut([proc], kill, proc.wait, workdir, "dgc", timeout)
   reader.join(5)
-  return {
-    "fault": "kill",
-    "fault_timeout": fault_timeout,
-    "detected_s": detected,
-    "returncode": proc.returncode,
-    "line": lines[-1].rstrip("\n") if lines else "",
-    "stderr": lines,
-    "survivors": [p for p in pids if alive(p)],
-    "pids": pids,
-  }
+  line = lines[-1].rstrip("\n") if lines else ""
+  return _result("kill", fault_timeout, detected, proc.returncode, line, pids, stderr=lines)
 
 
 def lm_commands(
@@ -156,13 +151,11 @@ def measure_lm_kill(
   victim: int = 1,
   **kwargs,
 ) -> dict[str, Any]:
-  """Starts the 2 LM processes (:func:`lm_commands`; output to
-  ``WORKDIR/process{i}.log``), kills process ``victim`` with SIGKILL after the first
-  checkpoint and waits for the other to end: no launcher, only the survivor itself
-  notices (process 0 runs the coordination service: ``victim=0`` takes it down too).
+  """Starts the 2 LM processes (:func:`lm_commands`; logs ``WORKDIR/process{i}.log``),
+  SIGKILLs process ``victim`` after the first checkpoint and times the other's exit: no
+  launcher, the survivor notices alone (``victim=0`` takes the coordinator down too).
   Returns the seconds to the survivor's exit, its exit code, one line (its exit and the
-  cause its output names), the commands (run them again to resume) and the processes
-  that outlived it.
+  cause its output names), the commands (rerun them to resume) and the survivors.
 
   Raises:
     RuntimeError: a process ended before the kill (the run was too short).
@@ -172,49 +165,30 @@ def measure_lm_kill(
   commands = lm_commands(workdir, fault_timeout, method=method, **kwargs)
   logs = [os.path.join(workdir, f"process{i}.log") for i in range(2)]
   procs = []
-  try:
-    for i, (command, log) in enumerate(zip(commands, logs)):
-      with open(log, "w") as f:
-        procs.append(
-          subprocess.Popen(
-            command,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=launch.worker_env(i, {"JAX_PLATFORMS": "cpu"}),
-            cwd=launch.REPO_ROOT,
-            start_new_session=True,
-          )
-        )
-    wait_for(first_checkpoint(workdir, method), timeout, "checkpoint")
+  for i, (command, log) in enumerate(zip(commands, logs)):
+    with open(log, "w") as f:
+      env = launch.worker_env(i, {"JAX_PLATFORMS": "cpu"})
+      kw = dict(stdout=f, stderr=subprocess.STDOUT, cwd=launch.REPO_ROOT, start_new_session=True)
+      procs.append(subprocess.Popen(command, env=env, **kw))
+
+  def kill():
     if any(p.poll() is not None for p in procs):
       raise RuntimeError(f"a process ended before the kill: {[p.poll() for p in procs]}")
-    survivor = procs[1 - victim]
     os.kill(procs[victim].pid, signal.SIGKILL)
-    start = time.monotonic()
-    survivor.wait(timeout)
-    detected = time.monotonic() - start
-  finally:
-    for p in procs:  # ours, by pid
-      if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+
+  survivor = procs[1 - victim]
+  detected = _cut(procs, kill, survivor.wait, workdir, method, timeout)
   with open(logs[1 - victim], errors="replace") as f:
-    lines = f.read().splitlines()
-  cause = launch.failure_cause(lines)
+    cause = launch.failure_cause(f.read().splitlines())
   rc = survivor.returncode
   how = f"exited with code {rc}" if rc >= 0 else f"was ended by {signal.Signals(-rc).name}"
   line = f"process {1 - victim} {how}" + (f": {cause}" if cause else "")
-  return {
-    "fault": "lm_kill" if victim == 1 else f"lm_kill{victim}",
-    "fault_timeout": fault_timeout,
-    "detected_s": detected,
-    "returncode": rc,
-    "killed_returncode": procs[victim].returncode,
-    "line": line,
-    "commands": commands,
-    "survivors": [p.pid for p in procs if alive(p.pid)],
-    "pids": [p.pid for p in procs],
-  }
+  fault = "lm_kill" if victim == 1 else f"lm_kill{victim}"
+  pids = [p.pid for p in procs]
+  killed_rc = procs[victim].returncode
+  return _result(
+    fault, fault_timeout, detected, rc, line, pids, killed_returncode=killed_rc, commands=commands
+  )
 
 
 def worker_pids(lines: list[str]) -> list[int]:
@@ -257,40 +231,22 @@ def measure_partition(workdir: str, fault_timeout: int, timeout: float = 300) ->
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    wait_for(first_checkpoint(workdir, "dgc"), timeout, "checkpoint")
-    link.set_up(False)
-    start = time.monotonic()
-    thread.join(timeout)
-    detected = time.monotonic() - start
+    detected = _cut([], lambda: link.set_up(False), thread.join, workdir, "dgc", timeout)
   if not failure:
     raise RuntimeError("the partitioned run did not fail")
   error = failure[0]
   if not isinstance(error, launch.LaunchError):
     raise error
-  line = launch.failure_line(
-    error,
-    workdir=workdir,
-    methods=["dgc"],
-    checkpoint_every=CHECKPOINT_EVERY,
-    command="(the same command)",
-  )
-  return {
-    "fault": "partition",
-    "fault_timeout": fault_timeout,
-    "detected_s": detected,
-    "returncode": error.failed.returncode if error.failed else None,
-    "line": line,
-    "survivors": [o.pid for o in error.outputs if o.pid and alive(o.pid)],
-    "pids": [o.pid for o in error.outputs],
-  }
+  where = dict(workdir=workdir, methods=["dgc"], checkpoint_every=CHECKPOINT_EVERY)
+  line = launch.failure_line(error, **where, command="(the same command)")
+  rc = error.failed.returncode if error.failed else None
+  return _result("partition", fault_timeout, detected, rc, line, [o.pid for o in error.outputs])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
   """Markdown: fault, --fault-timeout, seconds to the error, the diagnosis."""
-  lines = [
-    "| fault | --fault-timeout (s) | detected after (s) | workers left | launcher's line |",
-    "|---|---:|---:|---:|---|",
-  ]
+  head = "fault | --fault-timeout (s) | detected after (s) | workers left | launcher's line"
+  lines = [md_head(head, "lrrrl")]
   for r in rows:
     lines.append(
       f"| {r['fault']} | {r['fault_timeout']} | {r['detected_s']:.1f} | "
@@ -314,16 +270,13 @@ def main(argv=None) -> int:
     "--faults", default="kill,partition", help="comma-separated: kill,partition,lm_kill,lm_kill0"
   )
   parser.add_argument(
-    "--fault-timeouts",
-    default=str(launch.DEFAULT_FAULT_TIMEOUT),
-    help="comma-separated --fault-timeout values (s)",
+    "--fault-timeouts", type=ints, default=str(launch.DEFAULT_FAULT_TIMEOUT), help="seconds"
   )
   args = parser.parse_args(argv)
   faults = [f for f in args.faults.split(",") if f]
   unknown = set(faults) - set(MEASURES)
   if unknown:
     parser.error(f"unknown faults {sorted(unknown)}")
-  timeouts = [int(t) for t in args.fault_timeouts.split(",") if t]
   missing = network.missing_requirements()
   if "partition" in faults and missing:
     print(f"partition: cannot run ({'; '.join(missing)})", file=sys.stderr)
@@ -332,7 +285,7 @@ def main(argv=None) -> int:
       return 2
   rows = []
   for fault in faults:
-    for seconds in timeouts:
+    for seconds in args.fault_timeouts:
       workdir = tempfile.mkdtemp(prefix=f"jaxcomp_fault_{fault}_")
       try:
         rows.append(MEASURES[fault](workdir, seconds))

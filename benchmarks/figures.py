@@ -1,29 +1,13 @@
 """The docs' figures, drawn from the results kept in the repository (docs/results/*.json).
 
 Each results file holds the numbers of one table of docs/benchmarks.md (columns named as
-the table's, one row per line), with the command that produced them, the machine and
-the date; tests/test_figures.py checks the numbers against the table. The docs build
-(docs/conf.py) calls :func:`draw` before reading the pages, so a changed results file
-redraws its figures without training anything; the SVGs go to docs/_figures/ (not
-tracked).
+the table's), with its command, machine and date; tests/test_figures.py checks them
+against the table. The docs build (docs/conf.py) calls :func:`draw`, so a changed results
+file redraws its figures into docs/_figures/ (not tracked). Each figure's function says
+what it shows; docs/index.md, docs/choosing_a_method.md and docs/benchmarks.md show them.
 
   python -m benchmarks.figures                   # all figures into docs/_figures/
   python -m benchmarks.figures --out /tmp/figs --only demo_accuracy_vs_bytes
-
-Figures (the page that shows each):
-
-  demo_accuracy_vs_bytes   docs/index.md: the demo's test accuracy against the bytes each
-                           device receives per step, every method, both seeds
-  method_map               docs/choosing_a_method.md: each method's bytes saving against
-                           its quality gap to dense, on the demo and on the LM
-  network_speedup          docs/benchmarks.md: step-time speed-up over dense against the
-                           link rate, the ~2M-parameter MLP on 2 processes
-  two_level_speedup        docs/benchmarks.md: the same for two nodes of four devices
-                           (MLP and LM), flat against two-level exchanges
-  lm_loss_vs_time          the LM's validation loss against training time at 100 Mbit/s;
-                           drawn only when docs/results/lm_network.json (a
-                           ``benchmarks.lm_network`` results.json, which keeps each
-                           method's evaluation history) is in the repository
 """
 
 from __future__ import annotations
@@ -98,10 +82,8 @@ def demo_accuracy_vs_bytes(results: str):
     ax.plot(x, s1, ls="", ms=size, mfc="white", **st)
     if m == "dense":
       ax.axhline(s0, color="black", ls=":", lw=1, zorder=0)
-  ax.set_xscale("log")
-  ax.set_xlabel("bytes received per device per step (log scale)")
-  ax.set_ylabel("test accuracy (%)")
-  ax.set_title("MNIST-1D demo, 8 devices: filled seed 0, hollow seed 1")
+  ax.set(xscale="log", xlabel="bytes received per device per step (log scale)")
+  ax.set(ylabel="test accuracy (%)", title="MNIST-1D demo, 8 devices: filled seed 0, hollow seed 1")
   ax.legend(fontsize=8, ncol=2, loc="lower right")
   ax.grid(True, which="both", alpha=0.3)
   return fig
@@ -122,20 +104,19 @@ def method_map(results: str):
     span = [[gap - (min(seeds) - dense_acc)], [max(seeds) - dense_acc - gap]]
     left.errorbar(row["ratio vs dense"], gap, yerr=span, ls="", capsize=2, label=row["method"],
                   **_style(row["method"]))  # fmt: skip
-  left.set_ylabel("test accuracy − dense's (points)")
-  left.set_title("MNIST-1D demo (2 seeds)")
+  left.set(ylabel="test accuracy − dense's (points)", title="MNIST-1D demo (2 seeds)")
   for row in lm["rows"]:
     gap, sd = row["vs dense"] or (0.0, 0.0)
     hollow = {"mfc": "white"} if row["setting"] not in ("", "buckets of 128 (default)") else {}
     label = row["method"] + (f" ({row['setting'].replace('`', '')})" if row["setting"] else "")
     right.errorbar(row["ratio vs dense"], gap, yerr=sd, ls="", capsize=2, label=label,
                    **_style(row["method"]), **hollow)  # fmt: skip
-  right.set_ylabel("validation loss above dense's (%)")
-  right.set_title("Transformer LM, 200 updates (3 seeds)")
+  right.set(
+    ylabel="validation loss above dense's (%)", title="Transformer LM, 200 updates (3 seeds)"
+  )
   right.invert_yaxis()  # better is up in both panels
   for ax in (left, right):
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes per step, dense / method (log scale)")
+    ax.set(xscale="log", xlabel="bytes per step, dense / method (log scale)")
     ax.axhline(0, color="black", ls=":", lw=1)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower left")
@@ -154,8 +135,7 @@ def _speedup_panel(ax, series: dict[str, dict[Any, float]], title: str):
   ax.set_yscale("log", base=2)
   ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
   ax.yaxis.set_minor_formatter(ticker.NullFormatter())
-  ax.set_xlabel("link rate")
-  ax.set_ylabel("step-time speed-up over dense (log scale)")
+  ax.set(xlabel="link rate", ylabel="step-time speed-up over dense (log scale)")
   ax.set_title(title, fontsize=10)
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=7)
@@ -198,7 +178,11 @@ def lm_loss_vs_time(results: str):
   """Validation loss against training time (evaluation and compilation excluded), one
   panel per link rate kept (100 Mbit/s always, 10 Mbit/s where run), from a
   ``benchmarks.lm_network`` results.json kept as docs/results/lm_network.json."""
-  data = load_lm_network(results)
+  path = os.path.join(results, "lm_network.json")
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  if "100mbit" not in data.get("runs", {}):
+    raise ValueError(f"{path}: no run at 100mbit (benchmarks.lm_network --rates 100mbit,...)")
   rates = [r for r in ("10mbit", "100mbit") if r in data["runs"]]
   fig, axes = _figure(len(rates), width=7.0 if len(rates) == 1 else 5.6)
   target = data.get("target", {}).get("val_loss")
@@ -209,30 +193,15 @@ def lm_loss_vs_time(results: str):
     if target is not None:
       ax.axhline(target, color="black", ls=":", lw=1, label="target: dense's loss")
       ax.set_ylim(target - 0.1, target + 1.2)  # the approach to the target, not the start
-    ax.set_xlabel("training time (s)")
-    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set(xlabel="training time (s)", ylabel="validation loss (nats/byte)")
     ax.set_title(f"Transformer LM, 2 processes over {rate.replace('mbit', ' Mbit/s')}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
   return fig
 
 
-def load_lm_network(results: str) -> dict[str, Any]:
-  path = os.path.join(results, "lm_network.json")
-  with open(path, encoding="utf-8") as f:
-    data = json.load(f)
-  if "100mbit" not in data.get("runs", {}):
-    raise ValueError(f"{path}: no run at 100mbit (benchmarks.lm_network --rates 100mbit,...)")
-  return data
-
-
-FIGURES = {
-  "demo_accuracy_vs_bytes": demo_accuracy_vs_bytes,
-  "method_map": method_map,
-  "network_speedup": network_speedup,
-  "two_level_speedup": two_level_speedup,
-  "lm_loss_vs_time": lm_loss_vs_time,
-}
+_DRAWN = (demo_accuracy_vs_bytes, method_map, network_speedup, two_level_speedup, lm_loss_vs_time)
+FIGURES = {fn.__name__: fn for fn in _DRAWN}
 OPTIONAL = {"lm_loss_vs_time": "lm_network.json"}  # drawn only where its results are kept
 
 
@@ -249,9 +218,8 @@ def draw(results: str = RESULTS, out: str = OUT, only: list[str] | None = None) 
   os.makedirs(out, exist_ok=True)
   paths = []
   for name, fn in FIGURES.items():
-    if only and name not in only:
-      continue
-    if not only and name in OPTIONAL and not os.path.exists(os.path.join(results, OPTIONAL[name])):
+    optional_absent = name in OPTIONAL and not os.path.exists(os.path.join(results, OPTIONAL[name]))
+    if (name not in only) if only else optional_absent:
       continue
     with plt.rc_context({"svg.hashsalt": "jaxcomp", "svg.fonttype": "none"}):
       fig = fn(results)

@@ -5,36 +5,26 @@
     python -m benchmarks.kernels --interpret --sizes 12 --repeats 1  # CPU smoke run
     python -m benchmarks.kernels --ragged --out kernels.md  # + n - 1000, table to a file
 
-Rows, per size ``n`` (float32 input, QSGD 4-bit / bucket 512, OneBit bucket 512):
-
-* ``copy``: ``x + 1`` into a new array, bytes read + written: the device's roof for a
-  pass that reads and writes, measured in the same run.
-* ``quantize`` and ``quantize+ef`` (fused error feedback): the Pallas kernel
-  (:mod:`jaxcomp.kernels.quantize`) and the XLA codec; bytes = input (and residual) read
-  + payload (and residual) written.
-* ``dequantize_sum`` (K payloads, :mod:`jaxcomp.kernels.dequantize`): the K payloads read
-  plus the float32 sum written.
-* OneBit's ``sign_pack`` / ``sign_pack+ef`` and ``sign_unpack_sum``
-  (:mod:`jaxcomp.kernels.sign_pack`), counted the same way.
-
-``--ragged`` adds, for each size, ``n - 1000`` values (a ragged last bucket: the
-Mosaic GPU kernels pad it, :class:`jaxcomp.kernels._mosaic._Layout`). The header line
-names the backend the kernels ran on. ``--out FILE`` writes the table to ``FILE`` after
-each size, so a run cut short keeps what it measured (``scripts/gpu_check.sh``).
-
-Every ratio is against numbers measured in the same run (these machines are noisy).
-Without a CUDA GPU the kernels only run in interpret mode, whose timings mean nothing;
-the script then refuses unless ``--interpret`` is given (to check that it runs).
+Per size ``n``: each kernel of :mod:`jaxcomp.kernels` (QSGD 4-bit and OneBit, buckets of
+512) and the XLA codec doing the same work, in GB/s of the arrays read and written, next
+to the device's copy (``x + 1``) of the same run. ``--ragged`` adds ``n - 1000`` (a ragged
+last bucket); ``--out FILE`` rewrites the table there after each size, so a run cut short
+keeps what it measured (``scripts/gpu_check.sh``). Without a CUDA GPU the kernels only
+run in interpret mode, whose timings mean nothing: the script refuses unless
+``--interpret`` is given. Rows and targets: docs/benchmarks.md, "Pallas kernels on GPU".
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks._timing import ints
+from benchmarks._timing import md_head
 from benchmarks._timing import median_time
 from jaxcomp.kernels import _common
 from jaxcomp.kernels import _mosaic
@@ -49,151 +39,61 @@ _F32 = jnp.float32
 
 def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args, repeats: int) -> dict:
   """One row: GB/s (``nbytes`` per call) of a kernel and of the XLA path, same run."""
-  t_kernel = median_time(jax.jit(kernel_fn), *args, repeats=repeats)
-  t_xla = median_time(jax.jit(xla_fn), *args, repeats=repeats)
-  return {
-    "kernel": name,
-    "n": n,
-    "pallas_gbs": nbytes / t_kernel / 1e9,
-    "xla_gbs": nbytes / t_xla / 1e9,
-  }
+  gbs = lambda fn: nbytes / median_time(jax.jit(fn), *args, repeats=repeats) / 1e9
+  return {"kernel": name, "n": n, "pallas_gbs": gbs(kernel_fn), "xla_gbs": gbs(xla_fn)}
 
 
-def quantize_rows(
-  sizes=(2**20, 2**22, 2**24),
-  *,
-  levels: int = 7,
-  bucket_size: int = 512,
-  repeats: int = 20,
-  interpret: bool | None = None,
-) -> list[dict]:
-  """GB/s of the quantize kernel and of the XLA codec, without and with fused EF.
-
-  Bytes counted: the float32 input (and residual) read, the payload (and new residual)
-  written.
-  """
-  rows = []
+def rows_at(n: int, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
+  """Every kernel's row at ``n`` values (QSGD 4-bit and OneBit, buckets of 512)."""
+  q, b = dict(levels=7, bucket_size=512), dict(bucket_size=512)
+  x = jax.random.normal(jax.random.key(1), (n,), _F32)
+  e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
   key = jax.random.key(0)
-  q = dict(levels=levels, bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
-    payload = sum(a.nbytes for a in xla_path.quantize_reference(x, key, **q))
-    rows.append(
-      bench_row(
-        "quantize",
-        n,
-        4 * n + payload,
-        lambda x, k: quantize.quantize(x, k, **q, interpret=interpret),
-        lambda x, k: xla_path.quantize_reference(x, k, **q),
-        x,
-        key,
-        repeats=repeats,
-      )
+  words, scales = xla_path.quantize_reference(x, key, **q)
+  qbytes = words.nbytes + scales.nbytes
+  signs = xla_path.sign_pack_reference(x, **b)
+  sbytes = sum(a.nbytes for a in signs)
+  cases = [  # name, bytes read + written, kernel, XLA path, arguments
+    ("quantize", 4 * n + qbytes, quantize.quantize, xla_path.quantize_reference, (x, key), q),
+    (
+      "quantize+ef",
+      12 * n + qbytes,
+      quantize.quantize,
+      xla_path.quantize_reference,
+      (x, key, e),
+      q,
+    ),
+    (
+      f"dequantize_sum K={k}",
+      k * qbytes + 4 * n,
+      functools.partial(dequantize.dequantize_sum, n=n),
+      functools.partial(xla_path.dequantize_sum_reference, n=n),
+      (jnp.stack([words] * k), jnp.stack([scales] * k)),
+      q,
+    ),
+    ("sign_pack", 4 * n + sbytes, sign_pack.sign_pack, xla_path.sign_pack_reference, (x,), b),
+    ("sign_pack+ef", 12 * n + sbytes, sign_pack.sign_pack, xla_path.sign_pack_reference, (x, e), b),
+    (
+      f"sign_unpack_sum K={k}",
+      k * sbytes + 4 * n,
+      functools.partial(sign_pack.sign_unpack_sum, n=n),
+      functools.partial(xla_path.sign_unpack_sum_reference, n=n),
+      tuple(jnp.stack([a] * k) for a in signs),
+      b,
+    ),
+  ]
+  return [
+    bench_row(
+      name,
+      n,
+      nbytes,
+      lambda *a, f=kernel, kw=kw: f(*a, **kw, interpret=interpret),
+      lambda *a, f=ref, kw=kw: f(*a, **kw),
+      *args,
+      repeats=repeats,
     )
-    rows.append(
-      bench_row(
-        "quantize+ef",
-        n,
-        12 * n + payload,
-        lambda x, k, e: quantize.quantize(x, k, e, **q, interpret=interpret),
-        lambda x, k, e: xla_path.quantize_reference(x, k, e, **q),
-        x,
-        key,
-        e,
-        repeats=repeats,
-      )
-    )
-  return rows
-
-
-def dequantize_rows(
-  sizes=(2**20, 2**22, 2**24),
-  *,
-  k: int = 8,
-  levels: int = 7,
-  bucket_size: int = 512,
-  repeats: int = 20,
-  interpret: bool | None = None,
-) -> list[dict]:
-  """GB/s of the fused decode-sum of ``k`` QSGD payloads and of the XLA path.
-
-  Bytes counted: the K payloads read plus the float32 sum written.
-  """
-  rows = []
-  q = dict(levels=levels, bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    words, scales = xla_path.quantize_reference(x, jax.random.key(0), **q)
-    words, scales = jnp.stack([words] * k), jnp.stack([scales] * k)
-    rows.append(
-      bench_row(
-        f"dequantize_sum K={k}",
-        n,
-        words.nbytes + scales.nbytes + 4 * n,
-        lambda w, s: dequantize.dequantize_sum(w, s, n=n, **q, interpret=interpret),
-        lambda w, s: xla_path.dequantize_sum_reference(w, s, n=n, **q),
-        words,
-        scales,
-        repeats=repeats,
-      )
-    )
-  return rows
-
-
-def sign_pack_rows(
-  sizes=(2**20, 2**22, 2**24),
-  *,
-  k: int = 8,
-  bucket_size: int = 512,
-  repeats: int = 20,
-  interpret: bool | None = None,
-) -> list[dict]:
-  """GB/s of ``sign_pack`` (without and with fused EF) and of the K-payload decode-sum,
-  each next to the XLA codec."""
-  rows = []
-  b = dict(bucket_size=bucket_size)
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
-    payload = xla_path.sign_pack_reference(x, **b)
-    nbytes = sum(a.nbytes for a in payload)
-    rows.append(
-      bench_row(
-        "sign_pack",
-        n,
-        4 * n + nbytes,
-        lambda x: sign_pack.sign_pack(x, **b, interpret=interpret),
-        lambda x: xla_path.sign_pack_reference(x, **b),
-        x,
-        repeats=repeats,
-      )
-    )
-    rows.append(
-      bench_row(
-        "sign_pack+ef",
-        n,
-        12 * n + nbytes,
-        lambda x, e: sign_pack.sign_pack(x, e, **b, interpret=interpret),
-        lambda x, e: xla_path.sign_pack_reference(x, e, **b),
-        x,
-        e,
-        repeats=repeats,
-      )
-    )
-    stacked = [jnp.stack([a] * k) for a in payload]
-    rows.append(
-      bench_row(
-        f"sign_unpack_sum K={k}",
-        n,
-        k * nbytes + 4 * n,
-        lambda w, p, m: sign_pack.sign_unpack_sum(w, p, m, n=n, **b, interpret=interpret),
-        lambda w, p, m: xla_path.sign_unpack_sum_reference(w, p, m, n=n, **b),
-        *stacked,
-        repeats=repeats,
-      )
-    )
-  return rows
+    for name, nbytes, kernel, ref, args, kw in cases
+  ]
 
 
 def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
@@ -202,8 +102,7 @@ def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
   for n in sizes:
     x = jax.random.normal(jax.random.key(1), (n,), _F32)
     t_copy = median_time(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
-    common = dict(sizes=(n,), repeats=repeats, interpret=interpret)
-    found = quantize_rows(**common) + dequantize_rows(k=k, **common) + sign_pack_rows(k=k, **common)
+    found = rows_at(n, k=k, repeats=repeats, interpret=interpret)
     for row in found:
       row["copy_gbs"] = 8 * n / t_copy / 1e9
     rows += found
@@ -216,8 +115,7 @@ def _size(n: int) -> str:
 
 def table(rows: list[dict]) -> str:
   lines = [
-    "| kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    md_head("kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy")
   ]
   for r in rows:
     lines.append(
@@ -230,19 +128,11 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument(
-    "--sizes", default="20,22,24,26,28", help="comma-separated log2 sizes (default 2^20..2^28)"
-  )
+  parser.add_argument("--sizes", type=ints, default="20,22,24,26,28", help="log2 sizes")
   parser.add_argument("--k", type=int, default=8, help="payloads summed by the decoders")
   parser.add_argument("--repeats", type=int, default=20)
-  parser.add_argument(
-    "--interpret",
-    action="store_true",
-    help="run the kernels in interpret mode (a smoke run, not a timing)",
-  )
-  parser.add_argument(
-    "--ragged", action="store_true", help="also n - 1000 for each size (a ragged last bucket)"
-  )
+  parser.add_argument("--interpret", action="store_true", help="a smoke run, not a timing")
+  parser.add_argument("--ragged", action="store_true", help="also n - 1000 for each size")
   parser.add_argument("--out", help="also write the table here, rewritten after each size")
   args = parser.parse_args(argv)
   if not cuda_available() and not args.interpret:
@@ -252,9 +142,7 @@ def main(argv=None) -> int:
       file=sys.stderr,
     )
     return 2
-  sizes = [2 ** int(s) for s in args.sizes.split(",")]
-  if args.ragged:
-    sizes = [m for n in sizes for m in (n, n - 1000)]
+  sizes = [m for e in args.sizes for m in ((2**e, 2**e - 1000) if args.ragged else (2**e,))]
   device = jax.devices()[0]
   interpret = True if args.interpret else None
   header = (

@@ -1,17 +1,11 @@
 r"""Does DiLoCo's overlapped outer step hide the exchange? 2 processes, a throttled link.
 
-In one program the sync step holds the exchange's collectives, so the loop is split into
-programs (:func:`programs`): an inner step, the exchange of ``Δ_i = B_i - θ_i``, the
-apply (outer step with the pending mean, ``θ_i ← A + (θ_i - B_i)``, ``B_i ← θ_i``).
-Per round: (a) non-overlapped DiLoCo (exchange, outer step, inner steps waiting on it);
-(b) overlapped, the exchange dispatched and read one sync later; (b') the same with the
-exchange dispatched from a thread of its own; (c) the ``H`` inner steps alone. (b) near
-max(inner, exchange) means the exchange ran alongside the inner steps; near the sum, not.
-``tests/test_overlap_bench.py`` checks the loop against ``jc.diloco(overlap=True)``.
-
-  python -m benchmarks.overlap --rates 100mbit,10mbit --no-pin  # netns + tc: root
-  python -m benchmarks.overlap --smoke                          # 127.0.0.1, no root
-  python -m benchmarks.overlap --price                          # jc.network's pricing
+The loop is split into jitted programs (:func:`programs`: an inner step, the exchange of
+``Δ_i = B_i - θ_i``, the apply), timed per round as (a) non-overlapped DiLoCo, (b) the
+exchange read one sync later, (b') the same dispatched from a thread of its own and (c)
+the ``H`` inner steps alone. ``tests/test_overlap_bench.py`` checks the loop against
+``jc.diloco(overlap=True)``. Results and what they mean: docs/benchmarks.md,
+"Overlapped outer steps".
 """
 
 from __future__ import annotations
@@ -32,6 +26,7 @@ import optax
 
 from benchmarks import launch
 from benchmarks import network
+from benchmarks._timing import md_head
 import jaxcomp as jc
 
 MARKER = "JAXCOMP_OVERLAP_RESULT "
@@ -54,10 +49,8 @@ def programs(mesh, axis, params, loss, inner, outer, exchange=None) -> Programs:
   ex = None if exchange is None else jc.per_device_state(exchange)
   spec = lambda tx: jc.state_specs(tx, params, axis_name=axis, num_devices=mesh.size)
   ex_spec = P() if ex is None else spec(ex)
-  row, put = (
-    (lambda t: jax.tree.map(lambda x: x[0], t)),
-    (lambda t: jax.tree.map(lambda x: x[None], t)),
-  )
+  row = lambda t: jax.tree.map(lambda x: x[0], t)
+  put = lambda t: jax.tree.map(lambda x: x[None], t)
   smap = lambda f, i, o: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o))
   a = P(axis)
 
@@ -215,21 +208,13 @@ def price() -> str:
   """Time saved per sync, min(exchange, H x inner step), the exchange priced by jc.network
   (α = 50 µs); the share is of the non-overlapped round, H x inner step + exchange."""
   lm = {f"l{i}": jax.ShapeDtypeStruct((2048, 24576), np.float32) for i in range(24)}
+  lm_step = 6 * 1.2e9 * 65536 / 0.4 / 989e12
   models = {  # name: (params, inner step (s), K, H, rates in Mbit/s)
     "MLP 2.1M, 1 core (measured step)": (mlp(1024, 2, 512)[0], 0.12, 2, 8, (10, 100, 1000)),
-    "LM 1.2B, H100 at 40%, 64k tok/step": (
-      lm,
-      6 * 1.2e9 * 65536 / 0.4 / 989e12,
-      8,
-      50,
-      (1e3, 1e4, 1e5),
-    ),
+    "LM 1.2B, H100 at 40%, 64k tok/step": (lm, lm_step, 8, 50, (1e3, 1e4, 1e5)),
   }
-  lines = [
-    "| model | exchange | K | H | link | exchange/sync (s) | H inner steps (s) | saved/sync (s) "
-    "| share of round |",
-    "|---|---|---:|---:|---|---:|---:|---:|---:|",
-  ]
+  head = "model | exchange | K | H | link | exchange/sync (s) | H inner steps (s) | saved/sync (s)"
+  lines = [md_head(head + " | share of round", "llrrlrrrr")]
   for name, (params, step_s, k, h, rates) in models.items():
     for ex_name, ex in (("dense", None), ("qsgd4", lambda: jc.qsgd(bits=4, axis_name="b"))):
       tx = jc.diloco(
@@ -238,10 +223,8 @@ def price() -> str:
       report = jc.wire_report(tx, params, axis_name="b", num_devices=k)
       for mbit in rates:
         t_ex = h * jc.network.exchange_time(report, jc.network.Link(50e-6, mbit * 1e6 / 8))
-        saved, link = (
-          min(t_ex, h * step_s),
-          f"{mbit / 1e3:g} Gbit/s" if mbit >= 1e3 else f"{mbit:g} Mbit/s",
-        )
+        saved = min(t_ex, h * step_s)
+        link = f"{mbit / 1e3:g} Gbit/s" if mbit >= 1e3 else f"{mbit:g} Mbit/s"
         lines.append(
           f"| {name} | {ex_name} | {k} | {h} | {link} | {t_ex:.3g} | {h * step_s:.3g} | "
           f"{saved:.3g} | {saved / (h * step_s + t_ex):.0%} |"
@@ -270,9 +253,8 @@ def main(argv=None) -> int:
     return 0
   if args.price:
     return print(price()) or 0
-  head = "| rate | inner step (ms) | exchange (returned after) (ms) | (a) blocking | (b) overlap "
-  head += "| (b') thread | (c) inner | hidden (b) | hidden (b') |\n|---|" + "---:|" * 8
-  print(head, flush=True)
+  head = "rate | inner step (ms) | exchange (returned after) (ms) | (a) blocking | (b) overlap"
+  print(md_head(head + " | (b') thread | (c) inner | hidden (b) | hidden (b')"), flush=True)
   if args.smoke:
     args.model, args.rounds, args.h = "64,2,32,16", 2, 2
     r = launch_pair(args, lambda i: [], "127.0.0.1")

@@ -1,25 +1,15 @@
 r"""What QSGD's native CPU encode spends its time on: the bucket loop, with parts removed.
 
-Compiles a small C++ harness around ``kernels/cpu_codecs.cc`` (the system compiler and
-the kernels' flags) twice: as shipped, and without the counter hash
-(``-DJAXCOMP_ABLATE_HASH``: the index stands in for the random bits; that build writes
-wrong payloads, it exists to price what it removes). Each build times ``QsgdBucket``
-over n values on one thread and prints ms and the ratio to the shipped build, measured
-in the same run.
-
-By default every bucket reads the same L1-resident values (the memory traffic left
-out). With ``--stream`` the values are a fresh n-value array, read once, as the FFI
-kernel reads them; a third row then runs the shipped build without its software
-prefetch of the next bucket:
+Builds a C++ harness around ``kernels/cpu_codecs.cc`` (the kernels' flags) as shipped and
+without the counter hash (``-DJAXCOMP_ABLATE_HASH``: wrong payloads, it prices the hash),
+and times ``QsgdBucket`` over n values on one thread: from one L1-resident bucket, or
+(``--stream``) a fresh array, then also without the next bucket's prefetch. ``--against
+FILE`` adds a build of another ``cpu_codecs.cc``; the builds take turns ``--rounds``
+times, each row the median of all its timings. Results: docs/guides/kernels.md.
 
   python -m benchmarks.studies.cpu_kernel_loop                 # 4-bit codes, bucket 512, 2^24
   python -m benchmarks.studies.cpu_kernel_loop --stream
   python -m benchmarks.studies.cpu_kernel_loop --bits 8 --log2n 22 --repeats 7
-
-``--against FILE`` adds a build of another ``cpu_codecs.cc`` (an older commit's, from
-``git show COMMIT:kernels/cpu_codecs.cc > FILE``), so that a change to the kernel is
-timed against its baseline in the same run. The builds take turns, ``--rounds`` times
-(this VM's speed drifts within seconds); each row is the median over all its timings.
 """
 
 from __future__ import annotations
@@ -33,6 +23,7 @@ import tempfile
 
 import jax
 
+from benchmarks._timing import md_head
 from jaxcomp.kernels import cpu
 
 HARNESS = r"""
@@ -80,19 +71,8 @@ def build(tmp: Path, bits: int, defines: list[str], name: str, source: Path = cp
   main.write_text(HARNESS)
   exe = tmp / name
   flags = [f for f in cpu.FLAGS if f not in ("-shared", "-fPIC")]
-  cmd = [
-    *cpu._compiler(),
-    *flags,
-    f"-DHARNESS_BITS={bits}",
-    *defines,
-    "-I",
-    str(src),
-    "-I",
-    jax.ffi.include_dir(),
-    str(main),
-    "-o",
-    str(exe),
-  ]
+  cmd = [*cpu._compiler(), *flags, f"-DHARNESS_BITS={bits}", *defines, "-I", str(src)]
+  cmd += ["-I", jax.ffi.include_dir(), str(main), "-o", str(exe)]
   done = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if done.returncode != 0:
     sys.exit(f"build failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
@@ -105,18 +85,9 @@ def main(argv=None) -> None:
   parser.add_argument("--bucket", type=int, default=512)
   parser.add_argument("--log2n", type=int, default=24)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument(
-    "--stream", action="store_true", help="read a fresh n-value array (not one L1-resident bucket)"
-  )
-  parser.add_argument(
-    "--against",
-    type=Path,
-    metavar="FILE",
-    help="also time the shipped loop built from this cpu_codecs.cc",
-  )
-  parser.add_argument(
-    "--rounds", type=int, default=1, help="turns the builds take, each running --repeats timings"
-  )
+  parser.add_argument("--stream", action="store_true", help="read a fresh n-value array")
+  parser.add_argument("--against", type=Path, metavar="FILE", help="also time this cpu_codecs.cc")
+  parser.add_argument("--rounds", type=int, default=1, help="turns the builds take")
   args = parser.parse_args(argv)
   if args.against is not None and not args.against.is_file():
     sys.exit(f"--against: no such file: {args.against}")
@@ -127,41 +98,23 @@ def main(argv=None) -> None:
     }
     runs = [(name, exe, True) for name, exe in exes.items()]
     if args.against is not None:
-      runs.insert(
-        1,
-        (
-          f"baseline: {args.against.name}",
-          build(Path(tmp), args.bits, [], "baseline", args.against),
-          True,
-        ),
-      )
+      baseline = build(Path(tmp), args.bits, [], "baseline", args.against)
+      runs.insert(1, (f"baseline: {args.against.name}", baseline, True))
     if args.stream:
       runs.append(("without the prefetch", exes["as shipped"], False))
     samples = {name: [] for name, _, _ in runs}
     for _ in range(args.rounds):
       for name, exe, prefetch in runs:
-        out = subprocess.run(
-          [
-            str(exe),
-            str(args.log2n),
-            str(args.bucket),
-            str(args.repeats),
-            str(int(args.stream)),
-            str(int(prefetch)),
-          ],
-          capture_output=True,
-          text=True,
-          check=True,
-        ).stdout
-        samples[name] += [float(t) for t in out.split()]
+        cmd = [exe, args.log2n, args.bucket, args.repeats, int(args.stream), int(prefetch)]
+        out = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, check=True)
+        samples[name] += [float(t) for t in out.stdout.split()]
     times = {name: statistics.median(ts) for name, ts in samples.items()}
   source = "a fresh array" if args.stream else "one L1-resident bucket"
   print(
     f"QsgdBucket<{args.bits}>, bucket {args.bucket}, n = 2^{args.log2n} from {source}, "
     f"one thread, median of {args.rounds} x {args.repeats}"
   )
-  print("| build | ms | ns/value | vs shipped |")
-  print("|---|---:|---:|---:|")
+  print(md_head("build | ms | ns/value | vs shipped"))
   for name, ms in times.items():
     print(f"| {name} | {ms:.2f} | {1e6 * ms / n:.3f} | {ms / times['as shipped']:.2f} |")
 

@@ -2,17 +2,14 @@
 
   python -m benchmarks.studies.demo_variants --variants dgc_clip_mean,dgc_no_clip --seed 0
   python -m benchmarks.studies.demo_variants --variants all --seed 1
-  python -m benchmarks.studies.demo_variants --variants mipd_half,mipd_half_drop,mipd_full
-  python -m benchmarks.studies.demo_variants --saturation
-  python -m benchmarks.studies.demo_variants --mipd-drops
-  python -m benchmarks.studies.demo_variants --variants onebit_adam_demo,onebit_adam_unbounded
+  python -m benchmarks.studies.demo_variants --saturation     # or --mipd-drops
 
-Each variant trains the demo's CNN (examples/mnist1d, default config, 8 CPU devices)
-with one exchange changed and prints its test accuracy next to a dense run of the same
-seed (the baseline of the same run), and its bytes ratio from ``jc.wire_report`` (DGC:
-steady state, without warm-up). ``--saturation`` prints, per compressed kernel of the
-CNN's gradient at init (batch 256), the share of the greedy Wangni sparsifier's planned
-count ``m = κn`` that saturates (``p_i = 1``): what sizes its value slots.
+Each variant trains the demo's CNN (examples/mnist1d, 8 CPU devices) with one exchange
+changed, next to a dense run of the same seed, with its bytes ratio from
+``jc.wire_report`` (DGC: steady state). ``--saturation``: the share of the greedy Wangni
+sparsifier's planned count that saturates, per kernel of the gradient at init;
+``--mipd-drops``: MIPD's drops per layer at init. Tables: the methods' pages
+(docs/benchmarks.md, "Demo variants", links them).
 """
 
 from __future__ import annotations
@@ -30,6 +27,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._timing import md_head
+from benchmarks._timing import md_row
+from benchmarks.studies import compressed
+from benchmarks.studies import init_grads
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
 import jaxcomp as jc
@@ -52,82 +53,68 @@ def _dgc(config, num_devices: int, steady: bool, *, clip="sum", warmup=None, **k
   )
 
 
-# name -> (method whose optimizer follows, exchange factory(config, K, steady))
-VARIANTS = {
-  # DGC: the demo's recipe is dgc_demo (clip_norm = K x the mean-gradient threshold).
-  "dgc_demo": ("dgc", lambda c, k, steady: _dgc(c, k, steady)),
-  "dgc_clip_mean": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip="mean")),
-  "dgc_no_clip": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip=None)),
-  "dgc_no_clip_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, clip=None, warmup=300)),
-  "dgc_warmup200": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=200)),
-  "dgc_warmup300": ("dgc", lambda c, k, steady: _dgc(c, k, steady, warmup=300)),
-  "dgc_no_masking": ("dgc", lambda c, k, steady: _dgc(c, k, steady, momentum_masking=False)),
-  "dgc_dense_classifier": (
-    "dgc",
-    lambda c, k, steady: _dgc(c, k, steady, filter=lambda path, x: x.ndim >= 2 and x.size >= 2048),
-  ),
-  # Wangni (greedy) at other densities; the demo row is 5%.
-  "wangni_1pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS)),
-  "wangni_2pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.02, axis_name=AXIS)),
-  "wangni_10pct": ("wangni", lambda c, k, steady: jc.sparsify(density=0.1, axis_name=AXIS)),
-  "wangni_1pct_ef": (
-    "wangni",
-    lambda c, k, steady: jc.sparsify(density=0.01, axis_name=AXIS, error_feedback=True),
-  ),
-  # MIPD ablation (the paper's Fig. 9 groups B-D; the demo row is mipd_full).
-  "mipd_half": ("mipd", lambda c, k, steady: jc.mipd(0.0, quantize=False, axis_name=AXIS)),
-  "mipd_half_drop": ("mipd", lambda c, k, steady: jc.mipd(0.5, quantize=False, axis_name=AXIS)),
-  "mipd_full": ("mipd", lambda c, k, steady: jc.mipd(0.5, axis_name=AXIS)),
-  "mipd_no_half": ("mipd", lambda c, k, steady: jc.mipd(0.5, half_update=False, axis_name=AXIS)),
-  # Quantization without drops (half update on): which module costs the accuracy.
-  "mipd_half_quant": ("mipd", lambda c, k, steady: jc.mipd(0.0, axis_name=AXIS)),
-  "mipd_no_compensation": (
-    "mipd",
-    lambda c, k, steady: jc.mipd(0.5, compensate=False, axis_name=AXIS),
-  ),
-  "mipd_keep0": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.0, axis_name=AXIS)),
-  "mipd_keep10": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.1, axis_name=AXIS)),
-  "mipd_keep25": ("mipd", lambda c, k, steady: jc.mipd(0.5, min_keep=0.25, axis_name=AXIS)),
-  "mipd_alpha01": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.1, axis_name=AXIS)),
-  "mipd_alpha09": ("mipd", lambda c, k, steady: jc.mipd(0.5, alpha=0.9, axis_name=AXIS)),
-  "mipd_beta1": ("mipd", lambda c, k, steady: jc.mipd(0.5, beta=1.0, axis_name=AXIS)),
-  "mipd_half_drop_predict_compensated": (
-    "mipd",
-    lambda c, k, steady: jc.mipd(0.5, quantize=False, predict_from="compensated", axis_name=AXIS),
-  ),
-  "mipd_full_predict_compensated": (
-    "mipd",
-    lambda c, k, steady: jc.mipd(0.5, predict_from="compensated", axis_name=AXIS),
-  ),
-  # 1-bit Adam: the demo's row is onebit_adam_demo (m / sqrt(v) compressed, 20% warm-up,
-  # the momentum bound); the others without the bound, or Algorithm 1 ("momentum").
-  "onebit_adam_demo": ("onebit_adam", lambda c, k, steady: _onebit_adam(c, steady)),
-  "onebit_adam_unbounded": (
-    "onebit_adam",
-    lambda c, k, steady: _onebit_adam(c, steady, bound_momentum=False),
-  ),
-  "onebit_adam_momentum": (
-    "onebit_adam",
-    lambda c, k, steady: _onebit_adam(c, steady, compress="momentum"),
-  ),
-  "onebit_adam_momentum_unbounded": (
-    "onebit_adam",
-    lambda c, k, steady: _onebit_adam(c, steady, compress="momentum", bound_momentum=False),
-  ),
-  "onebit_adam_half": ("onebit_adam", lambda c, k, steady: _onebit_adam(c, steady, freeze=0.5)),
-  "onebit_adam_half_unbounded": (
-    "onebit_adam",
-    lambda c, k, steady: _onebit_adam(c, steady, freeze=0.5, bound_momentum=False),
-  ),
-}
-
-
 def _onebit_adam(config, steady: bool, *, freeze=None, **kwargs):
   """The demo's 1-bit Adam with ``kwargs`` changed; ``freeze``: another warm-up
   fraction; ``steady``: the compression stage alone (for the byte count)."""
   if freeze is not None and not steady:
     kwargs["freeze_step"] = round(freeze * config.num_steps)
   return train.make_onebit_adam(config, warmup=not steady, **kwargs)
+
+
+#: method -> exchange factory(config, K, steady, **the variant's change)
+FACTORIES = {
+  "dgc": _dgc,
+  "wangni": lambda c, k, steady, **kw: jc.sparsify(axis_name=AXIS, **kw),
+  "mipd": lambda c, k, steady, drop, **kw: jc.mipd(drop, axis_name=AXIS, **kw),
+  "onebit_adam": lambda c, k, steady, **kw: _onebit_adam(c, steady, **kw),
+}
+_DENSE_CLASSIFIER = {"filter": lambda path, x: x.ndim >= 2 and x.size >= 2048}
+_NO_BOUND = {"bound_momentum": False}
+
+# name -> (method whose optimizer and exchange factory it uses, the change)
+VARIANTS = {
+  # DGC: the demo's recipe is dgc_demo (clip_norm = K x the mean-gradient threshold).
+  "dgc_demo": ("dgc", {}),
+  "dgc_clip_mean": ("dgc", {"clip": "mean"}),
+  "dgc_no_clip": ("dgc", {"clip": None}),
+  "dgc_no_clip_warmup300": ("dgc", {"clip": None, "warmup": 300}),
+  "dgc_warmup200": ("dgc", {"warmup": 200}),
+  "dgc_warmup300": ("dgc", {"warmup": 300}),
+  "dgc_no_masking": ("dgc", {"momentum_masking": False}),
+  "dgc_dense_classifier": ("dgc", _DENSE_CLASSIFIER),
+  # Wangni (greedy) at other densities; the demo row is 5%.
+  "wangni_1pct": ("wangni", {"density": 0.01}),
+  "wangni_2pct": ("wangni", {"density": 0.02}),
+  "wangni_10pct": ("wangni", {"density": 0.1}),
+  "wangni_1pct_ef": ("wangni", {"density": 0.01, "error_feedback": True}),
+  # MIPD ablation (the paper's Fig. 9 groups B-D; the demo row is mipd_full).
+  "mipd_half": ("mipd", {"drop": 0.0, "quantize": False}),
+  "mipd_half_drop": ("mipd", {"drop": 0.5, "quantize": False}),
+  "mipd_full": ("mipd", {"drop": 0.5}),
+  "mipd_no_half": ("mipd", {"drop": 0.5, "half_update": False}),
+  # Quantization without drops (half update on): which module costs the accuracy.
+  "mipd_half_quant": ("mipd", {"drop": 0.0}),
+  "mipd_no_compensation": ("mipd", {"drop": 0.5, "compensate": False}),
+  "mipd_keep0": ("mipd", {"drop": 0.5, "min_keep": 0.0}),
+  "mipd_keep10": ("mipd", {"drop": 0.5, "min_keep": 0.1}),
+  "mipd_keep25": ("mipd", {"drop": 0.5, "min_keep": 0.25}),
+  "mipd_alpha01": ("mipd", {"drop": 0.5, "alpha": 0.1}),
+  "mipd_alpha09": ("mipd", {"drop": 0.5, "alpha": 0.9}),
+  "mipd_beta1": ("mipd", {"drop": 0.5, "beta": 1.0}),
+  "mipd_half_drop_predict_compensated": (
+    "mipd",
+    {"drop": 0.5, "quantize": False, "predict_from": "compensated"},
+  ),
+  "mipd_full_predict_compensated": ("mipd", {"drop": 0.5, "predict_from": "compensated"}),
+  # 1-bit Adam: the demo's row is onebit_adam_demo (m / sqrt(v) compressed, 20% warm-up,
+  # the momentum bound); the others without the bound, or Algorithm 1 ("momentum").
+  "onebit_adam_demo": ("onebit_adam", {}),
+  "onebit_adam_unbounded": ("onebit_adam", _NO_BOUND),
+  "onebit_adam_momentum": ("onebit_adam", {"compress": "momentum"}),
+  "onebit_adam_momentum_unbounded": ("onebit_adam", {"compress": "momentum", **_NO_BOUND}),
+  "onebit_adam_half": ("onebit_adam", {"freeze": 0.5}),
+  "onebit_adam_half_unbounded": ("onebit_adam", {"freeze": 0.5, **_NO_BOUND}),
+}
 
 
 def run(names, seed: int, workdir: str) -> None:
@@ -143,60 +130,42 @@ def run(names, seed: int, workdir: str) -> None:
     f" {r['train_time_s']:.1f} | |"
   ]
   for name in names:
-    method, factory = VARIANTS[name]
+    method, change = VARIANTS[name]
+    make = lambda steady: FACTORIES[method](config, k, steady, **change)
     r = train.train_method(
-      method,
-      config,
-      exchange=factory(config, k, False),
-      steady_exchange=factory(config, k, True),
-      **common,
+      method, config, exchange=make(False), steady_exchange=make(True), **common
     )
     acc = r["test_accuracy"]
     changes[name] = r["layer_change"]
+    overflow = "" if r["overflow_steps"] is None else r["overflow_steps"]
     rows.append(
-      f"| {name} | {100 * acc:.1f} | {100 * (acc - dense):+.1f} |"
-      f" {r['bytes_received']:,.0f} | {r['ratio']:.1f}x | {r['train_time_s']:.1f} |"
-      f" {r['overflow_steps'] if r['overflow_steps'] is not None else ''} |"
+      f"| {name} | {100 * acc:.1f} | {100 * (acc - dense):+.1f} | {r['bytes_received']:,.0f} |"
+      f" {r['ratio']:.1f}x | {r['train_time_s']:.1f} | {overflow} |"
     )
   print(f"\nseed {seed}, {k} devices, {config.num_steps} steps\n")
   print(
-    "| variant | test acc (%) | vs dense (points) | bytes recv/device/step |"
-    " ratio vs dense | train time (s) | overflow steps |"
+    md_head(
+      "variant | test acc (%) | vs dense (points) | bytes recv/device/step | ratio vs dense"
+      " | train time (s) | overflow steps"
+    )
   )
-  print("|---|---:|---:|---:|---:|---:|---:|")
   print("\n".join(rows))
   # How far each kernel moved from its initialization: ||w_T - w_0|| / ||w_0||.
   kernels = [p for p in changes["dense"] if p.endswith("['kernel']")]
-  print("\n| variant | " + " | ".join(kernels) + " |")
-  print("|---|" + "---:|" * len(kernels))
+  print("\n" + md_head(" | ".join(["variant", *kernels])))
   for name, change in changes.items():
-    print(f"| {name} | " + " | ".join(f"{change[p]:.3f}" for p in kernels) + " |")
-
-
-def _init_grads(workdir: str):
-  """(parameters, gradient) of the demo's CNN at init on the first 256 examples."""
-  _, data, model, params = train.setup(default.get_config(), workdir)
-  return params, jax.grad(
-    lambda p: train.cross_entropy(model, p, data["x"][:256], data["y"][:256])
-  )(params)
+    print(md_row(name, *(f"{change[p]:.3f}" for p in kernels)))
 
 
 def saturation(workdir: str) -> None:
-  _, grads = _init_grads(workdir)
-  print("\n| kernel | n | κ = 1% | κ = 5% | κ = 10% |")
-  print("|---|---:|---:|---:|---:|")
-  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if not jc.default_filter(path, g):
-      continue
+  grads = init_grads(workdir)[1]
+  print("\n" + md_head("kernel | n | κ = 1% | κ = 5% | κ = 10%"))
+  for path, g in compressed(grads):
     shares = []
     for kappa in (0.01, 0.05, 0.1):
       p, _ = jc.codecs.UnbiasedSparsifier(density=kappa).probabilities(jnp.asarray(g))
-      shares.append(float(np.sum(np.asarray(p) >= 1)) / (kappa * g.size))
-    print(
-      f"| {jax.tree_util.keystr(path)} | {g.size:,} | "
-      + " | ".join(f"{x:.3f}" for x in shares)
-      + " |"
-    )
+      shares.append(f"{float(np.sum(np.asarray(p) >= 1)) / (kappa * g.size):.3f}")
+    print(md_row(path, f"{g.size:,}", *shares))
 
 
 def mipd_drops(workdir: str) -> None:
@@ -207,15 +176,11 @@ def mipd_drops(workdir: str) -> None:
   """
   from jaxcomp._src.methods import mipd  # pylint: disable=import-outside-toplevel
 
-  params, grads = _init_grads(workdir)
-  sel = [
-    (jax.tree_util.keystr(path), g, w)
-    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params))
-    if jc.default_filter(path, g)
-  ]
+  params, grads = init_grads(workdir)
+  sel = [(path, g, dict(compressed(params))[path]) for path, g in compressed(grads)]
   sizes = [int(g.size) for _, g, _ in sel]
-  print("\n| group | layer | entries | rate r_i | dropped (min_keep=0) | dropped (min_keep=0.1) |")
-  print("|---:|---|---:|---:|---:|---:|")
+  head = "group | layer | entries | rate r_i | dropped (min_keep=0) | dropped (min_keep=0.1)"
+  print("\n" + md_head(head, align="rlrrrr"))
   for gi, half in enumerate(mipd.balanced_halves(sizes)):
     sz = [sizes[i] for i in half]
     rates = mipd.drop_rates(
@@ -240,23 +205,12 @@ def main(argv=None) -> None:
   )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--workdir", default=os.path.join("runs", "mnist1d"))
-  parser.add_argument(
-    "--saturation",
-    action="store_true",
-    help="print the Wangni saturation shares instead of training",
-  )
-  parser.add_argument(
-    "--mipd-drops",
-    action="store_true",
-    help="print MIPD's per-layer drop counts at init instead of training",
-  )
+  what = "instead of training"
+  parser.add_argument("--saturation", action="store_true", help=f"Wangni's saturation, {what}")
+  parser.add_argument("--mipd-drops", action="store_true", help=f"MIPD's drops at init, {what}")
   args = parser.parse_args(argv)
-  if args.saturation:
-    saturation(args.workdir)
-    return
-  if args.mipd_drops:
-    mipd_drops(args.workdir)
-    return
+  if args.saturation or args.mipd_drops:
+    return (saturation if args.saturation else mipd_drops)(args.workdir)
   names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
   unknown = [n for n in names if n not in VARIANTS]
   if unknown:

@@ -2,10 +2,9 @@
 
   python -m benchmarks.studies.dgc_warmup_compile
 
-DGC's warm-up keeps payloads static by compiling one exchange per stage (a
-``lax.switch``); this prints the compile time of the MNIST-1D demo's train step (8 CPU
-devices) with ``warmup_steps=0`` (one stage) and ``warmup_steps=100`` (five stages),
-alternating, ``--repeats`` times each, and the ratio of the medians.
+DGC's warm-up compiles one exchange per stage (a ``lax.switch``): the MNIST-1D demo's
+train step (8 CPU devices) with ``warmup_steps=0`` (one stage) and ``100`` (five stages),
+compiled alternately ``--repeats`` times each. Results: docs/benchmarks.md, "Compile time".
 """
 
 from __future__ import annotations
@@ -30,23 +29,18 @@ import jaxcomp as jc
 
 
 def compile_seconds(warmup_steps: int, *, model, params, mesh, config) -> float:
-  k = mesh.size
+  k, clip = mesh.size, mesh.size * config.grad_clip
   exchange = jc.dgc(
-    0.001,
-    0.9,
-    nesterov=True,
-    clip_norm=k * config.grad_clip,
-    warmup_steps=warmup_steps,
-    axis_name=train.AXIS,
+    0.001, 0.9, nesterov=True, clip_norm=clip, warmup_steps=warmup_steps, axis_name=train.AXIS
   )
   tx = optax.chain(jc.per_device_state(exchange), train.make_optimizer(config, momentum=False))
   specs = jc.state_specs(tx, params, axis_name=train.AXIS, num_devices=k)
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
   per_device = jax.NamedSharding(mesh, P(train.AXIS))
   b = config.per_device_batch_size
-  batch = (
-    jax.ShapeDtypeStruct((k, b, 40), jnp.float32, sharding=per_device),
-    jax.ShapeDtypeStruct((k, b), jnp.int32, sharding=per_device),
+  batch = tuple(
+    jax.ShapeDtypeStruct(s, d, sharding=per_device)
+    for s, d in (((k, b, 40), jnp.float32), ((k, b), jnp.int32))
   )
   start = time.perf_counter()
   train.make_train_step(model, tx, mesh, specs).lower(params, state, batch).compile()

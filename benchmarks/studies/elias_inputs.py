@@ -3,11 +3,10 @@
   python -m benchmarks.studies.elias_inputs                  # n = 4096, s = 64, 20 draws
   python -m benchmarks.studies.elias_inputs --n 1024 --draws 4
 
-One Markdown row per input (a sign vector, alternating magnitudes, uniform, Gaussian,
-Laplace, Student-t with 1.5 degrees of freedom, one-hot): mean and largest bits per
-value of the string over ``--draws`` quantizations (l2 norm, one bucket), and the share
-of strings longer than Corollary 3.3's 2.8n + 32; then ``elias.dense_bound(n, s) / n``,
-the bound on the expected length.
+Per input (sign vector, alternating magnitudes, uniform, Gaussian, Laplace, Student-t
+1.5, one-hot): mean and largest bits per value over ``--draws`` quantizations (l2, one
+bucket), the share over Corollary 3.3's 2.8n + 32, and ``elias.dense_bound(n, s) / n``.
+Results: docs/methods/elias.md.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._timing import md_head
 import jaxcomp as jc
 
 
@@ -41,8 +41,7 @@ def table(n: int, s: int, draws: int) -> str:
   codec = jc.codecs.QSGD(s, bucket_size=None, norm="l2")
   encode = jax.jit(jax.vmap(lambda x, k: codec.encode(x, key=k), in_axes=(None, 0)))
   rows = [
-    f"| input (n = {n}, s = {s}) | mean bits / n | max bits / n | strings over 2.8n + 32 |",
-    "|---|---:|---:|---:|",
+    md_head(f"input (n = {n}, s = {s}) | mean bits / n | max bits / n | strings over 2.8n + 32")
   ]
   for name, x in inputs(n).items():
     payloads = encode(jnp.asarray(x, jnp.float32), jax.random.split(jax.random.key(1), draws))

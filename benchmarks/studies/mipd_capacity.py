@@ -3,25 +3,16 @@
   python -m benchmarks.studies.mipd_capacity                # the demo: 600 steps, seed 0
   python -m benchmarks.studies.mipd_capacity --steps 50 --seed 1
 
-Trains the demo's CNN (examples/mnist1d, default config, 8 CPU devices) with
-``jc.mipd(0.5, collective="two_phase")`` and, at every step, computes next to the real
-exchange what its static payloads must hold: per sending device and owner, the kept
-entries of the owner's share (push, against the row's code slots) and the exact
-outliers among them (against the push's outlier slots); per owner, the exact outliers
-of the pulled mean and received mean (against the pull's outlier slots). The counts come
-from MIPD's own steps (``jaxcomp._src.methods.mipd``: the drop rates, the allocation, the
-selection, the coding, the owners' rows and formats) applied to the same gradients,
-state and parameters as the real update, inside the same ``shard_map``; nothing in the
-library is replaced, and the real update runs unchanged. Prints, per half-update group,
-the mean and the largest count over the run against each capacity, the steps whose
-counts exceed a capacity (which the real run must count in ``overflow_count``), and the
-run's test accuracy and overflow steps.
+Trains the demo's CNN (examples/mnist1d, 8 CPU devices) with ``jc.mipd(0.5,
+collective="two_phase")`` and at every step computes, with MIPD's own steps on the real
+update's inputs inside the same ``shard_map`` (the real update runs unchanged), what its
+static payloads must hold: per half-update group, the mean and largest count against
+each capacity and the steps above it. Results: docs/methods/mipd.md, "The capacity diagnostic".
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 
 import jax
@@ -33,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
 import jaxcomp as jc
@@ -47,21 +40,14 @@ DROP_RATE = 0.5
 
 def _layout(leaves):
   """MIPD's default layout of ``leaves``: (selected positions, halves, groups)."""
-  defaults = jc.mipd.__kwdefaults__
-  q = normal.NormalQuantizer(
-    defaults["intervals"], defaults["sigmas"], defaults["outlier_fraction"]
-  )
+  d = jc.mipd.__kwdefaults__
+  q = normal.NormalQuantizer(d["intervals"], d["sigmas"], d["outlier_fraction"])
   sel = [i for i, (p, x) in enumerate(leaves) if jc.default_filter(p, x)]
   sizes = [int(np.prod(leaves[i][1].shape)) for i in sel]
   halves = mipd_lib.balanced_halves(sizes)
+  group = mipd_lib._Group  # pylint: disable=protected-access
   groups = [
-    mipd_lib._Group(  # pylint: disable=protected-access
-      [sizes[j] for j in h],
-      DROP_RATE,
-      q,
-      defaults["outlier_fraction"],
-      min_keep=defaults["min_keep"],
-    )
+    group([sizes[j] for j in h], DROP_RATE, q, d["outlier_fraction"], min_keep=d["min_keep"])
     for h in halves
   ]
   return sel, halves, groups, q
@@ -70,37 +56,27 @@ def _layout(leaves):
 def _counts(group, members, gs, preds, pnorms, quantizer):
   """(kept per owner, push outliers per owner, pull outliers per owner, capacities)."""
   k = collectives.axis_size(AXIS)
-  g_m = [gs[j] for j in members]
-  p_m = [preds[j] for j in members]
+  g_m, p_m = [gs[j] for j in members], [preds[j] for j in members]
   errs = jnp.stack([jnp.sqrt(jnp.sum(jnp.square(g - p))) for g, p in zip(g_m, p_m)])
   beta = jc.mipd.__kwdefaults__["beta"]
   rates = mipd_lib.drop_rates(jnp.stack([pnorms[j] for j in members]), errs, beta)
-  keep = jnp.asarray(group.sizes, jnp.int32) - mipd_lib.allocate_drops(
-    rates, group.caps, group.drops
-  )
+  drops = mipd_lib.allocate_drops(rates, group.caps, group.drops)
+  keep = jnp.asarray(group.sizes, jnp.int32) - drops
   coded = group.code(*group.select(g_m, keep))
   owners = mipd_exchange._Owners(group, k, quantizer, 2)  # pylint: disable=protected-access
   mask, outl = owners.rows(coded.mask, False), owners.rows(coded.outl, False)
   kept = jnp.sum(mask, axis=1, dtype=jnp.int32)
   push_out = jnp.sum(outl, axis=1, dtype=jnp.int32)
   # The owners' sums and counts, as the push delivers them, then the pulled vectors.
-  rows = {"flat": owners.rows(coded.flat, 0.0), "mask": mask}
-  rows["codes"], rows["outl"] = owners.rows(coded.codes, 0), outl
-  payload, _ = jax.vmap(
-    lambda r: owners.row.pack(
-      r["flat"], r["mask"], r["codes"], r["outl"], coded.stats, coded.finite
-    )
-  )(rows)
+  rows = (owners.rows(coded.flat, 0.0), mask, owners.rows(coded.codes, 0), outl)
+  payload, _ = jax.vmap(lambda *r: owners.row.pack(*r, coded.stats, coded.finite))(*rows)
   got = collectives.all_to_all_tree(payload, AXIS)
   total, count = owners.row.sum_and_count(got)
   p_flat = jnp.concatenate([p.reshape(-1) for p in p_m])
   mine = jnp.asarray(owners.index)[jax.lax.axis_index(AXIS)]
   pred = jnp.concatenate([p_flat, jnp.zeros((1,), jnp.float32)])[mine]
-  received = total / k
-  mean = (total + (k - count) * pred) / k  # compensated (the default)
-  fmt = owners.pull
-  pull_out = []
-  for v in (mean, received):
+  fmt, pull_out = owners.pull, []
+  for v in ((total + (k - count) * pred) / k, total / k):  # compensated mean, received
     segs = [v[int(lo) : int(hi)] for lo, hi in zip(fmt.offsets[:-1], fmt.offsets[1:])]
     _, o, _ = mipd_exchange._layer_codes(  # pylint: disable=protected-access
       segs, [jnp.ones(s.shape, bool) for s in segs], fmt.quantizer
@@ -123,24 +99,13 @@ def recording(tx: optax.GradientTransformation, records: list) -> optax.Gradient
     # The half update's parity, read from the state as the real update reads it.
     parity = (jax.lax.pmax(state.count, AXIS) % 2).astype(jnp.int32)
     for active, (group, members) in enumerate(zip(groups, halves)):
-      kept, push_out, pull_out, caps = _counts(group, members, gs, preds, pnorms, q)
+      *counts, caps = _counts(group, members, gs, preds, pnorms, q)
 
-      def record(device, parity, kept, push_out, pull_out, active=active, caps=caps):
+      def record(device, parity, *counts, active=active, caps=caps):
         if int(parity) == active:
-          records.append(
-            (
-              active,
-              int(device),
-              np.asarray(kept),
-              np.asarray(push_out),
-              np.asarray(pull_out),
-              caps,
-            )
-          )
+          records.append((active, int(device), *map(np.asarray, counts), caps))
 
-      jax.debug.callback(
-        record, jax.lax.axis_index(AXIS), parity, kept, push_out, pull_out, ordered=False
-      )
+      jax.debug.callback(record, jax.lax.axis_index(AXIS), parity, *counts, ordered=False)
     return out
 
   return optax.GradientTransformation(tx.init, update_fn)
@@ -148,39 +113,29 @@ def recording(tx: optax.GradientTransformation, records: list) -> optax.Gradient
 
 def summarize(records: list, num_steps: int) -> str:
   """Per group and count: mean, largest and capacity, and the steps above a capacity."""
-  by_group = collections.defaultdict(list)
-  for rec in records:
-    by_group[rec[0]].append(rec)
-  lines = [
-    "| group | count | mean | largest | capacity | above capacity |",
-    "|---:|---|---:|---:|---:|---:|",
-  ]
-  for group in sorted(by_group):
-    recs = by_group[group]
+  lines = [md_head("group | count | mean | largest | capacity | above capacity", "rlrrrr")]
+  for group in sorted({r[0] for r in records}):
+    recs = [r for r in records if r[0] == group]
     slots, push_cap, pull_cap = recs[0][5]
     for name, idx, cap in (
       ("kept entries per owner (push)", 2, slots),
       ("exact outliers per owner (push)", 3, push_cap),
       ("exact outliers per owner (pull)", 4, pull_cap),
     ):
-      values = np.concatenate([np.ravel(r[idx]) for r in recs])
-      above = int(np.sum(values > cap))
-      lines.append(
-        f"| {group + 1} | {name} | {values.mean():.1f} | {values.max()} | {cap} | {above} |"
-      )
+      v = np.concatenate([np.ravel(r[idx]) for r in recs])
+      lines.append(md_row(group + 1, name, f"{v.mean():.1f}", v.max(), cap, int(np.sum(v > cap))))
   lines.append(f"\n{len(records)} device-steps recorded over {num_steps} steps.")
   return "\n".join(lines)
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=None, help="training steps (default: 600)")
+  steps = default.get_config().num_steps
+  parser.add_argument("--steps", type=int, default=steps, help="training steps (%(default)s)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--workdir", default="runs/mipd_capacity")
   args = parser.parse_args(argv)
-  cfg = dataclasses.replace(default.get_config(), seed=args.seed)
-  if args.steps is not None:
-    cfg = dataclasses.replace(cfg, num_steps=args.steps)
+  cfg = dataclasses.replace(default.get_config(), seed=args.seed, num_steps=args.steps)
   mesh, data, model, p0 = train.setup(cfg, args.workdir)
   records: list = []
   tx = recording(jc.mipd(DROP_RATE, axis_name=AXIS, collective="two_phase"), records)

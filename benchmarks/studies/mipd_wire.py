@@ -3,12 +3,10 @@
   python -m benchmarks.studies.mipd_wire
   python -m benchmarks.studies.mipd_wire --devices 8,64
 
-Prints a Markdown table: for the demo's CNN (examples/mnist1d, default config), a
-786K-parameter MLP (kernels 512×512, 256×512, 256×512 and a 512 bias, as
-``tests/test_mipd.py::WIRE_PARAMS``) and a 3.1M-parameter one (1024×1024, 512×1024,
-512×1024, bias 1024), the bytes received per device per step of ``jc.mipd(0.5)`` with
-``collective="allgather"``, ``"two_phase"`` and ``"auto"``, and their ratios to a dense
-``pmean``, from ``jc.wire_report`` (traced over an abstract mesh: no devices needed).
+For the demo's CNN and MLPs of 786K (as ``tests/test_mipd.py::WIRE_PARAMS``) and 3.1M
+parameters: ``jc.wire_report``'s bytes per device per step of ``jc.mipd(0.5)`` per
+collective and their ratios to a dense ``pmean`` (traced over an abstract mesh: no
+devices needed). Results: docs/methods/mipd.md.
 """
 
 from __future__ import annotations
@@ -18,39 +16,32 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+from benchmarks._timing import ints
+from benchmarks._timing import md_head
 from examples.mnist1d import models
 from examples.mnist1d.configs import default
 import jaxcomp as jc
 
 
-def _f32(*shape):
-  return jax.ShapeDtypeStruct(shape, jnp.float32)
-
-
 def models_to_report() -> dict:
   """{name: abstract params} of the three models."""
-  demo = jax.eval_shape(
-    lambda: models.create_model(default.get_config()).init(jax.random.key(0), jnp.zeros((1, 40)))[
-      "params"
-    ]
-  )
-  mlp = {"w": _f32(512, 512), "v": _f32(256, 512), "u": _f32(256, 512), "b": _f32(512)}
-  big = {"w": _f32(1024, 1024), "v": _f32(512, 1024), "u": _f32(512, 1024), "b": _f32(1024)}
-  return {"demo CNN": demo, "786K": mlp, "3.1M": big}
+  model = models.create_model(default.get_config())
+  demo = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 40)))["params"])
+  mlp = lambda w: {
+    k: jax.ShapeDtypeStruct(s, jnp.float32)
+    for k, s in zip("wvub", ((w, w), (w // 2, w), (w // 2, w), (w,)))
+  }
+  return {"demo CNN": demo, "786K": mlp(512), "3.1M": mlp(1024)}
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", default="2,4,8,16,32,64", help="comma-separated device counts K")
+  parser.add_argument("--devices", type=ints, default="2,4,8,16,32,64", help="device counts K")
   args = parser.parse_args(argv)
-  ks = [int(k) for k in args.devices.split(",")]
-  print(
-    "| model | K | allgather bytes | allgather ratio | two_phase bytes | two_phase ratio |"
-    " auto ratio |"
-  )
-  print("|---|---:|---:|---:|---:|---:|---:|")
+  head = "model | K | allgather bytes | allgather ratio | two_phase bytes | two_phase ratio"
+  print(md_head(head + " | auto ratio"))
   for name, params in models_to_report().items():
-    for k in ks:
+    for k in args.devices:
       r = {
         c: jc.wire_report(
           jc.mipd(0.5, axis_name="b", collective=c), params, axis_name="b", num_devices=k

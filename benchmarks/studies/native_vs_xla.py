@@ -1,15 +1,10 @@
 r"""The demo's train step with QSGD on the native CPU kernels against the XLA path.
 
-Builds the MNIST-1D demo's jitted train step (8 CPU devices, ``examples/mnist1d``) twice,
-with ``jc.qsgd(..., implementation="native")`` and ``implementation="xla"``, trains
-both from the same parameters on the same batches, and compares the parameters every
-``--every`` steps: the first step at which they differ, and in how many values. It also
-counts the divisions over (buckets, bucket) arrays that XLA compiled in the encode
-(``jaxcomp_encode``) inside the whole step: none, since every path multiplies by the
-per-bucket reciprocal (``jaxcomp/_src/arith.inverse_scale``). Before that, the source
-divided, XLA turned the division into that multiplication in some programs and not in
-others, and an ulp of ``r = |v| / scale * s`` flipped a stochastic rounding about once
-in 2^21 values: the two paths drifted apart within a few hundred steps.
+Trains the MNIST-1D demo's jitted step (8 CPU devices) with ``jc.qsgd(...,
+implementation="native")`` and ``"xla"`` from the same parameters on the same batches,
+compares the parameters every ``--every`` steps, and counts the divisions over bucket
+values XLA compiled into the encode (none: every path multiplies by the per-bucket
+reciprocal). Why it matters: docs/guides/kernels.md, "Bit for bit in training too".
 
   python -m benchmarks.studies.native_vs_xla                  # QSGD 4-bit, 400 steps
   python -m benchmarks.studies.native_vs_xla --bits 2 --bucket 128 --steps 200
@@ -23,41 +18,35 @@ import re
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # pylint: disable=wrong-import-position
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+from jax.sharding import PartitionSpec as P
+import numpy as np
 
-from examples.mnist1d import input_pipeline  # pylint: disable=wrong-import-position
-from examples.mnist1d import train  # pylint: disable=wrong-import-position
-from examples.mnist1d.configs import default  # pylint: disable=wrong-import-position
-import jaxcomp as jc  # pylint: disable=wrong-import-position
-from jaxcomp.kernels import cpu  # pylint: disable=wrong-import-position
+from examples.mnist1d import input_pipeline
+from examples.mnist1d import train
+from examples.mnist1d.configs import default
+import jaxcomp as jc
+from jaxcomp.kernels import cpu
 
 
 def run(impl: str, args, config, mesh, data, model, init_params):
   """(parameters after each checked step, the compiled step's HLO text)."""
   k = mesh.size
   exchange = jc.qsgd(
-    bits=args.bits,
-    bucket_size=args.bucket,
-    axis_name=train.AXIS,
-    collective="auto",
-    implementation=impl,
+    bits=args.bits, bucket_size=args.bucket, axis_name=train.AXIS, implementation=impl
   )
   tx = train.make_tx("qsgd4", config, exchange)
   specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
   params = jax.device_put(init_params, jax.NamedSharding(mesh, P()))
   opt = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
   step = train.compile_train_step(model, tx, mesh, specs, params, opt, config, data)
+  b = config.per_device_batch_size
   batches = input_pipeline.train_batches(
-    data["x"],
-    data["y"],
-    num_devices=k,
-    per_device_batch_size=config.per_device_batch_size,
-    seed=config.seed,
+    data["x"], data["y"], num_devices=k, per_device_batch_size=b, seed=config.seed
   )
   checked = {}
   for i in range(1, args.steps + 1):

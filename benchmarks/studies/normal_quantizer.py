@@ -2,21 +2,12 @@
 
   python -m benchmarks.studies.normal_quantizer
 
-Prints the mean squared error of ``jc.codecs.NormalQuantizer`` (3σ-rule intervals,
-conditional-mean proxies, outliers exact) next to two uniform quantizers with the same
-bits per value, measured in the same run:
-
-* ``qsgd``: ``jc.codecs.QSGD(levels=2**(b-1)-1, norm="max")``, stochastic (unbiased),
-  one scale per tensor: jaxcomp's uniform quantizer;
-* ``minmax``: deterministic, ``2**b`` equal-width levels spanning ``[min, max]``,
-  nearest level (a biased uniform quantizer, for reference).
-
-First on N(0, 1) data (2**20 values), then on the gradients of the demo's CNN at its
-initialisation (MNIST-1D, batch 256), per compressed kernel, on all entries and on the
-50% largest (what MIPD quantizes after dropping half). The share of values beyond 3σ
-sizes the exact-outlier capacity. The normal quantizer's MSE counts those values as
-exact; its last column is its real wire bits per value with exactly that many outlier
-slots (index + float32 each): above ``b`` where the tails are heavy.
+Mean squared error of ``jc.codecs.NormalQuantizer`` (outliers beyond 3σ exact) next to
+``qsgd`` (``QSGD(2**(b-1)-1, norm="max")``, stochastic) and ``minmax`` (``2**b`` levels over
+[min, max], nearest) with the same bits, measured in the same run: on N(0, 1) data, then
+per compressed kernel of the demo CNN's gradient at init (all entries and the 50%
+largest), with the share beyond 3σ and the normal quantizer's real wire bits per value.
+Results: docs/methods/mipd.md, "Mean squared errors".
 """
 
 from __future__ import annotations
@@ -27,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from examples.mnist1d import train
-from examples.mnist1d.configs import default
+from benchmarks._timing import md_head
+from benchmarks.studies import compressed
+from benchmarks.studies import init_grads
 import jaxcomp as jc
 
 
@@ -60,11 +52,8 @@ def main() -> None:
   key = jax.random.key(0)
   x = np.asarray(jax.random.normal(key, (1 << 20,)))
   print("N(0, 1), 2^20 values: MSE")
-  print(
-    "| bits | normal | qsgd (stochastic) | minmax (nearest) | normal/qsgd | normal/minmax |"
-    " normal bits/value |"
-  )
-  print("|---:|---:|---:|---:|---:|---:|---:|")
+  head = "bits | normal | qsgd (stochastic) | minmax (nearest) | normal/qsgd | normal/minmax"
+  print(md_head(head + " | normal bits/value", "r" * 7))
   for bits in (3, 4, 6, 8):
     n, q, m = mses(x, bits, jax.random.key(bits))
     print(
@@ -72,24 +61,18 @@ def main() -> None:
       f" {normal_bits(x, bits):.2f} |"
     )
 
-  config = default.get_config()
-  _, data, model, params = train.setup(config, os.path.join("runs", "mnist1d"))
-  grads = jax.grad(lambda p: train.cross_entropy(model, p, data["x"][:256], data["y"][:256]))(
-    params
-  )
+  grads = init_grads(os.path.join("runs", "mnist1d"))[1]
   print("\nDemo CNN gradients at init (batch 256), 8-bit codes: MSE ratios")
-  print("| kernel | n | subset | beyond 3σ | normal/qsgd | normal/minmax | normal bits/value |")
-  print("|---|---:|---|---:|---:|---:|---:|")
-  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if not jc.default_filter(path, g):
-      continue
+  head = "kernel | n | subset | beyond 3σ | normal/qsgd | normal/minmax | normal bits/value"
+  print(md_head(head, "lrlrrrr"))
+  for path, g in compressed(grads):
     flat = np.asarray(g, np.float32).ravel()
     top = flat[np.argsort(-np.abs(flat))[: flat.size // 2]]
     for name, v in (("all", flat), ("top 50%", top)):
       beyond = float(np.mean(np.abs(v - v.mean()) > 3 * v.std()))
       n, q, m = mses(v, 8, jax.random.key(1))
       print(
-        f"| {jax.tree_util.keystr(path)} | {v.size:,} | {name} | {100 * beyond:.2f}% |"
+        f"| {path} | {v.size:,} | {name} | {100 * beyond:.2f}% |"
         f" {n / q:.2f} | {n / m:.2f} | {normal_bits(v, 8):.2f} |"
       )
 

@@ -3,12 +3,10 @@
   python -m benchmarks.studies.onebit_columns
   python -m benchmarks.studies.onebit_columns --devices 8,16 --shapes 1024x3,4096
 
-Prints a Markdown table: for each leaf shape and device count K, the column segments
-``r`` of its two-phase chunks (``OneBit.column_segments``), its chunk shape, and the bytes
-received per device per step of ``jc.onebit_sgd(per_column=True)`` with
-``collective="allgather"``, ``"two_phase"`` and ``"auto"``, with ratios to a dense
-float32 all-reduce, from ``jc.wire_report`` (traced over an abstract mesh: no devices
-needed).
+Per leaf shape and device count K: the column segments ``r`` of its two-phase chunks,
+the chunk shape, and ``jc.wire_report``'s bytes per device per step of
+``jc.onebit_sgd(per_column=True)`` per collective, with ratios to a dense all-reduce
+(traced over an abstract mesh: no devices needed). Results: docs/methods/onebit_sgd.md.
 """
 
 from __future__ import annotations
@@ -18,26 +16,23 @@ import argparse
 import jax
 import jax.numpy as jnp
 
+from benchmarks._timing import ints
+from benchmarks._timing import md_head
 import jaxcomp as jc
 
 SHAPES = "1024x3,1024x7,1024x10,4096,1000x3,256x64,96"
 
 
-def _shape(text: str) -> tuple[int, ...]:
-  return tuple(int(d) for d in text.split("x"))
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--devices", default="8", help="comma-separated device counts K")
+  parser.add_argument("--devices", type=ints, default="8", help="comma-separated device counts K")
   parser.add_argument("--shapes", default=SHAPES, help="comma-separated leaf shapes, AxB")
   args = parser.parse_args(argv)
   codec = jc.codecs.OneBit(per_column=True)
-  print("| leaf | K | r | chunk | allgather | two_phase | auto |")
-  print("|---|---:|---:|---|---:|---:|---:|")
-  for shape in map(_shape, args.shapes.split(",")):
+  print(md_head("leaf | K | r | chunk | allgather | two_phase | auto", "lrrlrrr"))
+  for shape in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
     params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
-    for k in (int(k) for k in args.devices.split(",")):
+    for k in args.devices:
       r = {
         c: jc.wire_report(
           jc.onebit_sgd(per_column=True, axis_name="b", collective=c, filter=lambda p, x: True),

@@ -3,14 +3,12 @@
   python -m benchmarks.studies.qsvrg                 # d = 32, 8 epochs
   python -m benchmarks.studies.qsvrg --dim 256 --epochs 10
 
-Runs :func:`jaxcomp.qsvrg` under ``jax.shard_map`` on 8 (simulated) CPU devices, 256
-examples per device, minibatches of 8, one local pass (T = 32 steps) per epoch, with the
-paper's quantizer (``s = √n``, l2 norm, one bucket per tensor), coarser ones, and plain
-SVRG through the same code (``Identity`` codec). For each it prints the per-epoch
-contraction of ``f(y_p) - f*`` (geometric mean over the epochs; ``f*`` from Newton's
-method in float64) and the bits per device per epoch read from the traced collectives
-(:func:`jaxcomp.qsvrg_wire_report`), against dense SVRG and the paper's Elias-coded
-``(F + 2.8n)(T + 1) + Fn`` bound.
+Runs :func:`jaxcomp.qsvrg` under ``jax.shard_map`` on 8 CPU devices (256 examples and
+T = 32 minibatches of 8 per device and epoch) with the paper's quantizer (s = √n, l2, one
+bucket), coarser ones and plain SVRG (``Identity`` codec): the per-epoch contraction of
+``f(y_p) - f*`` (``f*`` by Newton's method in float64) and the bits per device per epoch
+(:func:`jaxcomp.qsvrg_wire_report`) against dense SVRG and the paper's Elias bound.
+Results: docs/methods/qsvrg.md.
 """
 
 from __future__ import annotations
@@ -20,19 +18,17 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from jax import lax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-import numpy as np  # noqa: E402
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
 
-import jaxcomp as jc  # noqa: E402
-
-qsvrg, qsvrg_wire_report = jc.qsvrg, jc.qsvrg_wire_report
+import jaxcomp as jc
 
 K, ROWS, BATCH, AXIS = 8, 256, 8, "b"
 
@@ -70,8 +66,9 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
     return jnp.mean(jnp.logaddexp(0.0, -z)) + reg
 
   mesh = jax.make_mesh((K,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  xs = jax.device_put(jnp.asarray(a, jnp.float32), NamedSharding(mesh, P(AXIS)))
-  ys = jax.device_put(jnp.asarray(y, jnp.float32), NamedSharding(mesh, P(AXIS)))
+  xs, ys = jax.device_put(
+    (jnp.asarray(a, jnp.float32), jnp.asarray(y, jnp.float32)), NamedSharding(mesh, P(AXIS))
+  )
   params0 = {"w": jnp.zeros((d,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
   variants = {
     "SVRG (dense, Identity codec)": dict(codec=jc.codecs.Identity()),
@@ -83,18 +80,15 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
   for name, kw in variants.items():
     # The paper's exchange (every device decodes every payload) at K = 8, not "auto"'s
     # two-phase one, which quantizes the chunk averages again.
-    opt = qsvrg(loss, eta, axis_name=AXIS, collective="allgather", **kw)
+    opt = jc.qsvrg(loss, eta, axis_name=AXIS, collective="allgather", **kw)
 
     def epoch(params, state, x, t, key, opt=opt):
       k = jax.random.fold_in(key, lax.axis_index(AXIS))
       idx = jax.random.randint(k, (steps, BATCH), 0, ROWS)
       return opt.epoch(params, state, (x, t), (x[idx], t[idx]))
 
-    step = jax.jit(
-      jax.shard_map(
-        epoch, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P())
-      )
-    )
+    specs = dict(in_specs=(P(), P(), P(AXIS), P(AXIS), P()), out_specs=(P(), P()))
+    step = jax.jit(jax.shard_map(epoch, mesh=mesh, **specs))
     params, state = jax.device_put((params0, opt.init(params0)), NamedSharding(mesh, P()))
     sub = [f(np.zeros(d), 0.0) - fstar]
     for p in range(epochs):
@@ -106,19 +100,12 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
       jax.ShapeDtypeStruct((BATCH, d), jnp.float32),
       jax.ShapeDtypeStruct((BATCH,), jnp.float32),
     )
-    report = qsvrg_wire_report(
+    report = jc.qsvrg_wire_report(
       opt, params0, batch, axis_name=AXIS, num_devices=K, inner_steps=steps
     )
-    rows.append(
-      dict(
-        name=name,
-        rate=rate,
-        final=float(sub[-1] / sub[0]),
-        bits=report.broadcast_bits_per_epoch,
-        dense=report.dense_bits_per_epoch,
-        bound=report.paper_bound_bits,
-      )
-    )
+    bits, dense = report.broadcast_bits_per_epoch, report.dense_bits_per_epoch
+    final, bound = float(sub[-1] / sub[0]), report.paper_bound_bits
+    rows.append(dict(name=name, rate=rate, final=final, bits=bits, dense=dense, bound=bound))
   return rows
 
 

@@ -3,12 +3,10 @@
   python -m benchmarks.studies.topk                  # n = 1M..16M, density 0.1%
   python -m benchmarks.studies.topk --sizes 1,4 --repeats 3
 
-For each n it times the encode of :class:`jaxcomp.codecs.TopK` with
-``method="exact"`` (``lax.top_k`` of |x|), ``"blocked"`` and ``"sampled"`` (median of
-``--repeats`` runs after a warm-up, jitted, on one device), and measures the recall of
-the selected set against the exact top-k on Gaussian and heavy-tailed (Student-t, 1.5
-degrees of freedom) inputs. Speeds are printed as ratios against ``lax.top_k`` measured
-in the same run, since this machine's timings are noisy.
+Times the encode of :class:`jaxcomp.codecs.TopK` with ``method="exact"`` (``lax.top_k``
+of |x|), ``"blocked"`` and ``"sampled"`` (jitted, one device, median of ``--repeats``)
+as ratios to ``lax.top_k`` in the same run, and the recall of each set against the exact
+top-k on Gaussian and Student-t (1.5 d.o.f.) inputs. Results: docs/methods/dgc.md.
 """
 
 from __future__ import annotations
@@ -16,18 +14,11 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._timing import md_head
 from benchmarks._timing import median_time
 import jaxcomp as jc
-
-
-def _inputs(dist: str, n: int, seed: int) -> jax.Array:
-  key = jax.random.key(seed)
-  if dist == "gaussian":
-    return jax.random.normal(key, (n,), jnp.float32)
-  return jax.random.t(key, 1.5, (n,), jnp.float32)
 
 
 def run(sizes_m, density: float, repeats: int) -> list[dict]:
@@ -36,7 +27,8 @@ def run(sizes_m, density: float, repeats: int) -> list[dict]:
     n = int(size * 2**20)
     row = {"n": n}
     for dist in ("gaussian", "heavy_tailed"):
-      x = _inputs(dist, n, seed=n % 1000)
+      key = jax.random.key(n % 1000)
+      x = jax.random.t(key, 1.5, (n,)) if dist != "gaussian" else jax.random.normal(key, (n,))
       exact_idx = None
       for method in ("exact", "blocked", "sampled"):
         codec = jc.codecs.TopK(density, method)
@@ -64,9 +56,11 @@ def table(rows: list[dict], density: float) -> str:
     f"visible, one used), density {density:g}, jax {jax.__version__}. Speed-up = "
     "lax.top_k time / method time (same run). Recall = share of the exact top-k selected.",
     "",
-    "| n | lax.top_k (ms) | blocked (ms) | speed-up | sampled (ms) | speed-up |"
-    " recall sampled (gauss / heavy) | recall blocked (gauss / heavy) |",
-    "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    md_head(
+      "n | lax.top_k (ms) | blocked (ms) | speed-up | sampled (ms) | speed-up | recall sampled"
+      " (gauss / heavy) | recall blocked (gauss / heavy)",
+      "r" * 8,
+    ),
   ]
   for r in rows:
     lines.append(
@@ -81,9 +75,7 @@ def table(rows: list[dict], density: float) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-    "--sizes", default="1,2,4,8,16", help="comma-separated sizes in units of 2**20 values"
-  )
+  parser.add_argument("--sizes", default="1,2,4,8,16", help="sizes in units of 2**20 values")
   parser.add_argument("--density", type=float, default=0.001)
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args(argv)
