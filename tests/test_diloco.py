@@ -14,10 +14,6 @@ from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K
 
-# Gradients too small for the default filter: jaxcomp warns that it compresses nothing
-# (an error elsewhere in the suite, pyproject.toml), which these tests mean.
-NOTHING_COMPRESSED = pytest.mark.filterwarnings("ignore:.*compresses nothing:UserWarning")
-
 EPS = float(jnp.finfo(jnp.float32).eps)
 SHAPES = {"w": (64, 32), "b": (32,)}  # w: 2048 values, compressed by default_filter
 PARAMS = {n: jnp.zeros(s, jnp.float32) for n, s in SHAPES.items()}
@@ -476,7 +472,7 @@ def test_wire_report_divides_by_sync_every(fragments):
     assert f"once every {h} steps" in str(report)
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_state_is_stable_and_one_compile():
   """Inner Adam, outer Nesterov, 4-bit QSGD with error feedback, 2 fragments: the state
   keeps its shapes, dtypes and specs over syncs and steps between them, in one compile
@@ -533,7 +529,7 @@ def test_per_device_state_hands_diloco_back_unchanged():
   assert jc.per_device_state(tx) is tx
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 @pytest.mark.parametrize("fragments", [None, 2])
 def test_checkpoint_round_trip_resumes_bit_identically(fragments):
   """The state (typed keys included) saved as plain arrays after 3 steps and restored

@@ -13,10 +13,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
-
-# Gradients too small for the default filter: jaxcomp warns that it compresses nothing
-# (an error elsewhere in the suite, pyproject.toml), which these tests mean.
-NOTHING_COMPRESSED = pytest.mark.filterwarnings("ignore:.*compresses nothing:UserWarning")
+from tests import helpers
 
 SLOW, FAST = "node", "gpu"
 AXES = (SLOW, FAST)
@@ -409,7 +406,7 @@ def test_a_gradient_summed_over_the_nodes_is_refused(mesh):
     jax.jit(fn)(grads, state, _placed(PARAMS, mesh))
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_full_gradient_whose_rows_l_does_not_divide_is_refused(mesh):
   """The "full" route cuts along the first axis into P(fast)'s rows: a gradient of 6
   rows on L = 4 devices has no such shards."""
@@ -426,7 +423,7 @@ def test_full_gradient_whose_rows_l_does_not_divide_is_refused(mesh):
     jax.jit(fn)(state, _placed(params, mesh))
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_specs_must_match_the_layout(mesh):
   """param_specs P(fast) without a jc.hsdp, a jc.hsdp with replicated param_specs, and
   a leaf whose first axis L does not divide: clear errors."""

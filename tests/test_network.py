@@ -6,10 +6,7 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
-
-# Gradients too small for the default filter: jaxcomp warns that it compresses nothing
-# (an error elsewhere in the suite, pyproject.toml), which these tests mean.
-NOTHING_COMPRESSED = pytest.mark.filterwarnings("ignore:.*compresses nothing:UserWarning")
+from tests import helpers
 
 net = jc.network
 
@@ -80,7 +77,7 @@ def test_fit_link_clips_negative_latency():
   assert fit.bandwidth == pytest.approx(1e8, rel=0.1)
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_exchange_time_prices_every_collective_of_a_report():
   params = {
     "w": jax.ShapeDtypeStruct((4096,), jnp.float32),

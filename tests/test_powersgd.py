@@ -17,10 +17,6 @@ from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K
 
-# Gradients too small for the default filter: jaxcomp warns that it compresses nothing
-# (an error elsewhere in the suite, pyproject.toml), which these tests mean.
-NOTHING_COMPRESSED = pytest.mark.filterwarnings("ignore:.*compresses nothing:UserWarning")
-
 EPS = float(jnp.finfo(jnp.float32).eps)
 SHAPES = {"w": (48, 96), "k": (4, 8, 32), "b": (96,)}  # "k": a 3-D kernel, viewed (32, 32)
 PARAMS = {name: jnp.zeros(shape) for name, shape in SHAPES.items()}
@@ -267,7 +263,7 @@ def _compressed(tx, params):
   return {name: not isinstance(q, optax.MaskedNode) for name, q in state.q.items()}
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_min_compression_rule_and_matrix_view():
   # (64, 64) at rank 16: m·n = 4096 = c·r(m+n) for c = 2 exactly.
   w = {"w": jnp.zeros((64, 64))}
@@ -291,7 +287,7 @@ def test_min_compression_rule_and_matrix_view():
   assert state.q["k"].shape == (8192, 1)
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_dense_leaves_are_the_exact_mean():
   tx = jc.per_device_state(jc.powersgd(2, axis_name=AXIS, min_compression=100.0))
   state, update, m = _sharded(tx)

@@ -25,10 +25,6 @@ from jaxcomp._src.exchanges import pipeline
 from jaxcomp._src.tools import specs as specs_lib
 from tests import helpers
 
-# Gradients too small for the default filter: jaxcomp warns that it compresses nothing
-# (an error elsewhere in the suite, pyproject.toml), which these tests mean.
-NOTHING_COMPRESSED = pytest.mark.filterwarnings("ignore:.*compresses nothing:UserWarning")
-
 AXIS, K = helpers.AXIS, helpers.K
 F32_EPS = float(jnp.finfo(jnp.float32).eps)
 ALL = lambda path, leaf: True  # noqa: E731  compress every leaf
@@ -89,7 +85,7 @@ def test_identity_reduce_scatter_equals_psum_scatter():
     chex.assert_trees_all_close(out[name], ref[name], rtol=0, atol=tol)
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_dense_route_is_psum_scatter():
   """Leaves the filter leaves out take a dense psum_scatter: bit for bit."""
   grads = helpers.per_device_grads(jax.random.key(1), SHAPES)
@@ -309,7 +305,7 @@ def _task(steps, batch=16):
   return xs, ys
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 @pytest.mark.slow
 def test_zero2_loop_converges_like_dense():
   """qsgd 4-bit reduce-scatter + adamw on shards against the dense psum_scatter +
@@ -515,7 +511,7 @@ def test_state_specs_and_wire_report():
   assert r.ratio == pytest.approx(1.0)  # the all_to_all of float32 rows is psum_scatter's bytes
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_bad_inputs_get_clear_errors():
   mesh = helpers.mesh()
   tx = jc.qsgd(axis_name=AXIS, collective="reduce_scatter")
@@ -586,7 +582,7 @@ def _psum_scatter_mean() -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_plain_jax_zero_chain_declared_to_take_shards():
   """A chain that takes shards through its own ``lax.psum_scatter`` cannot be detected:
   with sharded ``param_specs`` it is refused until ``takes_shards=True`` declares it;

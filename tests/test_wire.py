@@ -7,11 +7,8 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
+from tests import helpers
 from tests.helpers import AXIS
-
-# Gradients too small for the default filter: jaxcomp warns that it compresses nothing
-# (an error elsewhere in the suite, pyproject.toml), which these tests mean.
-NOTHING_COMPRESSED = pytest.mark.filterwarnings("ignore:.*compresses nothing:UserWarning")
 
 BIG = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}  # traced only, never built
 
@@ -87,7 +84,7 @@ def test_wire_report_needs_an_axis():
     jc.wire_report(jc.qsgd(axis_name=None), BIG, axis_name=None, num_devices=8)
 
 
-@NOTHING_COMPRESSED
+@helpers.NOTHING_COMPRESSED
 def test_dense_baseline_is_in_each_leafs_own_dtype():
   """The dense baseline prices each leaf in its dtype: 2 bytes a value for bfloat16. A
   dense exchange of a bfloat16 model (the filter leaves every leaf out) is then 1.00x,
