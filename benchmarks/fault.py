@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from concurrent import futures
 import os
 import shutil
 import signal
@@ -29,6 +30,7 @@ from benchmarks import lm_network
 from benchmarks import network
 from benchmarks._timing import ints
 from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 
 #: The partition test's own namespaces, veths and addresses (not the network benchmark's).
 NAMESPACES = ("jcfault0", "jcfault1")
@@ -41,22 +43,23 @@ LM_STEPS = 2_000  # the transformer's run (a tc-free schedule: it is cut long be
 
 
 def launch_args(
-  workdir: str,
-  fault_timeout: int,
-  *,
-  steps: int = STEPS,
-  checkpoint_every: int = CHECKPOINT_EVERY,
-  method: str = "dgc",
+  workdir: str, fault_timeout: int, *, steps: int = STEPS, checkpoint_every: int = CHECKPOINT_EVERY
 ) -> list[str]:
   """The flags of the faulted run (``python -m benchmarks.launch`` takes them too)."""
   run = dict(config="quick", devices_per_process=1, workdir=workdir, fault_timeout=fault_timeout)
-  return launch.worker_args(method, steps=steps, checkpoint_every=checkpoint_every, **run)
+  return launch.worker_args("dgc", steps=steps, checkpoint_every=checkpoint_every, **run)
 
 
 def launch_command(workdir: str, fault_timeout: int, **kwargs) -> list[str]:
   """The launcher's command line of the faulted run."""
   args = launch_args(workdir, fault_timeout, **kwargs)
   return [sys.executable, "-m", launch.MODULE, "--processes", "2", *args]
+
+
+def _start(command: list[str], **kwargs) -> subprocess.Popen:
+  """Starts ``command`` on CPU from the repository root, in a session of its own."""
+  env = launch.worker_env(0, {"JAX_PLATFORMS": "cpu"})
+  return subprocess.Popen(command, env=env, cwd=launch.REPO_ROOT, start_new_session=True, **kwargs)
 
 
 def _cut(procs, fault: Callable[[], None], wait, workdir: str, method: str, timeout: float):
@@ -74,10 +77,7 @@ def _cut(procs, fault: Callable[[], None], wait, workdir: str, method: str, time
     wait(timeout)
     return time.monotonic() - start
   finally:
-    for p in procs:
-      if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    launch.kill_groups(procs)
 
 
 def _result(fault, fault_timeout, detected, returncode, line, pids, **extra) -> dict[str, Any]:
@@ -101,15 +101,8 @@ def measure_kill(
   checkpoint; returns the seconds to the launcher's exit, its exit code, its last
   stderr line (and all of them), its workers' pids and those that outlived it.
   ``kwargs`` go to :func:`launch_args`."""
-  proc = subprocess.Popen(
-    launch_command(workdir, fault_timeout, **kwargs),
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.PIPE,
-    text=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    cwd=launch.REPO_ROOT,
-    start_new_session=True,
-  )
+  command = launch_command(workdir, fault_timeout, **kwargs)
+  proc = _start(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   lines: list[str] = []
   reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
   reader.start()
@@ -132,44 +125,32 @@ def lm_commands(
   config: str = "tiny",
   steps: int = LM_STEPS,
   checkpoint_every: int = CHECKPOINT_EVERY,
-  method: str = "onebit",
 ) -> list[list[str]]:
-  """The 2 processes' command lines of the transformer trainer (``examples.lm.main``),
-  as a user runs them: the same flags in each, a coordinator on a free local port."""
-  flags = ["--config", config, "--methods", method, "--steps", str(steps)]
+  """The 2 processes' command lines of the transformer trainer (``examples.lm.main``) with
+  1-bit SGD, as a user runs them: the same flags in each, a coordinator on a free local port."""
+  flags = ["--config", config, "--methods", "onebit", "--steps", str(steps)]
   flags += ["--eval-every", str(steps), "--checkpoint-every", str(checkpoint_every)]
   flags += ["--fault-timeout", str(fault_timeout), "--workdir", workdir]
   return lm_network.worker_commands(flags, coordinator=f"127.0.0.1:{launch.free_port()}")
 
 
 def measure_lm_kill(
-  workdir: str,
-  fault_timeout: int,
-  *,
-  timeout: float = 300,
-  method: str = "onebit",
-  victim: int = 1,
-  **kwargs,
+  workdir: str, fault_timeout: int, *, timeout: float = 300, victim: int = 1, **kwargs
 ) -> dict[str, Any]:
   """Starts the 2 LM processes (:func:`lm_commands`; logs ``WORKDIR/process{i}.log``),
   SIGKILLs process ``victim`` after the first checkpoint and times the other's exit: no
   launcher, the survivor notices alone (``victim=0`` takes the coordinator down too).
   Returns the seconds to the survivor's exit, its exit code, one line (its exit and the
-  cause its output names), the commands (rerun them to resume) and the survivors.
-
-  Raises:
-    RuntimeError: a process ended before the kill (the run was too short).
-    subprocess.TimeoutExpired: the survivor outlived the kill by ``timeout`` (a hang).
-  """
+  cause its output names), the commands (rerun them to resume) and the survivors. A
+  RuntimeError if a process ended before the kill (the run was too short), TimeoutExpired
+  if the survivor outlived the kill by ``timeout`` (a hang)."""
   os.makedirs(workdir, exist_ok=True)
-  commands = lm_commands(workdir, fault_timeout, method=method, **kwargs)
+  commands = lm_commands(workdir, fault_timeout, **kwargs)
   logs = [os.path.join(workdir, f"process{i}.log") for i in range(2)]
   procs = []
-  for i, (command, log) in enumerate(zip(commands, logs)):
+  for command, log in zip(commands, logs):
     with open(log, "w") as f:
-      env = launch.worker_env(i, {"JAX_PLATFORMS": "cpu"})
-      kw = dict(stdout=f, stderr=subprocess.STDOUT, cwd=launch.REPO_ROOT, start_new_session=True)
-      procs.append(subprocess.Popen(command, env=env, **kw))
+      procs.append(_start(command, stdout=f, stderr=subprocess.STDOUT))
 
   def kill():
     if any(p.poll() is not None for p in procs):
@@ -177,7 +158,7 @@ def measure_lm_kill(
     os.kill(procs[victim].pid, signal.SIGKILL)
 
   survivor = procs[1 - victim]
-  detected = _cut(procs, kill, survivor.wait, workdir, method, timeout)
+  detected = _cut(procs, kill, survivor.wait, workdir, "onebit", timeout)
   with open(logs[1 - victim], errors="replace") as f:
     cause = launch.failure_cause(f.read().splitlines())
   rc = survivor.returncode
@@ -213,30 +194,20 @@ def alive(pid: int) -> bool:
 def measure_partition(workdir: str, fault_timeout: int, timeout: float = 300) -> dict[str, Any]:
   """Runs 2 workers in two namespaces, sets their veth down after the first checkpoint;
   returns the seconds to the launcher's error and its one-line diagnosis."""
-  failure: list[BaseException] = []
-  with network.Link(NAMESPACES, VETHS, ADDRESSES) as link:
-
-    def run():
-      try:
-        launch.launch(
-          launch_args(workdir, fault_timeout),
-          processes=2,
-          prefix=link.worker_prefix,
-          coordinator=f"{ADDRESSES[0]}:{network.free_port()}",
-          env={"JAX_PLATFORMS": "cpu"},
-          timeout=timeout,
-        )
-      except BaseException as e:  # pylint: disable=broad-exception-caught
-        failure.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    detected = _cut([], lambda: link.set_up(False), thread.join, workdir, "dgc", timeout)
-  if not failure:
-    raise RuntimeError("the partitioned run did not fail")
-  error = failure[0]
+  with network.Link(NAMESPACES, VETHS, ADDRESSES) as link, futures.ThreadPoolExecutor(1) as pool:
+    run = pool.submit(
+      launch.launch,
+      launch_args(workdir, fault_timeout),
+      processes=2,
+      prefix=link.worker_prefix,
+      coordinator=f"{ADDRESSES[0]}:{network.free_port()}",
+      env={"JAX_PLATFORMS": "cpu"},
+      timeout=timeout,
+    )
+    detected = _cut([], lambda: link.set_up(False), run.exception, workdir, "dgc", timeout)
+  error = run.exception()
   if not isinstance(error, launch.LaunchError):
-    raise error
+    raise error or RuntimeError("the partitioned run did not fail")
   where = dict(workdir=workdir, methods=["dgc"], checkpoint_every=CHECKPOINT_EVERY)
   line = launch.failure_line(error, **where, command="(the same command)")
   rc = error.failed.returncode if error.failed else None
@@ -248,10 +219,8 @@ def table(rows: list[dict[str, Any]]) -> str:
   head = "fault | --fault-timeout (s) | detected after (s) | workers left | launcher's line"
   lines = [md_head(head, "lrrrl")]
   for r in rows:
-    lines.append(
-      f"| {r['fault']} | {r['fault_timeout']} | {r['detected_s']:.1f} | "
-      f"{len(r['survivors'])} | {r['line'].split('; ')[0]} |"
-    )
+    cells = r["fault"], r["fault_timeout"], f"{r['detected_s']:.1f}", len(r["survivors"])
+    lines.append(md_row(*cells, r["line"].split("; ")[0]))
   return "\n".join(lines)
 
 
@@ -266,9 +235,7 @@ MEASURES = {
 def main(argv=None) -> int:
   """Measures each fault at each timeout; prints the table. Exit 2 if a fault cannot run."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument(
-    "--faults", default="kill,partition", help="comma-separated: kill,partition,lm_kill,lm_kill0"
-  )
+  parser.add_argument("--faults", default="kill,partition", help=",".join(MEASURES))
   parser.add_argument(
     "--fault-timeouts", type=ints, default=str(launch.DEFAULT_FAULT_TIMEOUT), help="seconds"
   )
@@ -277,9 +244,7 @@ def main(argv=None) -> int:
   unknown = set(faults) - set(MEASURES)
   if unknown:
     parser.error(f"unknown faults {sorted(unknown)}")
-  missing = network.missing_requirements()
-  if "partition" in faults and missing:
-    print(f"partition: cannot run ({'; '.join(missing)})", file=sys.stderr)
+  if "partition" in faults and network.cannot_run("partition"):
     faults.remove("partition")
     if not faults:
       return 2

@@ -7,10 +7,9 @@ From the repository root::
   python -m benchmarks.launch --config benchmarks/configs/params2m.py --method dense,onebit
   python -m benchmarks.launch --method dgc --steps 500 --checkpoint-every 50  # resumable
 
-``--config`` takes a name (``benchmarks/configs``, then ``examples/mnist1d/configs``) or a
-config file's path. What the launcher does, checks and writes, and what it says when a
-worker dies: docs/guides/multiprocess.md. The worker side is :func:`train_worker`, the
-launcher side :func:`launch` and what it is built on.
+What the launcher does, checks and writes, and what it says when a worker dies:
+docs/guides/multiprocess.md. The worker side is :func:`train_worker`, the launcher's
+:func:`launch`.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import json
@@ -38,6 +38,8 @@ from typing import Any
 
 import jax
 
+from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 from examples import common
 from examples.mnist1d import configs as example_configs
 from examples.mnist1d import train
@@ -49,11 +51,10 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent / "configs"
 # A worker prints its result as one stdout line: this marker, then the JSON.
 RESULT_MARKER = "JAXCOMP_WORKER_RESULT "
-# Lines of a failing worker's stderr quoted in the launcher's error.
-TAIL_LINES = 30
 #: Seconds before a lost peer fails the job (``--fault-timeout``).
 DEFAULT_FAULT_TIMEOUT = common.DEFAULT_FAULT_TIMEOUT
 LOCK_NAME = "launch.lock"
+PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h)
 
 Prefix = Callable[[int], Sequence[str]]
 Env = Mapping[str, str] | Callable[[int], Mapping[str, str]]
@@ -94,9 +95,8 @@ def load_config(name: str, *, steps=None, seed=None, batch=None, checkpoint_ever
       )
     ours = CONFIG_DIR / f"{name}.py"
     name = str(ours) if ours.is_file() else name
-  given = argparse.Namespace(steps=steps, batch=batch, seed=seed, checkpoint_every=checkpoint_every)
   overrides = common.flag_overrides(
-    given,
+    argparse.Namespace(steps=steps, batch=batch, seed=seed, checkpoint_every=checkpoint_every),
     (
       ("steps", "num_steps", 1),
       ("batch", "per_device_batch_size", 1),
@@ -111,15 +111,9 @@ def train_worker(
   config, methods: Sequence[str], workdir: str, *, evaluate: bool = False, profile: int = 0
 ) -> dict[str, Any]:
   """This process's part of training every method in turn (``train.train_method``) on a
-  mesh spanning the processes: ``jax.distributed`` is up, every process calls this alike.
-
-  Returns:
-    ``{"process_id", "num_processes", "num_devices", "local_devices", "platform",
-    "num_params", "global_batch", "init_params_sha256", "methods": {method: record}}``,
-    each record ``train.train_method``'s with ``method``, ``num_steps``, ``final_loss``
-    and ``median_step_time_s`` (the steps after the first; None when this run took no
-    step, its checkpoint being the last).
-  """
+  mesh spanning the processes (``jax.distributed`` is up, every process calls this); the
+  ``worker{i}.json`` record, each method's ``train.train_method`` record with its
+  ``median_step_time_s`` over the steps after the first (None when none ran)."""
   mesh, data, model, init_params = train.setup(config, workdir)
   pid = jax.process_index()
   result = {
@@ -159,16 +153,10 @@ def train_worker(
 
 def run_worker(args: argparse.Namespace) -> None:
   """Worker mode: join the job, train, write ``WORKDIR/worker{i}.json`` and print it as
-  the :data:`RESULT_MARKER` line, leave together with the others.
-
-  On an error the worker prints it and exits at once with code 1, skipping
-  ``jax.distributed``'s shutdown barrier (which would wait for a lost peer).
-  """
+  the :data:`RESULT_MARKER` line, leave together with the others. On an error it exits
+  at once (code 1), not waiting in the shutdown barrier for a lost peer."""
   if sys.platform.startswith("linux"):  # SIGKILL when the launcher dies, even by SIGKILL
-    import ctypes  # pylint: disable=import-outside-toplevel
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
   with common.exit_at_once_on_error():
     overrides = {k: getattr(args, k) for k in ("steps", "seed", "batch", "checkpoint_every")}
     config = load_config(args.config, **overrides)
@@ -220,8 +208,9 @@ class WorkerOutput:
   stdout: list[str] = dataclasses.field(default_factory=list)
   stderr: list[str] = dataclasses.field(default_factory=list)
 
-  def tail(self, lines: int = TAIL_LINES) -> str:
-    """The last ``lines`` lines of stderr (of stdout when stderr is empty)."""
+  def tail(self, lines: int = 30) -> str:
+    """The last ``lines`` lines of stderr (of stdout when stderr is empty): the launcher's
+    error quotes them."""
     return "\n".join((self.stderr or self.stdout)[-lines:])
 
 
@@ -247,11 +236,8 @@ def worker_args(
   fault_timeout: int | None = None,
 ) -> list[str]:
   """The flags of the worker command line shared by all processes (for :func:`launch`),
-  checked here so that a bad one fails once, not in N workers.
-
-  ``fault_timeout`` None leaves the workers' default (:data:`DEFAULT_FAULT_TIMEOUT`);
-  0 gives JAX's and XLA's own timeouts.
-  """
+  checked here so that a bad one fails once, not in N workers. ``fault_timeout`` None
+  leaves the workers' default (:data:`DEFAULT_FAULT_TIMEOUT`), 0 JAX's and XLA's own."""
   methods = methods if isinstance(methods, str) else ",".join(methods)
   parse_methods(methods)
   if config.endswith(".py"):
@@ -285,7 +271,8 @@ def worker_command(
   coordinator: str,
   prefix: Prefix | None = None,
 ) -> list[str]:
-  """``[*prefix(i), python, -m, benchmarks.launch, *args, --worker, ...]``."""
+  """``[*prefix(i), python, -m, benchmarks.launch, *args, --worker, ...]``: ``prefix`` puts
+  e.g. ``ip netns exec NS`` before it; ``coordinator`` is process 0's ``HOST:PORT``."""
   return [
     *(prefix(process_id) if prefix is not None else ()),
     *(sys.executable, "-m", MODULE, *args, "--worker"),
@@ -322,8 +309,8 @@ def _read_lines(pipe, lines: list[str], echo, label: str) -> None:
   pipe.close()
 
 
-def _kill(procs: Sequence[subprocess.Popen]) -> None:
-  """SIGTERM, then SIGKILL 2 s later, to each still-running worker's process group. (In
+def kill_groups(procs: Sequence[subprocess.Popen]) -> None:
+  """SIGTERM, then SIGKILL 2 s later, to each still-running process's group. (In
   ``jax.distributed`` a worker's preemption notifier catches SIGTERM: only the SIGKILL
   stops it. The SIGTERM is for prefixes that relay it, like sudo.)"""
   for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -355,15 +342,10 @@ def run_processes(
   pass_fds: Sequence[int] = (),
 ) -> list[WorkerOutput]:
   """Runs ``commands[i]`` as worker ``i``, each in its own session (Ctrl-C reaches only
-  this process, which then kills them); all succeed, or all are killed. With ``stream``,
-  their pids and lines are echoed as they come, prefixed ``[wI]``. ``pass_fds`` stay open
-  in the workers (the workdir lock's: it is then held while any worker lives).
-
-  Raises:
-    LaunchError: a worker exited non-zero (the others are killed at once), or
-      ``timeout`` seconds passed (all are killed).
-    KeyboardInterrupt: after killing the workers.
-  """
+  this process, which then kills them); all succeed, or all are killed and a
+  :class:`LaunchError` says which failed first (or that ``timeout`` seconds passed). With
+  ``stream``, their pids and lines are echoed as they come, prefixed ``[wI]``.
+  ``pass_fds`` stay open in the workers (the workdir lock's: held while any worker lives)."""
   outputs = [WorkerOutput(i, list(c)) for i, c in enumerate(commands)]
   procs, readers = [], []
   try:
@@ -400,7 +382,7 @@ def run_processes(
     timed_out = failed is None and any(p.poll() is None for p in procs)
     if failed is not None:
       failed.failed_after_s = time.monotonic() - start
-    _kill(procs)
+    kill_groups(procs)
     for t in readers:
       t.join(timeout=5.0)  # drain the pipes
     for out, p in zip(outputs, procs):
@@ -420,7 +402,7 @@ def run_processes(
       )
     return outputs
   finally:
-    _kill(procs)  # on any exception (Ctrl-C included) no worker outlives the launcher
+    kill_groups(procs)  # on any exception (Ctrl-C included) no worker outlives the launcher
 
 
 def worker_results(
@@ -453,24 +435,11 @@ def launch(
   stream: bool = False,
   pass_fds: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
-  """Runs ``processes`` workers of this module and returns their results.
-
-  Args:
-    args: worker flags shared by all processes (:func:`worker_args`).
-    processes: N, the number of worker processes.
-    prefix: ``process_id -> argv`` put before worker ``i``'s command (e.g. ``ip netns exec``).
-    env: variables on top of this environment, for all workers or ``process_id -> mapping``.
-    coordinator: ``HOST:PORT`` of process 0's coordination service (default: a free port
-      on 127.0.0.1).
-    timeout, stream, pass_fds: as :func:`run_processes`.
-
-  Returns:
-    The workers' results (:func:`train_worker`), ordered by process id.
-
-  Raises:
-    LaunchError: a worker failed, gave no result, or the timeout passed; every worker
-      has been killed, and the message quotes the failing worker's output.
-  """
+  """Runs ``processes`` workers of this module with the flags ``args``
+  (:func:`worker_args`) and returns their results (:func:`train_worker`) by process id;
+  ``prefix``, ``coordinator`` (default: a free port on 127.0.0.1): as
+  :func:`worker_command`, ``env``: as :func:`worker_env`, the rest as
+  :func:`run_processes`. A :class:`LaunchError` when a worker failed or gave no result."""
   if processes < 1:
     raise ValueError(f"processes must be positive, got {processes}")
   if timeout is not None and timeout <= 0:
@@ -478,12 +447,8 @@ def launch(
   if coordinator is None:
     coordinator = f"127.0.0.1:{free_port()}"
   common.check_coordinator(coordinator)
-  commands = [
-    worker_command(
-      args, process_id=i, num_processes=processes, coordinator=coordinator, prefix=prefix
-    )
-    for i in range(processes)
-  ]
+  job = dict(num_processes=processes, coordinator=coordinator, prefix=prefix)
+  commands = [worker_command(args, process_id=i, **job) for i in range(processes)]
   run = dict(env=env, timeout=timeout, stream=stream, pass_fds=pass_fds)
   return worker_results(commands, RESULT_MARKER, every=True, **run)
 
@@ -507,14 +472,13 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
   diverged method's final loss reads ``diverged at step N``, the bytes of one that never
   reached its exchange ``none sent`` (``common.bytes_cells``)."""
   r0 = results[0]
+  head = "method | final loss | test acc (%) | median step (ms) | bytes recv/device/step"
   lines = [
     f"{len(results)} processes x {r0['local_devices']} {r0['platform']} devices, "
     f"{r0['num_params']:,} parameters, global batch {r0['global_batch']}. Median step:"
     " wall time of the steps after the first, in process order.",
     "",
-    "| method | final loss | test acc (%) | median step (ms) | bytes recv/device/step |"
-    " ratio vs dense | params sha256 | identical |",
-    "|---|---:|---:|---:|---:|---:|---|---|",
+    md_head(f"{head} | ratio vs dense | params sha256 | identical", "lrrrrrll"),
   ]
   for method, m in r0["methods"].items():
     runs = [r["methods"][method] for r in results]
@@ -529,10 +493,8 @@ def summary(results: Sequence[dict[str, Any]]) -> str:
     )
     acc = "n/a" if m["test_accuracy"] is None else f"{100 * m['test_accuracy']:.1f}"
     recv, ratio = common.bytes_cells(m)
-    lines.append(
-      f"| {method} | {loss} | {acc} | {times} | {recv} | {ratio} |"
-      f" {m['params_sha256'][:16]} | {'yes' if same else 'NO'} |"
-    )
+    digest = m["params_sha256"][:16]
+    lines.append(md_row(method, loss, acc, times, recv, ratio, digest, "yes" if same else "NO"))
   return "\n".join(lines) + phase_table(results)
 
 
@@ -541,8 +503,7 @@ PHASE_COLUMNS = (*jc.PhaseProfile.PHASES, "idle")  # the columns of a phase tabl
 
 def phase_row(label: str, phases: dict[str, Any]) -> str:
   """One row of a phase table: ``label``'s cells, the step, then each phase (ms)."""
-  cells = [f"{phases['step_ms']:.1f}", *(f"{phases[c]:.1f}" for c in PHASE_COLUMNS)]
-  return f"| {label} | " + " | ".join(cells) + " |"
+  return md_row(label, f"{phases['step_ms']:.1f}", *(f"{phases[c]:.1f}" for c in PHASE_COLUMNS))
 
 
 def phase_table(results: Sequence[dict[str, Any]]) -> str:
@@ -556,14 +517,11 @@ def phase_table(results: Sequence[dict[str, Any]]) -> str:
         rows.append(phase_row(f"{method}{lost} | {r['process_id']}", ph))
   if not rows:
     return ""
-  header = [
-    "Where a step's time goes (ms per step, jc.profile_phases over the profiled "
-    "steps; exchange includes waiting for the other processes):",
-    "",
-    "| method | process | step | " + " | ".join(PHASE_COLUMNS) + " |",
-    "|---|---:|---:|" + "---:|" * len(PHASE_COLUMNS),
-  ]
-  return "\n\n" + "\n".join(header + rows)
+  head = md_head("method | process | step | " + " | ".join(PHASE_COLUMNS))
+  return (
+    "\n\nWhere a step's time goes (ms per step, jc.profile_phases over the profiled steps;"
+    " exchange includes waiting for the other processes):\n\n" + "\n".join([head, *rows])
+  )
 
 
 # ----------------------------------------------------------------------------- main
@@ -585,16 +543,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ("--workdir", str, "runs/mnist1d_launch", "output directory (worker{i}.json, data cache)"),
     ("--timeout", float, 600.0, "seconds before all workers are killed"),
     ("--coordinator", str, None, "HOST:PORT of the coordinator (default: 127.0.0.1, free port)"),
+    ("--profile", int, 0, "after training, split this many more steps by phase (encode, ...)"),
   ):
     parser.add_argument(flag, type=kind, default=default, help=text)
   parser.add_argument("--eval", action="store_true", help="test accuracy after each method")
-  parser.add_argument(
-    "--profile",
-    type=int,
-    default=0,
-    metavar="STEPS",
-    help="after training, split STEPS more steps by phase (encode, exchange, ...)",
-  )
   parser.add_argument(
     "--checkpoint-every",
     type=int,
@@ -620,13 +572,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 @contextlib.contextmanager
 def workdir_lock(workdir: str):
   """Holds ``WORKDIR/launch.lock`` (an exclusive ``flock``; the file names the owner) for
-  one launch at a time; yields its descriptor. The kernel drops it when the last process
-  holding the descriptor ends (pass it to the workers: it then lasts while any of them
-  lives), so a lock left by a killed launch is taken over, with a note naming its owner.
-
-  Raises:
-    WorkdirLockedError: another live launch holds it (the message names its pid).
-  """
+  one launch at a time, else a :class:`WorkdirLockedError` naming the owner; yields its
+  descriptor. The kernel drops it when the last process holding the descriptor ends (pass
+  it to the workers: it then lasts while any lives), so a killed launch's is taken over."""
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, LOCK_NAME)
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -665,33 +613,30 @@ def complete_checkpoints(workdir: str, methods: Sequence[str]) -> dict[str, int 
   return latest
 
 
-# What a failed worker's stderr says, most specific first: (pattern, cause); ``{0}`` is
+# What a failed worker's stderr says, most specific first: pattern -> cause; ``{0}`` is
 # the pattern's group. The coordination service names a process that stopped sending
 # heartbeats (dead, or cut off); gloo names a collective that waited too long.
 _SILENT = "sent no heartbeat within the heartbeat timeout (dead or cut off)"
-FAILURE_CAUSES = (
-  (r"Task (\d+) heartbeat timeout", "lost peer: process {0} " + _SILENT),
-  (r"(stopped sending heartbeats)", "lost peer: a process " + _SILENT),
-  (
-    r"Timed out waiting (\d+)ms for \w+ operation",
-    "timeout: a collective waited {0} ms for its peers",
+FAILURE_CAUSES = {
+  r"Task (\d+) heartbeat timeout": "lost peer: process {0} " + _SILENT,
+  r"(stopped sending heartbeats)": "lost peer: a process " + _SILENT,
+  r"Timed out waiting (\d+)ms for \w+ operation": (
+    "timeout: a collective waited {0} ms for its peers"
   ),
-  (r"(?i)(heartbeat)", "lost peer: heartbeats to the coordinator failed"),
-  (
-    r"(?i)(connection (closed|reset|refused)|broken pipe|socket closed)",
-    "lost peer: a connection to it was closed",
+  r"(?i)(heartbeat)": "lost peer: heartbeats to the coordinator failed",
+  r"(?i)(connection (closed|reset|refused)|broken pipe|socket closed)": (
+    "lost peer: a connection to it was closed"
   ),
-  (
-    r"(distributed service detected fatal errors)",
-    "the coordination service reported a failed process",
+  r"(distributed service detected fatal errors)": (
+    "the coordination service reported a failed process"
   ),
-)
+}
 
 
 def failure_cause(*stderrs: Sequence[str]) -> str | None:
   """The most specific of :data:`FAILURE_CAUSES` found in the stderr lines, searched
   in the order given (the failed worker's first), or None."""
-  for pattern, cause in FAILURE_CAUSES:
+  for pattern, cause in FAILURE_CAUSES.items():
     for lines in stderrs:
       for line in reversed(lines):
         found = re.search(pattern, line)
@@ -770,13 +715,9 @@ def run_launcher(args: argparse.Namespace, command: str = "") -> list[dict[str, 
         pass_fds=(lock,),
       )
     except LaunchError as e:
-      line = failure_line(
-        e,
-        workdir=workdir,
-        methods=parse_methods(args.method),
-        checkpoint_every=args.checkpoint_every,
-        command=command or f"python -m {MODULE} ...",
-      )
+      where = dict(workdir=workdir, methods=parse_methods(args.method))
+      command = command or f"python -m {MODULE} ..."
+      line = failure_line(e, **where, checkpoint_every=args.checkpoint_every, command=command)
       raise LaunchError(line, e.outputs, failed=e.failed) from e
   print(summary(results))
   where = os.path.join(workdir, "worker*.json")
