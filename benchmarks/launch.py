@@ -111,9 +111,9 @@ def train_worker(
   config, methods: Sequence[str], workdir: str, *, evaluate: bool = False, profile: int = 0
 ) -> dict[str, Any]:
   """This process's part of training every method in turn (``train.train_method``) on a
-  mesh spanning the processes (``jax.distributed`` is up, every process calls this); the
-  ``worker{i}.json`` record, each method's ``train.train_method`` record with its
-  ``median_step_time_s`` over the steps after the first (None when none ran)."""
+  mesh spanning the processes (``jax.distributed`` is up, every process calls this).
+  Returns the ``worker{i}.json`` record: the job's shape, and per method the trainer's
+  record with ``median_step_time_s`` over the steps after the first (None: none ran)."""
   mesh, data, model, init_params = train.setup(config, workdir)
   pid = jax.process_index()
   result = {
