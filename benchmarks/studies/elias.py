@@ -1,14 +1,20 @@
-"""Length of QSGD's Elias string vs the Theorem 3.2 bound and the fixed-width payload.
+"""QSGD's Elias string: its length against Theorem 3.2 and the fixed width, and its speed.
 
-  python -m benchmarks.studies.elias_bits                    # n = 2^10..2^20, the demo CNN, timings
-  python -m benchmarks.studies.elias_bits --log2n 10,14 --keys 2 --no-cnn
+  python -m benchmarks.studies.elias                    # n = 2^10..2^20, the demo CNN, timings
+  python -m benchmarks.studies.elias --log2n 10,14 --keys 2 --no-cnn
+  python -m benchmarks.studies.elias --inputs           # n = 4096, s = 64, 20 draws
+  python -m benchmarks.studies.elias --device           # n = 2^16..2^22
 
-Prints bits per coordinate of the Elias string (:func:`jaxcomp._src.codecs.elias.stream_bits`,
+By default, bits per coordinate of the Elias string (:func:`jaxcomp.elias.stream_bits`,
 mean over ``--keys`` quantizations), of Theorem 3.2's bound (o(1) dropped) and of the
 fixed-width payload: on Gaussian vectors (one l2 bucket, s = 1, 3, 7, 15, √n), on the
 demo CNN's gradient at init under four codecs, the length's spread at s = √n, and the
-host throughput of ``qsgd_to_bytes`` / ``qsgd_from_bytes``. The tables:
-docs/methods/elias.md, "Bits per coordinate and throughput".
+host throughput of ``qsgd_to_bytes`` / ``qsgd_from_bytes``. ``--inputs``: per input of
+:func:`inputs` (l2, one bucket), the mean and largest bits per value over ``--draws``
+quantizations, the share over Corollary 3.3's 2.8n + 32, and ``dense_bound(n, s) / n``.
+``--device``: per n (one bucket, l2, s = √n), jitted on one device, the fixed-width
+``QSGD.encode`` (the same run's baseline), ``EliasQSGD.encode`` and ``EliasQSGD.decode``
+(a host callback). The tables: docs/methods/elias.md.
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import numpy as np
 
 from benchmarks._timing import ints
 from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 from benchmarks._timing import median_time
 from benchmarks.studies import compressed
 from benchmarks.studies import init_grads
 import jaxcomp as jc
-from jaxcomp._src.codecs import elias
+from jaxcomp import elias
 
 C = jc.codecs
 
@@ -162,23 +169,90 @@ def spread_table(log2n: list[int], draws: int) -> str:
   return "\n".join(lines)
 
 
-def main() -> None:
+def inputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """The named test vectors of ``--inputs``, of length ``n`` (even)."""
+  rng = np.random.default_rng(seed)
+  signs = rng.choice([-1.0, 1.0], n)
+  return {
+    "equal magnitudes (sign vector)": signs,
+    "alternating magnitudes 2, 1": signs * np.tile([2.0, 1.0], n // 2),
+    "uniform": rng.uniform(-1, 1, n),
+    "Gaussian": rng.standard_normal(n),
+    "Laplace": rng.laplace(size=n),
+    "Student-t, 1.5 d.o.f.": rng.standard_t(1.5, n),
+    "one-hot": np.eye(n)[7],
+  }
+
+
+def inputs_table(n: int, s: int, draws: int) -> str:
+  """Bits per value, one row per input of :func:`inputs`, and the dense bound's line."""
+  codec = C.QSGD(s, bucket_size=None, norm="l2")
+  keys = jax.random.split(jax.random.key(1), draws)
+  head = f"input (n = {n}, s = {s}) | mean bits / n | max bits / n | strings over 2.8n + 32"
+  rows = [md_head(head)]
+  for name, x in inputs(n).items():
+    bits = np.array(_bits(codec, x.astype(np.float32), keys))
+    over = np.mean(bits > 2.8 * n + 32)
+    rows.append(md_row(name, f"{bits.mean() / n:.3f}", f"{bits.max() / n:.3f}", f"{over:.0%}"))
+  rows += ["", f"dense_bound(n, s) / n = {elias.dense_bound(n, s) / n:.3f}"]
+  return "\n".join(rows)
+
+
+def device_table(log2n: list[int], repeats: int) -> None:
+  """Prints the on-device encoder's and the host decode's speed against fixed width's."""
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; one bucket, l2, s = sqrt(n)\n")
+  head = "n | fixed encode (Mval/s) | Elias encode (Mval/s) | Elias/fixed time"
+  print(md_head(head + " | Elias decode, host (Mval/s) | bits/value (Elias / fixed)", "r" * 6))
+  for e in log2n:
+    n = 2**e
+    codec = C.EliasQSGD(round(math.sqrt(n)))
+    x, key = jax.random.normal(jax.random.key(e), (n,)), jax.random.key(1)
+    t_fixed, t_elias = (
+      median_time(jax.jit(lambda v, k, c=c: c.encode(v, key=k)), x, key, repeats=repeats)
+      for c in (codec.fallback, codec)
+    )
+    payload = jax.jit(lambda v, k: codec.encode(v, key=k))(x, key)
+    t_dec = median_time(jax.jit(codec.decode), payload, repeats=repeats)
+    used = int(payload.arrays["used_bits"])
+    print(
+      f"| 2^{e} | {n / t_fixed / 1e6:.1f} | {n / t_elias / 1e6:.1f} |"
+      f" {t_elias / t_fixed:.2f}x | {n / t_dec / 1e6:.2f} |"
+      f" {used / n:.3f} / {codec.fallback.wire_bits((n,)) / n:.3f} |",
+      flush=True,
+    )
+
+
+def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  part, what = parser.add_mutually_exclusive_group(), "instead of the string's length"
+  part.add_argument("--inputs", action="store_true", help=f"the inputs' table, {what}")
+  part.add_argument("--device", action="store_true", help=f"the device encoder, {what}")
   parser.add_argument(
-    "--log2n", type=ints, default="10,12,14,16,18,20", help="exponents of n, Gaussian table"
+    "--log2n", type=ints, help="exponents of n (10,12,...,20; with --device 16,18,20,22)"
   )
   parser.add_argument("--keys", type=int, default=3, help="quantizations averaged per row")
   parser.add_argument("--repeats", type=int, default=3, help="timed runs (median)")
   parser.add_argument("--workdir", default="/tmp/elias_data", help="MNIST-1D cache")
   parser.add_argument("--no-cnn", action="store_true", help="skip the CNN gradients")
-  parser.add_argument("--draws", type=int, default=20, help="draws of the spread table")
-  args = parser.parse_args()
+  parser.add_argument("--draws", type=int, default=20, help="draws of the spread and inputs")
+  parser.add_argument("--n", type=int, default=4096, help="--inputs: values per vector (even)")
+  parser.add_argument("--s", type=int, default=64, help="--inputs: quantization levels")
+  args = parser.parse_args(argv)
+  if args.inputs:
+    if args.n < 2 or args.n % 2:
+      parser.error(f"--n must be even and at least 2, got {args.n}")
+    print(inputs_table(args.n, args.s, args.draws))
+    return
+  if args.device:
+    device_table(args.log2n or [16, 18, 20, 22], args.repeats)
+    return
+  log2n = args.log2n or [10, 12, 14, 16, 18, 20]
   print(
     f"jax {jax.__version__}, {jax.devices()[0].platform}; bits/coord = bits / n; "
     f"fixed = codec.bits per value + 32 per bucket; Theorem 3.2 without its o(1)\n"
   )
   print("### Gaussian vectors, one l2 bucket\n")
-  print(gaussian_table(args.log2n, args.keys))
+  print(gaussian_table(log2n, args.keys))
   if not args.no_cnn:  # (the data set's line first)
     grads = {p: np.asarray(g, np.float32) for p, g in compressed(init_grads(args.workdir)[1])}
     print("\n### Demo CNN (MNIST-1D) gradient at init, batch 256\n")
@@ -186,7 +260,7 @@ def main() -> None:
   print("\n### Length spread at s = sqrt(n)\n")
   print(spread_table([10, 12, 16], args.draws))
   print("\n### Host throughput (qsgd_to_bytes / qsgd_from_bytes)\n")
-  print(throughput_table(max(args.log2n), args.repeats))
+  print(throughput_table(max(log2n), args.repeats))
 
 
 if __name__ == "__main__":
