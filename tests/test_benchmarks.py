@@ -126,8 +126,7 @@ COMMANDS = (
   "benchmarks.studies.demo_variants",
   "benchmarks.studies.dgc_warmup_compile",
   "benchmarks.studies.elias",
-  "benchmarks.studies.mipd_capacity",
-  "benchmarks.studies.mipd_wire",
+  "benchmarks.studies.mipd",
   "benchmarks.studies.native_vs_xla",
   "benchmarks.studies.onebit_columns",
   "benchmarks.studies.qsvrg",
@@ -245,7 +244,7 @@ def test_kernel_benchmark_runs(capsys):
 @pytest.mark.slow
 def test_mipd_capacity_counts_every_owner_within_its_capacity():
   out = subprocess.run(
-    [sys.executable, "-m", "benchmarks.studies.mipd_capacity", "--steps", "3"],
+    [sys.executable, "-m", "benchmarks.studies.mipd", "--steps", "3"],
     cwd=ROOT,
     env=dict(os.environ, JAX_PLATFORMS="cpu"),
     capture_output=True,

@@ -1,13 +1,18 @@
-"""MIPD's two-phase capacities against the per-owner counts of a training run.
+"""MIPD's two-phase capacities against a training run's counts, and its bytes per step.
 
-  python -m benchmarks.studies.mipd_capacity                # the demo: 600 steps, seed 0
-  python -m benchmarks.studies.mipd_capacity --steps 50 --seed 1
+  python -m benchmarks.studies.mipd                # the demo: 600 steps, seed 0
+  python -m benchmarks.studies.mipd --steps 50 --seed 1
+  python -m benchmarks.studies.mipd --wire --devices 8,64
 
-Trains the demo's CNN (examples/mnist1d, 8 CPU devices) with ``jc.mipd(0.5,
+By default, trains the demo's CNN (examples/mnist1d, 8 CPU devices) with ``jc.mipd(0.5,
 collective="two_phase")`` and at every step computes, with MIPD's own steps on the real
 update's inputs inside the same ``shard_map`` (the real update runs unchanged), what its
 static payloads must hold: per half-update group, the mean and largest count against
-each capacity and the steps above it. Results: docs/methods/mipd.md, "The capacity diagnostic".
+each capacity and the steps above it (docs/methods/mipd.md, "The capacity diagnostic").
+``--wire``: for the demo's CNN and MLPs of 786K (as ``tests/test_mipd.py::WIRE_PARAMS``)
+and 3.1M parameters, ``jc.wire_report``'s bytes per device per step of ``jc.mipd(0.5)``
+per collective and their ratios to a dense ``pmean``, traced over an abstract mesh of
+each ``--devices`` count (docs/methods/mipd.md, "Bytes on the wire").
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks._timing import ints
 from benchmarks._timing import md_head
 from benchmarks._timing import md_row
+from examples.mnist1d import models
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
 import jaxcomp as jc
@@ -128,13 +135,46 @@ def summarize(records: list, num_steps: int) -> str:
   return "\n".join(lines)
 
 
+def wire_table(devices: list[int]) -> str:
+  """Bytes per device per step of each collective, for the demo CNN and two MLPs."""
+  model = models.create_model(default.get_config())
+  demo = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 40)))["params"])
+  mlp = lambda w: {
+    k: jax.ShapeDtypeStruct(s, jnp.float32)
+    for k, s in zip("wvub", ((w, w), (w // 2, w), (w // 2, w), (w,)))
+  }
+  head = "model | K | allgather bytes | allgather ratio | two_phase bytes | two_phase ratio"
+  lines = [md_head(head + " | auto ratio")]
+  for name, params in {"demo CNN": demo, "786K": mlp(512), "3.1M": mlp(1024)}.items():
+    for k in devices:
+      r = {
+        c: jc.wire_report(
+          jc.mipd(DROP_RATE, axis_name="b", collective=c), params, axis_name="b", num_devices=k
+        )
+        for c in ("allgather", "two_phase", "auto")
+      }
+      lines.append(
+        f"| {name} | {k} | {r['allgather'].bytes_received:,.0f} |"
+        f" {r['allgather'].ratio:.2f}x | {r['two_phase'].bytes_received:,.0f} |"
+        f" {r['two_phase'].ratio:.2f}x | {r['auto'].ratio:.2f}x |"
+      )
+  return "\n".join(lines)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   steps = default.get_config().num_steps
   parser.add_argument("--steps", type=int, default=steps, help="training steps (%(default)s)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--workdir", default="runs/mipd_capacity")
+  parser.add_argument("--wire", action="store_true", help="bytes per step, instead of training")
+  parser.add_argument(
+    "--devices", type=ints, default="2,4,8,16,32,64", help="--wire: device counts K"
+  )
   args = parser.parse_args(argv)
+  if args.wire:
+    print(wire_table(args.devices))
+    return 0
   cfg = dataclasses.replace(default.get_config(), seed=args.seed, num_steps=args.steps)
   mesh, data, model, p0 = train.setup(cfg, args.workdir)
   records: list = []
