@@ -17,7 +17,6 @@ run in interpret mode, whose timings mean nothing: the script refuses unless
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 import jax
@@ -37,75 +36,39 @@ from tests import kernel_references as xla_path  # the XLA codecs, as the kernel
 _F32 = jnp.float32
 
 
-def bench_row(name: str, n: int, nbytes: int, kernel_fn, xla_fn, *args, repeats: int) -> dict:
-  """One row: GB/s (``nbytes`` per call) of a kernel and of the XLA path, same run."""
-  gbs = lambda fn: nbytes / median_time(jax.jit(fn), *args, repeats=repeats) / 1e9
-  return {"kernel": name, "n": n, "pallas_gbs": gbs(kernel_fn), "xla_gbs": gbs(xla_fn)}
-
-
 def rows_at(n: int, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
-  """Every kernel's row at ``n`` values (QSGD 4-bit and OneBit, buckets of 512)."""
+  """Every kernel's row at ``n`` values (QSGD 4-bit and OneBit, buckets of 512): GB/s of
+  the kernel and of the XLA path, and of the copy roof measured in the same run."""
   q, b = dict(levels=7, bucket_size=512), dict(bucket_size=512)
   x = jax.random.normal(jax.random.key(1), (n,), _F32)
   e = 0.01 * jax.random.normal(jax.random.key(2), (n,), _F32)
   key = jax.random.key(0)
+  t_copy = median_time(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
   words, scales = xla_path.quantize_reference(x, key, **q)
-  qbytes = words.nbytes + scales.nbytes
   signs = xla_path.sign_pack_reference(x, **b)
-  sbytes = sum(a.nbytes for a in signs)
-  cases = [  # name, bytes read + written, kernel, XLA path, arguments
-    ("quantize", 4 * n + qbytes, quantize.quantize, xla_path.quantize_reference, (x, key), q),
-    (
-      "quantize+ef",
-      12 * n + qbytes,
-      quantize.quantize,
-      xla_path.quantize_reference,
-      (x, key, e),
-      q,
-    ),
-    (
-      f"dequantize_sum K={k}",
-      k * qbytes + 4 * n,
-      functools.partial(dequantize.dequantize_sum, n=n),
-      functools.partial(xla_path.dequantize_sum_reference, n=n),
-      (jnp.stack([words] * k), jnp.stack([scales] * k)),
-      q,
-    ),
-    ("sign_pack", 4 * n + sbytes, sign_pack.sign_pack, xla_path.sign_pack_reference, (x,), b),
-    ("sign_pack+ef", 12 * n + sbytes, sign_pack.sign_pack, xla_path.sign_pack_reference, (x, e), b),
-    (
-      f"sign_unpack_sum K={k}",
-      k * sbytes + 4 * n,
-      functools.partial(sign_pack.sign_unpack_sum, n=n),
-      functools.partial(xla_path.sign_unpack_sum_reference, n=n),
-      tuple(jnp.stack([a] * k) for a in signs),
-      b,
-    ),
+  qbytes, sbytes = words.nbytes + scales.nbytes, sum(a.nbytes for a in signs)
+  # (kernel, XLA path, options) of each kernel
+  quant = (quantize.quantize, xla_path.quantize_reference, q)
+  deq = (dequantize.dequantize_sum, xla_path.dequantize_sum_reference, dict(q, n=n))
+  pack = (sign_pack.sign_pack, xla_path.sign_pack_reference, b)
+  unpack = (sign_pack.sign_unpack_sum, xla_path.sign_unpack_sum_reference, dict(b, n=n))
+  k_codes = (jnp.stack([words] * k), jnp.stack([scales] * k))  # K payloads to sum
+  k_signs = tuple(jnp.stack([a] * k) for a in signs)
+  cases = [  # name, bytes read + written, kernel, arguments
+    ("quantize", 4 * n + qbytes, quant, (x, key)),
+    ("quantize+ef", 12 * n + qbytes, quant, (x, key, e)),
+    (f"dequantize_sum K={k}", k * qbytes + 4 * n, deq, k_codes),
+    ("sign_pack", 4 * n + sbytes, pack, (x,)),
+    ("sign_pack+ef", 12 * n + sbytes, pack, (x, e)),
+    (f"sign_unpack_sum K={k}", k * sbytes + 4 * n, unpack, k_signs),
   ]
-  return [
-    bench_row(
-      name,
-      n,
-      nbytes,
-      lambda *a, f=kernel, kw=kw: f(*a, **kw, interpret=interpret),
-      lambda *a, f=ref, kw=kw: f(*a, **kw),
-      *args,
-      repeats=repeats,
-    )
-    for name, nbytes, kernel, ref, args, kw in cases
-  ]
-
-
-def run(sizes, *, k: int, repeats: int, interpret: bool | None) -> list[dict]:
-  """Every kernel's rows for every size, plus the copy roof measured in the same run."""
+  copy = 8 * n / t_copy / 1e9
   rows = []
-  for n in sizes:
-    x = jax.random.normal(jax.random.key(1), (n,), _F32)
-    t_copy = median_time(jax.jit(lambda x: x + 1.0), x, repeats=repeats)
-    found = rows_at(n, k=k, repeats=repeats, interpret=interpret)
-    for row in found:
-      row["copy_gbs"] = 8 * n / t_copy / 1e9
-    rows += found
+  for name, nbytes, (kernel, ref, kw), args in cases:
+    pallas = jax.jit(lambda *a, f=kernel, kw=kw: f(*a, **kw, interpret=interpret))
+    xla = jax.jit(lambda *a, f=ref, kw=kw: f(*a, **kw))
+    gbs = [nbytes / median_time(fn, *args, repeats=repeats) / 1e9 for fn in (pallas, xla)]
+    rows.append(dict(kernel=name, n=n, pallas_gbs=gbs[0], xla_gbs=gbs[1], copy_gbs=copy))
   return rows
 
 
@@ -152,7 +115,7 @@ def main(argv=None) -> int:
   print(header)
   rows = []
   for n in sizes:
-    rows += run([n], k=args.k, repeats=args.repeats, interpret=interpret)
+    rows += rows_at(n, k=args.k, repeats=args.repeats, interpret=interpret)
     if args.out:
       with open(args.out, "w") as f:
         f.write(header + "\n\n" + table(rows) + "\n")
