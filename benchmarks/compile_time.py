@@ -1,9 +1,14 @@
-"""Compile time of one compressed exchange: two-phase vs allgather, measured in one run.
+"""Compile time of one compressed exchange, or of the demo's DGC step, measured in one run.
 
   python -m benchmarks.compile_time [--rows 640 --cols 128 --repeats 3]
+  python -m benchmarks.compile_time --dgc-warmup     # the demo's DGC train step
 
 Median lower and compile seconds of ``jit(shard_map(tx.update))`` (4-bit QSGD) for one
-(rows, cols) leaf on 8 CPU devices. Results: docs/benchmarks.md, "Compile time".
+(rows, cols) leaf on 8 CPU devices, two-phase vs allgather. ``--dgc-warmup``: DGC's
+warm-up compiles one exchange per stage (a ``lax.switch``): the MNIST-1D demo's train step
+(8 CPU devices) with ``warmup_steps=0`` (one stage) and ``100`` (five stages), compiled
+alternately ``--repeats`` times each (2 by default). Results: docs/benchmarks.md,
+"Compile time".
 """
 
 import argparse
@@ -19,10 +24,14 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+import optax
 
+from examples.mnist1d import models
+from examples.mnist1d import train
+from examples.mnist1d.configs import default
 import jaxcomp as jc
 
-AXIS = "batch"
+AXIS = train.AXIS
 
 
 def compile_seconds(collective: str, shape, repeats: int) -> tuple[float, float]:
@@ -50,14 +59,55 @@ def compile_seconds(collective: str, shape, repeats: int) -> tuple[float, float]
   return tuple(statistics.median(t) for t in zip(*times))
 
 
+def dgc_compile_seconds(warmup_steps: int, *, model, params, mesh, config) -> float:
+  """Seconds to lower and compile the demo's train step with DGC's ``warmup_steps``."""
+  k, clip = mesh.size, mesh.size * config.grad_clip
+  exchange = jc.dgc(
+    0.001, 0.9, nesterov=True, clip_norm=clip, warmup_steps=warmup_steps, axis_name=AXIS
+  )
+  tx = optax.chain(jc.per_device_state(exchange), train.make_optimizer(config, momentum=False))
+  specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=k)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  per_device = jax.NamedSharding(mesh, P(AXIS))
+  b = config.per_device_batch_size
+  batch = tuple(
+    jax.ShapeDtypeStruct(s, d, sharding=per_device)
+    for s, d in (((k, b, 40), jnp.float32), ((k, b), jnp.int32))
+  )
+  start = time.perf_counter()
+  train.make_train_step(model, tx, mesh, specs).lower(params, state, batch).compile()
+  return time.perf_counter() - start
+
+
+def dgc_warmup(repeats: int) -> None:
+  """Prints each compile of the demo's DGC step, one and five stages, and their medians."""
+  config = default.get_config()
+  model = models.create_model(config)
+  mesh = jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 40)))["params"]
+  params = jax.device_put(params, jax.NamedSharding(mesh, P()))
+  times = {0: [], 100: []}
+  for _ in range(repeats):
+    for warmup in times:
+      t = dgc_compile_seconds(warmup, model=model, params=params, mesh=mesh, config=config)
+      times[warmup].append(t)
+      print(f"warmup_steps={warmup:>3}: compile {t:.1f} s", flush=True)
+  one, five = statistics.median(times[0]), statistics.median(times[100])
+  print(f"median: 1 stage {one:.1f} s, 5 stages {five:.1f} s, ratio {five / one:.2f}x")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, default=640)
   parser.add_argument("--cols", type=int, default=128)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, help="compiles of each program (3; DGC: 2)")
+  parser.add_argument("--dgc-warmup", action="store_true", help="the demo's DGC step instead")
   args = parser.parse_args()
+  if args.dgc_warmup:
+    dgc_warmup(args.repeats or 2)
+    return
   shape = (args.rows, args.cols)
-  results = {c: compile_seconds(c, shape, args.repeats) for c in ("allgather", "two_phase")}
+  results = {c: compile_seconds(c, shape, args.repeats or 3) for c in ("allgather", "two_phase")}
   for c, (lower, comp) in results.items():
     print(f"{c:<10} lower {lower:.2f} s  compile {comp:.2f} s")
   print(f"two_phase / allgather compile: {results['two_phase'][1] / results['allgather'][1]:.2f}x")

@@ -124,7 +124,6 @@ COMMANDS = (
   "benchmarks.sharded_ef",
   "benchmarks.studies.cpu_kernel_loop",
   "benchmarks.studies.demo_variants",
-  "benchmarks.studies.dgc_warmup_compile",
   "benchmarks.studies.elias",
   "benchmarks.studies.mipd",
   "benchmarks.studies.native_vs_xla",
