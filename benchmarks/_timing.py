@@ -54,11 +54,8 @@ def malloc_label() -> str:
   libc = platform.libc_ver()[0] or "unknown libc"
   if libc != "glibc":
     return libc
-  return (
-    "glibc reuse"
-    if os.environ.get("GLIBC_TUNABLES") == REUSE_MALLOC
-    else ("glibc " + (os.environ.get("GLIBC_TUNABLES") or "default"))
-  )
+  tunables = os.environ.get("GLIBC_TUNABLES")
+  return "glibc reuse" if tunables == REUSE_MALLOC else f"glibc {tunables or 'default'}"
 
 
 def reexec_with_reused_malloc() -> None:

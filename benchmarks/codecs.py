@@ -115,12 +115,6 @@ def rng_times(n: int, repeats: int) -> tuple[float, float, float, float]:
 READ = jax.jit(jnp.sum)
 
 
-def roofs(x: jax.Array, repeats: int) -> tuple[float, float]:
-  """(read time, copy time) of ``x`` in seconds."""
-  copy = jax.jit(lambda a: a + 1.0)
-  return median_time(READ, x, repeats=repeats), median_time(copy, x, repeats=repeats)
-
-
 def time_codec(
   codec, x: jax.Array, key: jax.Array, repeats: int, rounds: int = 1
 ) -> tuple[float, float, float, list[float]]:
@@ -204,12 +198,11 @@ def main(argv=None) -> None:
     x = jax.random.normal(jax.random.key(p), (n,), jnp.float32)
     key = jax.random.key(1)
     gb = 4 * n / 1e9
-    read, copy = roofs(x, args.repeats)
-    print(f"| 2^{p} | *read roof: sum(x)* | {gb / read:.2f} | | | {n / read / 1e6:.0f} | 100 | |")
-    print(
-      f"| 2^{p} | *copy: x + 1* | {gb / copy:.2f} | | | {n / copy / 1e6:.0f} |"
-      f" {100 * read / copy:.0f} | |"
-    )
+    read = median_time(READ, x, repeats=args.repeats)
+    copy = median_time(jax.jit(lambda a: a + 1.0), x, repeats=args.repeats)
+    for what, t in (("read roof: sum(x)", read), ("copy: x + 1", copy)):
+      cells = (f"{gb / t:.2f}", "", "", f"{n / t / 1e6:.0f}", f"{100 * read / t:.0f}", "")
+      print(md_row(f"2^{p}", f"*{what}*", *cells))
     if args.rng:
       kinds = ("sum of uniforms", "random bits to uint8")
       for i, t in enumerate(rng_times(n, args.repeats)):
