@@ -91,13 +91,10 @@ VARIANTS = {
   "mipd_half": ("mipd", {"drop": 0.0, "quantize": False}),
   "mipd_half_drop": ("mipd", {"drop": 0.5, "quantize": False}),
   "mipd_full": ("mipd", {"drop": 0.5}),
-  "mipd_no_half": ("mipd", {"drop": 0.5, "half_update": False}),
   # Quantization without drops (half update on): which module costs the accuracy.
   "mipd_half_quant": ("mipd", {"drop": 0.0}),
   "mipd_no_compensation": ("mipd", {"drop": 0.5, "compensate": False}),
   "mipd_keep0": ("mipd", {"drop": 0.5, "min_keep": 0.0}),
-  "mipd_keep10": ("mipd", {"drop": 0.5, "min_keep": 0.1}),
-  "mipd_keep25": ("mipd", {"drop": 0.5, "min_keep": 0.25}),
   "mipd_alpha01": ("mipd", {"drop": 0.5, "alpha": 0.1}),
   "mipd_alpha09": ("mipd", {"drop": 0.5, "alpha": 0.9}),
   "mipd_beta1": ("mipd", {"drop": 0.5, "beta": 1.0}),
