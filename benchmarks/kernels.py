@@ -65,8 +65,8 @@ def rows_at(n: int, *, k: int, repeats: int, interpret: bool | None) -> list[dic
   copy = 8 * n / t_copy / 1e9
   rows = []
   for name, nbytes, (kernel, ref, kw), args in cases:
-    pallas = jax.jit(lambda *a, f=kernel, kw=kw: f(*a, **kw, interpret=interpret))
-    xla = jax.jit(lambda *a, f=ref, kw=kw: f(*a, **kw))
+    pallas = jax.jit(lambda *a: kernel(*a, **kw, interpret=interpret))
+    xla = jax.jit(lambda *a: ref(*a, **kw))
     gbs = [nbytes / median_time(fn, *args, repeats=repeats) / 1e9 for fn in (pallas, xla)]
     rows.append(dict(kernel=name, n=n, pallas_gbs=gbs[0], xla_gbs=gbs[1], copy_gbs=copy))
   return rows
