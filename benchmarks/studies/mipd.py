@@ -43,6 +43,7 @@ from jaxcomp._src.methods import mipd as mipd_lib
 
 AXIS = train.AXIS
 DROP_RATE = 0.5
+COLLECTIVES = ("allgather", "two_phase", "auto")
 
 
 def _layout(leaves):
@@ -145,14 +146,10 @@ def wire_table(devices: list[int]) -> str:
   }
   head = "model | K | allgather bytes | allgather ratio | two_phase bytes | two_phase ratio"
   lines = [md_head(head + " | auto ratio")]
+  tx = lambda collective: jc.mipd(DROP_RATE, axis_name="b", collective=collective)
   for name, params in {"demo CNN": demo, "786K": mlp(512), "3.1M": mlp(1024)}.items():
     for k in devices:
-      r = {
-        c: jc.wire_report(
-          jc.mipd(DROP_RATE, axis_name="b", collective=c), params, axis_name="b", num_devices=k
-        )
-        for c in ("allgather", "two_phase", "auto")
-      }
+      r = {c: jc.wire_report(tx(c), params, axis_name="b", num_devices=k) for c in COLLECTIVES}
       lines.append(
         f"| {name} | {k} | {r['allgather'].bytes_received:,.0f} |"
         f" {r['allgather'].ratio:.2f}x | {r['two_phase'].bytes_received:,.0f} |"

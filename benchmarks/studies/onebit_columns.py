@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from benchmarks._timing import ints
 from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 import jaxcomp as jc
 
 SHAPES = "1024x3,1024x7,1024x10,4096,1000x3,256x64,96"
@@ -33,21 +34,13 @@ def main(argv=None) -> int:
   for shape in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
     params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
     for k in args.devices:
-      r = {
-        c: jc.wire_report(
-          jc.onebit_sgd(per_column=True, axis_name="b", collective=c, filter=lambda p, x: True),
-          params,
-          axis_name="b",
-          num_devices=k,
-        )
-        for c in ("allgather", "two_phase", "auto")
-      }
-      cells = " | ".join(
-        f"{r[c].bytes_received:,.0f} B ({r[c].ratio:.1f}x)"
-        for c in ("allgather", "two_phase", "auto")
-      )
+      cells = []
+      for c in ("allgather", "two_phase", "auto"):
+        tx = jc.onebit_sgd(per_column=True, axis_name="b", collective=c, filter=lambda p, x: True)
+        r = jc.wire_report(tx, params, axis_name="b", num_devices=k)
+        cells.append(f"{r.bytes_received:,.0f} B ({r.ratio:.1f}x)")
       leaf, chunk = ("x".join(map(str, s)) for s in (shape, codec.chunk_shape(shape, k)))
-      print(f"| {leaf} | {k} | {codec.column_segments(shape, k)} | {chunk} | {cells} |")
+      print(md_row(leaf, k, codec.column_segments(shape, k), chunk, *cells))
   return 0
 
 
