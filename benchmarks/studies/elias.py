@@ -199,7 +199,7 @@ def inputs_table(n: int, s: int, draws: int) -> str:
 
 
 def device_table(log2n: list[int], repeats: int) -> None:
-  """Prints the on-device encoder's and the host decode's speed against fixed width's."""
+  """Prints the speed of the on-device encoder and the host decode against fixed width."""
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; one bucket, l2, s = sqrt(n)\n")
   head = "n | fixed encode (Mval/s) | Elias encode (Mval/s) | Elias/fixed time"
   print(md_head(head + " | Elias decode, host (Mval/s) | bits/value (Elias / fixed)", "r" * 6))
@@ -224,7 +224,8 @@ def device_table(log2n: list[int], repeats: int) -> None:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  part, what = parser.add_mutually_exclusive_group(), "instead of the string's length"
+  part = parser.add_mutually_exclusive_group()
+  what = "instead of the string's length"
   part.add_argument("--inputs", action="store_true", help=f"the inputs' table, {what}")
   part.add_argument("--device", action="store_true", help=f"the device encoder, {what}")
   parser.add_argument(
