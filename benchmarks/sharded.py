@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -28,12 +27,12 @@ import time
 
 import jax
 from jax import lax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from benchmarks import network
+from benchmarks._timing import md_head
 from examples import common
 import jaxcomp as jc
 from jaxcomp._src.exchanges import collectives
@@ -53,8 +52,8 @@ VETHS = ("jcfsveth0", "jcfsveth1")
 ADDRESSES = ("10.231.78.1", "10.231.78.2")
 
 
-def _mesh(k: int) -> jax.sharding.Mesh:
-  return jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
+def _mesh(k: int, axis: str = AXIS) -> jax.sharding.Mesh:
+  return jax.make_mesh((k,), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
 def build(method: str, *, layers: int, width: int):
@@ -141,9 +140,9 @@ def wire_bytes(method: str, args, devices: int) -> dict:
   return out
 
 
-def memory(args, *, with_wire: bool = True) -> list[dict]:
-  """Peak memory per device of each method's compiled step, and its wire bytes
-  (``with_wire``)."""
+def _mlp(args):
+  """``(compile, wire)`` of the MLP on ``args.devices`` devices: a method's compiled step,
+  and the bytes one device receives per step by collective."""
   k, mesh = args.devices, _mesh(args.devices)
   local_shapes(args.layers, args.width, k, args.batch)  # refuses a width K does not divide
   p, x = local_shapes(args.layers, args.width, 1, args.batch * k)  # the global arrays
@@ -152,9 +151,59 @@ def memory(args, *, with_wire: bool = True) -> list[dict]:
     return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.NamedSharding(mesh, spec))
 
   inputs = (jax.tree.map(placed, p, PSPEC), placed(x, P(AXIS)), placed(x, P(AXIS)))
+  compile_step = lambda method: jit_step(method, args, mesh).lower(*inputs).compile()
+  return compile_step, lambda method: wire_bytes(method, args, k)
+
+
+def _lm(args):
+  """``(compile, wire)`` of the LM trainer on ``args.devices`` devices: a method's compiled
+  training step, and the bytes one device receives per step by collective (a sharded
+  method's weight gathers included)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from examples.lm import models  # pylint: disable=import-outside-toplevel
+  from examples.lm import sharded as lm_sharded  # pylint: disable=import-outside-toplevel
+  from examples.lm import train  # pylint: disable=import-outside-toplevel
+
+  config, k, mesh = lm_config(args), args.devices, _mesh(args.devices, train.AXIS)
+  graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
+  init_params = jax.device_get(state.to_pure_dict())
+  shape = (k, config.per_device_batch_size, config.seq_len + 1)
+  batch = jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=jax.NamedSharding(mesh, P(train.AXIS)))
+
+  def compile_step(method):
+    if method in lm_sharded.METHODS:
+      _, _, params, opt_state, step = train.sharded_parts(
+        method, config, graphdef, init_params, mesh
+      )
+      mini_step = jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.NamedSharding(mesh, P()))
+      return step.lower(params, opt_state, batch, mini_step).compile()
+    tx = train.make_tx(method, config)
+    specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
+    params = train.replicate(init_params, mesh)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    step = train.make_train_step(graphdef, tx, mesh, specs)
+    return step.lower(params, opt_state, batch).compile()
+
+  def wire_by(method):
+    if method in lm_sharded.METHODS:
+      return lm_sharded.step_traffic(method, graphdef, init_params, config, k).by_collective
+    update = train.make_update(method, config, warmup=False)
+    by: dict = {}
+    for op in jc.wire_report(update, init_params, axis_name=train.AXIS, num_devices=k).ops:
+      by[op.primitive] = by.get(op.primitive, 0.0) + op.bytes_received
+    return by
+
+  return compile_step, wire_by
+
+
+def memory(args, *, with_wire: bool = True) -> list[dict]:
+  """Each method's compiled step (``--model``'s): its peak memory per device (arguments
+  + outputs + temporaries - aliased) and its wire bytes by collective (``with_wire``)."""
+  compile_step, wire_by = (_lm if args.model == "lm" else _mlp)(args)
   rows = []
   for method in args.methods:
-    m = jit_step(method, args, mesh).lower(*inputs).compile().memory_analysis()
+    m = compile_step(method).memory_analysis()
     used = sum(getattr(m, f"{part}_size_in_bytes") for part in ("argument", "output", "temp"))
     rows.append(
       {
@@ -162,9 +211,10 @@ def memory(args, *, with_wire: bool = True) -> list[dict]:
         "peak_bytes": int(used - m.alias_size_in_bytes),
         "argument_bytes": int(m.argument_size_in_bytes),
         "temp_bytes": int(m.temp_size_in_bytes),
-        "wire": wire_bytes(method, args, k) if with_wire else None,
+        "wire": wire_by(method) if with_wire else None,
       }
     )
+    print(method, rows[-1], flush=True)
   return rows
 
 
@@ -176,9 +226,10 @@ def memory_table(rows: list[dict], args) -> str:
     f"{args.layers} layers x ({args.width} x {args.width}) = {n:,} parameters (float32),"
     f" K = {args.devices} devices, batch {args.batch} per device; per device per step.",
     "",
-    "| method | peak memory (MiB) | vs dense | bytes received | vs dense |"
-    " gradient exchange bytes | vs dense psum_scatter |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    md_head(
+      "method | peak memory (MiB) | vs dense | bytes received | vs dense |"
+      " gradient exchange bytes | vs dense psum_scatter"
+    ),
   ]
   for r in rows:
     total = sum(r["wire"].values())
@@ -213,48 +264,56 @@ def worker(args) -> None:
       start = time.perf_counter()
       state = jax.block_until_ready(f(state, xb, yb))
       times.append(time.perf_counter() - start)
-    leaves = (np.asarray(a.addressable_data(0)) for a in jax.tree.leaves(state))
-    finite = all(bool(np.all(np.isfinite(a))) for a in leaves)
-    multihost_utils.sync_global_devices(method)
+    finite = common.all_finite(state)  # a collective: both processes, at the same point
     result[method] = {"median_s": statistics.median(times), "times_s": times, "finite": finite}
   print(RESULT_MARKER + json.dumps(result), flush=True)
   jax.distributed.shutdown()
 
 
-def over_link(args, run) -> dict:
-  """``{rate: run(prefix, host, rate)}``: ``run`` starts 2 processes, ``prefix(i)``
-  before process i's command, the coordinator on ``host``; over the throttled veth at
-  each rate, or with ``--smoke`` as 2 local processes (no namespaces or throttle)."""
-  if args.smoke:
-    return {"none": run(lambda i: [], "127.0.0.1", "none")}
-  out = {}
-  with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
-    prefix = functools.partial(ln.worker_prefix, pin=args.pin)  # process i in namespace i
-    for rate in args.rates:
-      ln.set_rate(rate)
-      out[rate] = run(prefix, ADDRESSES[0], rate)
-  return out
-
-
-def link(args) -> dict:
-  """Each method's step time per rate (process 0's), by :func:`over_link`."""
+def _run_mlp(args, prefix, coordinator: str, rate: str) -> dict:
+  """Each MLP method's step times (process 0's), from 2 :func:`worker` processes."""
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
 
   flags = ["--layers", str(args.layers), "--width", str(args.width), "--batch"]
   flags += [str(args.batch), "--steps", str(args.steps), "--methods", ",".join(args.methods)]
+  commands = [
+    [*prefix(i), sys.executable, "-m", "benchmarks.sharded", "--worker"]
+    + ["--process-id", str(i), "--coordinator", coordinator, *flags]
+    for i in range(2)
+  ]
+  res = launch.worker_results(commands, RESULT_MARKER, timeout=args.timeout)
+  print(rate, {m: round(r["median_s"], 4) for m, r in res.items()}, flush=True)
+  return res
 
-  def run(prefix, host: str, rate: str) -> dict:
-    coordinator = f"{host}:{network.free_port()}"
-    commands = [
-      [*prefix(i), sys.executable, "-m", "benchmarks.sharded", "--worker"]
-      + ["--process-id", str(i), "--coordinator", coordinator, *flags]
-      for i in range(2)
-    ]
-    res = launch.worker_results(commands, RESULT_MARKER, timeout=args.timeout)
-    print(rate, {m: round(r["median_s"], 4) for m, r in res.items()}, flush=True)
-    return res
 
-  return over_link(args, run)
+def _run_lm(args, prefix, coordinator: str, rate: str) -> dict:
+  """The 2-process LM trainer's results per method (less the parameters)."""
+  from benchmarks import lm_network  # pylint: disable=import-outside-toplevel
+
+  flags = ["--config", args.config, "--methods", ",".join(args.methods)]
+  flags += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
+  flags += [] if args.batch is None else ["--batch", str(args.batch)]
+  workdir = os.path.join(os.path.abspath(args.out), "lm", rate)
+  res = lm_network.run_trainer(
+    flags, workdir, coordinator=coordinator, prefix=prefix, timeout=args.timeout
+  )["results"]
+  print(rate, {m: round(r["train_time_s"] / args.steps, 4) for m, r in res.items()}, flush=True)
+  return {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
+
+
+def link(args) -> dict:
+  """``{rate: results}`` of 2 processes (``--model``'s) over the throttled veth, process
+  ``i`` in namespace ``i``, at each rate; or with ``--smoke`` 2 local processes (no
+  namespaces or throttle)."""
+  run = _run_lm if args.model == "lm" else _run_mlp
+  if args.smoke:
+    return {"none": run(args, lambda i: [], f"127.0.0.1:{network.free_port()}", "none")}
+  out = {}
+  with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
+    for rate in args.rates:
+      ln.set_rate(rate)
+      out[rate] = run(args, ln.worker_prefix, f"{ADDRESSES[0]}:{network.free_port()}", rate)
+  return out
 
 
 def link_table(by_rate: dict, wire_k2: dict, args) -> str:
@@ -263,8 +322,7 @@ def link_table(by_rate: dict, wire_k2: dict, args) -> str:
     f" ({args.width} x {args.width}), batch {args.batch} per device; median of"
     f" {args.steps} steps.",
     "",
-    "| rate | method | bytes received / step | s / step | speed-up vs dense |",
-    "|---|---|---:|---:|---:|",
+    md_head("rate | method | bytes received / step | s / step | speed-up vs dense", "llrrr"),
   ]
   for rate, res in by_rate.items():
     for method, r in res.items():
@@ -287,50 +345,8 @@ def lm_config(args):
   """The LM config named by ``--config``, with ``--batch`` when given."""
   from examples.lm import configs  # pylint: disable=import-outside-toplevel
 
-  config = configs.load(args.config).get_config()
-  if args.batch is None:
-    return config
-  return dataclasses.replace(config, per_device_batch_size=args.batch)
-
-
-def lm_memory(args) -> list[dict]:
-  """Each LM method's compiled training step on ``args.devices`` CPU devices: peak memory
-  per device and the bytes one device receives per step, by collective."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  from examples.lm import models  # pylint: disable=import-outside-toplevel
-  from examples.lm import sharded as lm_sharded  # pylint: disable=import-outside-toplevel
-  from examples.lm import train  # pylint: disable=import-outside-toplevel
-
-  config, k = lm_config(args), args.devices
-  mesh = jax.make_mesh((k,), (train.AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
-  init_params = jax.device_get(state.to_pure_dict())
-  shape = (k, config.per_device_batch_size, config.seq_len + 1)
-  batch_sharding = jax.NamedSharding(mesh, P(train.AXIS))
-  batch = jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=batch_sharding)
-  rows = []
-  for method in args.methods:
-    if method in lm_sharded.METHODS:
-      _, _, params, opt_state, step = train.sharded_parts(
-        method, config, graphdef, init_params, mesh
-      )
-      extra = (jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.NamedSharding(mesh, P())),)
-      by = lm_sharded.step_traffic(method, graphdef, init_params, config, k).by_collective
-    else:
-      tx = train.make_tx(method, config)
-      specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
-      params = train.replicate(init_params, mesh)
-      opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-      step, extra = train.make_train_step(graphdef, tx, mesh, specs), ()
-      update = train.make_update(method, config, warmup=False)
-      by = {}
-      for op in jc.wire_report(update, init_params, axis_name=train.AXIS, num_devices=k).ops:
-        by[op.primitive] = by.get(op.primitive, 0.0) + op.bytes_received
-    compiled = step.lower(params, opt_state, batch, *extra).compile()
-    rows.append({"method": method, "peak_bytes": train.peak_memory(compiled), "wire": by})
-    print(method, rows[-1], flush=True)
-  return rows
+  batch = common.flag_overrides(args, [("batch", "per_device_batch_size", 1)])
+  return dataclasses.replace(configs.load(args.config).get_config(), **batch)
 
 
 def lm_memory_table(rows: list[dict], args) -> str:
@@ -348,9 +364,10 @@ def lm_memory_table(rows: list[dict], args) -> str:
     f" parameters, K = {k} devices, {config.per_device_batch_size} sequences of"
     f" {config.seq_len} bytes per device; AdamW; per device per step.",
     "",
-    "| method | peak memory (MiB) | vs fsdp_dense | bytes received | dense all-reduce / this |"
-    " gradient exchange bytes | dense psum_scatter / this |",
-    "|---|---:|---:|---:|---:|---:|---:|",
+    md_head(
+      "method | peak memory (MiB) | vs fsdp_dense | bytes received | dense all-reduce / this |"
+      " gradient exchange bytes | dense psum_scatter / this"
+    ),
   ]
   for r in rows:
     total = sum(r["wire"].values())
@@ -363,29 +380,6 @@ def lm_memory_table(rows: list[dict], args) -> str:
   return "\n".join(lines)
 
 
-def lm_link(args) -> dict:
-  """The 2-process LM trainer at each rate, by :func:`over_link`; ``{rate: the
-  trainer's results per method}`` (less the parameters)."""
-  from benchmarks import lm_network  # pylint: disable=import-outside-toplevel
-
-  flags = ["--config", args.config, "--methods", ",".join(args.methods)]
-  flags += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
-  flags += [] if args.batch is None else ["--batch", str(args.batch)]
-
-  def run(prefix, host: str, rate: str) -> dict:
-    res = lm_network.run_trainer(
-      flags,
-      os.path.join(os.path.abspath(args.out), "lm", rate),
-      coordinator=f"{host}:{network.free_port()}",
-      prefix=prefix,
-      timeout=args.timeout,
-    )["results"]
-    print(rate, {m: round(r["train_time_s"] / args.steps, 4) for m, r in res.items()}, flush=True)
-    return {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
-
-  return over_link(args, run)
-
-
 def lm_link_table(by_rate: dict, args) -> str:
   config = lm_config(args)
   where = "localhost, no throttle (--smoke)" if args.smoke else "a tc-throttled veth"
@@ -395,9 +389,11 @@ def lm_link_table(by_rate: dict, args) -> str:
     f" sequences of {config.seq_len} bytes per device; mean of {args.steps} updates"
     " (training steps only).",
     "",
-    "| rate | method | bytes received / step | peak memory (MiB) | s / step |"
-    " speed-up vs | val loss |",
-    "|---|---|---:|---:|---:|---|---:|",
+    md_head(
+      "rate | method | bytes received / step | peak memory (MiB) | s / step | speed-up vs |"
+      " val loss",
+      "llrrrlr",
+    ),
   ]
   for rate, res in by_rate.items():
     for method, r in res.items():
@@ -410,6 +406,14 @@ def lm_link_table(by_rate: dict, args) -> str:
         f" {r['train_time_s'] / args.steps:.3f} | {speedup} | {r['val_loss']:.3f} |"
       )
   return "\n".join(lines)
+
+
+def use_cpu_devices(n: int) -> None:
+  """``n`` CPU devices in this process, on CPU unless ``JAX_PLATFORMS`` says otherwise."""
+  if "JAX_PLATFORMS" not in os.environ:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the processes this one starts read it too
+    jax.config.update("jax_platforms", "cpu")  # jax read it when imported
+  jax.config.update("jax_num_cpu_devices", n)
 
 
 def parse_args(argv=None):
@@ -425,12 +429,6 @@ def parse_args(argv=None):
   p.add_argument("--rates", default="none,1gbit")
   p.add_argument("--steps", type=int, default=10, help="timed steps per method and rate")
   p.add_argument("--timeout", type=float, default=1200)
-  p.add_argument(
-    "--pin",
-    action="store_true",
-    help="pin process i to core i (on a machine shared with pinned jobs, a niced pinned"
-    " process can starve for minutes: off by default)",
-  )
   p.add_argument("--smoke", action="store_true", help="link part: 2 local processes, tiny model")
   p.add_argument("--out", default=None, help="output directory (runs/sharded, runs/sharded_lm)")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -439,7 +437,10 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   lm = args.model == "lm"
   known = LM_METHODS if lm else METHODS
-  args.methods = [m for m in (args.methods or ",".join(known)).split(",") if m]
+  try:
+    args.methods = list(common.parse_methods(args.methods or ",".join(known), known))
+  except ValueError as e:
+    p.error(str(e))
   args.rates = [r for r in args.rates.split(",") if r]
   args.out = args.out or ("runs/sharded_lm" if lm else "runs/sharded")
   if args.smoke and lm:
@@ -450,9 +451,6 @@ def parse_args(argv=None):
     args.batch = 32
   if not lm and "dense" not in args.methods:
     p.error("--methods must include dense (the baseline)")
-  for m in args.methods:
-    if m not in known:
-      p.error(f"unknown method {m!r}; choose from {', '.join(known)}")
   return args
 
 
@@ -464,24 +462,19 @@ def main(argv=None) -> int:
   lm, memory_part, link_part = args.model == "lm", args.part != "link", args.part != "memory"
   if link_part and not args.smoke and network.cannot_run("benchmarks.sharded --part link"):
     return 2
-  if memory_part:  # it wants args.devices CPU devices in this process
-    if "JAX_PLATFORMS" not in os.environ:
-      os.environ["JAX_PLATFORMS"] = "cpu"  # the link part's workers read it too
-      jax.config.update("jax_platforms", "cpu")  # jax read it when imported
-    jax.config.update("jax_num_cpu_devices", args.devices)
   results, report = {"args": vars(args)}, []
   if memory_part:
-    results["memory"] = rows = lm_memory(args) if lm else memory(args)
-    report.append((lm_memory_table if lm else memory_table)(rows, args))
+    use_cpu_devices(args.devices)
+    results["memory"] = memory(args)
+    report.append((lm_memory_table if lm else memory_table)(results["memory"], args))
     print(report[-1], flush=True)
-  if link_part and lm:
-    results["link"] = by_rate = lm_link(args)
-    report.append(lm_link_table(by_rate, args))
-  elif link_part:
-    wire_k2 = {m: wire_bytes(m, args, 2) for m in args.methods}
-    results["link"], results["link_wire"] = link(args), wire_k2
-    report.append(link_table(results["link"], wire_k2, args))
   if link_part:
+    results["link"] = link(args)
+    if lm:
+      report.append(lm_link_table(results["link"], args))
+    else:  # the MLP's bytes at K = 2, from its trace
+      results["link_wire"] = wire_k2 = {m: wire_bytes(m, args, 2) for m in args.methods}
+      report.append(link_table(results["link"], wire_k2, args))
     print(report[-1], flush=True)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
