@@ -10,10 +10,8 @@ sharded model can afford").
   python -m benchmarks.sharded_ef --steps 100 --options dense,qsgd4,signsgd_ef_int8
   python -m benchmarks.sharded_ef --optimizer sgd --lr 0.05
 
-With ``--process-id/--num-processes/--coordinator`` it is one worker of a multi-process
-run on ``jax.distributed`` (gloo on CPU): it prints one line ``RESULT {json}`` (losses
-and a digest of the final parameters), which ``tests/test_sharded.py`` compares between
-the processes.
+With ``--process-id/--num-processes/--coordinator``, one process of a ``jax.distributed``
+run (gloo on CPU) that prints ``RESULT {json}`` (``tests/test_sharded.py`` compares them).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from typing import Any
 
@@ -33,6 +30,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
+from benchmarks import sharded
+from benchmarks._timing import md_head
 from examples import common
 import jaxcomp as jc
 
@@ -112,20 +111,18 @@ def per_device_bytes(tree) -> int:
   return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def train(
-  option: str, *, steps: int, batch: int, lr: float, optimizer: str = "adamw", seed: int = 0
-) -> dict[str, Any]:
-  """Trains ``option`` for ``steps``; losses, held-out loss, bytes per device."""
-  k = jax.device_count()
-  mesh = jax.make_mesh((k,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,))
-  params, tx = init_params(seed), make_tx(option, lr, optimizer)
+def train(option: str, args, seed: int = 0) -> dict[str, Any]:
+  """Trains ``option`` for ``--steps``; losses, held-out loss, bytes per device."""
+  k, mesh = jax.device_count(), common.data_mesh(AXIS)
+  params, tx = init_params(seed), make_tx(option, args.lr, args.optimizer)
   specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=k, param_specs=P(AXIS))
   place = jax.NamedSharding(mesh, P(AXIS))
   shards = jax.device_put(params, place)
   init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(AXIS),), out_specs=specs))
   opt_state, step, losses = init(shards), make_step(tx, mesh, specs), []
-  for t in range(steps):
-    shards, opt_state, loss = step(shards, opt_state, *jax.device_put(data(t, batch * k), place))
+  for t in range(args.steps):
+    xy = jax.device_put(data(t, args.batch * k), place)
+    shards, opt_state, loss = step(shards, opt_state, *xy)
     losses.append(float(loss))
   final = jax.tree.map(np.asarray, multihost_utils.process_allgather(shards, tiled=True))
   report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=k, param_specs=P(AXIS))
@@ -146,11 +143,8 @@ def train(
 def table(results: dict[str, dict[str, Any]]) -> str:
   """The Markdown table: bytes per device and held-out loss against dense."""
   dense = results.get("dense")
-  lines = [
-    "| option | residual B/device | x shards | optimizer B/device | wire B/step | "
-    "test loss | vs dense |",
-    "|---|---:|---:|---:|---:|---:|---:|",
-  ]
+  columns = "option | residual B/device | x shards | optimizer B/device | wire B/step"
+  lines = [md_head(columns + " | test loss | vs dense")]
   for name, r in results.items():
     rel = r["test_loss"] / dense["test_loss"] if dense else float("nan")
     lines.append(
@@ -191,11 +185,8 @@ def main(argv=None) -> int:
       devices_per_process=args.devices_per_process,
     )
   else:
-    if "JAX_PLATFORMS" not in os.environ:  # jax read the variable when imported
-      jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", args.devices)
-  train_kw = {"steps": args.steps, "batch": args.batch, "lr": args.lr, "optimizer": args.optimizer}
-  results = {o: train(o, **train_kw) for o in args.options}
+    sharded.use_cpu_devices(args.devices)
+  results = {o: train(o, args) for o in args.options}
   if worker:
     print(RESULT_MARKER + json.dumps(results), flush=True)
     return 0
