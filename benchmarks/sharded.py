@@ -56,6 +56,9 @@ def _mesh(k: int, axis: str = AXIS) -> jax.sharding.Mesh:
   return jax.make_mesh((k,), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
+# ----------------------------------------------------------------------------- the MLP
+
+
 def build(method: str, *, layers: int, width: int):
   """``step(params, x, y) -> params`` for ``method``, to run inside ``jax.shard_map``
   (params: each device's shards ``{"w": (L, width/K, width), "b": (L, width/K)}``)."""
@@ -155,69 +158,6 @@ def _mlp(args):
   return compile_step, lambda method: wire_bytes(method, args, k)
 
 
-def _lm(args):
-  """``(compile, wire)`` of the LM trainer on ``args.devices`` devices: a method's compiled
-  training step, and the bytes one device receives per step by collective (a sharded
-  method's weight gathers included)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  from examples.lm import models  # pylint: disable=import-outside-toplevel
-  from examples.lm import sharded as lm_sharded  # pylint: disable=import-outside-toplevel
-  from examples.lm import train  # pylint: disable=import-outside-toplevel
-
-  config, k, mesh = lm_config(args), args.devices, _mesh(args.devices, train.AXIS)
-  graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
-  init_params = jax.device_get(state.to_pure_dict())
-  shape = (k, config.per_device_batch_size, config.seq_len + 1)
-  batch = jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=jax.NamedSharding(mesh, P(train.AXIS)))
-
-  def compile_step(method):
-    if method in lm_sharded.METHODS:
-      _, _, params, opt_state, step = train.sharded_parts(
-        method, config, graphdef, init_params, mesh
-      )
-      mini_step = jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.NamedSharding(mesh, P()))
-      return step.lower(params, opt_state, batch, mini_step).compile()
-    tx = train.make_tx(method, config)
-    specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
-    params = train.replicate(init_params, mesh)
-    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-    step = train.make_train_step(graphdef, tx, mesh, specs)
-    return step.lower(params, opt_state, batch).compile()
-
-  def wire_by(method):
-    if method in lm_sharded.METHODS:
-      return lm_sharded.step_traffic(method, graphdef, init_params, config, k).by_collective
-    update = train.make_update(method, config, warmup=False)
-    by: dict = {}
-    for op in jc.wire_report(update, init_params, axis_name=train.AXIS, num_devices=k).ops:
-      by[op.primitive] = by.get(op.primitive, 0.0) + op.bytes_received
-    return by
-
-  return compile_step, wire_by
-
-
-def memory(args, *, with_wire: bool = True) -> list[dict]:
-  """Each method's compiled step (``--model``'s): its peak memory per device (arguments
-  + outputs + temporaries - aliased) and its wire bytes by collective (``with_wire``)."""
-  compile_step, wire_by = (_lm if args.model == "lm" else _mlp)(args)
-  rows = []
-  for method in args.methods:
-    m = compile_step(method).memory_analysis()
-    used = sum(getattr(m, f"{part}_size_in_bytes") for part in ("argument", "output", "temp"))
-    rows.append(
-      {
-        "method": method,
-        "peak_bytes": int(used - m.alias_size_in_bytes),
-        "argument_bytes": int(m.argument_size_in_bytes),
-        "temp_bytes": int(m.temp_size_in_bytes),
-        "wire": wire_by(method) if with_wire else None,
-      }
-    )
-    print(method, rows[-1], flush=True)
-  return rows
-
-
 def memory_table(rows: list[dict], args) -> str:
   n = args.layers * (args.width * args.width + args.width)
   dense = next((r for r in rows if r["method"] == "dense"), rows[0])
@@ -286,36 +226,6 @@ def _run_mlp(args, prefix, coordinator: str, rate: str) -> dict:
   return res
 
 
-def _run_lm(args, prefix, coordinator: str, rate: str) -> dict:
-  """The 2-process LM trainer's results per method (less the parameters)."""
-  from benchmarks import lm_network  # pylint: disable=import-outside-toplevel
-
-  flags = ["--config", args.config, "--methods", ",".join(args.methods)]
-  flags += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
-  flags += [] if args.batch is None else ["--batch", str(args.batch)]
-  workdir = os.path.join(os.path.abspath(args.out), "lm", rate)
-  res = lm_network.run_trainer(
-    flags, workdir, coordinator=coordinator, prefix=prefix, timeout=args.timeout
-  )["results"]
-  print(rate, {m: round(r["train_time_s"] / args.steps, 4) for m, r in res.items()}, flush=True)
-  return {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
-
-
-def link(args) -> dict:
-  """``{rate: results}`` of 2 processes (``--model``'s) over the throttled veth, process
-  ``i`` in namespace ``i``, at each rate; or with ``--smoke`` 2 local processes (no
-  namespaces or throttle)."""
-  run = _run_lm if args.model == "lm" else _run_mlp
-  if args.smoke:
-    return {"none": run(args, lambda i: [], f"127.0.0.1:{network.free_port()}", "none")}
-  out = {}
-  with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
-    for rate in args.rates:
-      ln.set_rate(rate)
-      out[rate] = run(args, ln.worker_prefix, f"{ADDRESSES[0]}:{network.free_port()}", rate)
-  return out
-
-
 def link_table(by_rate: dict, wire_k2: dict, args) -> str:
   lines = [
     f"2 processes x 1 CPU device (gloo) over a tc-throttled veth; {args.layers} layers x"
@@ -349,6 +259,48 @@ def lm_config(args):
   return dataclasses.replace(configs.load(args.config).get_config(), **batch)
 
 
+def _lm(args):
+  """``(compile, wire)`` of the LM trainer on ``args.devices`` devices: a method's compiled
+  training step, and the bytes one device receives per step by collective (a sharded
+  method's weight gathers included)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  from examples.lm import models  # pylint: disable=import-outside-toplevel
+  from examples.lm import sharded as lm_sharded  # pylint: disable=import-outside-toplevel
+  from examples.lm import train  # pylint: disable=import-outside-toplevel
+
+  config, k, mesh = lm_config(args), args.devices, _mesh(args.devices, train.AXIS)
+  graphdef, state = nnx.split(models.create_model(config, rngs=nnx.Rngs(config.seed)))
+  init_params = jax.device_get(state.to_pure_dict())
+  shape = (k, config.per_device_batch_size, config.seq_len + 1)
+  batch = jax.ShapeDtypeStruct(shape, jnp.uint8, sharding=jax.NamedSharding(mesh, P(train.AXIS)))
+
+  def compile_step(method):
+    if method in lm_sharded.METHODS:
+      _, _, params, opt_state, step = train.sharded_parts(
+        method, config, graphdef, init_params, mesh
+      )
+      mini_step = jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.NamedSharding(mesh, P()))
+      return step.lower(params, opt_state, batch, mini_step).compile()
+    tx = train.make_tx(method, config)
+    specs = jc.state_specs(tx, init_params, axis_name=train.AXIS, num_devices=k)
+    params = train.replicate(init_params, mesh)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    step = train.make_train_step(graphdef, tx, mesh, specs)
+    return step.lower(params, opt_state, batch).compile()
+
+  def wire_by(method):
+    if method in lm_sharded.METHODS:
+      return lm_sharded.step_traffic(method, graphdef, init_params, config, k).by_collective
+    update = train.make_update(method, config, warmup=False)
+    by: dict = {}
+    for op in jc.wire_report(update, init_params, axis_name=train.AXIS, num_devices=k).ops:
+      by[op.primitive] = by.get(op.primitive, 0.0) + op.bytes_received
+    return by
+
+  return compile_step, wire_by
+
+
 def lm_memory_table(rows: list[dict], args) -> str:
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
@@ -380,6 +332,21 @@ def lm_memory_table(rows: list[dict], args) -> str:
   return "\n".join(lines)
 
 
+def _run_lm(args, prefix, coordinator: str, rate: str) -> dict:
+  """The 2-process LM trainer's results per method (less the parameters)."""
+  from benchmarks import lm_network  # pylint: disable=import-outside-toplevel
+
+  flags = ["--config", args.config, "--methods", ",".join(args.methods)]
+  flags += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
+  flags += [] if args.batch is None else ["--batch", str(args.batch)]
+  workdir = os.path.join(os.path.abspath(args.out), "lm", rate)
+  res = lm_network.run_trainer(
+    flags, workdir, coordinator=coordinator, prefix=prefix, timeout=args.timeout
+  )["results"]
+  print(rate, {m: round(r["train_time_s"] / args.steps, 4) for m, r in res.items()}, flush=True)
+  return {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
+
+
 def lm_link_table(by_rate: dict, args) -> str:
   config = lm_config(args)
   where = "localhost, no throttle (--smoke)" if args.smoke else "a tc-throttled veth"
@@ -406,6 +373,45 @@ def lm_link_table(by_rate: dict, args) -> str:
         f" {r['train_time_s'] / args.steps:.3f} | {speedup} | {r['val_loss']:.3f} |"
       )
   return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- either model
+
+
+def memory(args, *, with_wire: bool = True) -> list[dict]:
+  """Each method's compiled step (``--model``'s): its peak memory per device (arguments
+  + outputs + temporaries - aliased) and its wire bytes by collective (``with_wire``)."""
+  compile_step, wire_by = (_lm if args.model == "lm" else _mlp)(args)
+  rows = []
+  for method in args.methods:
+    m = compile_step(method).memory_analysis()
+    used = sum(getattr(m, f"{part}_size_in_bytes") for part in ("argument", "output", "temp"))
+    rows.append(
+      {
+        "method": method,
+        "peak_bytes": int(used - m.alias_size_in_bytes),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "wire": wire_by(method) if with_wire else None,
+      }
+    )
+    print(method, rows[-1], flush=True)
+  return rows
+
+
+def link(args) -> dict:
+  """``{rate: results}`` of 2 processes (``--model``'s) over the throttled veth, process
+  ``i`` in namespace ``i``, at each rate; or with ``--smoke`` 2 local processes (no
+  namespaces or throttle)."""
+  run = _run_lm if args.model == "lm" else _run_mlp
+  if args.smoke:
+    return {"none": run(args, lambda i: [], f"127.0.0.1:{network.free_port()}", "none")}
+  out = {}
+  with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
+    for rate in args.rates:
+      ln.set_rate(rate)
+      out[rate] = run(args, ln.worker_prefix, f"{ADDRESSES[0]}:{network.free_port()}", rate)
+  return out
 
 
 def use_cpu_devices(n: int) -> None:
