@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -63,11 +64,8 @@ def tc_rate(bits: float) -> str:
 
 def worker_commands(flags: list[str], *, coordinator: str, prefix=None) -> list[list[str]]:
   """The LM trainer's command line for each of the 2 processes (``examples.lm.main``)."""
-  tail = f"--coordinator {coordinator} --num-processes 2 --devices-per-process 1"
-  main = [sys.executable, "-m", "examples.lm.main", *flags, *tail.split()]
-  return [
-    [*(prefix(i) if prefix is not None else ()), *main, "--process-id", str(i)] for i in (0, 1)
-  ]
+  flags = [*flags, "--devices-per-process", "1"]
+  return network.worker_commands("examples.lm.main", flags, coordinator=coordinator, prefix=prefix)
 
 
 def run_trainer(
@@ -110,16 +108,7 @@ def rate_mapping(config, calibration: dict[str, Any], args) -> dict[str, Any]:
 
 def summarize(by_rate: dict[str, dict[str, Any]], target: float, args) -> str:
   """The Markdown table: time to target and speed-up vs dense, per rate and method."""
-  tolerance = f" plus {100 * args.tolerance:g}%" if args.tolerance else ""
-  lines = [
-    f"Time to dense's validation loss at update {args.target_step}{tolerance}"
-    f" ({target:.4f} nats/byte), schedule of {args.steps} updates, config {args.config},"
-    " 2 processes x 1 CPU device (gloo) over a tc-throttled veth. Time: training steps only.",
-    "",
-    "| rate | method | reached at update | time to target (s) | speed-up vs dense |"
-    " s/update | val loss at stop | vs target | bytes/update | fewer bytes |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-  ]
+  rows = []
   for run in by_rate.values():
     results = run["results"]["results"]
     dense_t, dense_b = (
@@ -132,15 +121,22 @@ def summarize(by_rate: dict[str, dict[str, Any]], target: float, args) -> str:
       if r["target_step"] is not None:
         reached, t = str(r["target_step"]), f"{r['target_time_s']:.1f}"
         speedup = f"{dense_t / r['target_time_s']:.2f}x" if dense_t else "-"
-      recv = "n/a" if received is None else f"{received:,.0f}"
-      fewer = f"{dense_b / received:.0f}x" if dense_b and received else "-"
-      gap = f"{100 * (r['val_loss'] / target - 1):+.1f}%"
       mark = " **diverged**" if r.get("diverged") else ""
-      lines.append(
-        f"| {run['label']} | {method}{mark} | {reached} | {t} | {speedup} | {per_step:.3f}"
-        f" | {r['val_loss']:.4f} | {gap} | {recv} | {fewer} |"
-      )
-  return "\n".join(lines)
+      cells = [run["label"], method + mark, reached, t, speedup, f"{per_step:.3f}"]
+      cells += [f"{r['val_loss']:.4f}", f"{100 * (r['val_loss'] / target - 1):+.1f}%"]
+      cells.append("n/a" if received is None else f"{received:,.0f}")
+      rows.append([*cells, f"{dense_b / received:.0f}x" if dense_b and received else "-"])
+  tolerance = f" plus {100 * args.tolerance:g}%" if args.tolerance else ""
+  title = (
+    f"Time to dense's validation loss at update {args.target_step}{tolerance}"
+    f" ({target:.4f} nats/byte), schedule of {args.steps} updates, config {args.config},"
+    " 2 processes x 1 CPU device (gloo) over a tc-throttled veth. Time: training steps only."
+  )
+  head = (
+    "rate | method | reached at update | time to target (s) | speed-up vs dense | s/update"
+    " | val loss at stop | vs target | bytes/update | fewer bytes"
+  )
+  return network.md_table(head, rows, title, left=2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -193,18 +189,15 @@ def main(argv=None) -> int:
     "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
   }
-  prefix, host = (None, "127.0.0.1") if args.smoke else (network.Link.prefix, network.ADDRESSES[0])
+  with contextlib.nullcontext() if args.smoke else network.open_link() as link:
+    prefix = None if link is None else functools.partial(link.worker_prefix, pin=True)
+    host = "127.0.0.1" if link is None else network.ADDRESSES[0]
 
-  def train(what: list[str], subdir: str) -> dict[str, Any]:
-    workdir = os.path.join(args.out, subdir)
-    coordinator = f"{host}:{network.free_port()}"
-    return run_trainer(
-      [*flags, *what], workdir, coordinator=coordinator, prefix=prefix, timeout=args.timeout
-    )
+    def train(what: list[str], subdir: str) -> dict[str, Any]:
+      workdir, coordinator = os.path.join(args.out, subdir), f"{host}:{network.free_port()}"
+      run = dict(coordinator=coordinator, prefix=prefix, timeout=args.timeout)
+      return run_trainer([*flags, *what], workdir, **run)
 
-  with contextlib.nullcontext() if args.smoke else network.Link() as link:
-    if link is not None:
-      link.set_rate("none")
     # Dense's trajectory is the same bits at every rate: one unthrottled run to the target
     # step sets the target and measures the compute step time of the scaled rates.
     calibration = train(["--methods", "dense", "--stop-at", str(args.target_step)], "calibration")

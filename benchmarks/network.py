@@ -20,6 +20,7 @@ results record the malloc.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from collections.abc import Sequence
 import contextlib
 import functools
@@ -55,7 +56,6 @@ RATES = ("none", "10gbit", "1gbit", "100mbit")
 CONFIGS = ("params2m", "params20m")
 METHODS = demo_config.Config.methods  # the demo's methods, in its table order
 PSUM_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes per device
-RESULT_MARKER = "JAXCOMP_PSUM_RESULT "
 BURST_MS = 1.0  # tbf bucket: this many ms of traffic at the rate...
 MIN_BURST = 64 * 1024  # ...and at least this many bytes
 SCALING_K = (2, 8, 64, 256, 1024)  # devices of the predicted scaling, at 1 Gbit/s
@@ -171,17 +171,61 @@ class Link(contextlib.AbstractContextManager):
   def teardown(self) -> None:
     self._undo.close()
 
-  @staticmethod
-  def prefix(process_id: int) -> list[str]:
-    """Worker ``i`` runs in namespace ``i``, pinned to core ``i``."""
-    return Link().worker_prefix(process_id, pin=True)
+
+def open_link() -> Link:
+  """A :class:`Link` to enter; from now on SIGTERM (e.g. a CI timeout) unwinds like
+  Ctrl-C, so that the link is torn down."""
+  signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
+  return Link()
 
 
-def free_port() -> int:
-  """A TCP port free now on every local address."""
-  with socket.socket() as s:
-    s.bind(("", 0))
-    return s.getsockname()[1]
+# The benchmarks across the link (this one, two_level, overlap, lm_network) are their own
+# workers: one command per process (worker_commands), each joins the job (join) and prints
+# its result on one line (emit), which run_on_link returns.
+RESULT_MARKER = launch.RESULT_MARKER  # launch's: a streamed worker's result is not echoed
+free_port = launch.free_port  # (benchmarks.fault and benchmarks.sharded take it from here)
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, mode: str = "--worker") -> None:
+  """The worker mode's flags, hidden from ``--help``: ``mode`` (``args.worker``) and the
+  job's, which :func:`worker_commands` passes."""
+  hidden = argparse.SUPPRESS
+  parser.add_argument(mode, dest="worker", action="store_true", help=hidden)
+  parser.add_argument("--process-id", type=int, default=0, help=hidden)
+  parser.add_argument("--num-processes", type=int, default=2, help=hidden)
+  parser.add_argument("--coordinator", default=None, help=hidden)
+
+
+def worker_commands(module: str, flags, *, coordinator: str, prefix=None, processes: int = 2):
+  """``python -m module *flags`` and the job's flags, for each of ``processes``
+  processes, process ``i`` after ``prefix(i)`` (e.g. :meth:`Link.worker_prefix`)."""
+  job = ["--num-processes", str(processes), "--coordinator", coordinator]
+  return [
+    [*(prefix(i) if prefix else ()), sys.executable, "-m", module, *flags, *job]
+    + ["--process-id", str(i)]
+    for i in range(processes)
+  ]
+
+
+def run_on_link(module: str, flags, *, prefix=None, host: str = ADDRESSES[0], **kwargs) -> Any:
+  """Runs :func:`worker_commands` (the coordinator: process 0 at ``host``) and returns what
+  process 0 emitted (``launch.worker_results`` given ``kwargs``: ``every``, ``timeout``...)."""
+  commands = worker_commands(module, flags, coordinator=f"{host}:{free_port()}", prefix=prefix)
+  return launch.worker_results(commands, RESULT_MARKER, **kwargs)
+
+
+def join(args: argparse.Namespace, devices_per_process: int = 1) -> None:
+  """Worker mode: joins the job that :func:`worker_commands` gave ``args``."""
+  launch.init_distributed(
+    args.coordinator, args.num_processes, args.process_id, devices_per_process=devices_per_process
+  )
+
+
+def emit(result: dict) -> None:
+  """Worker mode: prints ``result`` for :func:`run_on_link`, then leaves the job with
+  the others (``jax.distributed.shutdown`` is a barrier)."""
+  print(RESULT_MARKER + json.dumps(result), flush=True)
+  jax.distributed.shutdown()
 
 
 def _seconds(f, x) -> float:
@@ -193,9 +237,7 @@ def _seconds(f, x) -> float:
 def psum_worker(args: argparse.Namespace) -> None:
   """Worker mode: times ``psum`` and ``all_gather`` of ``size`` bytes per process, each
   size; the model fits each its own link (gloo's all-gather moves more than its traffic)."""
-  launch.init_distributed(
-    args.coordinator, args.num_processes, args.process_id, devices_per_process=1
-  )
+  join(args)
   mesh = jax.make_mesh((jax.device_count(),), ("b",))
   ops = {
     "psum": lambda x: jax.lax.psum(x, "b"),
@@ -216,26 +258,19 @@ def psum_worker(args: argparse.Namespace) -> None:
       repeats = int(multihost_utils.broadcast_one_to_all(repeats))
       times = [_seconds(f, x) for _ in range(repeats)]
       result[name].append({"bytes": size, "times_s": times, "median_s": statistics.median(times)})
-  print(RESULT_MARKER + json.dumps(result), flush=True)
-  jax.distributed.shutdown()
+  emit(result)
 
 
-def time_collectives(sizes: Sequence[int], seconds_per_size: float, timeout: float) -> dict:
+def time_collectives(prefix, args: argparse.Namespace) -> dict:
   """Runs :func:`psum_worker` in the two namespaces; process 0's timings, by collective
   (``"psum"``, ``"all_gather"``)."""
-  flags = (
-    f"--psum-worker --num-processes 2 --coordinator {ADDRESSES[0]}:{free_port()} "
-    f"--psum-sizes {','.join(map(str, sizes))} --seconds-per-size {seconds_per_size}"
-  ).split()
-  commands = [
-    [*Link.prefix(i), sys.executable, "-m", "benchmarks.network", *flags, "--process-id", str(i)]
-    for i in range(2)
-  ]
-  result = launch.worker_results(commands, RESULT_MARKER, timeout=timeout)
+  flags = ["--psum-worker", "--psum-sizes", args.psum_sizes]
+  flags += ["--seconds-per-size", str(args.seconds_per_size)]
+  result = run_on_link("benchmarks.network", flags, prefix=prefix, timeout=args.timeout)
   return {"psum": result["psum"], "all_gather": result["all_gather"]}
 
 
-def train_on_link(config: str, args: argparse.Namespace) -> dict[str, Any]:
+def train_on_link(config: str, prefix, args: argparse.Namespace) -> dict[str, Any]:
   """The 2-process trainer across the namespaces; process 0's result (checked equal)."""
   workdir = os.path.join(args.out, "data")
   flags = launch.worker_args(
@@ -248,7 +283,7 @@ def train_on_link(config: str, args: argparse.Namespace) -> dict[str, Any]:
   )
   coordinator = f"{ADDRESSES[0]}:{free_port()}"
   results = launch.launch(
-    flags, processes=2, prefix=Link.prefix, coordinator=coordinator, timeout=args.timeout
+    flags, processes=2, prefix=prefix, coordinator=coordinator, timeout=args.timeout
   )
   launch.check_identical(results)
   return results[0]
@@ -316,20 +351,17 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
   return out
 
 
-def _markdown(title: str, head: Sequence[str], rows: Sequence, left: int = 1) -> list[str]:
-  """Lines of a titled Markdown table, the first ``left`` columns text, the others numbers;
-  a row is its cells, or a line formatted already."""
-  return [
-    title,
-    "",
-    "| " + " | ".join(head) + " |",
-    "|" + "---|" * left + "---:|" * (len(head) - left),
-    *(row if isinstance(row, str) else "| " + " | ".join(row) + " |" for row in rows),
-    "",
-  ]
+def md_table(head: str, rows: Iterable, title: str = "", left: int = 1) -> str:
+  """A Markdown table under ``title``: ``head`` the column names (``" | "`` between them),
+  the first ``left`` columns text, the others numbers; a row is its cells
+  (:func:`benchmarks._timing.md_row`) or a line formatted already."""
+  align = "l" * left + "r" * (head.count(" | ") + 1 - left)
+  rows = [row if isinstance(row, str) else _timing.md_row(*row) for row in rows]
+  table = "\n".join([_timing.md_head(head, align), *rows])
+  return f"{title}\n\n{table}" if title else table
 
 
-def _measured_table(config: str, by_rate: dict, preds: dict) -> list[str]:
+def _measured_table(config: str, by_rate: dict, preds: dict) -> str:
   rows = []
   for rate, run in by_rate.items():
     dense = run["methods"].get("dense")
@@ -339,14 +371,16 @@ def _measured_table(config: str, by_rate: dict, preds: dict) -> list[str]:
       cells += [f"{r['bytes_received']:,.0f}", f"{r['final_loss']:.3f}"]
       cells += [f"{1e3 * p['predicted_s']:.0f}", f"{100 * p['error']:+.0f}%"] if p else ["", ""]
       rows.append(cells)
-  head = ["rate", "method", "mean step (ms)", "speed-up vs dense", "bytes/step (wire_report)"]
-  head += ["final loss", "predicted step (ms)", "error"]
+  head = (
+    "rate | method | mean step (ms) | speed-up vs dense | bytes/step (wire_report) | final loss"
+    " | predicted step (ms) | error"
+  )
   num_params = next(iter(by_rate.values()))["num_params"]
   title = f"### {config}: {num_params:,} parameters, 2 processes x 1 CPU device"
-  return _markdown(title, head, rows, left=2)
+  return md_table(head, rows, title, left=2)
 
 
-def _split_table(config: str, by_rate: dict, preds: dict) -> list[str]:
+def _split_table(config: str, by_rate: dict, preds: dict) -> str:
   """Where the time goes: compute (from the unthrottled run, minus the modelled
   exchange), the codec's cost over dense, and the exchange at each rate."""
   rates = [r for r in by_rate if r != "none"]
@@ -356,32 +390,34 @@ def _split_table(config: str, by_rate: dict, preds: dict) -> list[str]:
     cells = ["" if m is None else f"{1e3 * (step_time(m) - p['compute_s']):.0f}" for m in runs]
     codec = p["compute_s"] - preds["dense"]["compute_s"]
     rows.append([method, f"{1e3 * p['compute_s']:.0f}", f"{1e3 * codec:+.0f}", *cells])
-  head = ["method", "compute (ms)", "codec vs dense (ms)", *(f"exchange {r} (ms)" for r in rates)]
+  head = " | ".join(
+    ["method | compute (ms) | codec vs dense (ms)"] + [f"exchange {r} (ms)" for r in rates]
+  )
   title = (
     f"Step time split ({config}): compute = unthrottled step minus the modelled "
     "exchange; codec = compute minus dense's (encode, decode, error feedback,"
     " top-k...); exchange = measured step minus compute."
   )
-  return _markdown(title, head, rows)
+  return md_table(head, rows, title)
 
 
-def tables(runs: dict, model: dict) -> str:
+def tables(runs: dict, model: dict) -> list[str]:
   """Markdown: measured steps per config and rate, then the model's errors and scaling."""
-  lines = []
+  out = []
   for config, by_rate in runs.items():
     preds = model["predictions"].get(config, {})
-    lines += _measured_table(config, by_rate, preds)
+    out.append(_measured_table(config, by_rate, preds))
     if "dense" in preds:
-      lines += _split_table(config, by_rate, preds)
+      out.append(_split_table(config, by_rate, preds))
     scaling = model["scaling"].get(config)
     if scaling:
       ks = list(next(iter(scaling.values())))
       rows = [[m, *(f"{1e3 * by_k[k]['step_s']:.0f}" for k in ks)] for m, by_k in scaling.items()]
       title = f"Predicted step time (ms) at 1 Gbit/s vs K ({config}, fitted α, β):"
-      lines += _markdown(title, ["method", *(f"K={k}" for k in ks)], rows)
-    lines += phase_tables(config, by_rate)
+      out.append(md_table(" | ".join(["method", *(f"K={k}" for k in ks)]), rows, title))
+    out += phase_tables(config, by_rate)
   title = "Fitted links (psum timings, least squares on relative error):"
-  return "\n".join(lines) + "\n" + link_table(title, model["links"])
+  return [*out, link_table(title, model["links"])]
 
 
 def error_comparison(model: dict, model_gather: dict) -> str:
@@ -402,13 +438,9 @@ def error_comparison(model: dict, model_gather: dict) -> str:
     "Prediction error with every collective on the psum link, and with the "
     "all-gathers on their own fitted link:"
   )
-  head = ["config", "rate", "method", "psum link", "all-gather link"]
-  lines = [
-    *_markdown(title, head, rows, left=3),
-    f"Mean |error|: psum link {mean(a):.1f}%, all-gather link {mean(b):.1f}% ({len(a)} points).",
-    "",
-  ]
-  return "\n".join(lines) + "\n"
+  head = "config | rate | method | psum link | all-gather link"
+  means = f"psum link {mean(a):.1f}%, all-gather link {mean(b):.1f}%"
+  return md_table(head, rows, title, left=3) + f"\n\nMean |error|: {means} ({len(a)} points)."
 
 
 def link_table(title: str, links: dict) -> str:
@@ -417,25 +449,24 @@ def link_table(title: str, links: dict) -> str:
     [rate, f"{1e6 * l['latency_s']:.0f}", f"{l['bandwidth_Bps'] / 1e6:.1f}"]
     for rate, l in links.items()
   ]
-  return "\n".join(_markdown(title, ["rate", "α (µs)", "bandwidth (MB/s)"], rows))
+  return md_table("rate | α (µs) | bandwidth (MB/s)", rows, title)
 
 
 def phase_tables(config: str, by_rate: dict) -> list[str]:
-  """Markdown rows of the measured step split (``--profile``), process 0; or none."""
+  """The measured step split (``--profile``), process 0, as a Markdown table; or none."""
   rows = [
     launch.phase_row(f"{rate} | {method}", r["phases"])
     for rate, run in by_rate.items()
     for method, r in run["methods"].items()
     if r.get("phases")
   ]
-  if not rows:
-    return []
   title = (
     f"Measured step split ({config}, process 0, `--profile`: ms per step from "
     "jc.profile_phases over the extra profiled steps; exchange includes waiting "
     "for the other process; idle is the step's wall time not covered by ops):"
   )
-  return _markdown(title, ["rate", "method", "step", *launch.PHASE_COLUMNS], rows, left=2)
+  head = " | ".join(["rate | method | step", *launch.PHASE_COLUMNS])
+  return [md_table(head, rows, title, left=2)] if rows else []
 
 
 def plot(runs: dict, path: str) -> None:
@@ -477,14 +508,14 @@ def report(saved: dict, out: str) -> None:
     else ", ".join(f"{r} {b:,} B" for r, b in bursts.items() if b is not None)
   )
   malloc = saved.get("malloc")
-  text = f"malloc: {malloc or 'not recorded'}\n\ntbf bucket: {burst_text}\n\n" + tables(runs, model)
+  text = [f"malloc: {malloc or 'not recorded'}", f"tbf bucket: {burst_text}", *tables(runs, model)]
   if model_gather is not None:
-    text += "\n" + error_comparison(model, model_gather)
-    text += link_table("Fitted all-gather links:", model_gather.get("gather_links", {}))
+    text.append(error_comparison(model, model_gather))
+    text.append(link_table("Fitted all-gather links:", model_gather["gather_links"]))
   record = {"runs": runs, "psums": psums, "gathers": gathers, "model": model}
   record.update(model_gather_links=model_gather, malloc=malloc, bursts=bursts)
   os.makedirs(out, exist_ok=True)
-  common.write_results(out, text.removesuffix("\n"), record)
+  common.write_results(out, "\n\n".join(text), record)
   plot(runs, os.path.join(out, "step_time_vs_bandwidth.png"))
 
 
@@ -502,19 +533,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS more steps a method")
   add("--analyze", metavar="RESULTS_JSON", help="only redo model, tables, plot from a results.json")
   add("--psum-sizes", default=",".join(map(str, PSUM_SIZES)), help="bytes per device timed")
-  # psum worker mode (internal).
-  add("--psum-worker", action="store_true", help=argparse.SUPPRESS)
-  add("--process-id", type=int, default=0, help=argparse.SUPPRESS)
-  add("--num-processes", type=int, default=2, help=argparse.SUPPRESS)
-  add("--coordinator", default=None, help=argparse.SUPPRESS)
+  add_worker_flags(parser, "--psum-worker")
   args = parser.parse_args(argv)
-  args.sizes = [int(s) for s in args.psum_sizes.split(",")]
+  args.sizes = _timing.ints(args.psum_sizes)  # checked here, not in the workers
   return args
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  if args.psum_worker:
+  if args.worker:
     psum_worker(args)
     return 0
   if args.analyze:
@@ -527,15 +554,14 @@ def main(argv=None) -> int:
   for r in rates:
     rate_bytes_per_s(r)  # validate before building anything
   os.makedirs(args.out, exist_ok=True)
-  # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so the link is torn down.
-  signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
   saved: dict[str, Any] = {"runs": {c: {} for c in args.configs.split(",")}}
   saved.update(psums={}, gathers={}, malloc=_timing.malloc_label(), bursts={})  # as inherited
-  with Link() as link:
+  with open_link() as link:
+    pinned = functools.partial(link.worker_prefix, pin=True)  # process i on core i
     for rate in rates:
       saved["bursts"][rate] = link.set_rate(rate, args.burst_ms)
       print(f"== link {rate}: timing psums and all-gathers", flush=True)
-      timed = time_collectives(args.sizes, args.seconds_per_size, args.timeout)
+      timed = time_collectives(pinned, args)
       saved["psums"][rate], saved["gathers"][rate] = timed["psum"], timed["all_gather"]
       for s, g in zip(timed["psum"], timed["all_gather"]):
         ms = f"psum {1e3 * s['median_s']:9.2f} ms, all_gather {1e3 * g['median_s']:9.2f} ms"
@@ -543,7 +569,7 @@ def main(argv=None) -> int:
       for config, by_rate in saved["runs"].items():
         print(f"== link {rate}, {config}: {args.methods}", flush=True)
         start = time.perf_counter()
-        by_rate[rate] = train_on_link(config, args)
+        by_rate[rate] = train_on_link(config, pinned, args)
         for m, r in by_rate[rate]["methods"].items():
           print(f"   {m:>7}: mean step {1e3 * step_time(r):8.1f} ms, loss {r['final_loss']:.3f}")
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from concurrent import futures
+import functools
 import json
 import statistics
 import sys
@@ -24,12 +25,10 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-from benchmarks import launch
 from benchmarks import network
 from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 import jaxcomp as jc
-
-MARKER = "JAXCOMP_OVERLAP_RESULT "
 
 
 class Programs(NamedTuple):
@@ -145,8 +144,7 @@ def mlp(width: int, depth: int, d_in: int, seed: int = 0):
 
 def worker(args) -> None:
   """One process of the 2: every mode timed over ``args.rounds`` rounds after one."""
-  launch.init_distributed(args.coordinator, 2, args.process_id, devices_per_process=1)
-
+  network.join(args)
   mesh = jax.make_mesh((2,), ("b",))
   width, depth, d_in, batch = map(int, args.model.split(","))
   params, loss = mlp(width, depth, d_in)
@@ -178,19 +176,15 @@ def worker(args) -> None:
     jax.block_until_ready(run(progs, params, reps, batches, args.rounds + 1, args.h, mode, clock))
     out[mode] = statistics.median(np.diff(clock[1:]).tolist())
     out[mode + "_rounds"] = np.diff(clock).tolist()
-  if args.process_id == 0:
-    print(MARKER + json.dumps(out), flush=True)
-  jax.distributed.shutdown()
+  network.emit(out)
 
 
-def launch_pair(args, prefix, address: str) -> dict:
+def launch_pair(args, prefix=None, host: str = network.ADDRESSES[0]) -> dict:
   """The two workers (``prefix(i)`` before each); process 0's result."""
-  coordinator = f"{address}:{network.free_port()}"
-  flags = [f"--{k}={getattr(args, k)}" for k in ("model", "h", "rounds")]
-  flags += [f"--exchange={args.exchange}", f"--modes={args.modes}", f"--coordinator={coordinator}"]
-  cmd = [sys.executable, "-m", "benchmarks.overlap", "--worker", *flags]
-  commands = [[*prefix(i), *cmd, f"--process-id={i}"] for i in range(2)]
-  return launch.worker_results(commands, MARKER, timeout=args.timeout)
+  flags = ["--worker"] + [f"--{k}={getattr(args, k)}" for k in ("model", "h", "rounds")]
+  flags += [f"--exchange={args.exchange}", f"--modes={args.modes}"]
+  run = dict(prefix=prefix, host=host, timeout=args.timeout)
+  return network.run_on_link("benchmarks.overlap", flags, **run)
 
 
 def row(rate: str, r: dict, h: int) -> str:
@@ -198,10 +192,8 @@ def row(rate: str, r: dict, h: int) -> str:
   hideable = min(r["exchange_s"], r["inner"])
   hid = lambda m: f"{(r['blocking'] - r[m]) / hideable:+.0%}"
   ex = f"{r['exchange_s'] * 1e3:.0f} ({r['exchange_dispatch_s'] * 1e3:.0f})"
-  cells = " | ".join(f"{r[m]:.3f}" for m in ("blocking", "overlap", "thread", "inner"))
-  return (
-    f"| {rate} | {r['inner'] / h * 1e3:.1f} | {ex} | {cells} | {hid('overlap')} | {hid('thread')} |"
-  )
+  times = [f"{r[m]:.3f}" for m in ("blocking", "overlap", "thread", "inner")]
+  return md_row(rate, f"{r['inner'] / h * 1e3:.1f}", ex, *times, hid("overlap"), hid("thread"))
 
 
 def price() -> str:
@@ -225,18 +217,14 @@ def price() -> str:
         t_ex = h * jc.network.exchange_time(report, jc.network.Link(50e-6, mbit * 1e6 / 8))
         saved = min(t_ex, h * step_s)
         link = f"{mbit / 1e3:g} Gbit/s" if mbit >= 1e3 else f"{mbit:g} Mbit/s"
-        lines.append(
-          f"| {name} | {ex_name} | {k} | {h} | {link} | {t_ex:.3g} | {h * step_s:.3g} | "
-          f"{saved:.3g} | {saved / (h * step_s + t_ex):.0%} |"
-        )
+        cells = [name, ex_name, k, h, link, f"{t_ex:.3g}", f"{h * step_s:.3g}", f"{saved:.3g}"]
+        lines.append(md_row(*cells, f"{saved / (h * step_s + t_ex):.0%}"))
   return "\n".join(lines)
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--worker", action="store_true")
-  p.add_argument("--process-id", type=int, default=0)
-  p.add_argument("--coordinator", default="")
+  network.add_worker_flags(p)
   p.add_argument("--smoke", action="store_true", help="127.0.0.1, tiny model, no root")
   p.add_argument("--price", action="store_true", help="only jc.network's pricing table")
   p.add_argument("--rates", default="100mbit,10mbit")
@@ -257,18 +245,16 @@ def main(argv=None) -> int:
   print(md_head(head + " | (b') thread | (c) inner | hidden (b) | hidden (b')"), flush=True)
   if args.smoke:
     args.model, args.rounds, args.h = "64,2,32,16", 2, 2
-    r = launch_pair(args, lambda i: [], "127.0.0.1")
+    r = launch_pair(args, host="127.0.0.1")
     print(row("127.0.0.1", r, args.h) + "\n" + json.dumps(r))
     return 0
 
   if network.cannot_run("benchmarks.overlap"):
     return 2
-  with network.Link() as link:
+  with network.open_link() as link:
     for rate in args.rates.split(","):
       link.set_rate(rate)
-      pinned = network.Link.prefix  # ip netns exec NS taskset -c i: one core each
-      prefix = pinned if args.pin else lambda i: pinned(i)[:4]
-      r = launch_pair(args, prefix, network.ADDRESSES[0])
+      r = launch_pair(args, functools.partial(link.worker_prefix, pin=args.pin))
       print(row(rate, r, args.h) + "\n" + json.dumps(r), flush=True)
   return 0
 

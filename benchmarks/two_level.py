@@ -26,7 +26,6 @@ import json
 import math
 import os
 import pathlib
-import signal
 import statistics
 import sys
 import time
@@ -42,7 +41,6 @@ import numpy as np
 import optax
 
 from benchmarks import network
-from examples import common
 import jaxcomp as jc
 
 AXES = ("node", "gpu")  # (slow, fast); node = process
@@ -56,7 +54,6 @@ COMPRESSORS = {
 METHODS = ("dense",) + tuple(f"{kind}_{c}" for c in COMPRESSORS for kind in ("flat", "two_level"))
 MODELS = ("mlp", "lm")
 MLP_SIZES = (40, 1024, 2048, 10)  # 2,163,674 parameters; the 1024x2048 kernel is 2.1M
-RESULT_MARKER = "JAXCOMP_TWO_LEVEL_RESULT "
 LOSS_WINDOW = 5  # the loss at equal steps: mean of the last this many steps
 NOTHING_SENT = 0.01  # under this share of the modelled bytes: the exchange sent nothing
 PROJECTION_NODES = (16, 64, 256, 1024)
@@ -247,11 +244,9 @@ def train_one(method, mesh, parts, steps, warmup, interface) -> dict[str, Any]:
 
 
 def worker(args: argparse.Namespace) -> None:
-  common.init_distributed(
-    args.coordinator, args.processes, args.process_id, devices_per_process=args.devices_per_process
-  )
+  network.join(args, args.devices_per_process)
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  shape = (args.processes, args.devices_per_process)
+  shape = (args.num_processes, args.devices_per_process)
   mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), AXES)
   parts = model_parts(args.models, workdir=os.path.join(args.out, "data"), lm_config=args.lm_config)
   result: dict[str, Any] = {
@@ -262,13 +257,12 @@ def worker(args: argparse.Namespace) -> None:
   }
   for method in args.methods.split(","):
     try:
-      r = train_one(method, mesh, parts, args.steps, args.warmup, args.interface)
+      r = train_one(method, mesh, parts, args.steps, args.warmup, network.VETHS[args.process_id])
     except NotImplementedError as e:
       r = {"status": f"not supported: {e}"}
     print(f"   [p{args.process_id}] {method}: {r.get('status', 'ok')}", file=sys.stderr, flush=True)
     result["methods"][method] = r
-  print(RESULT_MARKER + json.dumps(result), flush=True)
-  jax.distributed.shutdown()
+  network.emit(result)
 
 
 def pinning(processes: int, cores: int, devices: int) -> tuple[list[list[str]], str]:
@@ -288,21 +282,13 @@ def pinning(processes: int, cores: int, devices: int) -> tuple[list[list[str]], 
 
 def run_rate(args, link, model: str) -> list[dict[str, Any]]:
   """One launch of all methods of ``model`` on ``link``; every process's results."""
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
-  tasksets, _ = pinning(args.processes, os.cpu_count() or 1, args.devices_per_process)
-  shared = {"--coordinator": f"{network.ADDRESSES[0]}:{network.free_port()}", "--models": model}
-  for flag in ("processes", "devices_per_process", "lm_config", "methods", "steps", "warmup"):
-    shared["--" + flag.replace("_", "-")] = getattr(args, flag)
-  commands = [
-    [*link.worker_prefix(i), *tasksets[i], sys.executable, "-m", "benchmarks.two_level"]
-    + ["--worker", "--process-id", str(i), "--interface", network.VETHS[i], "--out", args.out]
-    + [str(x) for flag_value in shared.items() for x in flag_value]
-    for i in range(args.processes)
-  ]
-  return launch.worker_results(
-    commands, RESULT_MARKER, timeout=args.timeout, stream=args.verbose, every=True
-  )
+  tasksets, _ = pinning(2, os.cpu_count() or 1, args.devices_per_process)
+  flags = ["--worker", "--models", model, "--out", args.out]
+  for flag in ("devices_per_process", "lm_config", "methods", "steps", "warmup"):
+    flags += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+  prefix = lambda i: [*link.worker_prefix(i), *tasksets[i]]
+  run = dict(timeout=args.timeout, stream=args.verbose, every=True)
+  return network.run_on_link("benchmarks.two_level", flags, prefix=prefix, **run)
 
 
 def row_of(method: str, per_process: Sequence[dict]) -> dict[str, Any]:
@@ -355,25 +341,25 @@ def _x(v) -> str:
 
 def table(rows: Sequence[dict]) -> str:
   """Markdown: one row per method."""
-  lines = [
-    "| method | status | median step (ms) | loss | link MB/node/step (tx) | wire_report slow "
-    "MB/node/step | link/wire | link / one gradient | speed-up vs dense | vs flat |"
-    " fewer bytes vs dense | vs flat |",
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-  ]
+  cells = []
   for r in rows:
     if "step_s" not in r:  # "not supported" alone: jaxcomp's reason is in results.json
-      lines.append(f"| {r['method']} | {r['status'].split(':')[0]} |" + " |" * 10)
+      cells.append([r["method"], r["status"].split(":")[0], *[""] * 10])
       continue
     sent, wire, one = r["link_sent_per_node"], r["wire_slow_per_node"], r.get("one_gradient")
-    lines.append(
-      f"| {r['method']} | {r['status']} | {1e3 * r['step_s']:.1f} | {r['loss']:.4f} |"
-      f" {sent / 1e6:.3f} | {wire / 1e6:.3f} | {sent / wire if wire else math.inf:.2f} |"
-      f" {_x(sent / one if one else None)} |"
-      f" {_x(r.get('speedup_vs_dense'))} | {_x(r.get('speedup_vs_flat'))} |"
-      f" {_x(r.get('bytes_vs_dense'))} | {_x(r.get('bytes_vs_flat'))} |"
-    )
-  return "\n".join(lines) + "\n"
+    measured = [f"{1e3 * r['step_s']:.1f}", f"{r['loss']:.4f}", f"{sent / 1e6:.3f}"]
+    measured += [f"{wire / 1e6:.3f}", f"{sent / wire if wire else math.inf:.2f}"]
+    ratios = [sent / one if one else None]
+    ratios += [
+      r.get(f"{what}_vs_{ref}") for what in ("speedup", "bytes") for ref in ("dense", "flat")
+    ]
+    cells.append([r["method"], r["status"], *measured, *map(_x, ratios)])
+  head = (
+    "method | status | median step (ms) | loss | link MB/node/step (tx) | wire_report slow"
+    " MB/node/step | link/wire | link / one gradient | speed-up vs dense | vs flat"
+    " | fewer bytes vs dense | vs flat"
+  )
+  return network.md_table(head, cells, left=2) + "\n"
 
 
 def projection(
@@ -406,7 +392,7 @@ def projection(
 
 
 def projection_table(proj: Mapping, gpus: int = PROJECTION_GPUS) -> str:
-  lines = []
+  tables = []
   for name, by_method in proj.items():
     where = ""
     if link := PROJECTION_LINKS.get(name):
@@ -416,17 +402,16 @@ def projection_table(proj: Mapping, gpus: int = PROJECTION_GPUS) -> str:
         f" {slow_a * 1e6:g} µs, {slow_b / 1e9:g} GB/s, per device)"
       )
     nodes = list(next(iter(by_method.values())))
-    lines += [
-      f"Projected exchange time per step (ms), {gpus} devices per node, nodes on {name}{where}:",
-      "",
-      "| method | " + " | ".join(f"{n} nodes" for n in nodes) + " |",
-      "|---|" + "---:|" * len(nodes),
+    head = " | ".join(["method", *(f"{n} nodes" for n in nodes)])
+    rows = [
+      [method, *("not supported" if t is None else f"{1e3 * t:.2f}" for t in by_n.values())]
+      for method, by_n in by_method.items()
     ]
-    for method, by_n in by_method.items():
-      cells = ["not supported" if t is None else f"{1e3 * t:.2f}" for t in by_n.values()]
-      lines += [f"| {method} | " + " | ".join(cells) + " |"]
-    lines.append("")
-  return "\n".join(lines)
+    title = (
+      f"Projected exchange time per step (ms), {gpus} devices per node, nodes on {name}{where}:"
+    )
+    tables.append(network.md_table(head, rows, title))
+  return "\n\n".join(tables) + "\n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -435,7 +420,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--models", default="mlp", help=f"comma-separated, of {MODELS}")
   parser.add_argument("--lm-config", default="bench", help="examples/lm config for --models lm")
   parser.add_argument("--methods", default=",".join(METHODS))
-  parser.add_argument("--processes", type=int, default=2, help="N nodes (the link joins 2)")
   parser.add_argument("--devices-per-process", type=int, default=4, help="L CPU devices")
   parser.add_argument("--steps", type=int, default=30, help="timed steps per method")
   parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")
@@ -444,27 +428,20 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--burst-ms", type=float, default=network.BURST_MS)
   parser.add_argument("--verbose", action="store_true", help="echo the workers' output")
   parser.add_argument("--project-only", action="store_true", help="the projection alone")
-  # worker mode (internal)
-  parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
-  parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-  parser.add_argument("--interface", default=None, help=argparse.SUPPRESS)
+  network.add_worker_flags(parser)
   return parser.parse_args(argv)
 
 
 def measure(args, methods, models, results, report) -> None:
   """The runs over the link: every model at every rate, into ``results`` and ``report``."""
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
-  _, note = pinning(args.processes, os.cpu_count() or 1, args.devices_per_process)
+  _, note = pinning(2, os.cpu_count() or 1, args.devices_per_process)
   results["setup"] = (
-    f"{args.processes} processes x {args.devices_per_process} CPU devices, mesh "
-    f"{AXES} = ({args.processes}, {args.devices_per_process}); {note}; "
+    f"2 processes x {args.devices_per_process} CPU devices, mesh "
+    f"{AXES} = (2, {args.devices_per_process}); {note}; "
     f"{args.warmup} warm-up + {args.steps} timed steps per method"
   )
   report(results["setup"] + "\n")
-  signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
-  with network.Link() as link:
+  with network.open_link() as link:
     for rate in args.rates.split(","):
       results.setdefault("bursts", {})[rate] = link.set_rate(rate, args.burst_ms)
       for model in models:
@@ -502,9 +479,6 @@ def main(argv=None) -> int:
 
   if not args.project_only:
     if network.cannot_run("benchmarks/two_level.py"):
-      return 2
-    if args.processes != 2:
-      print("the link is one veth pair: it joins exactly 2 processes", file=sys.stderr)
       return 2
     for r in args.rates.split(","):
       network.rate_bytes_per_s(r)
