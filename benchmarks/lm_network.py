@@ -10,9 +10,8 @@ this CPU's rate for an H100's compute-to-communication ratio on a 25 or 100 Gbit
   sudo python -m benchmarks.lm_network --rates 1gbit,100mbit,scaled25 --methods dense,powersgd
   python -m benchmarks.lm_network --smoke                    # 2 local processes, no link
 
-Needs root, ``ip``, ``tc`` and ``taskset`` (except ``--smoke``); without them it says so
-and exits 2. Writes ``--out`` (default ``runs/lm_network``): ``results.json`` and
-``results.md``.
+Needs root, ``ip``, ``tc`` and ``taskset`` (except ``--smoke``), or says so and exits 2.
+Writes ``results.json`` and ``results.md`` to ``--out`` (default ``runs/lm_network``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 r"""Training over a real, throttled link: 2 processes in 2 network namespaces.
 
-Two network namespaces joined by a veth pair throttled with ``tc qdisc ... tbf``; the
-2-process MNIST-1D trainer (:mod:`benchmarks.launch`) runs across it for every rate,
-model and method, next to timed ``psum``\ s and ``all_gather``\ s to which it fits
-:mod:`jaxcomp.network`'s α-β model, then predicts every step time from the compute time
-and ``jc.wire_report`` (docs/benchmarks.md, "Training over a throttled link").
+The 2-process MNIST-1D trainer (:mod:`benchmarks.launch`) across a veth pair throttled
+with ``tc qdisc ... tbf``, for every rate, model and method, next to timed ``psum``\ s and
+``all_gather``\ s to which it fits :mod:`jaxcomp.network`'s α-β model, which predicts
+every step time from the compute time and ``jc.wire_report`` (docs/benchmarks.md,
+"Training over a throttled link").
 
   sudo python -m benchmarks.network                         # everything (~30 min)
   sudo python -m benchmarks.network --configs params2m --rates 1gbit --methods dense,onebit
 
-Needs root (``ip netns``, ``tc``) and ``taskset``; without them it says so and exits 2.
-It removes what it creates (the namespaces, the veth pair, ``/etc/netns/<name>/hosts``:
-gloo finds each peer by name) also on failure or Ctrl-C. Writes ``--out`` (default
-``runs/network``): ``results.json``, ``results.md``, ``step_time_vs_bandwidth.png``.
-The workers inherit ``GLIBC_TUNABLES`` (``benchmarks._timing.REUSE_MALLOC``); the
-results record the malloc.
+Needs root (``ip netns``, ``tc``) and ``taskset``, or says so and exits 2. Writes ``--out``
+(default ``runs/network``): ``results.json``, ``results.md``, ``step_time_vs_bandwidth.png``;
+the results record the malloc the workers inherit (``GLIBC_TUNABLES``).
 """
 
 from __future__ import annotations
@@ -103,7 +100,8 @@ def tbf_burst(rate: str, burst_ms: float = BURST_MS) -> int | None:
 
 
 class Link(contextlib.AbstractContextManager):
-  """Two namespaces joined by a veth pair; torn down on exit, whatever happened."""
+  """Two namespaces joined by a veth pair; torn down on exit, whatever happened (the
+  namespaces, the veth pair and ``/etc/netns/<name>/hosts``: gloo finds peers by name)."""
 
   def __init__(self, namespaces=NAMESPACES, veths=VETHS, addresses=ADDRESSES):
     self.namespaces, self.veths, self.addresses = tuple(namespaces), tuple(veths), tuple(addresses)

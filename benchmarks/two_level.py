@@ -1,18 +1,17 @@
-r"""Two-level vs flat compression over a real, throttled link: N processes of L devices.
+r"""Two-level vs flat compression over a real, throttled link: 2 processes of L devices.
 
-Each process is one node of L CPU devices in :mod:`benchmarks.network`'s namespaces.
-``dense``, ``flat_X`` (X over both axes) and ``two_level_X`` (``jc.two_level(X,
-fast_axis="gpu")``), X one of qsgd4, onebit, powersgd, train the same model; per method
-the step time, the loss, the link's byte counters next to ``jc.wire_report``'s, and an
-α-β projection to 16-1024 nodes of 8 devices. Results: docs/benchmarks.md, "Two nodes of
-four devices over a throttled link"; the method: docs/guides/two_level.md.
+Each process is a node of L CPU devices in :mod:`benchmarks.network`'s namespaces; the
+methods (:func:`make_exchange`) train the same model: per method the step time, the
+loss, the link's byte counters next to ``jc.wire_report``'s, and an α-β projection to
+16-1024 nodes of 8 devices. Results: docs/benchmarks.md, "Two nodes of four devices over
+a throttled link"; the method: docs/guides/two_level.md.
 
   sudo python -m benchmarks.two_level --rates 100mbit,1gbit --models mlp --steps 30
   sudo python -m benchmarks.two_level --models lm --methods dense,flat_qsgd4,two_level_qsgd4
   python -m benchmarks.two_level --project-only       # the projection alone, no root
 
-Needs root (``ip netns``, ``tc``) and ``taskset`` except ``--project-only``; without them
-it says so and exits 2. Writes ``results.json`` and ``results.md`` to ``--out``.
+Needs root (``ip netns``, ``tc``) and ``taskset`` except ``--project-only``, or says so
+and exits 2. Writes ``results.json`` and ``results.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -85,8 +84,9 @@ def _exchange(method: str, axis):
 
 
 def make_exchange(method: str):
-  """The gradient exchange of ``method`` (see the module docstring); its mean over
-  both axes. Raises ``NotImplementedError`` for a combination jaxcomp lacks."""
+  """The gradient exchange of ``method``, its mean over both axes: ``dense``, ``flat_X``
+  (X over both axes) or ``two_level_X`` (``jc.two_level(X over "node", fast_axis="gpu")``),
+  X one of :data:`COMPRESSORS`. Raises ``NotImplementedError`` where jaxcomp lacks it."""
   if method == "dense":
     return _exchange("dense", AXES)
   if method.startswith("two_level_"):
