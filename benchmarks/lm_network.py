@@ -193,9 +193,11 @@ def main(argv=None) -> int:
     host = "127.0.0.1" if link is None else network.ADDRESSES[0]
 
     def train(what: list[str], subdir: str) -> dict[str, Any]:
-      workdir, coordinator = os.path.join(args.out, subdir), f"{host}:{network.free_port()}"
-      run = dict(coordinator=coordinator, prefix=prefix, timeout=args.timeout)
-      return run_trainer([*flags, *what], workdir, **run)
+      workdir = os.path.join(args.out, subdir)
+      coordinator = f"{host}:{network.free_port()}"
+      return run_trainer(
+        [*flags, *what], workdir, coordinator=coordinator, prefix=prefix, timeout=args.timeout
+      )
 
     # Dense's trajectory is the same bits at every rate: one unthrottled run to the target
     # step sets the target and measures the compute step time of the scaled rates.

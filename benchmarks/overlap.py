@@ -183,8 +183,9 @@ def launch_pair(args, prefix=None, host: str = network.ADDRESSES[0]) -> dict:
   """The two workers (``prefix(i)`` before each); process 0's result."""
   flags = ["--worker"] + [f"--{k}={getattr(args, k)}" for k in ("model", "h", "rounds")]
   flags += [f"--exchange={args.exchange}", f"--modes={args.modes}"]
-  run = dict(prefix=prefix, host=host, timeout=args.timeout)
-  return network.run_on_link("benchmarks.overlap", flags, **run)
+  return network.run_on_link(
+    "benchmarks.overlap", flags, prefix=prefix, host=host, timeout=args.timeout
+  )
 
 
 def row(rate: str, r: dict, h: int) -> str:
