@@ -9,9 +9,9 @@ every step time from the compute time and ``jc.wire_report`` (docs/benchmarks.md
   sudo python -m benchmarks.network                         # everything (~30 min)
   sudo python -m benchmarks.network --configs params2m --rates 1gbit --methods dense,onebit
 
-Needs root (``ip netns``, ``tc``) and ``taskset``, or says so and exits 2. Writes ``--out``
-(default ``runs/network``): ``results.json``, ``results.md``, ``step_time_vs_bandwidth.png``;
-the results record the malloc the workers inherit (``GLIBC_TUNABLES``).
+Needs root (``ip netns``, ``tc``) and ``taskset``, or says so and exits 2. Writes
+``results.json`` and ``results.md`` to ``--out`` (default ``runs/network``); they record
+the malloc the workers inherit (``GLIBC_TUNABLES``).
 """
 
 from __future__ import annotations
@@ -467,28 +467,8 @@ def phase_tables(config: str, by_rate: dict) -> list[str]:
   return [md_table(head, rows, title, left=2)] if rows else []
 
 
-def plot(runs: dict, path: str) -> None:
-  """Mean step time vs bandwidth, one line per method, one panel per config."""
-  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
-
-  fig = Figure(figsize=(5 * len(runs), 4), dpi=120)
-  for i, (config, by_rate) in enumerate(runs.items()):
-    ax = fig.add_subplot(1, len(runs), i + 1)
-    rates = [r for r in by_rate if r != "none"]
-    xs = [8 * rate_bytes_per_s(r) / 1e6 for r in rates]
-    for method in next(iter(by_rate.values()))["methods"]:
-      ys = [1e3 * step_time(by_rate[r]["methods"][method]) for r in rates]
-      ax.plot(xs, ys, marker="o", label=method)
-    ax.set(xscale="log", yscale="log", xlabel="link rate (Mbit/s, tc tbf)")
-    ax.set(ylabel="mean step time (ms)", title=f"{config}, 2 processes")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path)
-
-
 def report(saved: dict, out: str) -> None:
-  """Fits the model to ``saved``; writes results.json (with it), results.md and the plot.
+  """Fits the model to ``saved``; writes results.json (with it) and results.md.
 
   ``saved`` holds ``runs`` and ``psums``; results saved before ``gathers``, ``malloc`` and
   ``bursts`` were kept lack them (the model then prices all-gathers with the psums' link).
@@ -514,7 +494,6 @@ def report(saved: dict, out: str) -> None:
   record.update(model_gather_links=model_gather, malloc=malloc, bursts=bursts)
   os.makedirs(out, exist_ok=True)
   common.write_results(out, "\n\n".join(text), record)
-  plot(runs, os.path.join(out, "step_time_vs_bandwidth.png"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -529,7 +508,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   add("--seconds-per-size", type=float, default=3.0)
   add("--burst-ms", type=float, default=BURST_MS, help="tbf bucket in ms at the rate (>= 64 KiB)")
   add("--profile", type=int, default=0, metavar="STEPS", help="profile STEPS more steps a method")
-  add("--analyze", metavar="RESULTS_JSON", help="only redo model, tables, plot from a results.json")
+  add(
+    "--analyze", metavar="RESULTS_JSON", help="only redo the model and tables from a results.json"
+  )
   add("--psum-sizes", default=",".join(map(str, PSUM_SIZES)), help="bytes per device timed")
   add_worker_flags(parser, "--psum-worker")
   args = parser.parse_args(argv)
