@@ -6,30 +6,44 @@ compressed reduce-scatter of the full gradient; ``--model lm``: the LM trainer's
 methods (``examples/lm/sharded.py``). ``--part memory``: each compiled step's peak memory
 and bytes per device; ``--part link``: step times of 2 processes over a throttled link
 (root). The methods and results: docs/guides/fsdp.md ("Per-layer FSDP, measured") and
-docs/benchmarks.md ("The transformer, sharded").
+docs/benchmarks.md ("The transformer, sharded"). ``--part ef``: error feedback a sharded
+model can afford: a ZeRO-2 loop (the gradient reduce-scattered by
+``collective="reduce_scatter"``, adamw or SGD on the shards) trains an 8-layer MLP with
+each exchange option (``--methods``) from the same start: the residuals' bytes per device
+next to the shards' and the optimizer's, and the held-out loss against the dense
+``psum_scatter``'s (docs/guides/sharded.md, "Error feedback a sharded model can afford");
+with ``--num-processes/--process-id/--coordinator``, one process of a ``jax.distributed``
+run (gloo on CPU) that prints its results (``tests/test_sharded.py`` compares them).
 
   sudo nice -n 15 python -m benchmarks.sharded                  # memory, then link
   nice -n 15 python -m benchmarks.sharded --part memory
   sudo python -m benchmarks.sharded --part link --rates none,1gbit --width 1024
   sudo nice -n 15 python -m benchmarks.sharded --model lm --rates 1gbit,100mbit
   python -m benchmarks.sharded --model lm --smoke              # 2 local processes
+  python -m benchmarks.sharded --part ef                        # every option, 8 CPU devices
+  python -m benchmarks.sharded --part ef --steps 100 --methods dense,qsgd4,signsgd_ef_int8
+  python -m benchmarks.sharded --part ef --optimizer sgd --lr 0.05
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 from jax import lax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
+import optax
 
 from benchmarks import network
 from benchmarks._timing import md_head
@@ -375,6 +389,150 @@ def lm_link_table(by_rate: dict, args) -> str:
   return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- error feedback
+
+EF_WIDTH, EF_IN, EF_OUT, EF_LAYERS = 128, 64, 16, 8
+
+#: --part ef's options (``--methods``): name -> the exchange's factory, called with the
+#: axis and ``collective=``.
+EF_OPTIONS = {
+  # The dense psum_scatter: no leaf compressed.
+  "dense": functools.partial(jc.compress, jc.codecs.Identity(), filter=lambda path, leaf: False),
+  "qsgd4": functools.partial(jc.qsgd, bits=4),
+  "qsgd2": functools.partial(jc.qsgd, bits=2),
+  "qsgd2_ef": functools.partial(jc.qsgd, bits=2, error_feedback=True),
+  "signsgd_noef": functools.partial(jc.compress, jc.codecs.ScaledSign(None)),
+  "signsgd_ef_f32": functools.partial(jc.ef_signsgd, residual_dtype=jnp.float32),
+  "signsgd_ef_bf16": functools.partial(jc.ef_signsgd, residual_dtype=jnp.bfloat16),
+  "signsgd_ef_int8": functools.partial(jc.ef_signsgd, residual_dtype=jnp.int8),
+  "onebit_ef_f32": functools.partial(jc.onebit_sgd, residual_dtype=jnp.float32),
+  "onebit_ef_int8": functools.partial(jc.onebit_sgd, residual_dtype=jnp.int8),
+}
+
+
+def ef_tx(option: str, lr: float, optimizer: str = "adamw"):
+  """``optax.chain(per_device_state(exchange), optimizer)`` for ``option``: adamw, or
+  SGD with momentum 0.9 (``"sgd"``)."""
+  ex = EF_OPTIONS[option](axis_name=AXIS, collective="reduce_scatter")
+  opt = optax.adamw(lr, weight_decay=1e-4) if optimizer == "adamw" else optax.sgd(lr, 0.9)
+  return optax.chain(jc.per_device_state(ex), opt)
+
+
+def ef_params(seed: int):
+  """The MLP's parameters: ``EF_LAYERS`` dense layers, ``EF_IN -> EF_WIDTH ... -> EF_OUT``."""
+  sizes = [EF_IN] + [EF_WIDTH] * (EF_LAYERS - 1) + [EF_OUT]
+  keys = jax.random.split(jax.random.key(seed), EF_LAYERS)
+  return {
+    f"layer{i}": {
+      "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
+      "b": jnp.zeros((b,), jnp.float32),
+    }
+    for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
+  }
+
+
+def ef_data(seed: int, n: int):
+  """``n`` inputs and their targets from a fixed random teacher (a 2-layer tanh net)."""
+  k1, k2, k3 = jax.random.split(jax.random.key(1000), 3)
+  w1 = jax.random.normal(k1, (EF_IN, 256)) / np.sqrt(EF_IN)
+  w2 = jax.random.normal(k2, (256, EF_OUT)) / np.sqrt(256)
+  x = jax.random.normal(jax.random.fold_in(k3, seed), (n, EF_IN))
+  return x, jnp.tanh(x @ w1) @ w2
+
+
+def ef_loss(params, x, y):
+  for i in range(EF_LAYERS):
+    x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+    x = jnp.tanh(x) if i < EF_LAYERS - 1 else x
+  return jnp.mean((x - y) ** 2)
+
+
+def ef_step(tx, mesh, state_specs):
+  """The jitted ZeRO-2 step: gather the shards, local gradient, reduce-scatter, adamw."""
+
+  def step(shards, opt_state, x, y):
+    params = jax.tree.map(lambda s: lax.all_gather(s, AXIS, tiled=True), shards)
+    loss, grads = jax.value_and_grad(ef_loss)(params, x, y)  # local, full size
+    updates, opt_state = tx.update(grads, opt_state, shards)
+    return optax.apply_updates(shards, updates), opt_state, lax.pmean(loss, AXIS)
+
+  in_specs = (P(AXIS), state_specs, P(AXIS), P(AXIS))
+  out_specs = (P(AXIS), state_specs, P())
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def per_device_bytes(tree) -> int:
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def ef_train(option: str, args, seed: int = 0) -> dict[str, Any]:
+  """Trains ``option`` for ``--steps``; losses, held-out loss, bytes per device."""
+  k, mesh = jax.device_count(), common.data_mesh(AXIS)
+  params, tx = ef_params(seed), ef_tx(option, args.lr, args.optimizer)
+  specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=k, param_specs=P(AXIS))
+  place = jax.NamedSharding(mesh, P(AXIS))
+  shards = jax.device_put(params, place)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(AXIS),), out_specs=specs))
+  opt_state, step, losses = init(shards), ef_step(tx, mesh, specs), []
+  for t in range(args.steps):
+    xy = jax.device_put(ef_data(t, args.batch * k), place)
+    shards, opt_state, loss = step(shards, opt_state, *xy)
+    losses.append(float(loss))
+  final = jax.tree.map(np.asarray, multihost_utils.process_allgather(shards, tiled=True))
+  report = jc.wire_report(tx, params, axis_name=AXIS, num_devices=k, param_specs=P(AXIS))
+  exchange = opt_state[0].inner
+  return {
+    "losses": losses,
+    "test_loss": float(ef_loss(final, *ef_data(10**6, 4096))),
+    "shard_bytes": per_device_bytes(shards),
+    "residual": per_device_bytes(
+      (exchange.residual, exchange.residual_scale, exchange.chunk_residual)
+    ),
+    "optimizer": per_device_bytes(opt_state[1]),
+    "wire_bytes": report.bytes_received,
+    "params_sha256": common.params_digest(final),
+  }
+
+
+def ef_table(results: dict[str, dict[str, Any]]) -> str:
+  """The Markdown table: bytes per device and held-out loss against dense."""
+  dense = results.get("dense")
+  columns = "option | residual B/device | x shards | optimizer B/device | wire B/step"
+  lines = [md_head(columns + " | test loss | vs dense")]
+  for name, r in results.items():
+    rel = r["test_loss"] / dense["test_loss"] if dense else float("nan")
+    lines.append(
+      f"| {name} | {r['residual']:,} | {r['residual'] / r['shard_bytes']:.2f} | "
+      f"{r['optimizer']:,} | {r['wire_bytes']:,.0f} | {r['test_loss']:.4f} | {rel:.2f} |"
+    )
+  return "\n".join(lines)
+
+
+def error_feedback(args) -> int:
+  """``--part ef``: every option's table, or as one process of ``jax.distributed`` its
+  results as JSON after :data:`RESULT_MARKER`."""
+  worker = args.num_processes is not None
+  if worker:
+    common.init_distributed(
+      args.coordinator,
+      args.num_processes,
+      args.process_id,
+      devices_per_process=args.devices_per_process,
+    )
+  else:
+    use_cpu_devices(args.devices)
+  results = {o: ef_train(o, args) for o in args.methods}
+  if worker:
+    print(RESULT_MARKER + json.dumps(results), flush=True)
+    return 0
+  print(
+    f"ZeRO-2 MLP ({EF_LAYERS} layers, width {EF_WIDTH}), K={jax.device_count()} devices, "
+    f"{args.steps} steps, {args.optimizer} lr {args.lr}, batch {args.batch}/device"
+  )
+  print(ef_table(results))
+  return 0
+
+
 # ----------------------------------------------------------------------------- either model
 
 
@@ -424,25 +582,31 @@ def use_cpu_devices(n: int) -> None:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--part", default="all", choices=("all", "memory", "link"))
+  p.add_argument("--part", default="all", choices=("all", "memory", "link", "ef"))
   p.add_argument("--model", default="mlp", choices=("mlp", "lm"), help="MLP, or examples/lm")
   p.add_argument("--config", default="deep", help="--model lm: the examples/lm config")
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--width", type=int, default=1024)
   p.add_argument("--batch", type=int, help="per device: rows (32) or LM sequences (the config's)")
-  p.add_argument("--devices", type=int, default=8, help="CPU devices of the memory part")
+  p.add_argument("--devices", type=int, default=8, help="CPU devices of the memory and ef parts")
   p.add_argument("--methods", default=None, help="comma-separated (default: every method)")
   p.add_argument("--rates", default="none,1gbit")
-  p.add_argument("--steps", type=int, default=10, help="timed steps per method and rate")
+  p.add_argument("--steps", type=int, help="timed per method and rate (10); ef: trained (300)")
   p.add_argument("--timeout", type=float, default=1200)
   p.add_argument("--smoke", action="store_true", help="link part: 2 local processes, tiny model")
   p.add_argument("--out", default=None, help="output directory (runs/sharded, runs/sharded_lm)")
+  p.add_argument("--lr", type=float, default=3e-3, help="--part ef")
+  p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="--part ef")
+  p.add_argument("--num-processes", type=int, help="--part ef: one process of jax.distributed")
+  p.add_argument("--process-id", type=int, default=0, help="--part ef, with --num-processes")
+  p.add_argument("--coordinator", default="", help="--part ef: HOST:PORT of process 0")
+  p.add_argument("--devices-per-process", type=int, default=2, help="--part ef, CPU devices")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-  p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
-  p.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  lm = args.model == "lm"
-  known = LM_METHODS if lm else METHODS
+  lm, ef = args.model == "lm", args.part == "ef"
+  if ef and lm:
+    p.error("--part ef trains its own MLP: it takes no --model lm")
+  known = tuple(EF_OPTIONS) if ef else LM_METHODS if lm else METHODS
   try:
     args.methods = list(common.parse_methods(args.methods or ",".join(known), known))
   except ValueError as e:
@@ -455,7 +619,9 @@ def parse_args(argv=None):
     args.part, args.rates, args.width, args.batch, args.steps = "link", ["none"], 64, 4, 2
   if args.batch is None and not lm:
     args.batch = 32
-  if not lm and "dense" not in args.methods:
+  if args.steps is None:
+    args.steps = 300 if ef else 10
+  if not (lm or ef) and "dense" not in args.methods:
     p.error("--methods must include dense (the baseline)")
   return args
 
@@ -465,6 +631,8 @@ def main(argv=None) -> int:
   if args.worker:
     worker(args)
     return 0
+  if args.part == "ef":
+    return error_feedback(args)
   lm, memory_part, link_part = args.model == "lm", args.part != "link", args.part != "memory"
   if link_part and not args.smoke and network.cannot_run("benchmarks.sharded --part link"):
     return 2

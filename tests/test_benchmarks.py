@@ -121,7 +121,6 @@ COMMANDS = (
   "benchmarks.network",
   "benchmarks.overlap",
   "benchmarks.sharded",
-  "benchmarks.sharded_ef",
   "benchmarks.studies.cpu_kernel_loop",
   "benchmarks.studies.demo_variants",
   "benchmarks.studies.elias",
@@ -278,6 +277,18 @@ def test_sharded_lm_flags():
   ]
   with pytest.raises(SystemExit):  # an MLP method is not an LM method
     sharded.parse_args(["--model", "lm", "--methods", "dense,fsdp_qsgd4"])
+
+
+def test_sharded_ef_flags():
+  from benchmarks import sharded  # pylint: disable=import-outside-toplevel
+
+  ef = sharded.parse_args(["--part", "ef"])
+  assert ef.methods == list(sharded.EF_OPTIONS) and ef.steps == 300 and ef.batch == 32
+  assert sharded.parse_args(["--part", "ef", "--methods", "qsgd4"]).methods == ["qsgd4"]
+  assert sharded.parse_args([]).steps == 10  # the link part's timed steps
+  for bad in (["--model", "lm"], ["--methods", "fsdp_qsgd4"]):  # no LM; an option each
+    with pytest.raises(SystemExit):
+      sharded.parse_args(["--part", "ef", *bad])
 
 
 def test_two_level_reads_the_interface_counters(tmp_path):

@@ -656,22 +656,24 @@ def test_shard_shaped_gradient_is_refused():
 @pytest.mark.slow
 @pytest.mark.once
 def test_two_processes_gloo():
-  """benchmarks.sharded_ef as 2 processes x 2 CPU devices on jax.distributed (gloo):
+  """benchmarks.sharded --part ef as 2 processes x 2 CPU devices on jax.distributed (gloo):
   a few ZeRO-2 steps with the QSGD reduce-scatter end with the same parameters on both
   processes, and the loss falls."""
   pytest.importorskip("flax")
   import json  # pylint: disable=import-outside-toplevel
 
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
-  from benchmarks import sharded_ef  # pylint: disable=import-outside-toplevel
+  from benchmarks import sharded  # pylint: disable=import-outside-toplevel
 
   coordinator = f"127.0.0.1:{launch.free_port()}"
   commands = [
     [
       sys.executable,
       "-m",
-      "benchmarks.sharded_ef",
-      "--options",
+      "benchmarks.sharded",
+      "--part",
+      "ef",
+      "--methods",
       "qsgd4",
       "--steps",
       "6",
@@ -687,8 +689,8 @@ def test_two_processes_gloo():
   outputs = launch.run_processes(commands, timeout=300, env={"JAX_PLATFORMS": "cpu"})
   results = []
   for out in outputs:
-    line = next(x for x in out.stdout if x.startswith(sharded_ef.RESULT_MARKER))
-    results.append(json.loads(line[len(sharded_ef.RESULT_MARKER) :])["qsgd4"])
+    line = next(x for x in out.stdout if x.startswith(sharded.RESULT_MARKER))
+    results.append(json.loads(line[len(sharded.RESULT_MARKER) :])["qsgd4"])
   assert results[0]["params_sha256"] == results[1]["params_sha256"]
   assert results[0]["losses"] == results[1]["losses"]
   assert results[0]["losses"][-1] < results[0]["losses"][0]
