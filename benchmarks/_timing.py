@@ -1,5 +1,5 @@
-"""Shared helpers of the benchmark scripts: timing, Markdown tables, comma-separated
-flags, and running under a malloc that reuses large buffers."""
+"""Shared helpers of the benchmark scripts: CPU devices, timing, Markdown tables,
+comma-separated flags, and running under a malloc that reuses large buffers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,15 @@ import sys
 import time
 
 import jax
+
+
+def use_cpu_devices(n: int) -> None:
+  """``n`` CPU devices in this process, on CPU unless ``JAX_PLATFORMS`` says otherwise;
+  before JAX initialises its backends."""
+  if "JAX_PLATFORMS" not in os.environ:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the processes this one starts read it too
+    jax.config.update("jax_platforms", "cpu")  # jax read it when imported
+  jax.config.update("jax_num_cpu_devices", n)
 
 
 def median_time(fn, *args, repeats: int) -> float:

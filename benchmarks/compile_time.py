@@ -12,20 +12,15 @@ alternately ``--repeats`` times each (2 by default). Results: docs/benchmarks.md
 """
 
 import argparse
-import os
 import statistics
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import optax
 
+from benchmarks._timing import use_cpu_devices
 from examples.mnist1d import models
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
@@ -103,6 +98,7 @@ def main():
   parser.add_argument("--repeats", type=int, help="compiles of each program (3; DGC: 2)")
   parser.add_argument("--dgc-warmup", action="store_true", help="the demo's DGC step instead")
   args = parser.parse_args()
+  use_cpu_devices(8)
   if args.dgc_warmup:
     dgc_warmup(args.repeats or 2)
     return

@@ -47,6 +47,7 @@ import optax
 
 from benchmarks import network
 from benchmarks._timing import md_head
+from benchmarks._timing import use_cpu_devices
 from examples import common
 import jaxcomp as jc
 from jaxcomp._src.exchanges import collectives
@@ -570,14 +571,6 @@ def link(args) -> dict:
       ln.set_rate(rate)
       out[rate] = run(args, ln.worker_prefix, f"{ADDRESSES[0]}:{network.free_port()}", rate)
   return out
-
-
-def use_cpu_devices(n: int) -> None:
-  """``n`` CPU devices in this process, on CPU unless ``JAX_PLATFORMS`` says otherwise."""
-  if "JAX_PLATFORMS" not in os.environ:
-    os.environ["JAX_PLATFORMS"] = "cpu"  # the processes this one starts read it too
-    jax.config.update("jax_platforms", "cpu")  # jax read it when imported
-  jax.config.update("jax_num_cpu_devices", n)
 
 
 def parse_args(argv=None):

@@ -19,16 +19,12 @@ import dataclasses
 import math
 import os
 
-import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-# pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._timing import md_head
 from benchmarks._timing import md_row
+from benchmarks._timing import use_cpu_devices
 from benchmarks.studies import compressed
 from benchmarks.studies import init_grads
 from examples.mnist1d import train
@@ -206,6 +202,7 @@ def main(argv=None) -> None:
   parser.add_argument("--saturation", action="store_true", help=f"Wangni's saturation, {what}")
   parser.add_argument("--mipd-drops", action="store_true", help=f"MIPD's drops at init, {what}")
   args = parser.parse_args(argv)
+  use_cpu_devices(8)
   if args.saturation or args.mipd_drops:
     return (saturation if args.saturation else mipd_drops)(args.workdir)
   names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")

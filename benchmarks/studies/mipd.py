@@ -21,10 +21,6 @@ import argparse
 import dataclasses
 
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-# pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -32,6 +28,7 @@ import optax
 from benchmarks._timing import ints
 from benchmarks._timing import md_head
 from benchmarks._timing import md_row
+from benchmarks._timing import use_cpu_devices
 from examples.mnist1d import models
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
@@ -172,6 +169,7 @@ def main(argv=None) -> int:
   if args.wire:
     print(wire_table(args.devices))
     return 0
+  use_cpu_devices(8)
   cfg = dataclasses.replace(default.get_config(), seed=args.seed, num_steps=args.steps)
   mesh, data, model, p0 = train.setup(cfg, args.workdir)
   records: list = []

@@ -13,19 +13,13 @@ reciprocal). Why it matters: docs/guides/kernels.md, "Bit for bit in training to
 from __future__ import annotations
 
 import argparse
-import os
 import re
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-# pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from benchmarks._timing import use_cpu_devices
 from examples.mnist1d import input_pipeline
 from examples.mnist1d import train
 from examples.mnist1d.configs import default
@@ -72,6 +66,7 @@ def main(argv=None) -> None:
   parser.add_argument("--every", type=int, default=10)
   parser.add_argument("--workdir", default="/tmp/jaxcomp_native_vs_xla")
   args = parser.parse_args(argv)
+  use_cpu_devices(8)
   cpu.require()
   config = default.get_config()
   mesh, data, model, init_params = train.setup(config, args.workdir)

@@ -14,20 +14,15 @@ Results: docs/methods/qsvrg.md.
 from __future__ import annotations
 
 import argparse
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
 from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from benchmarks._timing import use_cpu_devices
 import jaxcomp as jc
 
 K, ROWS, BATCH, AXIS = 8, 256, 8, "b"
@@ -116,6 +111,7 @@ def main():
   parser.add_argument("--epochs", type=int, default=8)
   parser.add_argument("--eta-l", type=float, default=0.6, help="step size times L")
   args = parser.parse_args()
+  use_cpu_devices(K)
   rows = run(args.dim, args.lam, args.epochs, args.eta_l)
   n = args.dim + 1
   print(
