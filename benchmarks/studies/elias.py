@@ -98,6 +98,10 @@ def cnn_tables(grads: dict[str, np.ndarray], num_keys: int) -> str:
   """One table per codec of :data:`CNN_CODECS`, one row per leaf and one for all."""
   keys = jax.random.split(jax.random.key(1), num_keys)
   out = []
+
+  def row(label, n, bits, bound, fixed):
+    return md_row(label, n, f"{bits / n:.3f}", bound, f"{fixed / n:.3f}", f"{bits / fixed:.3f}")
+
   for name, fixed_codec in CNN_CODECS.items():
     head = "leaf | n | Elias bits/coord | Theorem 3.2 bits/coord | fixed bits/coord"
     lines = [f"**{name}**", "", md_head(head + " | Elias / fixed")]
@@ -110,16 +114,10 @@ def cnn_tables(grads: dict[str, np.ndarray], num_keys: int) -> str:
       tot += (n, bits, bound or 0.0, fixed)
       shown = "–" if bound is None else f"{bound / n:.3f}"
       label = path + (f" (s={codec.levels})" if fixed_codec is None else "")
-      lines.append(
-        f"| {label} {tuple(g.shape)} | {n} | {bits / n:.3f} | {shown} | "
-        f"{fixed / n:.3f} | {bits / fixed:.3f} |"
-      )
+      lines.append(row(f"{label} {tuple(g.shape)}", n, bits, shown, fixed))
     n, bits, bound, fixed = tot
     shown = "–" if fixed_codec is not None and fixed_codec.norm != "l2" else f"{bound / n:.3f}"
-    lines.append(
-      f"| **all compressed leaves** | {int(n)} | {bits / n:.3f} | {shown} | "
-      f"{fixed / n:.3f} | {bits / fixed:.3f} |"
-    )
+    lines.append(row("**all compressed leaves**", int(n), bits, shown, fixed))
     out.append("\n".join(lines))
   return "\n\n".join(out)
 
@@ -141,13 +139,10 @@ def throughput_table(log2n: int, repeats: int) -> str:
     assert np.array_equal(np.asarray(codec.decode(back)), np.asarray(codec.decode(payload)))
     enc = median_time(lambda c=codec, p=payload: elias.qsgd_to_bytes(c, p), repeats=repeats)
     dec = median_time(lambda c=codec, d=data: elias.qsgd_from_bytes(c, d, (n,)), repeats=repeats)
-    mb = len(data) / 1e6
+    speed = lambda t: (f"{n / t:,.0f}", f"{len(data) / 1e6 / t:.2f}, {4 * n / 1e6 / t:.1f}")
     buckets = "one bucket" if codec.bucket_size is None else f"buckets of {codec.bucket_size}"
-    lines.append(
-      f"| s={codec.levels}, {codec.norm}, {buckets} | {8 * (len(data) - 4) / n:.3f} | "
-      f"{n / enc:,.0f} | {mb / enc:.2f}, {4 * n / 1e6 / enc:.1f} | {n / dec:,.0f} | "
-      f"{mb / dec:.2f}, {4 * n / 1e6 / dec:.1f} |"
-    )
+    label = f"s={codec.levels}, {codec.norm}, {buckets}"
+    lines.append(md_row(label, f"{8 * (len(data) - 4) / n:.3f}", *speed(enc), *speed(dec)))
   return "\n".join(lines)
 
 
@@ -163,9 +158,8 @@ def spread_table(log2n: list[int], draws: int) -> str:
     keys = jax.random.split(jax.random.key(1), draws)
     bits = np.array(_bits(_dense(n), _gaussian(e), keys)) / n
     over = np.mean(bits * n > 2.8 * n + 32)
-    lines.append(
-      f"| 2^{e} | {bits.mean():.3f} | {bits.std():.3f} | {bits.max():.3f} | {over:.2f} |"
-    )
+    cells = (f"{v:.3f}" for v in (bits.mean(), bits.std(), bits.max()))
+    lines.append(md_row(f"2^{e}", *cells, f"{over:.2f}"))
   return "\n".join(lines)
 
 
@@ -214,12 +208,9 @@ def device_table(log2n: list[int], repeats: int) -> None:
     payload = jax.jit(lambda v, k: codec.encode(v, key=k))(x, key)
     t_dec = median_time(jax.jit(codec.decode), payload, repeats=repeats)
     used = int(payload.arrays["used_bits"])
-    print(
-      f"| 2^{e} | {n / t_fixed / 1e6:.1f} | {n / t_elias / 1e6:.1f} |"
-      f" {t_elias / t_fixed:.2f}x | {n / t_dec / 1e6:.2f} |"
-      f" {used / n:.3f} / {codec.fallback.wire_bits((n,)) / n:.3f} |",
-      flush=True,
-    )
+    speeds = (f"{n / t_fixed / 1e6:.1f}", f"{n / t_elias / 1e6:.1f}", f"{t_elias / t_fixed:.2f}x")
+    bits = f"{used / n:.3f} / {codec.fallback.wire_bits((n,)) / n:.3f}"
+    print(md_row(f"2^{e}", *speeds, f"{n / t_dec / 1e6:.2f}", bits), flush=True)
 
 
 def main(argv=None) -> None:

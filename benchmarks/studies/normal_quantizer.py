@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 from benchmarks.studies import compressed
 from benchmarks.studies import init_grads
 import jaxcomp as jc
@@ -56,10 +57,8 @@ def main() -> None:
   print(md_head(head + " | normal bits/value", "r" * 7))
   for bits in (3, 4, 6, 8):
     n, q, m = mses(x, bits, jax.random.key(bits))
-    print(
-      f"| {bits} | {n:.3g} | {q:.3g} | {m:.3g} | {n / q:.2f} | {n / m:.2f} |"
-      f" {normal_bits(x, bits):.2f} |"
-    )
+    ratios = (f"{r:.2f}" for r in (n / q, n / m, normal_bits(x, bits)))
+    print(md_row(bits, *(f"{e:.3g}" for e in (n, q, m)), *ratios))
 
   grads = init_grads(os.path.join("runs", "mnist1d"))[1]
   print("\nDemo CNN gradients at init (batch 256), 8-bit codes: MSE ratios")
@@ -71,10 +70,8 @@ def main() -> None:
     for name, v in (("all", flat), ("top 50%", top)):
       beyond = float(np.mean(np.abs(v - v.mean()) > 3 * v.std()))
       n, q, m = mses(v, 8, jax.random.key(1))
-      print(
-        f"| {path} | {v.size:,} | {name} | {100 * beyond:.2f}% |"
-        f" {n / q:.2f} | {n / m:.2f} | {normal_bits(v, 8):.2f} |"
-      )
+      ratios = (f"{r:.2f}" for r in (n / q, n / m, normal_bits(v, 8)))
+      print(md_row(path, f"{v.size:,}", name, f"{100 * beyond:.2f}%", *ratios))
 
 
 if __name__ == "__main__":
