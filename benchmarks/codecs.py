@@ -92,11 +92,8 @@ def error_table(p: int) -> None:
       err = np.abs(y.astype(np.float64) - x64)
       rms = np.linalg.norm(err) / np.linalg.norm(x64)
       rel = np.median(err[x64 != 0] / np.abs(x64[x64 != 0]))
-      print(
-        f"| {dist} | {name} | {codec.wire_bits((n,)) / n:.3f} | {rms:.2e} |"
-        f" {err.max() / np.abs(x64).max():.2e} | {rel:.2e} |",
-        flush=True,
-      )
+      errors = (f"{e:.2e}" for e in (rms, err.max() / np.abs(x64).max(), rel))
+      print(md_row(dist, name, f"{codec.wire_bits((n,)) / n:.3f}", *errors), flush=True)
 
 
 def rng_times(n: int, repeats: int) -> tuple[float, float, float, float]:
@@ -215,11 +212,9 @@ def main(argv=None) -> None:
         continue
       enc, dec, both, shares = time_codec(codec, x, key, args.repeats, args.rounds)
       bits = codec.wire_bits((n,)) / n
-      print(
-        f"| 2^{p} | {name} | {gb / enc:.2f} | {gb / dec:.2f} | {gb / both:.2f} |"
-        f" {n / both / 1e6:.0f} | {share_cell([read / both, *shares])} | {bits:.3f} |",
-        flush=True,
-      )
+      speeds = (f"{gb / t:.2f}" for t in (enc, dec, both))
+      cells = (f"{n / both / 1e6:.0f}", share_cell([read / both, *shares]), f"{bits:.3f}")
+      print(md_row(f"2^{p}", name, *speeds, *cells), flush=True)
       if args.ops:
         step, ops = top_ops(codec, x, key)
         profiled.append((p, name, step, read, ops))

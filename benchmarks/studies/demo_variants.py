@@ -185,10 +185,8 @@ def mipd_drops(workdir: str) -> None:
     paper = mipd.allocate_drops(rates, sz, total)
     floor = mipd.allocate_drops(rates, [s - math.ceil(0.1 * s) for s in sz], total)
     for j, i in enumerate(half):
-      print(
-        f"| {gi + 1} | {sel[i][0]} | {sizes[i]:,} | {float(rates[j]):.3f} |"
-        f" {int(paper[j]):,} | {int(floor[j]):,} |"
-      )
+      drops = (f"{int(paper[j]):,}", f"{int(floor[j]):,}")
+      print(md_row(gi + 1, sel[i][0], f"{sizes[i]:,}", f"{float(rates[j]):.3f}", *drops))
 
 
 def main(argv=None) -> None:
