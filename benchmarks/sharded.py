@@ -6,14 +6,11 @@ compressed reduce-scatter of the full gradient; ``--model lm``: the LM trainer's
 methods (``examples/lm/sharded.py``). ``--part memory``: each compiled step's peak memory
 and bytes per device; ``--part link``: step times of 2 processes over a throttled link
 (root). The methods and results: docs/guides/fsdp.md ("Per-layer FSDP, measured") and
-docs/benchmarks.md ("The transformer, sharded"). ``--part ef``: error feedback a sharded
-model can afford: a ZeRO-2 loop (the gradient reduce-scattered by
-``collective="reduce_scatter"``, adamw or SGD on the shards) trains an 8-layer MLP with
-each exchange option (``--methods``) from the same start: the residuals' bytes per device
-next to the shards' and the optimizer's, and the held-out loss against the dense
-``psum_scatter``'s (docs/guides/sharded.md, "Error feedback a sharded model can afford");
-with ``--num-processes/--process-id/--coordinator``, one process of a ``jax.distributed``
-run (gloo on CPU) that prints its results (``tests/test_sharded.py`` compares them).
+docs/benchmarks.md ("The transformer, sharded"). ``--part ef``: a ZeRO-2 loop trains an
+8-layer MLP with each error-feedback option (``--methods``): residual, shard and
+optimizer bytes per device, and the held-out loss against the dense ``psum_scatter``'s
+(docs/guides/sharded.md, "Error feedback a sharded model can afford"); with
+``--num-processes``, one process of a ``jax.distributed`` run (``tests/test_sharded.py``).
 
   sudo nice -n 15 python -m benchmarks.sharded                  # memory, then link
   nice -n 15 python -m benchmarks.sharded --part memory

@@ -5,16 +5,13 @@
   python -m benchmarks.studies.elias --inputs           # n = 4096, s = 64, 20 draws
   python -m benchmarks.studies.elias --device           # n = 2^16..2^22
 
-By default, bits per coordinate of the Elias string (:func:`jaxcomp.elias.stream_bits`,
-mean over ``--keys`` quantizations), of Theorem 3.2's bound (o(1) dropped) and of the
-fixed-width payload: on Gaussian vectors (one l2 bucket, s = 1, 3, 7, 15, √n), on the
-demo CNN's gradient at init under four codecs, the length's spread at s = √n, and the
-host throughput of ``qsgd_to_bytes`` / ``qsgd_from_bytes``. ``--inputs``: per input of
-:func:`inputs` (l2, one bucket), the mean and largest bits per value over ``--draws``
-quantizations, the share over Corollary 3.3's 2.8n + 32, and ``dense_bound(n, s) / n``.
-``--device``: per n (one bucket, l2, s = √n), jitted on one device, the fixed-width
-``QSGD.encode`` (the same run's baseline), ``EliasQSGD.encode`` and ``EliasQSGD.decode``
-(a host callback). The tables: docs/methods/elias.md.
+By default, bits per coordinate of the Elias string (mean over ``--keys``
+quantizations), of Theorem 3.2's bound (o(1) dropped) and of the fixed-width payload, on
+Gaussian vectors and on the demo CNN's gradient at init; the length's spread at s = √n;
+the host throughput of ``qsgd_to_bytes`` / ``qsgd_from_bytes``. ``--inputs``: bits per
+value of each of :func:`inputs` against Corollary 3.3's 2.8n + 32. ``--device``: the
+on-device ``EliasQSGD`` encode and its host decode against the fixed-width encode. The
+tables: docs/methods/elias.md.
 """
 
 from __future__ import annotations
