@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from benchmarks._timing import ints
 from benchmarks._timing import md_head
+from benchmarks._timing import md_row
 from benchmarks._timing import median_time
 from jaxcomp.kernels import _common
 from jaxcomp.kernels import _mosaic
@@ -81,11 +82,10 @@ def table(rows: list[dict]) -> str:
     md_head("kernel | n | Pallas GB/s | XLA GB/s | copy GB/s | Pallas / XLA | Pallas / copy")
   ]
   for r in rows:
-    lines.append(
-      f"| {r['kernel']} | {_size(r['n'])} | {r['pallas_gbs']:.1f} | "
-      f"{r['xla_gbs']:.1f} | {r['copy_gbs']:.1f} | {r['pallas_gbs'] / r['xla_gbs']:.2f}x | "
-      f"{100 * r['pallas_gbs'] / r['copy_gbs']:.0f}% |"
-    )
+    pallas = r["pallas_gbs"]
+    gbs = (f"{g:.1f}" for g in (pallas, r["xla_gbs"], r["copy_gbs"]))
+    ratios = (f"{pallas / r['xla_gbs']:.2f}x", f"{100 * pallas / r['copy_gbs']:.0f}%")
+    lines.append(md_row(r["kernel"], _size(r["n"]), *gbs, *ratios))
   return "\n".join(lines)
 
 

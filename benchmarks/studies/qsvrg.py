@@ -91,10 +91,7 @@ def run(d: int, lam: float, epochs: int, eta_l: float) -> list[dict]:
       sub.append(f(np.asarray(params["w"], np.float64), params["b"]) - fstar)
     sub = np.maximum(np.array(sub), 1e-300)
     rate = float(np.exp(np.mean(np.log(sub[1:] / sub[:-1]))))
-    batch = (
-      jax.ShapeDtypeStruct((BATCH, d), jnp.float32),
-      jax.ShapeDtypeStruct((BATCH,), jnp.float32),
-    )
+    batch = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in ((BATCH, d), (BATCH,)))
     report = jc.qsvrg_wire_report(
       opt, params0, batch, axis_name=AXIS, num_devices=K, inner_steps=steps
     )
