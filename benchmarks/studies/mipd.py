@@ -144,14 +144,11 @@ def wire_table(devices: list[int]) -> str:
   head = "model | K | allgather bytes | allgather ratio | two_phase bytes | two_phase ratio"
   lines = [md_head(head + " | auto ratio")]
   tx = lambda collective: jc.mipd(DROP_RATE, axis_name="b", collective=collective)
-  for name, params in {"demo CNN": demo, "786K": mlp(512), "3.1M": mlp(1024)}.items():
+  for name, p in {"demo CNN": demo, "786K": mlp(512), "3.1M": mlp(1024)}.items():
     for k in devices:
-      r = {c: jc.wire_report(tx(c), params, axis_name="b", num_devices=k) for c in COLLECTIVES}
-      lines.append(
-        f"| {name} | {k} | {r['allgather'].bytes_received:,.0f} |"
-        f" {r['allgather'].ratio:.2f}x | {r['two_phase'].bytes_received:,.0f} |"
-        f" {r['two_phase'].ratio:.2f}x | {r['auto'].ratio:.2f}x |"
-      )
+      ag, tp, auto = (jc.wire_report(tx(c), p, axis_name="b", num_devices=k) for c in COLLECTIVES)
+      cells = (f"{ag.bytes_received:,.0f}", f"{ag.ratio:.2f}x", f"{tp.bytes_received:,.0f}")
+      lines.append(md_row(name, k, *cells, f"{tp.ratio:.2f}x", f"{auto.ratio:.2f}x"))
   return "\n".join(lines)
 
 
