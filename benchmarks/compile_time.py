@@ -12,13 +12,13 @@ alternately ``--repeats`` times each (2 by default). Results: docs/benchmarks.md
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-import optax
 
 from benchmarks._timing import use_cpu_devices
 from examples.mnist1d import models
@@ -55,12 +55,10 @@ def compile_seconds(collective: str, shape, repeats: int) -> tuple[float, float]
 
 
 def dgc_compile_seconds(warmup_steps: int, *, model, params, mesh, config) -> float:
-  """Seconds to lower and compile the demo's train step with DGC's ``warmup_steps``."""
-  k, clip = mesh.size, mesh.size * config.grad_clip
-  exchange = jc.dgc(
-    0.001, 0.9, nesterov=True, clip_norm=clip, warmup_steps=warmup_steps, axis_name=AXIS
-  )
-  tx = optax.chain(jc.per_device_state(exchange), train.make_optimizer(config, momentum=False))
+  """Seconds to lower and compile the demo's train step, its DGC with ``warmup_steps``."""
+  k = mesh.size
+  exchange = train.make_exchange("dgc", dataclasses.replace(config, warmup_steps=warmup_steps))
+  tx = train.make_tx("dgc", config, exchange)
   specs = jc.state_specs(tx, params, axis_name=AXIS, num_devices=k)
   state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
   per_device = jax.NamedSharding(mesh, P(AXIS))
