@@ -174,14 +174,12 @@ def memory_table(rows: list[dict], args) -> str:
   n = args.layers * (args.width * args.width + args.width)
   dense = next((r for r in rows if r["method"] == "dense"), rows[0])
   dense_total, dense_rs = sum(dense["wire"].values()), dense["wire"].get("psum_scatter", 0.0)
+  head = "method | peak memory (MiB) | vs dense | bytes received | vs dense |"
   lines = [
     f"{args.layers} layers x ({args.width} x {args.width}) = {n:,} parameters (float32),"
     f" K = {args.devices} devices, batch {args.batch} per device; per device per step.",
     "",
-    md_head(
-      "method | peak memory (MiB) | vs dense | bytes received | vs dense |"
-      " gradient exchange bytes | vs dense psum_scatter"
-    ),
+    md_head(head + " gradient exchange bytes | vs dense psum_scatter"),
   ]
   for r in rows:
     total = sum(r["wire"].values())
@@ -323,15 +321,13 @@ def lm_memory_table(rows: list[dict], args) -> str:
   n = sum(p.size for p in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
   psum_scatter = (k - 1) / k * 4 * n  # a dense float32 reduce-scatter of the model
   fsdp = next((r for r in rows if r["method"] == "fsdp_dense"), rows[0])
+  head = "method | peak memory (MiB) | vs fsdp_dense | bytes received | dense all-reduce / this |"
   lines = [
     f"LM config {args.config}: {config.depth} blocks of width {config.width}, {n:,}"
     f" parameters, K = {k} devices, {config.per_device_batch_size} sequences of"
     f" {config.seq_len} bytes per device; AdamW; per device per step.",
     "",
-    md_head(
-      "method | peak memory (MiB) | vs fsdp_dense | bytes received | dense all-reduce / this |"
-      " gradient exchange bytes | dense psum_scatter / this"
-    ),
+    md_head(head + " gradient exchange bytes | dense psum_scatter / this"),
   ]
   for r in rows:
     total = sum(r["wire"].values())
@@ -362,17 +358,14 @@ def _run_lm(args, prefix, coordinator: str, rate: str) -> dict:
 def lm_link_table(by_rate: dict, args) -> str:
   config = lm_config(args)
   where = "localhost, no throttle (--smoke)" if args.smoke else "a tc-throttled veth"
+  head = "rate | method | bytes received / step | peak memory (MiB) | s / step | speed-up vs |"
   lines = [
     f"2 processes x 1 CPU device (gloo) over {where}; LM config {args.config}"
     f" ({config.depth} blocks of width {config.width}), {config.per_device_batch_size}"
     f" sequences of {config.seq_len} bytes per device; mean of {args.steps} updates"
     " (training steps only).",
     "",
-    md_head(
-      "rate | method | bytes received / step | peak memory (MiB) | s / step | speed-up vs |"
-      " val loss",
-      "llrrrlr",
-    ),
+    md_head(head + " val loss", "llrrrlr"),
   ]
   for rate, res in by_rate.items():
     for method, r in res.items():

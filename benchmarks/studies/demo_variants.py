@@ -136,12 +136,8 @@ def run(names, seed: int, workdir: str) -> None:
       f" {r['ratio']:.1f}x | {r['train_time_s']:.1f} | {overflow} |"
     )
   print(f"\nseed {seed}, {k} devices, {config.num_steps} steps\n")
-  print(
-    md_head(
-      "variant | test acc (%) | vs dense (points) | bytes recv/device/step | ratio vs dense"
-      " | train time (s) | overflow steps"
-    )
-  )
+  head = "variant | test acc (%) | vs dense (points) | bytes recv/device/step | ratio vs dense"
+  print(md_head(head + " | train time (s) | overflow steps"))
   print("\n".join(rows))
   # How far each kernel moved from its initialization: ||w_T - w_0|| / ||w_0||.
   kernels = [p for p in changes["dense"] if p.endswith("['kernel']")]
