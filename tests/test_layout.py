@@ -20,10 +20,10 @@ MAX_LINES = 80
 LAYERS = ("plumbing", "codecs", "exchanges", "methods", "tools")  # each imports only leftwards
 
 # benchmarks/'s lines (every .py file, as `wc -l` counts them) over jaxcomp/'s: issue 44
-# aims at a third. The ceiling is where its trim left them (about 5.7k lines against
-# 15.6k: every study a docs page cites for a current figure kept, the tools and studies
-# rewritten more compactly); lower it as studies go.
-BENCHMARKS_SHARE_MAX = 0.37
+# aims at a third. The ceiling is where its trims left them (about 5.35k lines against
+# 15.6k: every study a docs page cites for a current figure kept; the tools and studies
+# rewritten with their plumbing and tables shared); lower it as studies go.
+BENCHMARKS_SHARE_MAX = 0.35
 
 # Functions allowed over the limit (none: each entry must still exceed it, so a fixed one
 # has to come off this list).
