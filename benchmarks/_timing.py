@@ -50,6 +50,16 @@ def md_head(columns: str, align: str = "") -> str:
   return f"| {columns} |\n|" + "|".join(rule[a] for a in align or "l" + "r" * (n - 1)) + "|"
 
 
+def md_table(head: str, rows, title: str = "", left: int = 1) -> str:
+  """A Markdown table under ``title``: ``head`` the column names (``" | "`` between them),
+  the first ``left`` columns text, the others numbers; a row is its cells
+  (:func:`md_row`) or a line formatted already."""
+  align = "l" * left + "r" * (head.count(" | ") + 1 - left)
+  rows = [row if isinstance(row, str) else md_row(*row) for row in rows]
+  table = "\n".join([md_head(head, align), *rows])
+  return f"{title}\n\n{table}" if title else table
+
+
 #: glibc malloc settings under which XLA:CPU's large buffers are reused from call to call
 #: instead of mmapped fresh (a page fault per 4 KiB); read when the process starts. Why
 #: each: docs/guides/kernels.md, "Large outputs on XLA:CPU: glibc's mmap threshold".

@@ -200,7 +200,7 @@ def measure_partition(workdir: str, fault_timeout: int, timeout: float = 300) ->
       launch_args(workdir, fault_timeout),
       processes=2,
       prefix=link.worker_prefix,
-      coordinator=f"{ADDRESSES[0]}:{network.free_port()}",
+      coordinator=f"{ADDRESSES[0]}:{launch.free_port()}",
       env={"JAX_PLATFORMS": "cpu"},
       timeout=timeout,
     )

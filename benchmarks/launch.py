@@ -263,21 +263,22 @@ def worker_args(
   return args + (["--eval"] if evaluate else [])
 
 
-def worker_command(
-  args: Sequence[str],
+def worker_commands(
+  module: str,
+  flags: Sequence[str],
   *,
-  process_id: int,
-  num_processes: int,
+  processes: int,
   coordinator: str,
   prefix: Prefix | None = None,
-) -> list[str]:
-  """``[*prefix(i), python, -m, benchmarks.launch, *args, --worker, ...]``: ``prefix`` puts
-  e.g. ``ip netns exec NS`` before it; ``coordinator`` is process 0's ``HOST:PORT``."""
+) -> list[list[str]]:
+  """``[*prefix(i), python, -m, module, *flags, <the job's flags>]`` for each process ``i``:
+  ``--num-processes``, ``--coordinator`` (process 0's ``HOST:PORT``) and ``--process-id``;
+  ``prefix`` puts e.g. ``ip netns exec NS`` before it."""
+  job = ["--num-processes", str(processes), "--coordinator", coordinator]
   return [
-    *(prefix(process_id) if prefix is not None else ()),
-    *(sys.executable, "-m", MODULE, *args, "--worker"),
-    *("--process-id", str(process_id), "--num-processes", str(num_processes)),
-    *("--coordinator", coordinator),
+    [*(prefix(i) if prefix is not None else ()), sys.executable, "-m", module, *flags, *job]
+    + ["--process-id", str(i)]
+    for i in range(processes)
   ]
 
 
@@ -438,7 +439,7 @@ def launch(
   """Runs ``processes`` workers of this module with the flags ``args``
   (:func:`worker_args`) and returns their results (:func:`train_worker`) by process id;
   ``prefix``, ``coordinator`` (default: a free port on 127.0.0.1): as
-  :func:`worker_command`, ``env``: as :func:`worker_env`, the rest as
+  :func:`worker_commands`, ``env``: as :func:`worker_env`, the rest as
   :func:`run_processes`. A :class:`LaunchError` when a worker failed or gave no result."""
   if processes < 1:
     raise ValueError(f"processes must be positive, got {processes}")
@@ -447,8 +448,8 @@ def launch(
   if coordinator is None:
     coordinator = f"127.0.0.1:{free_port()}"
   common.check_coordinator(coordinator)
-  job = dict(num_processes=processes, coordinator=coordinator, prefix=prefix)
-  commands = [worker_command(args, process_id=i, **job) for i in range(processes)]
+  job = dict(processes=processes, coordinator=coordinator, prefix=prefix)
+  commands = worker_commands(MODULE, [*args, "--worker"], **job)
   run = dict(env=env, timeout=timeout, stream=stream, pass_fds=pass_fds)
   return worker_results(commands, RESULT_MARKER, every=True, **run)
 

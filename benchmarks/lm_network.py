@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks import launch
 from benchmarks import network
+from benchmarks._timing import md_table
 from examples import common
 from examples.lm import configs
 
@@ -64,7 +65,8 @@ def tc_rate(bits: float) -> str:
 def worker_commands(flags: list[str], *, coordinator: str, prefix=None) -> list[list[str]]:
   """The LM trainer's command line for each of the 2 processes (``examples.lm.main``)."""
   flags = [*flags, "--devices-per-process", "1"]
-  return network.worker_commands("examples.lm.main", flags, coordinator=coordinator, prefix=prefix)
+  job = dict(processes=2, coordinator=coordinator, prefix=prefix)
+  return launch.worker_commands("examples.lm.main", flags, **job)
 
 
 def run_trainer(
@@ -135,7 +137,7 @@ def summarize(by_rate: dict[str, dict[str, Any]], target: float, args) -> str:
     "rate | method | reached at update | time to target (s) | speed-up vs dense | s/update"
     " | val loss at stop | vs target | bytes/update | fewer bytes"
   )
-  return network.md_table(head, rows, title, left=2)
+  return md_table(head, rows, title, left=2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
 
     def train(what: list[str], subdir: str) -> dict[str, Any]:
       workdir = os.path.join(args.out, subdir)
-      coordinator = f"{host}:{network.free_port()}"
+      coordinator = f"{host}:{launch.free_port()}"
       return run_trainer(
         [*flags, *what], workdir, coordinator=coordinator, prefix=prefix, timeout=args.timeout
       )

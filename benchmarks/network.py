@@ -17,7 +17,6 @@ the malloc the workers inherit (``GLIBC_TUNABLES``).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
 from collections.abc import Sequence
 import contextlib
 import functools
@@ -39,6 +38,7 @@ import numpy as np
 
 from benchmarks import _timing
 from benchmarks import launch
+from benchmarks._timing import md_table
 from examples import common
 from examples.mnist1d import models
 from examples.mnist1d import train
@@ -170,23 +170,21 @@ class Link(contextlib.AbstractContextManager):
     self._undo.close()
 
 
-def open_link() -> Link:
+def open_link(*names) -> Link:
   """A :class:`Link` to enter; from now on SIGTERM (e.g. a CI timeout) unwinds like
   Ctrl-C, so that the link is torn down."""
   signal.signal(signal.SIGTERM, launch.raise_keyboard_interrupt)
-  return Link()
+  return Link(*names)
 
 
-# The benchmarks across the link (this one, two_level, overlap, lm_network) are their own
-# workers: one command per process (worker_commands), each joins the job (join) and prints
-# its result on one line (emit), which run_on_link returns.
-RESULT_MARKER = launch.RESULT_MARKER  # launch's: a streamed worker's result is not echoed
-free_port = launch.free_port  # (benchmarks.fault and benchmarks.sharded take it from here)
+# The benchmarks across the link (this one, two_level, overlap, sharded, lm_network) are
+# their own workers: one command per process (launch.worker_commands), each joins the job
+# (join) and prints its result on one line (emit), which run_on_link returns.
 
 
 def add_worker_flags(parser: argparse.ArgumentParser, mode: str = "--worker") -> None:
   """The worker mode's flags, hidden from ``--help``: ``mode`` (``args.worker``) and the
-  job's, which :func:`worker_commands` passes."""
+  job's, which :func:`benchmarks.launch.worker_commands` passes."""
   hidden = argparse.SUPPRESS
   parser.add_argument(mode, dest="worker", action="store_true", help=hidden)
   parser.add_argument("--process-id", type=int, default=0, help=hidden)
@@ -194,26 +192,19 @@ def add_worker_flags(parser: argparse.ArgumentParser, mode: str = "--worker") ->
   parser.add_argument("--coordinator", default=None, help=hidden)
 
 
-def worker_commands(module: str, flags, *, coordinator: str, prefix=None, processes: int = 2):
-  """``python -m module *flags`` and the job's flags, for each of ``processes``
-  processes, process ``i`` after ``prefix(i)`` (e.g. :meth:`Link.worker_prefix`)."""
-  job = ["--num-processes", str(processes), "--coordinator", coordinator]
-  return [
-    [*(prefix(i) if prefix else ()), sys.executable, "-m", module, *flags, *job]
-    + ["--process-id", str(i)]
-    for i in range(processes)
-  ]
-
-
 def run_on_link(module: str, flags, *, prefix=None, host: str = ADDRESSES[0], **kwargs) -> Any:
-  """Runs :func:`worker_commands` (the coordinator: process 0 at ``host``) and returns what
-  process 0 emitted (``launch.worker_results`` given ``kwargs``: ``every``, ``timeout``...)."""
-  commands = worker_commands(module, flags, coordinator=f"{host}:{free_port()}", prefix=prefix)
-  return launch.worker_results(commands, RESULT_MARKER, **kwargs)
+  """Runs 2 workers of ``module`` (:func:`benchmarks.launch.worker_commands`, process 0 the
+  coordinator at ``host``) and returns what process 0 emitted (``launch.worker_results``
+  given ``kwargs``: ``every``, ``timeout``...)."""
+  coordinator = f"{host}:{launch.free_port()}"
+  commands = launch.worker_commands(
+    module, flags, processes=2, coordinator=coordinator, prefix=prefix
+  )
+  return launch.worker_results(commands, launch.RESULT_MARKER, **kwargs)
 
 
 def join(args: argparse.Namespace, devices_per_process: int = 1) -> None:
-  """Worker mode: joins the job that :func:`worker_commands` gave ``args``."""
+  """Worker mode: joins the job that :func:`benchmarks.launch.worker_commands` gave ``args``."""
   launch.init_distributed(
     args.coordinator, args.num_processes, args.process_id, devices_per_process=devices_per_process
   )
@@ -222,7 +213,7 @@ def join(args: argparse.Namespace, devices_per_process: int = 1) -> None:
 def emit(result: dict) -> None:
   """Worker mode: prints ``result`` for :func:`run_on_link`, then leaves the job with
   the others (``jax.distributed.shutdown`` is a barrier)."""
-  print(RESULT_MARKER + json.dumps(result), flush=True)
+  print(launch.RESULT_MARKER + json.dumps(result), flush=True)
   jax.distributed.shutdown()
 
 
@@ -279,7 +270,7 @@ def train_on_link(config: str, prefix, args: argparse.Namespace) -> dict[str, An
     workdir=workdir,
     profile=args.profile,
   )
-  coordinator = f"{ADDRESSES[0]}:{free_port()}"
+  coordinator = f"{ADDRESSES[0]}:{launch.free_port()}"
   results = launch.launch(
     flags, processes=2, prefix=prefix, coordinator=coordinator, timeout=args.timeout
   )
@@ -347,16 +338,6 @@ def fit_and_predict(runs: dict, psums: dict, gathers: dict | None = None) -> dic
           for k, r in reports.items()
         }
   return out
-
-
-def md_table(head: str, rows: Iterable, title: str = "", left: int = 1) -> str:
-  """A Markdown table under ``title``: ``head`` the column names (``" | "`` between them),
-  the first ``left`` columns text, the others numbers; a row is its cells
-  (:func:`benchmarks._timing.md_row`) or a line formatted already."""
-  align = "l" * left + "r" * (head.count(" | ") + 1 - left)
-  rows = [row if isinstance(row, str) else _timing.md_row(*row) for row in rows]
-  table = "\n".join([_timing.md_head(head, align), *rows])
-  return f"{title}\n\n{table}" if title else table
 
 
 def _measured_table(config: str, by_rate: dict, preds: dict) -> str:

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
+from benchmarks import launch
 from benchmarks import network
 from benchmarks._timing import md_head
 from benchmarks._timing import use_cpu_devices
@@ -54,7 +55,6 @@ from jaxcomp._src.tools import wire
 METHODS = ("dense", "fsdp_int8_qsgd4", "fsdp_qsgd4", "zero_qsgd4")
 # --model lm: the data-parallel baseline and the LM trainer's sharded methods.
 LM_METHODS = ("dense", "zero_dense", "zero_qsgd4", "fsdp_dense", "fsdp_int8_qsgd4")
-RESULT_MARKER = "JAXCOMP_SHARDED_RESULT "
 AXIS = "data"
 LR = 0.01  # plain SGD: the step is what is measured, not the training
 PSPEC = {"w": P(None, AXIS), "b": P(None, AXIS)}  # the stacked layers, cut along each's rows
@@ -195,7 +195,7 @@ def memory_table(rows: list[dict], args) -> str:
 
 def worker(args) -> None:
   """One of 2 processes: times each method's step on the 2-device mesh."""
-  common.init_distributed(args.coordinator, 2, args.process_id, devices_per_process=1)
+  network.join(args)
   mesh = _mesh(jax.device_count())
   rng = np.random.default_rng(args.process_id)
   p, x = local_shapes(args.layers, args.width, mesh.size, args.batch)
@@ -217,22 +217,15 @@ def worker(args) -> None:
       times.append(time.perf_counter() - start)
     finite = common.all_finite(state)  # a collective: both processes, at the same point
     result[method] = {"median_s": statistics.median(times), "times_s": times, "finite": finite}
-  print(RESULT_MARKER + json.dumps(result), flush=True)
-  jax.distributed.shutdown()
+  network.emit(result)
 
 
-def _run_mlp(args, prefix, coordinator: str, rate: str) -> dict:
+def _run_mlp(args, prefix, host: str, rate: str) -> dict:
   """Each MLP method's step times (process 0's), from 2 :func:`worker` processes."""
-  from benchmarks import launch  # pylint: disable=import-outside-toplevel
-
-  flags = ["--layers", str(args.layers), "--width", str(args.width), "--batch"]
+  flags = ["--worker", "--layers", str(args.layers), "--width", str(args.width), "--batch"]
   flags += [str(args.batch), "--steps", str(args.steps), "--methods", ",".join(args.methods)]
-  commands = [
-    [*prefix(i), sys.executable, "-m", "benchmarks.sharded", "--worker"]
-    + ["--process-id", str(i), "--coordinator", coordinator, *flags]
-    for i in range(2)
-  ]
-  res = launch.worker_results(commands, RESULT_MARKER, timeout=args.timeout)
+  run = dict(prefix=prefix, host=host, timeout=args.timeout)
+  res = network.run_on_link("benchmarks.sharded", flags, **run)
   print(rate, {m: round(r["median_s"], 4) for m, r in res.items()}, flush=True)
   return res
 
@@ -341,7 +334,7 @@ def lm_memory_table(rows: list[dict], args) -> str:
   return "\n".join(lines)
 
 
-def _run_lm(args, prefix, coordinator: str, rate: str) -> dict:
+def _run_lm(args, prefix, host: str, rate: str) -> dict:
   """The 2-process LM trainer's results per method (less the parameters)."""
   from benchmarks import lm_network  # pylint: disable=import-outside-toplevel
 
@@ -349,9 +342,9 @@ def _run_lm(args, prefix, coordinator: str, rate: str) -> dict:
   flags += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
   flags += [] if args.batch is None else ["--batch", str(args.batch)]
   workdir = os.path.join(os.path.abspath(args.out), "lm", rate)
-  res = lm_network.run_trainer(
-    flags, workdir, coordinator=coordinator, prefix=prefix, timeout=args.timeout
-  )["results"]
+  coordinator = f"{host}:{launch.free_port()}"
+  run = dict(coordinator=coordinator, prefix=prefix, timeout=args.timeout)
+  res = lm_network.run_trainer(flags, workdir, **run)["results"]
   print(rate, {m: round(r["train_time_s"] / args.steps, 4) for m, r in res.items()}, flush=True)
   return {m: {k: v for k, v in r.items() if k != "params"} for m, r in res.items()}
 
@@ -516,20 +509,15 @@ def ef_table(results: dict[str, dict[str, Any]]) -> str:
 
 def error_feedback(args) -> int:
   """``--part ef``: every option's table, or as one process of ``jax.distributed`` its
-  results as JSON after :data:`RESULT_MARKER`."""
+  results (:func:`benchmarks.network.emit`)."""
   worker = args.num_processes is not None
   if worker:
-    common.init_distributed(
-      args.coordinator,
-      args.num_processes,
-      args.process_id,
-      devices_per_process=args.devices_per_process,
-    )
+    network.join(args, args.devices_per_process)
   else:
     use_cpu_devices(args.devices)
   results = {o: ef_train(o, args) for o in args.methods}
   if worker:
-    print(RESULT_MARKER + json.dumps(results), flush=True)
+    network.emit(results)
     return 0
   print(
     f"ZeRO-2 MLP ({EF_LAYERS} layers, width {EF_WIDTH}), K={jax.device_count()} devices, "
@@ -569,12 +557,12 @@ def link(args) -> dict:
   namespaces or throttle)."""
   run = _run_lm if args.model == "lm" else _run_mlp
   if args.smoke:
-    return {"none": run(args, lambda i: [], f"127.0.0.1:{network.free_port()}", "none")}
+    return {"none": run(args, None, "127.0.0.1", "none")}
   out = {}
-  with network.Link(NAMESPACES, VETHS, ADDRESSES) as ln:
+  with network.open_link(NAMESPACES, VETHS, ADDRESSES) as ln:
     for rate in args.rates:
       ln.set_rate(rate)
-      out[rate] = run(args, ln.worker_prefix, f"{ADDRESSES[0]}:{network.free_port()}", rate)
+      out[rate] = run(args, ln.worker_prefix, ADDRESSES[0], rate)
   return out
 
 

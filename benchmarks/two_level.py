@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 from benchmarks import network
+from benchmarks._timing import md_table
 import jaxcomp as jc
 
 AXES = ("node", "gpu")  # (slow, fast); node = process
@@ -359,7 +360,7 @@ def table(rows: Sequence[dict]) -> str:
     " MB/node/step | link/wire | link / one gradient | speed-up vs dense | vs flat"
     " | fewer bytes vs dense | vs flat"
   )
-  return network.md_table(head, cells, left=2) + "\n"
+  return md_table(head, cells, left=2) + "\n"
 
 
 def projection(
@@ -410,7 +411,7 @@ def projection_table(proj: Mapping, gpus: int = PROJECTION_GPUS) -> str:
     title = (
       f"Projected exchange time per step (ms), {gpus} devices per node, nodes on {name}{where}:"
     )
-    tables.append(network.md_table(head, rows, title))
+    tables.append(md_table(head, rows, title))
   return "\n\n".join(tables) + "\n"
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import socket
+import sys
 import time
 
 import jax
@@ -133,28 +134,26 @@ def test_worker_without_result_is_an_error():
 
 def test_prefix_env_and_coordinator_reach_the_command():
   # The builders launch() uses, as a network benchmark would call it.
-  commands = []
   env = lambda i: {"WORKER_TAG": f"tag{i}"}
+  commands = launch.worker_commands(
+    launch.MODULE,
+    ["--method", "dense", "--worker"],
+    processes=2,
+    coordinator="10.0.0.1:1234",
+    prefix=lambda i: ["ip", "netns", "exec", f"ns{i}"],
+  )
   for i in range(2):
-    commands.append(
-      launch.worker_command(
-        ["--method", "dense"],
-        process_id=i,
-        num_processes=2,
-        coordinator="10.0.0.1:1234",
-        prefix=lambda i: ["ip", "netns", "exec", f"ns{i}"],
-      )
-    )
     assert launch.worker_env(i, env)["WORKER_TAG"] == f"tag{i}"
-  assert commands[1][:4] == ["ip", "netns", "exec", "ns1"]
+    assert commands[i][:4] == ["ip", "netns", "exec", f"ns{i}"]
+    assert commands[i][4:7] == [sys.executable, "-m", launch.MODULE]
   assert commands[1][-7:] == [
     "--worker",
-    "--process-id",
-    "1",
     "--num-processes",
     "2",
     "--coordinator",
     "10.0.0.1:1234",
+    "--process-id",
+    "1",
   ]
   assert launch.REPO_ROOT.as_posix() in launch.worker_env(0, None)["PYTHONPATH"]
 
@@ -201,9 +200,6 @@ def test_network_psum_worker_agrees_on_its_repeats():
   # benchmarks.network times psums with a budget; both processes must issue the same
   # number of psums (process 0 decides and broadcasts), or one would hang.
   import json  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-
-  from benchmarks import network  # pylint: disable=import-outside-toplevel
 
   coordinator = f"127.0.0.1:{launch.free_port()}"
   commands = [
@@ -226,8 +222,8 @@ def test_network_psum_worker_agrees_on_its_repeats():
     for i in range(2)
   ]
   outputs = launch.run_processes(commands, timeout=300, env={"JAX_PLATFORMS": "cpu"})
-  line = next(x for x in outputs[0].stdout if x.startswith(network.RESULT_MARKER))
-  result = json.loads(line[len(network.RESULT_MARKER) :])
+  line = next(x for x in outputs[0].stdout if x.startswith(launch.RESULT_MARKER))
+  result = json.loads(line[len(launch.RESULT_MARKER) :])
   for name in ("psum", "all_gather"):  # the model fits a link to each
     samples = result[name]
     assert [s["bytes"] for s in samples] == [4096, 65536]

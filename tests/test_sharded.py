@@ -8,7 +8,6 @@ this device's shard of the mean.
 from __future__ import annotations
 
 import re
-import sys
 
 import chex
 import jax
@@ -663,34 +662,17 @@ def test_two_processes_gloo():
   import json  # pylint: disable=import-outside-toplevel
 
   from benchmarks import launch  # pylint: disable=import-outside-toplevel
-  from benchmarks import sharded  # pylint: disable=import-outside-toplevel
 
+  flags = ["--part", "ef", "--methods", "qsgd4", "--steps", "6"]
   coordinator = f"127.0.0.1:{launch.free_port()}"
-  commands = [
-    [
-      sys.executable,
-      "-m",
-      "benchmarks.sharded",
-      "--part",
-      "ef",
-      "--methods",
-      "qsgd4",
-      "--steps",
-      "6",
-      "--process-id",
-      str(i),
-      "--num-processes",
-      "2",
-      "--coordinator",
-      coordinator,
-    ]
-    for i in range(2)
-  ]
+  commands = launch.worker_commands(
+    "benchmarks.sharded", flags, processes=2, coordinator=coordinator
+  )
   outputs = launch.run_processes(commands, timeout=300, env={"JAX_PLATFORMS": "cpu"})
   results = []
   for out in outputs:
-    line = next(x for x in out.stdout if x.startswith(sharded.RESULT_MARKER))
-    results.append(json.loads(line[len(sharded.RESULT_MARKER) :])["qsgd4"])
+    line = next(x for x in out.stdout if x.startswith(launch.RESULT_MARKER))
+    results.append(json.loads(line[len(launch.RESULT_MARKER) :])["qsgd4"])
   assert results[0]["params_sha256"] == results[1]["params_sha256"]
   assert results[0]["losses"] == results[1]["losses"]
   assert results[0]["losses"][-1] < results[0]["losses"][0]

@@ -8,13 +8,15 @@ in ``benchmarks/``. A study whose result is only historical is removed; its docs
 names the commit that still has it.
 """
 
+import jax
+
+from examples.mnist1d import train
+from examples.mnist1d.configs import default
+import jaxcomp as jc
+
 
 def compressed(tree) -> list:
   """``[(path string, leaf)]`` of the leaves of ``tree`` jaxcomp compresses by default."""
-  import jax  # pylint: disable=import-outside-toplevel  (a study sets devices first)
-
-  import jaxcomp as jc  # pylint: disable=import-outside-toplevel
-
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return [(jax.tree_util.keystr(p), x) for p, x in leaves if jc.default_filter(p, x)]
 
@@ -22,11 +24,6 @@ def compressed(tree) -> list:
 def init_grads(workdir: str, batch: int = 256):
   """(parameters, gradient) of the MNIST-1D demo's CNN at init on its first ``batch``
   training examples."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from examples.mnist1d import train  # pylint: disable=import-outside-toplevel
-  from examples.mnist1d.configs import default  # pylint: disable=import-outside-toplevel
-
   _, data, model, params = train.setup(default.get_config(), workdir)
   x, y = data["x"][:batch], data["y"][:batch]
   return params, jax.grad(lambda p: train.cross_entropy(model, p, x, y))(params)
