@@ -1,7 +1,8 @@
 """The ```python blocks of the README and the docs, found one way for every test that
 runs them: `tests/test_docs_snippets.py` (every page) and the guide tests that check a
 section's output (`test_two_level.py`, `test_hsdp.py`, `test_diloco_nodes.py`,
-`test_sharded.py`, `test_readme.py`).
+`test_sharded.py`, `test_readme.py`) and those that check a page's table against what
+its block prints (`test_onebit_sgd.py`, `test_normal.py`).
 
 A block a reader cannot run on a CPU-only machine as written (a fragment of a larger
 step, a shell command, a multi-process launch) says so in the page, on the line right
@@ -83,3 +84,31 @@ def run_script(code: str, *, cwd: str = ROOT, timeout: float = 300) -> subproces
     timeout=timeout,
     check=False,
   )
+
+
+def table_after(page: str, section: str) -> list[str]:
+  """The lines of the first markdown table after the runnable block of `section`: the
+  page's copy of what that block prints."""
+  (block,) = [b for b in python_blocks(page) if b.section == section and b.not_run is None]
+  with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+    lines = f.read().splitlines()[block.line :]
+  start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+  end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+  return lines[start:end]
+
+
+_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def assert_tables_match(printed: list[str], shown: list[str]) -> None:
+  """`printed` (a block's table) is the page's table `shown`: the same rows and text, and
+  each number with decimals equal up to one unit of the last digit the page shows (a
+  value on a rounding boundary may round the other way under another XLA); whole
+  numbers (sizes, bits, names' digits) exactly."""
+  assert len(printed) == len(shown), "\n".join(["printed:", *printed, "shown:", *shown])
+  for got, want in zip(printed, shown):
+    assert _NUMBER.sub("#", got) == _NUMBER.sub("#", want), (got, want)
+    for a, b in zip(_NUMBER.findall(got), _NUMBER.findall(want)):
+      decimals = len(b.partition(".")[2])
+      unit = 10.0**-decimals if decimals else 0.0
+      assert abs(float(a.replace(",", "")) - float(b.replace(",", ""))) <= 1.001 * unit, (got, want)

@@ -126,7 +126,6 @@ COMMANDS = (
   "benchmarks.studies.elias",
   "benchmarks.studies.mipd",
   "benchmarks.studies.native_vs_xla",
-  "benchmarks.studies.onebit_columns",
   "benchmarks.studies.qsvrg",
   "benchmarks.studies.topk",
   "benchmarks.two_level",

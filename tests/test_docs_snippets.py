@@ -36,6 +36,12 @@ RUN_ELSEWHERE = {
   ("README.md", "Use"): "tests/test_readme.py::test_use_snippet_runs_as_written",
   # Word for word the README's (tests/test_docs_api.py checks it): run there once.
   ("docs/getting_started.md", "Use"): "tests/test_readme.py::test_use_snippet_runs_as_written",
+  ("docs/methods/mipd.md", "Mean squared errors"): (
+    "tests/test_normal.py::test_the_pages_error_table_is_what_its_code_prints"
+  ),
+  ("docs/methods/onebit_sgd.md", "Per-column layout, in every exchange"): (
+    "tests/test_onebit_sgd.py::test_the_pages_byte_table_is_what_its_code_prints"
+  ),
   ("docs/guides/sharded.md", "The ZeRO-2 step"): (
     "tests/test_sharded.py::test_guide_snippet_runs_as_written"
   ),

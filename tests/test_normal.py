@@ -11,6 +11,7 @@ from scipy import stats
 import jaxcomp as jc
 from jaxcomp._src.codecs import normal
 from jaxcomp._src.codecs import sparse
+from tests import _docs_blocks
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K
@@ -196,3 +197,15 @@ def test_bad_arguments():
       jc.codecs.NormalQuantizer(**kwargs)
   with pytest.raises(TypeError):
     jc.codecs.NormalQuantizer().encode(jnp.arange(10))
+
+
+@pytest.mark.slow
+def test_the_pages_error_table_is_what_its_code_prints():
+  """docs/methods/mipd.md's mean squared errors: its code, run as a reader runs it (from
+  the repository, on 8 CPU devices), prints the page's table, each number to the last
+  digit the page shows."""
+  page, section = "docs/methods/mipd.md", "Mean squared errors"
+  done = _docs_blocks.run_script(_docs_blocks.section_code(page, section))
+  assert done.returncode == 0, done.stderr[-3000:]
+  printed = [line for line in done.stdout.splitlines() if line.startswith("|")]
+  _docs_blocks.assert_tables_match(printed, _docs_blocks.table_after(page, section))

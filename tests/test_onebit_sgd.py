@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import jaxcomp as jc
+from tests import _docs_blocks
 from tests import helpers
 from tests.helpers import AXIS
 from tests.helpers import K
@@ -337,3 +338,13 @@ def test_default_exchange_never_pays_more_than_the_allgather(shape, collective, 
   want = allgather if collective == "allgather" else 2 * (K - 1) * chunk
   assert report.bytes_received == pytest.approx(want)
   assert report.ratio == pytest.approx(ratio, abs=0.01)
+
+
+def test_the_pages_byte_table_is_what_its_code_prints():
+  """docs/methods/onebit_sgd.md's bytes per leaf: its code, run as a reader runs it,
+  prints the page's table to the byte (the bytes come from the payload arrays)."""
+  page, section = "docs/methods/onebit_sgd.md", "Per-column layout, in every exchange"
+  done = _docs_blocks.run_script(_docs_blocks.section_code(page, section))
+  assert done.returncode == 0, done.stderr[-3000:]
+  printed = [line for line in done.stdout.splitlines() if line.startswith("|")]
+  assert printed == _docs_blocks.table_after(page, section)
