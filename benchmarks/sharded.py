@@ -33,7 +33,6 @@ import statistics
 import sys
 import time
 from typing import Any
-import warnings
 
 import jax
 from jax import lax
@@ -379,24 +378,10 @@ def lm_link_table(by_rate: dict, args) -> str:
 EF_WIDTH, EF_IN, EF_OUT, EF_LAYERS = 128, 64, 16, 8
 
 
-def dense_psum_scatter(**kwargs) -> optax.GradientTransformation:
-  """The dense row: ``jc.compress`` with no leaf compressed, so every leaf is the float32
-  ``psum_scatter``. On purpose, so jaxcomp's "compresses nothing" warning, which is
-  there for runs that do this by mistake, is silenced for this row alone."""
-  tx = jc.compress(jc.codecs.Identity(), filter=lambda path, leaf: False, **kwargs)
-
-  def init(params):
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", r"jc\.compress .* compresses nothing", UserWarning)
-      return tx.init(params)
-
-  return tx._replace(init=init)
-
-
 #: --part ef's options (``--methods``): name -> the exchange's factory, called with the
 #: axis and ``collective=``.
 EF_OPTIONS = {
-  "dense": dense_psum_scatter,
+  "dense": jc.dense_mean,
   "qsgd4": functools.partial(jc.qsgd, bits=4),
   "qsgd2": functools.partial(jc.qsgd, bits=2),
   "qsgd2_ef": functools.partial(jc.qsgd, bits=2, error_feedback=True),

@@ -110,3 +110,10 @@ def test_axis_name_is_required():
     jc.dense_mean()
   with pytest.raises(TypeError, match=r"jc\.dense_mean needs axis_name"):
     jc.dense_mean(axis_name=None)
+
+
+def test_bad_collective_and_specs_without_a_reduce_scatter():
+  with pytest.raises(ValueError, match=r"'psum' or 'reduce_scatter', got 'allgather'"):
+    jc.dense_mean(axis_name=AXIS, collective="allgather")
+  with pytest.raises(ValueError, match=r"param_specs .* collective='reduce_scatter'"):
+    jc.dense_mean(axis_name=AXIS, param_specs={"w": P(AXIS)})

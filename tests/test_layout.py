@@ -19,11 +19,10 @@ PACKAGE = ROOT / "jaxcomp"
 MAX_LINES = 80
 LAYERS = ("plumbing", "codecs", "exchanges", "methods", "tools")  # each imports only leftwards
 
-# benchmarks/'s lines (every .py file, as `wc -l` counts them) over jaxcomp/'s: issue 44
-# aims at a third. The ceiling is where its trims left them (about 5.35k lines against
-# 15.6k: every study a docs page cites for a current figure kept; the tools and studies
-# rewritten with their plumbing and tables shared); lower it as studies go.
-BENCHMARKS_SHARE_MAX = 0.35
+# benchmarks/'s lines (every .py file, as `wc -l` counts them) over jaxcomp/'s: at most a
+# third (issue 44): the user tools and the studies a docs page cites, their plumbing and
+# tables shared; a table a page can print with a few lines of jaxcomp is that page's code.
+BENCHMARKS_SHARE_MAX = 1 / 3
 
 # Functions allowed over the limit (none: each entry must still exceed it, so a fixed one
 # has to come off this list).
@@ -185,7 +184,7 @@ def test_benchmarks_stay_small_next_to_the_library():
   assert library > 0 and benchmarks > 0
   assert benchmarks <= BENCHMARKS_SHARE_MAX * library, (
     f"benchmarks/ has {benchmarks} lines, {benchmarks / library:.1%} of jaxcomp/'s"
-    f" {library}: over {BENCHMARKS_SHARE_MAX:.0%}; a study no docs page cites goes"
+    f" {library}: over {BENCHMARKS_SHARE_MAX:.1%}; a study no docs page cites goes"
   )
 
 

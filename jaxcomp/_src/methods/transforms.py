@@ -218,11 +218,12 @@ def _init_state(o: _Options, params) -> CompressState:
       chunk_residual.append(jnp.zeros(shape, _F32))
     else:
       chunk_residual.append(optax.MaskedNode())
-  pipeline.warn_if_nothing_compressed(
-    f"jc.compress ({type(o.codec).__name__})",
-    chosen,
-    pipeline.filter_rule(o.filter_fn, default_filter),
-  )
+  if o.filter_fn is not _dense_on_purpose:
+    pipeline.warn_if_nothing_compressed(
+      f"jc.compress ({type(o.codec).__name__})",
+      chosen,
+      pipeline.filter_rule(o.filter_fn, default_filter),
+    )
   return CompressState(
     key=jax.random.key(o.seed),
     residual=treedef.unflatten(residual),
@@ -844,17 +845,36 @@ def per_device_state(tx: optax.GradientTransformation) -> optax.GradientTransfor
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def dense_mean(*, axis_name: Any = AXIS_REQUIRED) -> optax.GradientTransformation:
-  r"""The dense exchange as a transform: the mean gradient, uncompressed, no state.
+def _dense_on_purpose(path, leaf) -> bool:
+  """The filter of :func:`dense_mean`'s reduce-scatter: no leaf is compressed, which
+  :func:`compress` would otherwise warn of as a likely mistake."""
+  del path, leaf
+  return False
+
+
+def dense_mean(
+  *, axis_name: Any = AXIS_REQUIRED, collective: str = "psum", param_specs: Any = None
+) -> optax.GradientTransformation:
+  r"""The dense exchange as a transform: the mean gradient, uncompressed.
 
   .. math:: g \leftarrow \frac{1}{K} \sum_{k=1}^{K} g_k
 
-  over the ``K`` devices of ``axis_name``, each leaf in its own dtype, exactly
-  ``lax.pmean`` of every leaf. It is the A/B baseline for the compressors: a chain that
-  swaps ``jc.qsgd(...)`` for ``jc.dense_mean(...)`` changes nothing but the exchange,
-  and :func:`wire_report` prices it at the dense baseline (ratio 1). The leaves of one
-  dtype travel as one all-reduce (:func:`jaxcomp.pmean_tree`), as data-parallel
-  frameworks bucket gradients: a ``pmean`` per leaf pays one message round per leaf.
+  over the ``K`` devices of ``axis_name``. It is the A/B baseline for the compressors:
+  a chain that swaps ``jc.qsgd(...)`` for ``jc.dense_mean(...)`` with the same
+  ``collective`` changes nothing but the exchange's codec, and :func:`wire_report`
+  prices it at the dense baseline.
+
+  * ``collective="psum"`` (default): each leaf in its own dtype, exactly ``lax.pmean``
+    of every leaf, with no state. The leaves of one dtype travel as one all-reduce
+    (:func:`jaxcomp.pmean_tree`), as data-parallel frameworks bucket gradients: a
+    ``pmean`` per leaf pays one message round per leaf.
+  * ``collective="reduce_scatter"``: for parameters sharded over ``axis_name``
+    (ZeRO-1/2), the dense counterpart of :func:`compress`'s reduce-scatter, with its
+    contract: ``init`` takes this device's parameter shards, ``update`` its full-size
+    local gradient and returns its shard of the mean, one float32 ``psum_scatter`` for
+    the sharded leaves (``lax.psum_scatter(g, tiled=True) / K``) and the mean, whole, of
+    those ``param_specs`` declare unsharded. Its state is :func:`compress`'s (the leaf
+    shapes it checks gradients against; no residual).
 
   Under ``jax.shard_map`` take the gradient with respect to ``jc.vary(params, axis)``
   (else ``jax.grad`` has psummed it already, and this would average a mean); under
@@ -862,9 +882,12 @@ def dense_mean(*, axis_name: Any = AXIS_REQUIRED) -> optax.GradientTransformatio
 
   Args:
     axis_name: the axis (or tuple of axes) to average over.
+    collective: ``"psum"`` or ``"reduce_scatter"``.
+    param_specs: with ``"reduce_scatter"``, as in :func:`compress`.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is ``optax.EmptyState()``.
+    An ``optax.GradientTransformation``; its state is ``optax.EmptyState()`` for
+    ``"psum"``.
 
   Example:
     >>> import optax, jaxcomp as jc
@@ -874,6 +897,23 @@ def dense_mean(*, axis_name: Any = AXIS_REQUIRED) -> optax.GradientTransformatio
     raise TypeError(
       "jc.dense_mean needs axis_name: the name of the mapped axis of jax.shard_map or "
       f"jax.pmap to average over (e.g. axis_name='batch'), got {axis_name!r}"
+    )
+  if collective == "reduce_scatter":
+    return compress(
+      codecs_lib.Identity(),
+      axis_name=axis_name,
+      collective=collective,
+      filter=_dense_on_purpose,
+      param_specs=param_specs,
+    )
+  if collective != "psum":
+    raise ValueError(
+      f"jc.dense_mean's collective must be 'psum' or 'reduce_scatter', got {collective!r}"
+    )
+  if param_specs is not None:
+    raise ValueError(
+      "param_specs say which leaves are sharded over the data axis, for "
+      "collective='reduce_scatter'; jc.dense_mean(collective='psum') averages every leaf whole"
     )
 
   def init_fn(params):
