@@ -871,10 +871,10 @@ def dense_mean(
   * ``collective="reduce_scatter"``: for parameters sharded over ``axis_name``
     (ZeRO-1/2), the dense counterpart of :func:`compress`'s reduce-scatter, with its
     contract: ``init`` takes this device's parameter shards, ``update`` its full-size
-    local gradient and returns its shard of the mean, one float32 ``psum_scatter`` for
-    the sharded leaves (``lax.psum_scatter(g, tiled=True) / K``) and the mean, whole, of
-    those ``param_specs`` declare unsharded. Its state is :func:`compress`'s (the leaf
-    shapes it checks gradients against; no residual).
+    local gradient and returns its shard of the mean: ``lax.psum_scatter(g,
+    tiled=True) / K`` of the sharded leaves (one reduce-scatter per dtype) and the mean,
+    whole, of those ``param_specs`` declare unsharded. Its state is :func:`compress`'s
+    (the leaf shapes it checks gradients against; no residual).
 
   Under ``jax.shard_map`` take the gradient with respect to ``jc.vary(params, axis)``
   (else ``jax.grad`` has psummed it already, and this would average a mean); under
