@@ -194,7 +194,8 @@ def alive(pid: int) -> bool:
 def measure_partition(workdir: str, fault_timeout: int, timeout: float = 300) -> dict[str, Any]:
   """Runs 2 workers in two namespaces, sets their veth down after the first checkpoint;
   returns the seconds to the launcher's error and its one-line diagnosis."""
-  with network.Link(NAMESPACES, VETHS, ADDRESSES) as link, futures.ThreadPoolExecutor(1) as pool:
+  link = network.open_link(NAMESPACES, VETHS, ADDRESSES)
+  with link, futures.ThreadPoolExecutor(1) as pool:
     run = pool.submit(
       launch.launch,
       launch_args(workdir, fault_timeout),

@@ -45,6 +45,7 @@ import optax
 from benchmarks import launch
 from benchmarks import network
 from benchmarks._timing import md_head
+from benchmarks._timing import md_table
 from benchmarks._timing import use_cpu_devices
 from examples import common
 import jaxcomp as jc
@@ -481,15 +482,14 @@ def ef_train(option: str, args, seed: int = 0) -> dict[str, Any]:
 def ef_table(results: dict[str, dict[str, Any]]) -> str:
   """The Markdown table: bytes per device and held-out loss against dense."""
   dense = results.get("dense")
-  columns = "option | residual B/device | x shards | optimizer B/device | wire B/step"
-  lines = [md_head(columns + " | test loss | vs dense")]
+  rows = []
   for name, r in results.items():
     rel = r["test_loss"] / dense["test_loss"] if dense else float("nan")
-    lines.append(
-      f"| {name} | {r['residual']:,} | {r['residual'] / r['shard_bytes']:.2f} | "
-      f"{r['optimizer']:,} | {r['wire_bytes']:,.0f} | {r['test_loss']:.4f} | {rel:.2f} |"
-    )
-  return "\n".join(lines)
+    cells = [name, f"{r['residual']:,}", f"{r['residual'] / r['shard_bytes']:.2f}"]
+    cells += [f"{r['optimizer']:,}", f"{r['wire_bytes']:,.0f}", f"{r['test_loss']:.4f}"]
+    rows.append([*cells, f"{rel:.2f}"])
+  head = "option | residual B/device | x shards | optimizer B/device | wire B/step | test loss"
+  return md_table(head + " | vs dense", rows)
 
 
 def error_feedback(args) -> int:

@@ -61,10 +61,15 @@ def python_blocks(page: str) -> list[Block]:
   return blocks
 
 
-def section_code(page: str, section: str) -> str:
+def _section_block(page: str, section: str) -> Block:
   """The one runnable ```python block under the heading `section` of `page`."""
   (block,) = [b for b in python_blocks(page) if b.section == section and b.not_run is None]
-  return block.code
+  return block
+
+
+def section_code(page: str, section: str) -> str:
+  """The code of the one runnable ```python block under the heading `section` of `page`."""
+  return _section_block(page, section).code
 
 
 def run_script(code: str, *, cwd: str = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -89,9 +94,8 @@ def run_script(code: str, *, cwd: str = ROOT, timeout: float = 300) -> subproces
 def table_after(page: str, section: str) -> list[str]:
   """The lines of the first markdown table after the runnable block of `section`: the
   page's copy of what that block prints."""
-  (block,) = [b for b in python_blocks(page) if b.section == section and b.not_run is None]
   with open(os.path.join(ROOT, page), encoding="utf-8") as f:
-    lines = f.read().splitlines()[block.line :]
+    lines = f.read().splitlines()[_section_block(page, section).line :]
   start = next(i for i, line in enumerate(lines) if line.startswith("|"))
   end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
   return lines[start:end]
